@@ -1,0 +1,44 @@
+/* Colibri kernels: type traits, run-time ISA dispatch, quantizers and matrix products.
+ * Guarantees: clb_kernels_init() picks the best ISA once from CPUID; every SIMD kernel has a
+ * *_ref twin that tests compare it against; hot-path functions never allocate.
+ * Refuses: no file or model knowledge here. */
+#ifndef CLB_KERNELS_H
+#define CLB_KERNELS_H
+
+#include "clb_types.h"
+#include "clb_threadpool.h"
+
+typedef enum { CLB_ISA_REF = 0, CLB_ISA_AVX2 = 1, CLB_ISA_AVX512 = 2, CLB_ISA_COUNT } clb_isa;
+
+void clb_kernels_init(void);               /* idempotent, thread-safe */
+clb_isa clb_isa_best(void);                /* best ISA this CPU (and build) supports */
+int clb_isa_supported(clb_isa isa);
+clb_status clb_isa_force(clb_isa isa);      /* test hook; CLB_E_ARG if unsupported */
+clb_isa clb_isa_active(void);
+const char *clb_isa_name(clb_isa isa);
+
+/* traits of the active ISA */
+const clb_type_traits *clb_get_type_traits(clb_type t);
+
+/* reference quantizers (bit-exact with engine/quant.py); n multiple of 32 */
+void clb_quantize_q8_ref(int64_t n, const float *x, clb_block_q8 *y);
+void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y);
+void clb_quantize_q8a_ref(int64_t n, const float *x, clb_block_q8a *y);
+void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y);
+
+/* Scratch bytes clb_matmul needs for n_tokens rows of length n_in with weights of type t. */
+size_t clb_matmul_scratch_size(clb_type t, int64_t n_in, int64_t n_tokens);
+
+/* y[n_tokens, n_out] = x[n_tokens, n_in] @ W[n_out, n_in]^T (+ bias[n_out] if not NULL).
+ * x rows are f32 with stride n_in; y rows have stride ldy (>= n_out).
+ * x is converted to the weight type's activation type once into scratch (size from
+ * clb_matmul_scratch_size), then output rows are split across the pool's workers.
+ * tp may be NULL (single-threaded). */
+clb_status clb_matmul(clb_type t, const void *w, int64_t n_out, int64_t n_in,
+                      const float *x, int64_t n_tokens, float *y, int64_t ldy,
+                      const float *bias, void *scratch, clb_threadpool *tp);
+
+/* Copy row `row` of a [n_rows, n] weight matrix into y as f32 (embedding lookup). */
+void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y);
+
+#endif

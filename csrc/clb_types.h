@@ -1,0 +1,80 @@
+/* Colibri weight types: the one table that describes every type.
+ * Guarantees: block structs have compile-time size checks; the traits table is the only
+ * place that knows a type's block size, bytes per block and the activation type it wants.
+ * Refuses: nothing here allocates or touches files. */
+#ifndef CLB_TYPES_H
+#define CLB_TYPES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    CLB_OK = 0,
+    CLB_E_IO = -1,     /* open/stat/mmap failed, file missing */
+    CLB_E_FORMAT = -2, /* bad magic, version, table, offsets: a corrupt or truncated file */
+    CLB_E_SHAPE = -3,  /* tensor present but shape/dtype disagree with the config */
+    CLB_E_NOMEM = -4,
+    CLB_E_ARG = -5,    /* caller passed something invalid (token id, position, sequence) */
+    CLB_E_RANGE = -6,  /* a context or capacity limit was exceeded */
+} clb_status;
+
+typedef enum {
+    CLB_TYPE_F32 = 0,
+    CLB_TYPE_F16 = 1,
+    CLB_TYPE_BF16 = 2,
+    CLB_TYPE_Q8 = 3,
+    CLB_TYPE_Q4 = 4,
+    CLB_TYPE_Q8A = 5, /* activation-only type, never stored in files */
+    CLB_TYPE_COUNT
+} clb_type;
+
+#define CLB_QK 32 /* elements per quantized block */
+
+typedef uint16_t clb_f16;
+typedef uint16_t clb_bf16;
+
+typedef struct {
+    clb_f16 d;
+    int8_t qs[CLB_QK];
+} clb_block_q8;
+_Static_assert(sizeof(clb_block_q8) == 34, "q8 block must be 34 bytes");
+
+typedef struct {
+    clb_f16 d;
+    uint8_t qs[CLB_QK / 2]; /* element j<16: low nibble of qs[j]; element j+16: high nibble */
+} clb_block_q4;
+_Static_assert(sizeof(clb_block_q4) == 18, "q4 block must be 18 bytes");
+
+typedef struct {
+    float d;
+    int32_t sum; /* sum of qs, used by kernels that read weights as unsigned */
+    int8_t qs[CLB_QK];
+} clb_block_q8a;
+_Static_assert(sizeof(clb_block_q8a) == 40, "q8a block must be 40 bytes");
+
+/* dot product of one weight row (n elements, type-specific blocks) with one activation row
+ * already converted to the type's act_type. */
+typedef float (*clb_vec_dot_fn)(int64_t n, const void *w_row, const void *act_row);
+/* activation row (f32, n elements) -> act_type row */
+typedef void (*clb_from_float_fn)(int64_t n, const float *x, void *y);
+/* weight row -> f32 (n elements) */
+typedef void (*clb_to_float_fn)(int64_t n, const void *x, float *y);
+
+typedef struct {
+    const char *name;
+    int64_t blck_size;
+    size_t type_size;        /* bytes per block */
+    clb_type act_type;       /* what vec_dot wants on its activation side */
+    clb_to_float_fn to_float;
+    clb_vec_dot_fn vec_dot;
+} clb_type_traits;
+
+/* bytes of one row of n elements; 0 if n is not a multiple of the block size or type invalid */
+size_t clb_type_row_size(clb_type t, int64_t n);
+int clb_type_valid_for_file(uint32_t t);
+
+float clb_f16_to_f32(clb_f16 h);
+clb_f16 clb_f32_to_f16(float f);   /* round to nearest even */
+float clb_bf16_to_f32(clb_bf16 h);
+
+#endif

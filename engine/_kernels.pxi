@@ -1,0 +1,1 @@
+# kernels binding: owned by the kernels work (see docs/INTERNALS.md)

@@ -1,0 +1,1 @@
+# model binding: owned by the model/forward work (see docs/INTERNALS.md)

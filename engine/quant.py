@@ -1,0 +1,134 @@
+"""Reference quantizers in numpy: the specification of Colibri's weight types.
+
+The converter writes weights with these functions, and the C reference quantizers must
+match them bit for bit (see docs/INTERNALS.md). Everything is computed in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK = 32
+TYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
+TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
+BLOCK_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8": 34, "q4": 18}
+BLOCK_SIZE = {"f32": 1, "f16": 1, "bf16": 1, "q8": QK, "q4": QK}
+
+Q8_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
+Q4_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
+assert Q8_DTYPE.itemsize == 34 and Q4_DTYPE.itemsize == 18
+
+
+def row_bytes(type_name: str, n: int) -> int:
+    """Bytes of one row of n elements; raises if n does not fill whole blocks."""
+    bs = BLOCK_SIZE[type_name]
+    if n % bs:
+        raise ValueError(f"row length {n} is not a multiple of {bs} for {type_name}")
+    return n // bs * BLOCK_BYTES[type_name]
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape[-1] % QK:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of {QK}")
+    return x.reshape(-1, QK)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        inv = np.float32(1.0) / d
+    return np.where(d != 0, inv, np.float32(0.0)).astype(np.float32)
+
+
+def quantize_q8(x: np.ndarray) -> np.ndarray:
+    """x[..., n] float -> structured array of q8 blocks, shape [prod(...) * n / 32]."""
+    b = _blocks(x)
+    amax = np.max(np.abs(b), axis=1)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    inv = _inverse(d)
+    q = np.clip(np.rint(b * inv[:, None]), -127, 127).astype(np.int8)
+    out = np.empty(b.shape[0], dtype=Q8_DTYPE)
+    out["d"] = d.astype(np.float16)
+    out["qs"] = q
+    return out
+
+
+def quantize_q4(x: np.ndarray) -> np.ndarray:
+    """x[..., n] float -> structured array of q4 blocks (see docs/INTERNALS.md)."""
+    b = _blocks(x)
+    idx = np.argmax(np.abs(b), axis=1)  # first index on ties
+    m = b[np.arange(b.shape[0]), idx]
+    d = (m / np.float32(-8.0)).astype(np.float32)
+    inv = _inverse(d)
+    q = np.clip(np.rint(b * inv[:, None]) + 8, 0, 15).astype(np.uint8)
+    out = np.empty(b.shape[0], dtype=Q4_DTYPE)
+    out["d"] = d.astype(np.float16)
+    out["qs"] = q[:, : QK // 2] | (q[:, QK // 2 :] << 4)
+    return out
+
+
+def dequantize_q8(blocks: np.ndarray) -> np.ndarray:
+    d = blocks["d"].astype(np.float32)
+    return (d[:, None] * blocks["qs"].astype(np.float32)).reshape(-1)
+
+
+def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
+    d = blocks["d"].astype(np.float32)
+    lo = (blocks["qs"] & 0x0F).astype(np.int8) - 8
+    hi = (blocks["qs"] >> 4).astype(np.int8) - 8
+    q = np.concatenate([lo, hi], axis=1).astype(np.float32)
+    return (d[:, None] * q).reshape(-1)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((u >> 16) & 1) + np.uint32(0x7FFF)
+    out = ((u + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_f32(u: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(u, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def encode(x: np.ndarray, type_name: str) -> bytes:
+    """A 2-D (or 1-D) float array as the bytes of type_name, row-major, rows of whole blocks."""
+    x = np.asarray(x, dtype=np.float32)
+    if type_name == "f32":
+        return np.ascontiguousarray(x).astype("<f4").tobytes()
+    if type_name == "f16":
+        return np.ascontiguousarray(x).astype("<f2").tobytes()
+    if type_name == "bf16":
+        return f32_to_bf16_bits(x).astype("<u2").tobytes()
+    if type_name == "q8":
+        return quantize_q8(x).tobytes()
+    if type_name == "q4":
+        return quantize_q4(x).tobytes()
+    raise ValueError(f"unknown type {type_name!r}")
+
+
+def decode(data: bytes | np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Bytes of type_name back to float32 of the given shape."""
+    buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes | bytearray) else data
+    if type_name == "f32":
+        out = buf.view("<f4").astype(np.float32)
+    elif type_name == "f16":
+        out = buf.view("<f2").astype(np.float32)
+    elif type_name == "bf16":
+        out = bf16_bits_to_f32(buf.view("<u2"))
+    elif type_name == "q8":
+        out = dequantize_q8(buf.view(Q8_DTYPE))
+    elif type_name == "q4":
+        out = dequantize_q4(buf.view(Q4_DTYPE))
+    else:
+        raise ValueError(f"unknown type {type_name!r}")
+    return out.reshape(shape)
+
+
+def fake_quantize(x: np.ndarray, type_name: str) -> np.ndarray:
+    """x rounded through type_name and back: what the engine computes with."""
+    x = np.asarray(x, dtype=np.float32)
+    return decode(encode(x, type_name), type_name, x.shape)
