@@ -1,0 +1,108 @@
+"""The `colibri` command line: one small function per subcommand, registered in a table.
+
+User mistakes (bad paths, unsupported or corrupt checkpoints) print one line
+`colibri: error: ...` and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):  # noqa: ANN201
+    """Register the decorated function as subcommand `name`."""
+
+    def wrap(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = Command(name, help, configure, run)
+        return run
+
+    return wrap
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model folder (safetensors)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="output Colibri model folder (new)")
+    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q4",
+                   help="weight types (default q4: experts q4, the rest q8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("convert", "convert a Hugging Face MoE checkpoint", _convert_args)
+def _convert(args: argparse.Namespace) -> int:
+    from engine.convert import convert
+
+    out = convert(args.hf_dir, args.out_dir, quant=args.quant, progress=not args.no_progress)
+    print(f"wrote {out}")
+    return 0
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", metavar="DIR", help="Colibri model folder")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@command("info", "describe a converted model", _info_args)
+def _info(args: argparse.Namespace) -> int:
+    from engine.info import describe, render
+
+    d = describe(args.model_dir)
+    print(json.dumps(d, indent=2) if args.json else render(d))
+    return 0
+
+
+def _verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", metavar="DIR", help="Colibri model folder")
+    p.add_argument("--quick", action="store_true", help="check sizes only, not sha256")
+
+
+@command("verify", "check a converted model's files against config.json", _verify_args)
+def _verify(args: argparse.Namespace) -> int:
+    from engine.convert import verify
+
+    verify(args.model_dir, full=not args.quick)
+    print(f"{args.model_dir}: ok")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colibri", description="Colibri MoE inference engine")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for c in COMMANDS.values():
+        c.configure(sub.add_parser(c.name, help=c.help, description=c.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `colibri` script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed its message
+        return int(e.code or 0)
+    try:
+        return COMMANDS[args.command].run(args)
+    except (ValueError, OSError) as e:
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("colibri: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Hugging Face safetensors checkpoint -> Colibri model folder (docs/INTERNALS.md).
+
+Guarantees: every source tensor's presence and shape is checked before anything is
+written; output goes to a hidden sibling folder that is renamed into place only when all
+files, config.json (with each file's size and sha256) and the tokenizer files are written,
+so an interrupted conversion never leaves a folder that looks complete. Refuses what
+engine.archs and engine.safetensors_io refuse, and an output folder that already exists.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from engine import archs, quant
+from engine.safetensors_io import Checkpoint, CheckpointError
+from engine.wfile import TensorSpec, write_wfile
+
+PRESETS = ("f32", "f16", "q8", "q4")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+CONFIG_MAX_BYTES = 16 * 1024 * 1024
+
+
+def choose_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
+    """The stored type of a tensor of `kind` under a quant preset (see module docs)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown quant preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if preset == "f32" or kind in (archs.NORM, archs.BIAS, archs.ROUTER):
+        return "f32"
+    want = preset
+    if preset == "q4" and kind != archs.EXPERT:
+        want = "q8"  # attention, embeddings, lm_head and shared expert keep more precision
+    if want in ("q8", "q4") and shape[-1] % quant.QK:
+        return "f16"
+    return want
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"{path.parent}: no {what} found")
+    if path.stat().st_size > CONFIG_MAX_BYTES:
+        raise ValueError(f"{path}: too large for a {what}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data
+
+
+def is_colibri_dir(path: str | Path) -> bool:
+    """True if path holds a Colibri config.json."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return _read_json(cfg, "config.json").get("format") == "colibri"
+    except ValueError:
+        return False
+
+
+def _check_sources(ckpt: Checkpoint, cfg: dict[str, Any], targets: list[archs.Target]) -> None:
+    missing = sorted({t.source.hf_name for t in targets if t.source.hf_name not in ckpt})
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(
+            f"{ckpt.folder}: tensors missing from the checkpoint: {', '.join(missing[:5])}{more}"
+        )
+    for t in targets:
+        src = t.source
+        want = archs.fused_shape(cfg, src.hf_name) if src.index is not None else t.shape
+        have = ckpt.shape(src.hf_name)
+        if have != want:
+            raise CheckpointError(
+                f"{ckpt.folder}: tensor {src.hf_name!r} has shape {list(have)}, "
+                f"config.json implies {list(want)}"
+            )
+
+
+def _producer(ckpt: Checkpoint, t: archs.Target, type_name: str):  # noqa: ANN202
+    def produce() -> bytes:
+        a = ckpt.get(t.source.hf_name, t.source.index)
+        if t.source.rows is not None:
+            a = a[t.source.rows[0] : t.source.rows[1]]
+        return quant.encode(a, type_name)
+
+    return produce
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = "q4",
+            progress: bool = True) -> Path:
+    """Convert a Hugging Face checkpoint folder into a Colibri folder at out_dir."""
+    preset = quant
+    if preset not in PRESETS:
+        raise ValueError(f"unknown quant preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not hf_dir.is_dir():
+        raise ValueError(f"{hf_dir}: not a folder")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir}: already exists; remove it or choose another output folder")
+    hf_cfg = _read_json(hf_dir / "config.json", "config.json")
+    gen_path = hf_dir / "generation_config.json"
+    gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
+    cfg = archs.colibri_config(hf_cfg, gen)
+
+    with Checkpoint(hf_dir) as ckpt:
+        targets = archs.plan(cfg, set(ckpt.names()))
+        _check_sources(ckpt, cfg, targets)
+        by_file: dict[str, list[archs.Target]] = {}
+        for t in targets:
+            by_file.setdefault(t.file, []).append(t)
+
+        tensor_types: dict[str, str] = {}
+        for t in targets:
+            key = f"{t.group}.{t.name}"
+            ty = choose_type(t.kind, t.shape, preset)
+            if tensor_types.setdefault(key, ty) != ty:
+                raise AssertionError(f"{key}: types differ between layers")
+
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            files: dict[str, dict[str, Any]] = {}
+            bar = _progress(len(by_file), f"converting ({preset})", progress)
+            try:
+                for fname, group in by_file.items():
+                    path = tmp / fname
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    specs = [
+                        TensorSpec(t.name, choose_type(t.kind, t.shape, preset), t.shape,
+                                   _producer(ckpt, t, choose_type(t.kind, t.shape, preset)))
+                        for t in group
+                    ]
+                    size, digest = write_wfile(path, specs)
+                    files[fname] = {"size": size, "sha256": digest}
+                    bar.update(1)
+            finally:
+                bar.close()
+            for name in TOKENIZER_FILES:
+                if (hf_dir / name).is_file():
+                    shutil.copyfile(hf_dir / name, tmp / name)
+            config = dict(cfg)
+            config["quant"] = preset
+            config["tensor_types"] = tensor_types
+            config["files"] = files
+            _write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
+            _fsync_dir(tmp)
+            os.rename(tmp, out_dir)
+            _fsync_dir(out_dir.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out_dir
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):  # noqa: ANN202
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="file")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify(model_dir: str | Path, full: bool = False) -> None:
+    """Check every file listed in config.json: sizes always, sha256 too when full.
+
+    Raises ValueError listing every file that is missing, resized or (full) altered.
+    """
+    model_dir = Path(model_dir)
+    cfg = _read_json(model_dir / "config.json", "config.json")
+    if cfg.get("format") != "colibri":
+        raise ValueError(f"{model_dir}: not a Colibri model folder (convert it first)")
+    files = cfg.get("files")
+    if not isinstance(files, dict) or not files:
+        raise ValueError(f"{model_dir}/config.json: no 'files' table")
+    problems: list[str] = []
+    for name, meta in files.items():
+        path = model_dir / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        size = path.stat().st_size
+        if size != meta.get("size"):
+            problems.append(f"{name}: {size} bytes, expected {meta.get('size')}")
+            continue
+        if full and _sha256(path) != meta.get("sha256"):
+            problems.append(f"{name}: sha256 mismatch (file altered or corrupt)")
+    if problems:
+        raise ValueError(f"{model_dir}: " + "; ".join(problems))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where ensure_converted keeps converted models."""
+    env = os.environ.get("COLIBRI_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "colibri" / "models"
+
+
+def _source_key(hf_dir: Path, preset: str) -> str:
+    h = hashlib.sha256()
+    h.update(str(hf_dir.resolve()).encode())
+    for p in sorted(hf_dir.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"\0{p.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    h.update(preset.encode())
+    return h.hexdigest()[:16]
+
+
+def ensure_converted(path: str | Path, quant: str = "q4", progress: bool = False) -> Path:
+    """A Colibri folder for path: path itself if it is one, else a cached conversion.
+
+    The cache entry is keyed by the source's absolute path, file sizes and mtimes and the
+    preset; a file lock serialises concurrent converters, and the atomic rename in
+    convert() means a reader never sees a half-written entry.
+    """
+    path = Path(path)
+    if is_colibri_dir(path):
+        return path
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a folder")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json found (not a model folder)")
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root / f"{path.resolve().name}-{_source_key(path, quant)}-{quant}"
+    with open(root / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        for stale in root.glob(f".{dest.name}.tmp-*"):  # left by a killed converter
+            shutil.rmtree(stale, ignore_errors=True)
+        if is_colibri_dir(dest):
+            try:
+                verify(dest)
+                return dest
+            except ValueError:
+                shutil.rmtree(dest)  # damaged cache entry: convert again
+        elif dest.exists():
+            shutil.rmtree(dest)
+        return convert(path, dest, quant=quant, progress=progress)

@@ -1,0 +1,101 @@
+"""Summaries of a converted Colibri model folder (`colibri info`).
+
+Reads only config.json and the weight files' tables (never tensor data), validating each
+table as the loader would; refuses folders that are not Colibri model folders.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.wfile import read_wfile
+
+_DIMS = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
+         "n_expert", "n_expert_used", "n_ff_shared")
+_FEATURES = ("norm_topk_prob", "qk_norm", "qkv_bias", "clip_qkv", "rope_theta", "rotary_dim",
+             "rms_eps", "sliding_window", "tie_embeddings", "max_position_embeddings",
+             "bos_token_id", "eos_token_ids")
+
+
+def describe(model_dir: str | Path) -> dict[str, Any]:
+    """Architecture, dimensions, parameter counts (total, active per token), bytes by type."""
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{model_dir}: no config.json (not a model folder)")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != "colibri":
+        raise ValueError(f"{model_dir}: not a Colibri model folder (run `colibri convert` first)")
+    files = cfg.get("files") or {}
+
+    bytes_by_type: dict[str, int] = {}
+    params_total = params_expert = 0
+    experts_per_layer: dict[int, int] = {}
+    for name in sorted(files):
+        wf = read_wfile(model_dir / name)
+        n = 0
+        for t in wf.tensors.values():
+            numel = 1
+            for d in t.shape:
+                numel *= d
+            n += numel
+            bytes_by_type[t.type_name] = bytes_by_type.get(t.type_name, 0) + t.nbytes
+        params_total += n
+        if name.startswith("experts/"):
+            params_expert += n
+            layer = int(name.split("_")[1])
+            experts_per_layer[layer] = experts_per_layer.get(layer, 0) + 1
+    n_expert = int(cfg.get("n_expert") or 1)
+    used = int(cfg.get("n_expert_used") or 0)
+    params_active = params_total - params_expert + params_expert * used // n_expert
+    return {
+        "path": str(model_dir),
+        "architecture": cfg.get("architecture"),
+        "hf_architecture": cfg.get("hf_architecture"),
+        "quant": cfg.get("quant"),
+        "dims": {k: cfg.get(k) for k in _DIMS},
+        "features": {k: cfg.get(k) for k in _FEATURES},
+        "params_total": params_total,
+        "params_active": params_active,
+        "bytes_total": sum(int(m.get("size", 0)) for m in files.values()),
+        "bytes_by_type": dict(sorted(bytes_by_type.items())),
+        "experts_per_layer": [experts_per_layer.get(i, 0) for i in range(int(cfg["n_layer"]))],
+        "n_files": len(files),
+        "tokenizer": (model_dir / "tokenizer.json").is_file(),
+    }
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def render(d: dict[str, Any]) -> str:
+    """describe()'s result as human-readable text."""
+    lines = [
+        f"model         {d['path']}",
+        f"architecture  {d['architecture']} ({d['hf_architecture']}), quant {d['quant']}",
+        "dimensions    " + ", ".join(f"{k}={v}" for k, v in d["dims"].items()),
+        "features      " + ", ".join(f"{k}={v}" for k, v in d["features"].items()),
+        f"parameters    {_count(d['params_total'])} total, "
+        f"{_count(d['params_active'])} active per token",
+        f"size          {_size(d['bytes_total'])} in {d['n_files']} files",
+        "bytes by type " + ", ".join(f"{k}: {_size(v)}" for k, v in d["bytes_by_type"].items()),
+        "experts/layer " + " ".join(str(n) for n in d["experts_per_layer"]),
+        f"tokenizer     {'tokenizer.json' if d['tokenizer'] else 'missing'}",
+    ]
+    return "\n".join(lines)

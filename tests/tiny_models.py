@@ -1,0 +1,154 @@
+"""Tiny random Hugging Face MoE checkpoints for tests (a helper module, not a test file).
+
+`make_checkpoint` builds a real transformers model of one of the four supported
+architectures with small dimensions, re-initialises every weight with a seeded generator
+(norm weights and biases too, so a norm or bias bug changes the output), trains a real
+byte-level BPE tokenizer of exactly the model's vocabulary size, and saves it all with
+`save_pretrained`. Deterministic for a seed; needs torch and transformers (test extras).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+VOCAB_SIZE = 320
+EOS_ID = 2  # <|im_end|> in engine.bpe.SPECIAL_TOKENS
+PAD_ID = 0  # <|endoftext|>
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog. A small bird sings in the morning light,
+and the river runs softly past the old stone mill. Children walk to school along the road,
+talking about numbers, letters, colours and the names of the stars they saw last night.
+Once upon a time there was a little hummingbird who lived in a garden full of red flowers.
+Every day she visited the flowers, drank their sweet nectar and told stories to the bees.
+The weather today is sunny with a light breeze from the west; tomorrow it may rain.
+Mixture of experts models route each token to a few experts chosen by a small router.
+Hello! How are you? I am fine, thank you. What is your name? My name is Colibri.
+One, two, three, four, five, six, seven, eight, nine, ten. 1 2 3 4 5 6 7 8 9 10 100 2024.
+Question: what is the capital of France? Answer: the capital of France is Paris.
+The teacher wrote a long sentence on the blackboard, and the students copied it carefully.
+Water boils at one hundred degrees and freezes at zero degrees on the Celsius scale.
+"""
+
+_BASE: dict[str, dict[str, Any]] = {
+    "mixtral": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=True,
+        use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "qwen3_moe": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "olmoe": dict(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, clip_qkv=None,
+    ),
+}
+
+
+def _classes(arch: str) -> tuple[Any, Any]:
+    import transformers as tf
+
+    table = {
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+    }
+    if arch not in table:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+    return table[arch]
+
+
+def _randomize(model: Any, seed: int) -> None:
+    """Re-initialise every parameter so that each one matters to the output."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            shape = tuple(p.shape)
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("_norm.weight"):
+                # around 1 but clearly not 1: a missing or misplaced norm weight shows
+                val = 1.0 + 0.3 * torch.randn(shape, generator=g)
+            elif name.endswith(".bias"):
+                val = 0.2 * torch.randn(shape, generator=g)
+            elif "embed_tokens" in name:
+                val = torch.randn(shape, generator=g)
+            elif name.endswith("gate.weight") and "proj" not in name:
+                # router and shared-expert gate: large enough for decisive routing
+                val = 2.0 * torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+            else:
+                val = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+            p.copy_(val.to(p.dtype))
+
+
+def make_checkpoint(
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    shards: int = 1,
+    fused: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random `arch` checkpoint (safetensors + tokenizer) to out_dir.
+
+    dtype: "float32", "bfloat16" or "float16" for the saved weights. shards > 1 splits the
+    weights over several files with a model.safetensors.index.json. fused=True saves the
+    transformers 5 fused expert tensors (experts.gate_up_proj / experts.down_proj) instead
+    of the legacy per-expert names that save_pretrained writes by default. overrides go to
+    the transformers config (e.g. tie_word_embeddings=True, sliding_window=8).
+    """
+    import torch
+
+    from engine.bpe import train_bpe_tokenizer
+
+    config_cls, model_cls = _classes(arch)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    kwargs = dict(_BASE[arch])
+    kwargs.update(vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                  bos_token_id=None, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    _randomize(model, seed)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
+    model = model.to(torch_dtype)
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = PAD_ID
+
+    save_kwargs: dict[str, Any] = {"save_original_format": not fused}
+    if shards > 1:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        save_kwargs["max_shard_size"] = max(1, math.ceil(total / shards))
+    model.save_pretrained(str(out), **save_kwargs)
+
+    tok = train_bpe_tokenizer([_TEXT] * 4, VOCAB_SIZE, out)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {VOCAB_SIZE}")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2) + "\n")
+    return out
