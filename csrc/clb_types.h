@@ -66,7 +66,8 @@ typedef struct {
     size_t type_size;        /* bytes per block */
     clb_type act_type;       /* what vec_dot wants on its activation side */
     clb_to_float_fn to_float;
-    clb_vec_dot_fn vec_dot;
+    clb_vec_dot_fn vec_dot;     /* NULL for q8a (activation-only) */
+    clb_from_float_fn from_float; /* f32 row -> this type (quantizer / converter) */
 } clb_type_traits;
 
 /* bytes of one row of n elements; 0 if n is not a multiple of the block size or type invalid */
@@ -76,5 +77,6 @@ int clb_type_valid_for_file(uint32_t t);
 float clb_f16_to_f32(clb_f16 h);
 clb_f16 clb_f32_to_f16(float f);   /* round to nearest even */
 float clb_bf16_to_f32(clb_bf16 h);
+clb_bf16 clb_f32_to_bf16(float f); /* round to nearest even; NaN stays NaN (quiet) */
 
 #endif

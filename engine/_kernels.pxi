@@ -1,1 +1,520 @@
 # kernels binding: owned by the kernels work (see docs/INTERNALS.md)
+#
+# C declarations of csrc/clb_types.h, clb_kernels.h, clb_threadpool.h and clb_pool.h (the model
+# binding in _model.pxi reuses clb_status, clb_type and clb_threadpool from here), plus small
+# Python-level functions that tests use to drive every kernel, ISA variant, the pool and the
+# thread pool. None of these are on the serving hot path.
+
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memset
+
+import numpy as np
+
+cdef extern from "clb_types.h" nogil:
+    ctypedef enum clb_status:
+        CLB_OK
+        CLB_E_IO
+        CLB_E_FORMAT
+        CLB_E_SHAPE
+        CLB_E_NOMEM
+        CLB_E_ARG
+        CLB_E_RANGE
+
+    ctypedef enum clb_type:
+        CLB_TYPE_F32
+        CLB_TYPE_F16
+        CLB_TYPE_BF16
+        CLB_TYPE_Q8
+        CLB_TYPE_Q4
+        CLB_TYPE_Q8A
+        CLB_TYPE_COUNT
+
+    int CLB_QK
+    ctypedef uint16_t clb_f16
+    ctypedef uint16_t clb_bf16
+
+    ctypedef float (*clb_vec_dot_fn)(int64_t n, const void *w_row, const void *act_row)
+    ctypedef void (*clb_from_float_fn)(int64_t n, const float *x, void *y)
+    ctypedef void (*clb_to_float_fn)(int64_t n, const void *x, float *y)
+
+    ctypedef struct clb_type_traits:
+        const char *name
+        int64_t blck_size
+        size_t type_size
+        clb_type act_type
+        clb_to_float_fn to_float
+        clb_vec_dot_fn vec_dot
+        clb_from_float_fn from_float
+
+    size_t clb_type_row_size(clb_type t, int64_t n)
+    int clb_type_valid_for_file(uint32_t t)
+    float clb_f16_to_f32(clb_f16 h)
+    clb_f16 clb_f32_to_f16(float f)
+    float clb_bf16_to_f32(clb_bf16 h)
+    clb_bf16 clb_f32_to_bf16(float f)
+
+cdef extern from "clb_threadpool.h" nogil:
+    ctypedef struct clb_threadpool:
+        pass
+    ctypedef void (*clb_task_fn)(void *ctx, int ith, int nth) noexcept nogil
+    clb_status clb_threadpool_init(clb_threadpool **out, int n_threads)
+    void clb_threadpool_free(clb_threadpool *tp)
+    int clb_threadpool_n_threads(const clb_threadpool *tp)
+    clb_status clb_threadpool_run(clb_threadpool *tp, clb_task_fn fn, void *ctx)
+    int clb_physical_cores()
+
+cdef extern from "clb_kernels.h" nogil:
+    ctypedef enum clb_isa:
+        CLB_ISA_REF
+        CLB_ISA_AVX2
+        CLB_ISA_AVX512
+        CLB_ISA_COUNT
+
+    void clb_kernels_init()
+    clb_isa clb_isa_best()
+    int clb_isa_supported(clb_isa isa)
+    clb_status clb_isa_force(clb_isa isa)
+    clb_isa clb_isa_active()
+    const char *clb_isa_name(clb_isa isa)
+    const clb_type_traits *clb_get_type_traits(clb_type t)
+    void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y)
+    size_t clb_matmul_scratch_size(clb_type t, int64_t n_in, int64_t n_tokens)
+    clb_status clb_matmul(clb_type t, const void *w, int64_t n_out, int64_t n_in,
+                          const float *x, int64_t n_tokens, float *y, int64_t ldy,
+                          const float *bias, void *scratch, clb_threadpool *tp)
+    void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y)
+
+cdef extern from "clb_pool.h" nogil:
+    ctypedef struct clb_pool:
+        pass
+    ctypedef struct clb_pool_stats:
+        size_t bytes_in_use[3]
+        size_t bytes_total
+        size_t bytes_peak
+        uint64_t n_alloc
+        uint64_t n_free
+    clb_pool *clb_pool_init()
+    void clb_pool_free_all(clb_pool *p)
+    void *clb_pool_alloc(clb_pool *p, size_t size)
+    void clb_pool_free(clb_pool *p, void *ptr)
+    void clb_pool_get_stats(clb_pool *p, clb_pool_stats *out)
+
+
+KERNEL_TYPES = {"f32": CLB_TYPE_F32, "f16": CLB_TYPE_F16, "bf16": CLB_TYPE_BF16,
+                "q8": CLB_TYPE_Q8, "q4": CLB_TYPE_Q4, "q8a": CLB_TYPE_Q8A}
+ISA_NAMES = ("ref", "avx2", "avx512")
+
+clb_kernels_init()
+
+
+cdef clb_type _kernel_type(str name) except *:
+    if name not in KERNEL_TYPES:
+        raise ValueError(f"unknown type {name!r}")
+    return <clb_type><int>KERNEL_TYPES[name]
+
+
+cdef clb_isa _isa_of(str name) except *:
+    if name not in ISA_NAMES:
+        raise ValueError(f"unknown ISA {name!r}")
+    return <clb_isa><int>ISA_NAMES.index(name)
+
+
+def isa_supported() -> list:
+    """Names of the ISA variants this CPU and build can run, reference first."""
+    return [ISA_NAMES[i] for i in range(<int>CLB_ISA_COUNT) if clb_isa_supported(<clb_isa>i)]
+
+
+def isa_best() -> str:
+    """Name of the ISA picked from CPUID at start-up."""
+    return clb_isa_name(clb_isa_best()).decode()
+
+
+def isa_active() -> str:
+    """Name of the ISA the kernels use now."""
+    return clb_isa_name(clb_isa_active()).decode()
+
+
+def isa_force(name: str) -> None:
+    """Test hook: make every kernel call use this ISA's table (process-wide)."""
+    if clb_isa_force(_isa_of(name)) != CLB_OK:
+        raise ValueError(f"ISA {name!r} is not supported on this CPU/build")
+
+
+def type_row_size(name: str, n: int) -> int:
+    """Bytes of one row of n elements (0 if n does not fill whole blocks)."""
+    return clb_type_row_size(_kernel_type(name), n)
+
+
+def type_valid_for_file(t: int) -> bool:
+    return bool(clb_type_valid_for_file(<uint32_t>t))
+
+
+cdef size_t _row_bytes(clb_type t, int64_t n) except 0:
+    cdef size_t rs = clb_type_row_size(t, n)
+    if rs == 0:
+        raise ValueError(f"row length {n} does not fill whole blocks")
+    return rs
+
+
+def quantize(name: str, x) -> bytes:
+    """A 1-D float32 array as the bytes of type `name`, with the active ISA's from_float."""
+    cdef clb_type t = _kernel_type(name)
+    cdef const float[::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    cdef int64_t n = xv.shape[0]
+    cdef size_t rs = _row_bytes(t, n)
+    out = bytearray(rs)
+    cdef unsigned char[::1] ov = out
+    cdef const clb_type_traits *tr = clb_get_type_traits(t)
+    if n > 0:
+        with nogil:
+            tr.from_float(n, &xv[0], &ov[0])
+    return bytes(out)
+
+
+def dequantize(name: str, data, n: int):
+    """Bytes of type `name` (n elements) back to a float32 array (reference to_float)."""
+    cdef clb_type t = _kernel_type(name)
+    cdef size_t rs = _row_bytes(t, n)
+    cdef const unsigned char[::1] dv = memoryview(data).cast("B")
+    if <size_t>dv.shape[0] != rs:
+        raise ValueError(f"expected {rs} bytes, got {dv.shape[0]}")
+    out = np.empty(n, dtype=np.float32)
+    cdef float[::1] ov = out
+    if n > 0:
+        clb_dequantize_row(t, n, &dv[0], &ov[0])
+    return out
+
+
+def to_float(name: str, data, n: int):
+    """Like dequantize, but through the active ISA's traits table (to_float)."""
+    cdef clb_type t = _kernel_type(name)
+    cdef size_t rs = _row_bytes(t, n)
+    cdef const unsigned char[::1] dv = memoryview(data).cast("B")
+    if <size_t>dv.shape[0] != rs:
+        raise ValueError(f"expected {rs} bytes, got {dv.shape[0]}")
+    out = np.empty(n, dtype=np.float32)
+    cdef float[::1] ov = out
+    if n > 0:
+        clb_get_type_traits(t).to_float(n, &dv[0], &ov[0])
+    return out
+
+
+def vec_dot(name: str, w, x) -> float:
+    """Dot product of one weight row (bytes of type `name`) with a float32 vector x; x is
+    converted to the type's activation type with the active ISA first."""
+    cdef clb_type t = _kernel_type(name)
+    cdef const clb_type_traits *tr = clb_get_type_traits(t)
+    if tr.vec_dot == NULL:
+        raise ValueError(f"{name} has no dot product")
+    cdef const float[::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    cdef int64_t n = xv.shape[0]
+    cdef size_t rs = _row_bytes(t, n)
+    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
+    if <size_t>wv.shape[0] != rs:
+        raise ValueError(f"expected {rs} weight bytes, got {wv.shape[0]}")
+    cdef const clb_type_traits *at = clb_get_type_traits(tr.act_type)
+    act = bytearray(_row_bytes(tr.act_type, n))
+    cdef unsigned char[::1] av = act
+    at.from_float(n, &xv[0], &av[0])
+    return tr.vec_dot(n, &wv[0], &av[0])
+
+
+cdef dict _pools_by_threads = {}
+
+
+cdef class ThreadPool:
+    """Owns one clb_threadpool (the model binding may wrap its own)."""
+    cdef clb_threadpool *tp
+
+    def __cinit__(self, int n_threads):
+        if clb_threadpool_init(&self.tp, n_threads) != CLB_OK:
+            raise ValueError(f"cannot start a thread pool of {n_threads} threads")
+
+    def __dealloc__(self):
+        clb_threadpool_free(self.tp)
+        self.tp = NULL
+
+    @property
+    def n_threads(self) -> int:
+        return clb_threadpool_n_threads(self.tp)
+
+
+cdef ThreadPool _shared_pool(int n_threads):
+    if n_threads not in _pools_by_threads:
+        _pools_by_threads[n_threads] = ThreadPool(n_threads)
+    return _pools_by_threads[n_threads]
+
+
+def matmul(name: str, w, int n_out, int n_in, x, bias=None, int n_threads=1, int ldy=0):
+    """y[T, n_out] = x[T, n_in] @ W[n_out, n_in]^T (+ bias) with W given as bytes of type
+    `name`. The output is pre-filled with NaN (and the ldy padding columns with a sentinel),
+    so an element the kernel fails to write shows up; returns the [T, ldy] buffer's first
+    n_out columns when ldy == 0, else the whole [T, ldy] buffer."""
+    cdef clb_type t = _kernel_type(name)
+    cdef const float[:, ::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n_in)
+    cdef int64_t n_tok = xv.shape[0]
+    cdef size_t rs = _row_bytes(t, n_in)
+    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
+    if <size_t>wv.shape[0] != rs * <size_t>n_out:
+        raise ValueError(f"expected {rs * n_out} weight bytes, got {wv.shape[0]}")
+    cdef int64_t stride = ldy if ldy > 0 else n_out
+    y = np.full((n_tok, stride), np.nan, dtype=np.float32)
+    if stride > n_out:
+        y[:, n_out:] = 12345.0
+    cdef float[:, ::1] yv = y
+    cdef const float[::1] bv
+    cdef const float *bp = NULL
+    if bias is not None:
+        bv = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
+        if bv.shape[0] != n_out:
+            raise ValueError("bias must have n_out elements")
+        bp = &bv[0]
+    scratch = bytearray(max(<size_t>1, clb_matmul_scratch_size(t, n_in, n_tok)))
+    cdef unsigned char[::1] sv = scratch
+    cdef ThreadPool pool = _shared_pool(n_threads)
+    cdef const float *xp = &xv[0, 0] if n_tok > 0 else NULL
+    cdef float *yp = &yv[0, 0] if n_tok > 0 else NULL
+    cdef clb_status st
+    with nogil:
+        st = clb_matmul(t, &wv[0], n_out, n_in, xp, n_tok, yp, stride, bp, &sv[0], pool.tp)
+    if st != CLB_OK:
+        raise ValueError(f"clb_matmul failed with status {st}")
+    return y if ldy > 0 else y[:, :n_out]
+
+
+def get_row(name: str, w, int n, int row):
+    """Row `row` of a [rows, n] weight matrix given as bytes of type `name`, as float32."""
+    cdef clb_type t = _kernel_type(name)
+    cdef size_t rs = _row_bytes(t, n)
+    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
+    if row < 0 or <size_t>(row + 1) * rs > <size_t>wv.shape[0]:
+        raise IndexError("row out of range")
+    out = np.empty(n, dtype=np.float32)
+    cdef float[::1] ov = out
+    clb_get_row(t, &wv[0], n, row, &ov[0])
+    return out
+
+
+def f32_to_f16_bits(x):
+    """float32 array -> IEEE half bit patterns (uint16) via clb_f32_to_f16."""
+    cdef const float[::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty(xv.shape[0], dtype=np.uint16)
+    cdef uint16_t[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(xv.shape[0]):
+        ov[i] = clb_f32_to_f16(xv[i])
+    return out
+
+
+def f16_bits_to_f32(h):
+    """IEEE half bit patterns (uint16) -> float32 via clb_f16_to_f32."""
+    cdef const uint16_t[::1] hv = np.ascontiguousarray(h, dtype=np.uint16).reshape(-1)
+    out = np.empty(hv.shape[0], dtype=np.float32)
+    cdef float[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(hv.shape[0]):
+        ov[i] = clb_f16_to_f32(hv[i])
+    return out
+
+
+def f32_to_bf16_bits(x):
+    """float32 array -> bfloat16 bit patterns (uint16) via clb_f32_to_bf16."""
+    cdef const float[::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty(xv.shape[0], dtype=np.uint16)
+    cdef uint16_t[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(xv.shape[0]):
+        ov[i] = clb_f32_to_bf16(xv[i])
+    return out
+
+
+def bf16_bits_to_f32(h):
+    """bfloat16 bit patterns (uint16) -> float32 via clb_bf16_to_f32."""
+    cdef const uint16_t[::1] hv = np.ascontiguousarray(h, dtype=np.uint16).reshape(-1)
+    out = np.empty(hv.shape[0], dtype=np.float32)
+    cdef float[::1] ov = out
+    cdef Py_ssize_t i
+    for i in range(hv.shape[0]):
+        ov[i] = clb_bf16_to_f32(hv[i])
+    return out
+
+
+def physical_cores() -> int:
+    """Physical cores of this machine (SMT siblings counted once)."""
+    return clb_physical_cores()
+
+
+# ---- thread pool exerciser ----
+
+ctypedef struct _tp_count_ctx:
+    int32_t *counts   # [nth] times each ith ran in this run
+    int32_t *nth_seen # [nth] the nth each worker was given
+
+
+cdef void _tp_count_task(void *vctx, int ith, int nth) noexcept nogil:
+    cdef _tp_count_ctx *c = <_tp_count_ctx *>vctx
+    c.counts[ith] += 1
+    c.nth_seen[ith] = nth
+
+
+def threadpool_exercise(int n_threads, int n_runs):
+    """Runs a task n_runs times on a fresh pool; returns (counts[n_runs, n_threads],
+    nth_seen[n_runs, n_threads]) where counts[r, i] is how often worker i ran in run r."""
+    cdef ThreadPool pool = ThreadPool(n_threads)
+    counts = np.zeros((n_runs, n_threads), dtype=np.int32)
+    seen = np.zeros((n_runs, n_threads), dtype=np.int32)
+    cdef int32_t[:, ::1] cv = counts
+    cdef int32_t[:, ::1] sv = seen
+    cdef _tp_count_ctx ctx
+    cdef int r
+    cdef clb_status st = CLB_OK
+    with nogil:
+        for r in range(n_runs):
+            ctx.counts = &cv[r, 0]
+            ctx.nth_seen = &sv[r, 0]
+            st = clb_threadpool_run(pool.tp, _tp_count_task, &ctx)
+            if st != CLB_OK:
+                break
+    if st != CLB_OK:
+        raise RuntimeError(f"clb_threadpool_run failed with status {st}")
+    return counts, seen
+
+
+ctypedef struct _tp_nested_ctx:
+    clb_threadpool *tp
+    int32_t *status   # [nth]
+
+
+cdef void _tp_nested_task(void *vctx, int ith, int nth) noexcept nogil:
+    cdef _tp_nested_ctx *c = <_tp_nested_ctx *>vctx
+    c.status[ith] = <int32_t>clb_threadpool_run(c.tp, _tp_count_task, NULL)
+
+
+def threadpool_nested_status(int n_threads):
+    """Status each worker gets when it tries to start a run from inside a task."""
+    cdef ThreadPool pool = ThreadPool(n_threads)
+    out = np.full(n_threads, 99, dtype=np.int32)
+    cdef int32_t[::1] ov = out
+    cdef _tp_nested_ctx ctx
+    ctx.tp = pool.tp
+    ctx.status = &ov[0]
+    with nogil:
+        clb_threadpool_run(pool.tp, _tp_nested_task, &ctx)
+    return out
+
+
+# ---- memory pool exercisers ----
+
+cdef class Pool:
+    """A clb_pool for tests: alloc returns the address as an int."""
+    cdef clb_pool *p
+
+    def __cinit__(self):
+        self.p = clb_pool_init()
+        if self.p == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        clb_pool_free_all(self.p)
+        self.p = NULL
+
+    def alloc(self, size_t size) -> int:
+        return <size_t>clb_pool_alloc(self.p, size)
+
+    def free(self, size_t addr) -> None:
+        clb_pool_free(self.p, <void *>addr)
+
+    def fill(self, size_t addr, size_t size, int value) -> None:
+        """Writes `value` into every byte of [addr, addr + size) (touches the whole block)."""
+        memset(<void *>addr, value, size)
+
+    def check(self, size_t addr, size_t size, int value) -> bool:
+        """True if every byte of [addr, addr + size) equals `value`."""
+        cdef const uint8_t *b = <const uint8_t *>addr
+        cdef size_t i
+        for i in range(size):
+            if b[i] != <uint8_t>value:
+                return False
+        return True
+
+    def stats(self) -> dict:
+        cdef clb_pool_stats s
+        clb_pool_get_stats(self.p, &s)
+        return {"small": s.bytes_in_use[0], "medium": s.bytes_in_use[1],
+                "large": s.bytes_in_use[2], "total": s.bytes_total, "peak": s.bytes_peak,
+                "n_alloc": s.n_alloc, "n_free": s.n_free}
+
+
+ctypedef struct _pool_stress_ctx:
+    clb_pool *p
+    int n_iters
+    int n_slots
+    size_t max_size
+    int64_t *errors   # [nth]
+
+
+cdef inline uint32_t _xorshift(uint32_t *s) noexcept nogil:
+    s[0] ^= s[0] << 13
+    s[0] ^= s[0] >> 17
+    s[0] ^= s[0] << 5
+    return s[0]
+
+
+cdef void _pool_stress_task(void *vctx, int ith, int nth) noexcept nogil:
+    """Each worker keeps n_slots live blocks, replaces random ones, stamps every block with
+    its own byte pattern and checks it is intact (and 64-byte aligned) before freeing."""
+    cdef _pool_stress_ctx *c = <_pool_stress_ctx *>vctx
+    cdef uint32_t seed = <uint32_t>(1234 + 7919 * ith)
+    cdef uint8_t *ptrs[64]
+    cdef size_t sizes[64]
+    cdef int i, k, slot
+    cdef size_t j, size
+    cdef uint8_t tag
+    cdef int64_t errors = 0
+    cdef int n_slots = c.n_slots if c.n_slots <= 64 else 64
+    for i in range(n_slots):
+        ptrs[i] = NULL
+        sizes[i] = 0
+    for k in range(c.n_iters + n_slots):
+        slot = k % n_slots if k >= c.n_iters else <int>(_xorshift(&seed) % <uint32_t>n_slots)
+        if ptrs[slot] != NULL:
+            tag = <uint8_t>((<size_t>ptrs[slot] >> 6) ^ <size_t>ith)
+            for j in range(sizes[slot]):
+                if ptrs[slot][j] != tag:
+                    errors += 1
+                    break
+            clb_pool_free(c.p, ptrs[slot])
+            ptrs[slot] = NULL
+        if k >= c.n_iters:
+            continue
+        # mostly small/medium sizes, an occasional large block
+        if _xorshift(&seed) % 256 == 0:
+            size = (1 << 20) + <size_t>(_xorshift(&seed) % 100000)
+        else:
+            size = 1 + <size_t>(_xorshift(&seed) % c.max_size)
+        ptrs[slot] = <uint8_t *>clb_pool_alloc(c.p, size)
+        sizes[slot] = size
+        if ptrs[slot] == NULL or (<size_t>ptrs[slot]) % 64 != 0:
+            errors += 1
+            ptrs[slot] = NULL
+            continue
+        tag = <uint8_t>((<size_t>ptrs[slot] >> 6) ^ <size_t>ith)
+        memset(ptrs[slot], tag, size)
+    c.errors[ith] = errors
+
+
+def pool_stress(int n_threads, int n_iters, int n_slots=32, size_t max_size=300000):
+    """Multi-threaded random alloc/free on one pool; returns (errors per worker, stats)."""
+    cdef Pool pool = Pool()
+    cdef ThreadPool tp = ThreadPool(n_threads)
+    errors = np.zeros(n_threads, dtype=np.int64)
+    cdef int64_t[::1] ev = errors
+    cdef _pool_stress_ctx ctx
+    ctx.p = pool.p
+    ctx.n_iters = n_iters
+    ctx.n_slots = n_slots
+    ctx.max_size = max_size
+    ctx.errors = &ev[0]
+    with nogil:
+        clb_threadpool_run(tp.tp, _pool_stress_task, &ctx)
+    return errors, pool.stats()

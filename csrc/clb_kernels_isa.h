@@ -1,0 +1,45 @@
+/* Colibri per-ISA kernel entry points: private to csrc/ (dispatch.c builds the traits tables).
+ * Guarantees: every *_avx2 / *_avx512 function has a *_ref twin with the same contract and
+ * memory layout; q8a quantizers of every ISA produce identical bytes.
+ * Refuses: nothing outside csrc/ should include this; use clb_get_type_traits(). */
+#ifndef CLB_KERNELS_ISA_H
+#define CLB_KERNELS_ISA_H
+
+#include "clb_types.h"
+
+/* reference (kernels_ref.c) */
+void clb_to_float_f32_ref(int64_t n, const void *x, float *y);
+void clb_to_float_f16_ref(int64_t n, const void *x, float *y);
+void clb_to_float_bf16_ref(int64_t n, const void *x, float *y);
+void clb_to_float_q8_ref(int64_t n, const void *x, float *y);
+void clb_to_float_q4_ref(int64_t n, const void *x, float *y);
+void clb_to_float_q8a_ref(int64_t n, const void *x, float *y);
+void clb_from_float_f32_ref(int64_t n, const float *x, void *y);
+void clb_from_float_f16_ref(int64_t n, const float *x, void *y);
+void clb_from_float_bf16_ref(int64_t n, const float *x, void *y);
+void clb_from_float_q8_ref(int64_t n, const float *x, void *y);
+void clb_from_float_q4_ref(int64_t n, const float *x, void *y);
+void clb_from_float_q8a_ref(int64_t n, const float *x, void *y);
+float clb_vec_dot_f32_ref(int64_t n, const void *w, const void *x);
+float clb_vec_dot_f16_ref(int64_t n, const void *w, const void *x);
+float clb_vec_dot_bf16_ref(int64_t n, const void *w, const void *x);
+float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x);
+float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x);
+
+/* AVX2 + FMA + F16C (kernels_avx2.c) */
+float clb_vec_dot_f32_avx2(int64_t n, const void *w, const void *x);
+float clb_vec_dot_f16_avx2(int64_t n, const void *w, const void *x);
+float clb_vec_dot_bf16_avx2(int64_t n, const void *w, const void *x);
+float clb_vec_dot_q8_avx2(int64_t n, const void *w, const void *x);
+float clb_vec_dot_q4_avx2(int64_t n, const void *w, const void *x);
+void clb_quantize_q8a_avx2(int64_t n, const float *x, void *y);
+
+/* AVX-512 F/BW/VL/VNNI (kernels_avx512.c) */
+float clb_vec_dot_f32_avx512(int64_t n, const void *w, const void *x);
+float clb_vec_dot_f16_avx512(int64_t n, const void *w, const void *x);
+float clb_vec_dot_bf16_avx512(int64_t n, const void *w, const void *x);
+float clb_vec_dot_q8_avx512(int64_t n, const void *w, const void *x);
+float clb_vec_dot_q4_avx512(int64_t n, const void *w, const void *x);
+void clb_quantize_q8a_avx512(int64_t n, const float *x, void *y);
+
+#endif

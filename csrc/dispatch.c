@@ -1,0 +1,113 @@
+/* Colibri run-time ISA dispatch: one traits table per instruction set, the best one picked
+ * once from CPUID.
+ * Guarantees: clb_kernels_init() is idempotent and thread-safe; the reference table is always
+ * available; a SIMD table is only selectable when this CPU and this build support it.
+ * Refuses: forcing an unsupported ISA (CLB_E_ARG). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+
+#include "clb_kernels.h"
+#include "clb_kernels_isa.h"
+
+static clb_type_traits clb_traits[CLB_ISA_COUNT][CLB_TYPE_COUNT];
+static int clb_isa_ok[CLB_ISA_COUNT];
+static clb_isa clb_isa_top = CLB_ISA_REF;
+static _Atomic int clb_isa_cur = CLB_ISA_REF;
+static pthread_once_t clb_init_once = PTHREAD_ONCE_INIT;
+
+static const char *const clb_isa_names[CLB_ISA_COUNT] = {"ref", "avx2", "avx512"};
+
+static void clb_fill_ref(clb_type_traits *t) {
+    t[CLB_TYPE_F32] = (clb_type_traits){"f32", 1, 4, CLB_TYPE_F32, clb_to_float_f32_ref,
+                                        clb_vec_dot_f32_ref, clb_from_float_f32_ref};
+    t[CLB_TYPE_F16] = (clb_type_traits){"f16", 1, 2, CLB_TYPE_F32, clb_to_float_f16_ref,
+                                        clb_vec_dot_f16_ref, clb_from_float_f16_ref};
+    t[CLB_TYPE_BF16] = (clb_type_traits){"bf16", 1, 2, CLB_TYPE_F32, clb_to_float_bf16_ref,
+                                         clb_vec_dot_bf16_ref, clb_from_float_bf16_ref};
+    t[CLB_TYPE_Q8] = (clb_type_traits){"q8", CLB_QK, sizeof(clb_block_q8), CLB_TYPE_Q8A,
+                                       clb_to_float_q8_ref, clb_vec_dot_q8_ref,
+                                       clb_from_float_q8_ref};
+    t[CLB_TYPE_Q4] = (clb_type_traits){"q4", CLB_QK, sizeof(clb_block_q4), CLB_TYPE_Q8A,
+                                       clb_to_float_q4_ref, clb_vec_dot_q4_ref,
+                                       clb_from_float_q4_ref};
+    t[CLB_TYPE_Q8A] = (clb_type_traits){"q8a", CLB_QK, sizeof(clb_block_q8a), CLB_TYPE_Q8A,
+                                        clb_to_float_q8a_ref, NULL, clb_from_float_q8a_ref};
+}
+
+#ifdef CLB_HAVE_X86
+static void clb_fill_avx2(clb_type_traits *t) {
+    clb_fill_ref(t);
+    t[CLB_TYPE_F32].vec_dot = clb_vec_dot_f32_avx2;
+    t[CLB_TYPE_F16].vec_dot = clb_vec_dot_f16_avx2;
+    t[CLB_TYPE_BF16].vec_dot = clb_vec_dot_bf16_avx2;
+    t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx2;
+    t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx2;
+    t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx2;
+}
+
+static void clb_fill_avx512(clb_type_traits *t) {
+    clb_fill_ref(t);
+    t[CLB_TYPE_F32].vec_dot = clb_vec_dot_f32_avx512;
+    t[CLB_TYPE_F16].vec_dot = clb_vec_dot_f16_avx512;
+    t[CLB_TYPE_BF16].vec_dot = clb_vec_dot_bf16_avx512;
+    t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx512;
+    t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx512;
+    t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx512;
+}
+#endif
+
+static void clb_init_impl(void) {
+    clb_fill_ref(clb_traits[CLB_ISA_REF]);
+    clb_isa_ok[CLB_ISA_REF] = 1;
+    clb_isa_top = CLB_ISA_REF;
+#ifdef CLB_HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        /* F16C has no __builtin_cpu_supports name in older compilers; every AVX2 CPU has it */
+        clb_fill_avx2(clb_traits[CLB_ISA_AVX2]);
+        clb_isa_ok[CLB_ISA_AVX2] = 1;
+        clb_isa_top = CLB_ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
+            clb_fill_avx512(clb_traits[CLB_ISA_AVX512]);
+            clb_isa_ok[CLB_ISA_AVX512] = 1;
+            clb_isa_top = CLB_ISA_AVX512;
+        }
+    }
+#endif
+    atomic_store(&clb_isa_cur, (int)clb_isa_top);
+}
+
+void clb_kernels_init(void) { pthread_once(&clb_init_once, clb_init_impl); }
+
+clb_isa clb_isa_best(void) {
+    clb_kernels_init();
+    return clb_isa_top;
+}
+
+int clb_isa_supported(clb_isa isa) {
+    clb_kernels_init();
+    return (int)isa >= 0 && isa < CLB_ISA_COUNT && clb_isa_ok[isa];
+}
+
+clb_status clb_isa_force(clb_isa isa) {
+    if (!clb_isa_supported(isa)) return CLB_E_ARG;
+    atomic_store(&clb_isa_cur, (int)isa);
+    return CLB_OK;
+}
+
+clb_isa clb_isa_active(void) {
+    clb_kernels_init();
+    return (clb_isa)atomic_load(&clb_isa_cur);
+}
+
+const char *clb_isa_name(clb_isa isa) {
+    if ((int)isa < 0 || isa >= CLB_ISA_COUNT) return "unknown";
+    return clb_isa_names[isa];
+}
+
+const clb_type_traits *clb_get_type_traits(clb_type t) {
+    if ((int)t < 0 || t >= CLB_TYPE_COUNT) return NULL;
+    return &clb_traits[clb_isa_active()][t];
+}

@@ -1,0 +1,212 @@
+/* Colibri reference kernels: plain C quantizers, to-float and dot products for every type.
+ * Guarantees: quantizers are bit-exact with engine/quant.py (float32 arithmetic, rint =
+ * nearbyintf half-to-even, f16 scales rounded to nearest even); dot products compute integer
+ * sums per block, then scale. These are the twins every SIMD kernel is tested against.
+ * Refuses: n that is not a multiple of 32 for block types (caller's contract, asserted). */
+#include <assert.h>
+#include <math.h>
+#include <string.h>
+
+#include "clb_kernels.h"
+#include "clb_kernels_isa.h"
+
+/* q4 byte -> its two values (low nibble - 8, high nibble - 8), built at compile time */
+#define CLB_Q4L(b) {(int8_t)(((b) & 15) - 8), (int8_t)(((b) >> 4) - 8)}
+#define CLB_Q4R4(b) CLB_Q4L(b), CLB_Q4L((b) + 1), CLB_Q4L((b) + 2), CLB_Q4L((b) + 3)
+#define CLB_Q4R16(b) CLB_Q4R4(b), CLB_Q4R4((b) + 4), CLB_Q4R4((b) + 8), CLB_Q4R4((b) + 12)
+#define CLB_Q4R64(b) CLB_Q4R16(b), CLB_Q4R16((b) + 16), CLB_Q4R16((b) + 32), CLB_Q4R16((b) + 48)
+static const int8_t clb_q4_lut[256][2] = {CLB_Q4R64(0), CLB_Q4R64(64), CLB_Q4R64(128),
+                                          CLB_Q4R64(192)};
+
+/* fmaxf/fminf map NaN to the bound, so a NaN input can never reach a float->int cast (UB);
+ * the SIMD max/min instructions behave the same way with the value as first operand. */
+static float clb_clampf(float v, float lo, float hi) { return fminf(fmaxf(v, lo), hi); }
+
+/* ---- quantizers (spec: engine/quant.py quantize_q8 / quantize_q4; q8a = q8 with f32 d) ---- */
+
+static float clb_q8_scale(const float *x, float *inv) {
+    float amax = 0.0f;
+    for (int j = 0; j < CLB_QK; j++) {
+        float a = fabsf(x[j]);
+        if (a > amax) amax = a;
+    }
+    float d = amax / 127.0f;
+    *inv = d != 0.0f ? 1.0f / d : 0.0f;
+    return d;
+}
+
+void clb_quantize_q8_ref(int64_t n, const float *x, clb_block_q8 *y) {
+    assert(n % CLB_QK == 0);
+    for (int64_t b = 0; b < n / CLB_QK; b++) {
+        const float *xb = x + b * CLB_QK;
+        float inv;
+        float d = clb_q8_scale(xb, &inv);
+        y[b].d = clb_f32_to_f16(d);
+        for (int j = 0; j < CLB_QK; j++)
+            y[b].qs[j] = (int8_t)clb_clampf(nearbyintf(xb[j] * inv), -127.0f, 127.0f);
+    }
+}
+
+void clb_quantize_q8a_ref(int64_t n, const float *x, clb_block_q8a *y) {
+    assert(n % CLB_QK == 0);
+    for (int64_t b = 0; b < n / CLB_QK; b++) {
+        const float *xb = x + b * CLB_QK;
+        float inv;
+        y[b].d = clb_q8_scale(xb, &inv);
+        int32_t sum = 0;
+        for (int j = 0; j < CLB_QK; j++) {
+            int8_t q = (int8_t)clb_clampf(nearbyintf(xb[j] * inv), -127.0f, 127.0f);
+            y[b].qs[j] = q;
+            sum += q;
+        }
+        y[b].sum = sum;
+    }
+}
+
+void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y) {
+    assert(n % CLB_QK == 0);
+    for (int64_t b = 0; b < n / CLB_QK; b++) {
+        const float *xb = x + b * CLB_QK;
+        float amax = 0.0f, m = 0.0f;
+        for (int j = 0; j < CLB_QK; j++) { /* strict > keeps the first index on ties */
+            if (fabsf(xb[j]) > amax) {
+                amax = fabsf(xb[j]);
+                m = xb[j];
+            }
+        }
+        float d = m / -8.0f;
+        float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = clb_f32_to_f16(d);
+        for (int j = 0; j < CLB_QK / 2; j++) {
+            uint8_t lo = (uint8_t)clb_clampf(nearbyintf(xb[j] * inv) + 8.0f, 0.0f, 15.0f);
+            uint8_t hi = (uint8_t)clb_clampf(nearbyintf(xb[j + CLB_QK / 2] * inv) + 8.0f, 0.0f,
+                                             15.0f);
+            y[b].qs[j] = (uint8_t)(lo | (hi << 4));
+        }
+    }
+}
+
+void clb_from_float_f32_ref(int64_t n, const float *x, void *y) {
+    memcpy(y, x, (size_t)n * sizeof(float));
+}
+
+void clb_from_float_f16_ref(int64_t n, const float *x, void *y) {
+    clb_f16 *h = y;
+    for (int64_t i = 0; i < n; i++) h[i] = clb_f32_to_f16(x[i]);
+}
+
+void clb_from_float_bf16_ref(int64_t n, const float *x, void *y) {
+    clb_bf16 *h = y;
+    for (int64_t i = 0; i < n; i++) h[i] = clb_f32_to_bf16(x[i]);
+}
+
+void clb_from_float_q8_ref(int64_t n, const float *x, void *y) { clb_quantize_q8_ref(n, x, y); }
+void clb_from_float_q4_ref(int64_t n, const float *x, void *y) { clb_quantize_q4_ref(n, x, y); }
+void clb_from_float_q8a_ref(int64_t n, const float *x, void *y) { clb_quantize_q8a_ref(n, x, y); }
+
+/* ---- to float (spec: engine/quant.py decode) ---- */
+
+void clb_to_float_f32_ref(int64_t n, const void *x, float *y) {
+    memcpy(y, x, (size_t)n * sizeof(float));
+}
+
+void clb_to_float_f16_ref(int64_t n, const void *x, float *y) {
+    const clb_f16 *h = x;
+    for (int64_t i = 0; i < n; i++) y[i] = clb_f16_to_f32(h[i]);
+}
+
+void clb_to_float_bf16_ref(int64_t n, const void *x, float *y) {
+    const clb_bf16 *h = x;
+    for (int64_t i = 0; i < n; i++) y[i] = clb_bf16_to_f32(h[i]);
+}
+
+void clb_to_float_q8_ref(int64_t n, const void *x, float *y) {
+    const clb_block_q8 *b = x;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        float d = clb_f16_to_f32(b[i].d);
+        for (int j = 0; j < CLB_QK; j++) y[i * CLB_QK + j] = d * (float)b[i].qs[j];
+    }
+}
+
+void clb_to_float_q4_ref(int64_t n, const void *x, float *y) {
+    const clb_block_q4 *b = x;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        float d = clb_f16_to_f32(b[i].d);
+        float *yb = y + i * CLB_QK;
+        for (int j = 0; j < CLB_QK / 2; j++) {
+            const int8_t *v = clb_q4_lut[b[i].qs[j]];
+            yb[j] = d * (float)v[0];
+            yb[j + CLB_QK / 2] = d * (float)v[1];
+        }
+    }
+}
+
+void clb_to_float_q8a_ref(int64_t n, const void *x, float *y) {
+    const clb_block_q8a *b = x;
+    for (int64_t i = 0; i < n / CLB_QK; i++)
+        for (int j = 0; j < CLB_QK; j++) y[i * CLB_QK + j] = b[i].d * (float)b[i].qs[j];
+}
+
+void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y) {
+    switch (t) {
+    case CLB_TYPE_F32: clb_to_float_f32_ref(n, x, y); break;
+    case CLB_TYPE_F16: clb_to_float_f16_ref(n, x, y); break;
+    case CLB_TYPE_BF16: clb_to_float_bf16_ref(n, x, y); break;
+    case CLB_TYPE_Q8: clb_to_float_q8_ref(n, x, y); break;
+    case CLB_TYPE_Q4: clb_to_float_q4_ref(n, x, y); break;
+    case CLB_TYPE_Q8A: clb_to_float_q8a_ref(n, x, y); break;
+    default: assert(!"clb_dequantize_row: invalid type");
+    }
+}
+
+/* ---- dot products: weight row (its type) . activation row (f32 or q8a) ---- */
+
+float clb_vec_dot_f32_ref(int64_t n, const void *w, const void *x) {
+    const float *a = w, *b = x;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+float clb_vec_dot_f16_ref(int64_t n, const void *w, const void *x) {
+    const clb_f16 *a = w;
+    const float *b = x;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += clb_f16_to_f32(a[i]) * b[i];
+    return s;
+}
+
+float clb_vec_dot_bf16_ref(int64_t n, const void *w, const void *x) {
+    const clb_bf16 *a = w;
+    const float *b = x;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += clb_bf16_to_f32(a[i]) * b[i];
+    return s;
+}
+
+float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x) {
+    const clb_block_q8 *a = w;
+    const clb_block_q8a *b = x;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        int32_t sumi = 0;
+        for (int j = 0; j < CLB_QK; j++) sumi += (int32_t)a[i].qs[j] * (int32_t)b[i].qs[j];
+        s += clb_f16_to_f32(a[i].d) * b[i].d * (float)sumi;
+    }
+    return s;
+}
+
+float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x) {
+    const clb_block_q4 *a = w;
+    const clb_block_q8a *b = x;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        int32_t sumi = 0;
+        for (int j = 0; j < CLB_QK / 2; j++) {
+            const int8_t *v = clb_q4_lut[a[i].qs[j]];
+            sumi += (int32_t)v[0] * b[i].qs[j] + (int32_t)v[1] * b[i].qs[j + CLB_QK / 2];
+        }
+        s += clb_f16_to_f32(a[i].d) * b[i].d * (float)sumi;
+    }
+    return s;
+}

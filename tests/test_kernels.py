@@ -1,0 +1,350 @@
+"""C kernels (csrc/) against numpy: conversions, quantizers, dot products and matmul.
+
+Every weight type is tested on every ISA variant this CPU and build support (the variant is
+forced through the isa_force hook). Quantizers must match engine/quant.py byte for byte;
+dot products and matmuls must match an exact (float64) product of the very same rounded
+operands within the rounding budget below; quantize->dequantize must stay within each type's
+quantization budget.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import _core as core
+from engine import quant
+
+# ---- error budgets -------------------------------------------------------------------------
+# U: unit roundoff of float32. Any order of float32 summation of k terms (with or without FMA)
+# is within (k - 1) * U * sum|term| of the exact sum, and each term here carries at most two
+# more roundings (q types: d_w * d_a, then * integer block sum; float types: the product). So
+# a kernel result may differ from the exact dot product of its rounded operands by at most
+# DOT_ROUNDING_UNITS(n) * U * sum_i |w_i x_i|. We take k = n (the element count) for every
+# type: it is the loosest honest bound (q types sum only n / 32 block terms) and it holds for
+# the reference and for every SIMD variant alike. TINY covers float32 underflow of tiny terms.
+U = 2.0**-24
+TINY = 1e-30
+
+
+def DOT_ROUNDING_UNITS(n: int) -> float:  # noqa: N802 - a named constant of the budget
+    return n + 2.0
+
+
+# Quantization budgets, per element, in units of the block's float32 scale d (q8, q8a: d =
+# amax / 127; q4: |d| = amax / 8) plus an absolute floor for subnormal f16 scales:
+# - q8: rint is off by at most d/2; the f16 scale adds at most 2^-11 * d per unit of |q| <= 127.
+Q8_ERR_PER_SCALE = 0.5 + 127 * 2.0**-11 + 1e-5
+Q8_ERR_ABS = 127 * 2.0**-25  # f16 subnormal spacing is 2^-24: rounding error <= 2^-25 per unit
+# - q4: values map into [-8, 8]; +8 is clamped to 7, so one element may be off by a whole |d|;
+#   the f16 scale adds 2^-11 * |d| per unit of |q| <= 8.
+Q4_ERR_PER_SCALE = 1.0 + 8 * 2.0**-11 + 1e-5
+Q4_ERR_ABS = 8 * 2.0**-25
+# - q8a: the scale stays float32, so only the rint half step (and float32 rounding of x / d).
+Q8A_ERR_PER_SCALE = 0.5 + 1e-5
+# - f16: relative 2^-11 for normal values, absolute 2^-25 in the subnormal range.
+F16_ERR_REL, F16_ERR_ABS = 2.0**-11, 2.0**-25
+# - bf16: relative 2^-8 (8 significant bits).
+BF16_ERR_REL = 2.0**-8
+
+WEIGHT_TYPES = ["f32", "f16", "bf16", "q8", "q4"]
+BLOCK_TYPES = ["q8", "q4"]
+ISAS = core.isa_supported()
+Q8A_DTYPE = np.dtype([("d", "<f4"), ("sum", "<i4"), ("qs", "i1", (quant.QK,))])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):
+    """Forces one ISA variant for the test, then restores the best one."""
+    core.isa_force(request.param)
+    yield request.param
+    core.isa_force(core.isa_best())
+
+
+# ---- inputs --------------------------------------------------------------------------------
+
+
+def make_cases(n: int, seed: int, max_abs: float = 1e4) -> dict[str, np.ndarray]:
+    """Named float32 vectors of length n (a multiple of 32) covering the hard cases."""
+    rng = np.random.default_rng(seed)
+    normal = rng.standard_normal(n).astype(np.float32)
+    cases = {
+        "normal": normal,
+        "large": (normal * np.float32(max_abs / 5)).astype(np.float32),
+        "tiny": (normal * np.float32(1e-6)).astype(np.float32),  # f16 scales go subnormal
+        "zeros": np.zeros(n, np.float32),
+        "all_equal": np.full(n, -3.25, np.float32),
+        "spike": np.where(np.arange(n) == n // 3, np.float32(max_abs / 2), 0).astype(np.float32),
+    }
+    mixed = normal.copy()
+    mixed.reshape(-1, 32)[::2] = 0.0  # every other block is all zero
+    cases["zero_blocks"] = mixed
+    # exact halves with amax 127 (q8: d = 1) and -8 (q4: d = 1): exercises round-half-even
+    halves = (rng.integers(-15, 15, n) + 0.5).astype(np.float32)
+    halves.reshape(-1, 32)[:, 5] = 127.0
+    cases["halves_q8"] = halves
+    halves4 = (rng.integers(-7, 7, n) + 0.5).astype(np.float32)
+    halves4.reshape(-1, 32)[:, 9] = -8.0
+    cases["halves_q4"] = halves4
+    # q4 ties on |x|: +a first, then -a: the first one sets the sign of d
+    ties = normal.copy()
+    ties.reshape(-1, 32)[:, 3] = 9.0
+    ties.reshape(-1, 32)[:, 20] = -9.0
+    cases["abs_ties"] = ties
+    return cases
+
+
+def q8a_spec(x: np.ndarray) -> bytes:
+    """numpy specification of the q8a activation type: q8 arithmetic, scale kept float32."""
+    b = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, quant.QK)
+    amax = np.max(np.abs(b), axis=1)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    q = np.clip(np.rint(b * inv[:, None]), -127, 127).astype(np.int8)
+    out = np.empty(b.shape[0], dtype=Q8A_DTYPE)
+    out["d"] = d
+    out["sum"] = q.astype(np.int32).sum(axis=1)
+    out["qs"] = q
+    return out.tobytes()
+
+
+def exact_weights(type_name: str, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """The weight values the kernel computes with, in float64 (exact for every type)."""
+    return quant.decode(data, type_name, shape).astype(np.float64)
+
+
+def exact_activations(type_name: str, x: np.ndarray) -> np.ndarray:
+    """The activation values a kernel for weights of type_name computes with, in float64."""
+    if type_name in BLOCK_TYPES:
+        blocks = np.frombuffer(q8a_spec(x), dtype=Q8A_DTYPE)
+        d = blocks["d"].astype(np.float64)[:, None]
+        return (d * blocks["qs"].astype(np.float64)).reshape(x.shape)
+    return x.astype(np.float64)
+
+
+def dot_budget(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Allowed |kernel - exact| for y = x @ w.T given the exact (float64) operands."""
+    n = w.shape[-1]
+    return DOT_ROUNDING_UNITS(n) * U * (np.abs(x) @ np.abs(w).T) + TINY
+
+
+# ---- ISA dispatch --------------------------------------------------------------------------
+
+
+def test_isa_dispatch() -> None:
+    assert ISAS[0] == "ref"
+    assert core.isa_best() == ISAS[-1]
+    for name in ISAS:
+        core.isa_force(name)
+        assert core.isa_active() == name
+    core.isa_force(core.isa_best())
+    with pytest.raises(ValueError):
+        core.isa_force("neon")
+
+
+def test_type_sizes() -> None:
+    for t in WEIGHT_TYPES:
+        for n in (32, 64, 4096):
+            assert core.type_row_size(t, n) == quant.row_bytes(t, n)
+    assert core.type_row_size("q8a", 64) == 80
+    assert core.type_row_size("q8", 33) == 0
+    assert core.type_row_size("f16", 33) == 66
+    assert [core.type_valid_for_file(i) for i in range(7)] == [True] * 5 + [False] * 2
+
+
+# ---- scalar conversions --------------------------------------------------------------------
+
+
+def test_f16_to_f32_all_patterns() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = core.f16_bits_to_f32(bits)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_f32_to_f16_matches_numpy() -> None:
+    rng = np.random.default_rng(1)
+    random_bits = rng.integers(0, 1 << 32, 400_000, dtype=np.uint64).astype(np.uint32)
+    # every f16 value, and every midpoint between neighbours (exact in float32): ties
+    halves = np.arange(1 << 15, dtype=np.uint16).view(np.float16).astype(np.float64)
+    halves = halves[np.isfinite(halves)]
+    mids = (halves[:-1] + halves[1:]) / 2
+    specials = np.array([65504, 65519.99, 65520, 65536, 1e-8, 2.0**-25, 2.0**-24, 2.0**-14,
+                         np.inf], dtype=np.float64)
+    x = np.concatenate([random_bits.view(np.float32), halves.astype(np.float32),
+                        mids.astype(np.float32), specials.astype(np.float32)])
+    x = np.concatenate([x, -x])
+    got = core.f32_to_f16_bits(x)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    assert np.all(np.isnan(got[nan].view(np.float16)))
+    assert np.array_equal(got[~nan], want[~nan])
+
+
+def test_bf16_matches_quant() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([x, np.array([np.inf, -np.inf, 0.0, -0.0, 3.0e38], np.float32)])
+    assert np.array_equal(core.f32_to_bf16_bits(x), quant.f32_to_bf16_bits(x))
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got, want = core.bf16_bits_to_f32(bits), quant.bf16_bits_to_f32(bits)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# ---- quantizers: bit-exact with engine/quant.py ---------------------------------------------
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+@pytest.mark.parametrize("n", [32, 96, 4096])
+def test_quantize_bytes_match_spec(type_name: str, n: int) -> None:
+    for name, x in make_cases(n, seed=n).items():
+        assert core.quantize(type_name, x) == quant.encode(x, type_name), name
+
+
+@pytest.mark.parametrize("type_name", WEIGHT_TYPES)
+def test_dequantize_matches_spec(type_name: str, isa: str) -> None:
+    for name, x in make_cases(160, seed=3, max_abs=1e3).items():
+        data = quant.encode(x, type_name)
+        want = quant.decode(data, type_name, x.shape)
+        for got in (core.dequantize(type_name, data, x.size),
+                    core.to_float(type_name, data, x.size)):
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+
+
+def test_q4_all_bytes_through_lookup_table() -> None:
+    blocks = np.zeros(16, dtype=quant.Q4_DTYPE)
+    blocks["d"] = np.float16(0.5)
+    blocks["qs"] = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    data = blocks.tobytes()
+    want = quant.decode(data, "q4", (16 * 32,))
+    assert np.array_equal(core.dequantize("q4", data, 16 * 32), want)
+
+
+@pytest.mark.parametrize("n", [32, 64, 96, 224, 4096])
+def test_q8a_every_isa_matches_spec(n: int, isa: str) -> None:
+    for name, x in make_cases(n, seed=n + 7).items():
+        assert core.quantize("q8a", x) == q8a_spec(x), name
+
+
+def test_quantization_error_budgets() -> None:
+    for name, x in make_cases(4096, seed=11, max_abs=1e3).items():
+        b = x.reshape(-1, 32).astype(np.float64)
+        amax = np.max(np.abs(b), axis=1, keepdims=True)
+        for t, per_scale, floor, scale in (
+            ("q8", Q8_ERR_PER_SCALE, Q8_ERR_ABS, amax / 127),
+            ("q4", Q4_ERR_PER_SCALE, Q4_ERR_ABS, amax / 8),
+        ):
+            err = np.abs(quant.fake_quantize(x, t).reshape(-1, 32) - b)
+            assert np.all(err <= per_scale * scale + floor), (t, name)
+        deq = core.dequantize("q8a", core.quantize("q8a", x), x.size).reshape(-1, 32)
+        assert np.all(np.abs(deq - b) <= Q8A_ERR_PER_SCALE * amax / 127), ("q8a", name)
+        err16 = np.abs(quant.fake_quantize(x, "f16") - x)
+        assert np.all(err16 <= F16_ERR_REL * np.abs(x) + F16_ERR_ABS), ("f16", name)
+        errb = np.abs(quant.fake_quantize(x, "bf16") - x)
+        assert np.all(errb <= BF16_ERR_REL * np.abs(x)), ("bf16", name)
+
+
+# ---- dot products --------------------------------------------------------------------------
+
+
+def dot_lengths(type_name: str) -> list[int]:
+    block = [32, 64, 96, 160, 4096 + 32]
+    return block if type_name in BLOCK_TYPES else [1, 7, 15, 17, 33, 100, *block, 1000]
+
+
+@pytest.mark.parametrize("type_name", WEIGHT_TYPES)
+def test_vec_dot_within_budget(type_name: str, isa: str) -> None:
+    rng = np.random.default_rng(5)
+    for n in dot_lengths(type_name):
+        cases = make_cases(((n + 31) // 32) * 32, seed=n, max_abs=1e3)
+        xs = rng.standard_normal(n).astype(np.float32)
+        for name, w in cases.items():
+            w = w[:n]
+            for x in (xs, w):  # w . w covers all-equal, spikes and zeros on both sides
+                data = quant.encode(w, type_name)
+                got = core.vec_dot(type_name, data, x)
+                we = exact_weights(type_name, data, (1, n))
+                xe = exact_activations(type_name, x)[None, :]
+                want = float((xe @ we.T)[0, 0])
+                budget = float(dot_budget(we, xe)[0, 0])
+                assert abs(got - want) <= budget, (n, name, got, want, budget)
+
+
+# ---- matmul --------------------------------------------------------------------------------
+
+MATMUL_SHAPES = [  # (n_out, n_in, n_tokens)
+    (1, 32, 1),
+    (17, 64, 1),
+    (37, 96, 3),
+    (64, 256, 8),
+    (33, 160, 5),
+    (130, 512, 2),
+]
+
+
+def matmul_inputs(n_out: int, n_in: int, n_tok: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    if n_out > 1:
+        w[n_out // 2] = 0.0  # an all-zero row
+    w[0, :32] *= 1e3  # a block of large values
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    x[:, 32:64] = 0.0 if n_in >= 64 else x[:, 32:64]  # zero activation blocks
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    return w, x, bias
+
+
+@pytest.mark.parametrize("type_name", WEIGHT_TYPES)
+@pytest.mark.parametrize("shape", MATMUL_SHAPES)
+def test_matmul_within_budget(type_name: str, shape: tuple[int, int, int], isa: str) -> None:
+    n_out, n_in, n_tok = shape
+    w, x, bias = matmul_inputs(n_out, n_in, n_tok, seed=n_out * n_in)
+    data = quant.encode(w, type_name)
+    we = exact_weights(type_name, data, w.shape)
+    xe = exact_activations(type_name, x)
+    want = xe @ we.T
+    budget = dot_budget(we, xe)
+    y = core.matmul(type_name, data, n_out, n_in, x, None, 1)
+    assert y.shape == (n_tok, n_out) and not np.isnan(y).any()
+    assert np.all(np.abs(y - want) <= budget)
+    yb = core.matmul(type_name, data, n_out, n_in, x, bias, 1)
+    assert np.array_equal(yb, (y + bias).astype(np.float32))
+    # a row stride wider than n_out: padding columns must stay untouched
+    ldy = n_out + 5
+    yp = core.matmul(type_name, data, n_out, n_in, x, bias, 1, ldy)
+    assert np.array_equal(yp[:, :n_out], yb) and np.all(yp[:, n_out:] == 12345.0)
+    for n_threads in (2, 3, 4):
+        yt = core.matmul(type_name, data, n_out, n_in, x, bias, n_threads)
+        assert np.array_equal(yt, yb), n_threads
+
+
+def test_matmul_rejects_bad_arguments() -> None:
+    w = quant.encode(np.ones((4, 64), np.float32), "q8")
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError):
+        core.matmul("q8", w, 4, 64, x, None, 1, 3)  # ldy < n_out
+    with pytest.raises(ValueError):
+        core.matmul("q8", w[:-1], 4, 64, x, None, 1)  # short weights
+    with pytest.raises(ValueError):
+        core.matmul("q8", w, 4, 48, np.ones((2, 48), np.float32), None, 1)  # not whole blocks
+    with pytest.raises(ValueError):
+        core.matmul("q8a", core.quantize("q8a", np.ones(64, np.float32)), 1, 64, x, None, 1)
+
+
+def test_matmul_zero_tokens() -> None:
+    w = quant.encode(np.ones((4, 64), np.float32), "q4")
+    y = core.matmul("q4", w, 4, 64, np.zeros((0, 64), np.float32), None, 2)
+    assert y.shape == (0, 4)
+
+
+@pytest.mark.parametrize("type_name", WEIGHT_TYPES)
+def test_get_row(type_name: str) -> None:
+    w, _, _ = matmul_inputs(9, 64, 1, seed=9)
+    data = quant.encode(w, type_name)
+    full = quant.decode(data, type_name, w.shape)
+    for row in (0, 4, 8):
+        assert np.array_equal(core.get_row(type_name, data, 64, row), full[row])

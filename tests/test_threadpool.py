@@ -1,0 +1,36 @@
+"""Thread pool (csrc/threadpool.c): every worker index runs exactly once per run."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from engine import _core as core
+
+CLB_E_ARG = -5
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 4, 8])
+def test_each_worker_runs_once_per_run(n_threads: int) -> None:
+    counts, nth_seen = core.threadpool_exercise(n_threads, 500)
+    assert counts.shape == (500, n_threads)
+    assert np.all(counts == 1)
+    assert np.all(nth_seen == n_threads)
+
+
+def test_nested_run_is_refused() -> None:
+    for n_threads in (1, 3):
+        assert np.all(core.threadpool_nested_status(n_threads) == CLB_E_ARG)
+
+
+def test_bad_sizes_are_refused() -> None:
+    for n in (0, -1, 100_000):
+        with pytest.raises(ValueError):
+            core.ThreadPool(n)
+
+
+def test_physical_cores() -> None:
+    n = core.physical_cores()
+    assert 1 <= n <= (os.cpu_count() or 1)
