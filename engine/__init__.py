@@ -1,4 +1,52 @@
 """Colibri engine: model format, converter, C forward pass, tokenizer and sampler.
 
-The server (app/) uses only what this module exports.
+The server (app/) uses only what this module exports. Exports resolve lazily, so importing
+a light submodule (engine.quant, engine.convert) never loads the C extension.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "StepOutput": "engine.llm",
+    "ContextLengthError": "engine.llm",
+    "default_model_path": "engine.llm",
+    "SamplingParams": "engine.sampling",
+    "SamplingParamError": "engine.sampling",
+    "Tokenizer": "engine.tokenizer",
+    "convert": "engine.convert",
+    "ensure_converted": "engine.convert",
+}
+
+__all__ = [
+    "LLM",
+    "ContextLengthError",
+    "SamplingParamError",
+    "SamplingParams",
+    "StepOutput",
+    "Tokenizer",
+    "__version__",
+    "convert",
+    "default_model_path",
+    "ensure_converted",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.convert import convert, ensure_converted
+    from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
+    from engine.sampling import SamplingParamError, SamplingParams
+    from engine.tokenizer import Tokenizer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
