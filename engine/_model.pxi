@@ -1,1 +1,332 @@
 # model binding: owned by the model/forward work (see docs/INTERNALS.md)
+#
+# CoreModel (a loaded clb_model), KVCache (a clb_kv) and inspect_weight_file. C errors come back
+# as Python exceptions carrying the C message: ModelFileNotFoundError (a FileNotFoundError) for
+# missing files, FormatError / ShapeError (ValueErrors) for corrupt or mismatched files,
+# InputError / ContextOverflowError (ValueErrors) for bad tokens or positions.
+# Uses clb_status, clb_type and clb_threadpool declared in _kernels.pxi.
+
+from libc.string cimport strlen
+
+import threading
+
+from engine.errors import (
+    ColibriError,
+    ContextOverflowError,
+    FormatError,
+    InputError,
+    ModelFileNotFoundError,
+    ShapeError,
+)
+
+cdef extern from "clb_model.h" nogil:
+    int CLB_ERR_LEN
+
+    ctypedef struct clb_hparams:
+        int32_t arch
+        int64_t n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim
+        int64_t n_ff, n_expert, n_expert_used
+        int64_t n_ff_shared
+        int32_t shared_gate
+        int32_t norm_topk_prob
+        int32_t qk_norm
+        int32_t qkv_bias
+        int32_t tie_embeddings
+        float clip_qkv
+        float rope_theta
+        int64_t rotary_dim
+        float rms_eps
+        int64_t sliding_window
+        int64_t n_ctx
+
+    ctypedef struct clb_tensor:
+        const char name[64]
+        clb_type type
+        int32_t n_dims
+        int64_t shape[4]
+        const void *data
+        size_t nbytes
+
+    ctypedef struct clb_wfile:
+        pass
+    ctypedef struct clb_model:
+        pass
+    ctypedef struct clb_kv:
+        pass
+
+    clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err)
+    void clb_wfile_close(clb_wfile *f)
+    int clb_wfile_n_tensors(const clb_wfile *f)
+    const clb_tensor *clb_wfile_tensor(const clb_wfile *f, int i)
+
+    clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads,
+                              clb_model **out, char *err)
+    void clb_model_free(clb_model *m)
+    const clb_hparams *clb_model_hparams(const clb_model *m)
+    int clb_model_n_threads(const clb_model *m)
+    int64_t clb_forward_max_batch()
+
+    clb_status clb_kv_init(const clb_model *m, int n_seq, clb_kv **out)
+    void clb_kv_free(clb_kv *kv)
+    void clb_kv_clear_seq(clb_kv *kv, int seq_id)
+    int64_t clb_kv_seq_len(const clb_kv *kv, int seq_id)
+    int clb_kv_n_seq(const clb_kv *kv)
+
+    clb_status clb_forward(clb_model *m, clb_kv *kv, int64_t n_tokens, const int32_t *tokens,
+                           const int32_t *seq_ids, const int32_t *positions,
+                           const uint8_t *want_logits, float *logits, char *err)
+
+_TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4"}
+
+_HPARAM_INT_KEYS = (
+    "arch", "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
+    "n_expert", "n_expert_used", "n_ff_shared", "shared_gate", "norm_topk_prob", "qk_norm",
+    "qkv_bias", "tie_embeddings", "rotary_dim", "sliding_window", "n_ctx",
+)
+_HPARAM_FLOAT_KEYS = ("clip_qkv", "rope_theta", "rms_eps")
+
+
+def _as_i32(x, str what):
+    """x as a contiguous 1-D int32 array; refuses values int32 cannot hold (no silent wrap)."""
+    a = np.asarray(x)
+    if a.dtype == np.int32:
+        return np.ascontiguousarray(a).reshape(-1)
+    if a.size and a.dtype.kind not in "iu":
+        raise InputError(f"{what} must be integers, got dtype {a.dtype}")
+    a = a.reshape(-1)
+    if a.size and (int(a.min()) < -2**31 or int(a.max()) >= 2**31):
+        raise InputError(f"{what} has values outside the int32 range")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+cdef object _model_error(clb_status st, const char *err):
+    """The Python exception for a C status and message."""
+    msg = err.decode("utf-8", "replace") if err != NULL else ""
+    if not msg:
+        msg = f"C core error {int(st)}"
+    if st == CLB_E_IO:
+        if msg.startswith("missing file: "):
+            return ModelFileNotFoundError(msg)
+        return OSError(msg)
+    if st == CLB_E_FORMAT:
+        return FormatError(msg)
+    if st == CLB_E_SHAPE:
+        return ShapeError(msg)
+    if st == CLB_E_NOMEM:
+        return MemoryError(msg)
+    if st == CLB_E_RANGE:
+        return ContextOverflowError(msg)
+    if st == CLB_E_ARG:
+        return InputError(msg)
+    return ColibriError(msg)
+
+
+cdef bytes _fs_path(path):
+    import os
+    return os.fsencode(os.fspath(path))
+
+
+def inspect_weight_file(path) -> list:
+    """Validate one Colibri .bin file with the C loader and list its tensors.
+
+    Returns [{"name", "dtype", "shape", "nbytes"}, ...] in table order; raises the same
+    exceptions as model loading (FormatError for any violation of the format).
+    """
+    cdef bytes p = _fs_path(path)
+    cdef const char *cp = p
+    cdef char err[512]
+    cdef clb_wfile *f = NULL
+    cdef clb_status st
+    err[0] = 0
+    with nogil:
+        st = clb_wfile_open(cp, &f, err)
+    if st != CLB_OK:
+        raise _model_error(st, err)
+    out = []
+    cdef const clb_tensor *t
+    cdef const char *nm
+    try:
+        for i in range(clb_wfile_n_tensors(f)):
+            t = clb_wfile_tensor(f, i)
+            nm = t.name
+            out.append({
+                "name": nm[:strlen(nm)].decode("utf-8", "replace"),
+                "dtype": _TYPE_NAMES.get(<int>t.type, str(<int>t.type)),
+                "shape": tuple(t.shape[d] for d in range(t.n_dims)),
+                "nbytes": t.nbytes,
+            })
+    finally:
+        clb_wfile_close(f)
+    return out
+
+
+cdef class KVCache:
+    """KV cache for n_seq sequences of the model's n_ctx positions (made by CoreModel.new_kv)."""
+
+    cdef clb_kv *kv
+    cdef readonly CoreModel model
+
+    def __cinit__(self):
+        self.kv = NULL
+
+    def __dealloc__(self):
+        if self.kv != NULL:
+            clb_kv_free(self.kv)
+            self.kv = NULL
+
+    @property
+    def n_seq(self) -> int:
+        return clb_kv_n_seq(self.kv)
+
+    def clear_seq(self, int seq_id) -> None:
+        """Forget every position of sequence seq_id."""
+        if seq_id < 0 or seq_id >= clb_kv_n_seq(self.kv):
+            raise InputError(f"sequence id {seq_id} not in 0..{clb_kv_n_seq(self.kv) - 1}")
+        with self.model._lock:
+            clb_kv_clear_seq(self.kv, seq_id)
+
+    def seq_len(self, int seq_id) -> int:
+        """Positions sequence seq_id holds."""
+        cdef int64_t n = clb_kv_seq_len(self.kv, seq_id)
+        if n < 0:
+            raise InputError(f"sequence id {seq_id} not in 0..{clb_kv_n_seq(self.kv) - 1}")
+        return n
+
+
+cdef class CoreModel:
+    """A model folder loaded by the C core; forward runs with the GIL released.
+
+    One forward at a time per model (the C scratch is per model): calls from several threads
+    are serialised by a lock.
+    """
+
+    cdef clb_model *m
+    cdef object _lock
+
+    def __cinit__(self):
+        self.m = NULL
+        self._lock = threading.Lock()
+
+    def __dealloc__(self):
+        if self.m != NULL:
+            clb_model_free(self.m)
+            self.m = NULL
+
+    @staticmethod
+    def load(path, dict hparams, int n_threads=0) -> CoreModel:
+        """Map and validate the model folder `path` against `hparams` (ModelConfig.to_hparams)."""
+        cdef clb_hparams hp
+        memset(&hp, 0, sizeof(hp))
+        missing = [k for k in _HPARAM_INT_KEYS + _HPARAM_FLOAT_KEYS if k not in hparams]
+        if missing:
+            raise ValueError(f"hparams lack {missing}")
+        hp.arch = hparams["arch"]
+        hp.n_vocab = hparams["n_vocab"]
+        hp.n_embd = hparams["n_embd"]
+        hp.n_layer = hparams["n_layer"]
+        hp.n_head = hparams["n_head"]
+        hp.n_head_kv = hparams["n_head_kv"]
+        hp.head_dim = hparams["head_dim"]
+        hp.n_ff = hparams["n_ff"]
+        hp.n_expert = hparams["n_expert"]
+        hp.n_expert_used = hparams["n_expert_used"]
+        hp.n_ff_shared = hparams["n_ff_shared"]
+        hp.shared_gate = hparams["shared_gate"]
+        hp.norm_topk_prob = hparams["norm_topk_prob"]
+        hp.qk_norm = hparams["qk_norm"]
+        hp.qkv_bias = hparams["qkv_bias"]
+        hp.tie_embeddings = hparams["tie_embeddings"]
+        hp.clip_qkv = hparams["clip_qkv"]
+        hp.rope_theta = hparams["rope_theta"]
+        hp.rotary_dim = hparams["rotary_dim"]
+        hp.rms_eps = hparams["rms_eps"]
+        hp.sliding_window = hparams["sliding_window"]
+        hp.n_ctx = hparams["n_ctx"]
+
+        cdef bytes p = _fs_path(path)
+        cdef const char *cp = p
+        cdef char err[512]
+        cdef clb_model *m = NULL
+        cdef clb_status st
+        err[0] = 0
+        with nogil:
+            st = clb_model_load(cp, &hp, n_threads, &m, err)
+        if st != CLB_OK:
+            if st == CLB_E_ARG:  # hparams refused at load: a config problem, not user input
+                raise FormatError(err.decode("utf-8", "replace"))
+            raise _model_error(st, err)
+        cdef CoreModel self = CoreModel.__new__(CoreModel)
+        self.m = m
+        return self
+
+    @property
+    def n_threads(self) -> int:
+        return clb_model_n_threads(self.m)
+
+    @property
+    def n_vocab(self) -> int:
+        return clb_model_hparams(self.m).n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return clb_model_hparams(self.m).n_ctx
+
+    @property
+    def max_batch(self) -> int:
+        """Tokens per internal chunk; longer forward calls are split, same result."""
+        return clb_forward_max_batch()
+
+    def new_kv(self, int n_seq=1) -> KVCache:
+        """A fresh KV cache for n_seq sequences of n_ctx positions."""
+        cdef clb_kv *kv = NULL
+        if n_seq <= 0:
+            raise ValueError(f"n_seq must be positive, got {n_seq}")
+        cdef clb_status st = clb_kv_init(self.m, n_seq, &kv)
+        if st != CLB_OK:
+            raise MemoryError(f"cannot allocate a KV cache for {n_seq} sequences "
+                              f"(status {int(st)})")
+        cdef KVCache c = KVCache.__new__(KVCache)
+        c.kv = kv
+        c.model = self
+        return c
+
+    def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits=None):
+        """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
+
+        tokens, seq_ids, positions: int32 [T]; want_logits: bool/uint8 [T] or None (all rows).
+        """
+        if kv.model is not self:
+            raise ValueError("this KV cache belongs to another model")
+        cdef int32_t[::1] tk = _as_i32(tokens, "tokens")
+        cdef int32_t[::1] sq = _as_i32(seq_ids, "seq_ids")
+        cdef int32_t[::1] ps = _as_i32(positions, "positions")
+        cdef Py_ssize_t n = tk.shape[0]
+        if sq.shape[0] != n or ps.shape[0] != n:
+            raise InputError(f"tokens ({n}), seq_ids ({sq.shape[0]}) and positions "
+                             f"({ps.shape[0]}) differ in length")
+        cdef uint8_t[::1] wl
+        cdef const uint8_t *wp = NULL
+        cdef Py_ssize_t n_out = n
+        if want_logits is not None:
+            wl = np.ascontiguousarray(want_logits, dtype=bool).reshape(-1).view(np.uint8)
+            if wl.shape[0] != n:
+                raise InputError(f"want_logits has {wl.shape[0]} entries for {n} tokens")
+            n_out = int(np.count_nonzero(np.asarray(wl)))
+            if n > 0:
+                wp = &wl[0]
+        cdef int64_t V = clb_model_hparams(self.m).n_vocab
+        out = np.empty((n_out, V), dtype=np.float32)
+        cdef float[:, ::1] lo = out
+        cdef float *lp = &lo[0, 0] if n_out > 0 else NULL
+        cdef const int32_t *tp = &tk[0] if n > 0 else NULL
+        cdef const int32_t *sp = &sq[0] if n > 0 else NULL
+        cdef const int32_t *pp = &ps[0] if n > 0 else NULL
+        cdef char err[512]
+        cdef clb_status st
+        err[0] = 0
+        with self._lock:
+            with nogil:
+                st = clb_forward(self.m, kv.kv, n, tp, sp, pp, wp, lp, err)
+        if st != CLB_OK:
+            raise _model_error(st, err)
+        return out

@@ -1,0 +1,74 @@
+/* The seeds' C API (colibri_init / colibri_forward / colibri_free): a thin single-sequence
+ * wrapper over clb_model_load, clb_kv_init and clb_forward.
+ * Guarantees: each colibri_forward appends its tokens to the one sequence and returns the logits
+ * of the last token; errors come back as a status and a message, as in the clb_ API.
+ * Refuses: tokenizing and detokenizing: they live in Python (engine, with Hugging Face
+ * tokenizers), which owns the tokenizer.json that came with the model. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clb_model.h"
+
+struct colibri_model {
+    clb_model *model;
+    clb_kv *kv;
+};
+
+colibri_model *colibri_init(const char *dir, const clb_hparams *hp, int n_threads, char *err) {
+    colibri_model *cm = calloc(1, sizeof(*cm));
+    if (!cm) {
+        if (err) snprintf(err, CLB_ERR_LEN, "out of memory");
+        return NULL;
+    }
+    if (clb_model_load(dir, hp, n_threads, &cm->model, err) != CLB_OK) {
+        free(cm);
+        return NULL;
+    }
+    if (clb_kv_init(cm->model, 1, &cm->kv) != CLB_OK) {
+        if (err) snprintf(err, CLB_ERR_LEN, "out of memory for the KV cache");
+        colibri_free(cm);
+        return NULL;
+    }
+    return cm;
+}
+
+clb_status colibri_forward(colibri_model *cm, const int32_t *tokens, int64_t n_tokens,
+                           float *logits, char *err) {
+    if (!cm || n_tokens <= 0 || n_tokens > INT32_MAX) {
+        if (err) snprintf(err, CLB_ERR_LEN, "colibri_forward: no model or no tokens");
+        return CLB_E_ARG;
+    }
+    int64_t start = clb_kv_seq_len(cm->kv, 0);
+    if (start + n_tokens > clb_model_hparams(cm->model)->n_ctx) {
+        if (err) snprintf(err, CLB_ERR_LEN, "colibri_forward: %lld + %lld tokens exceed n_ctx",
+                          (long long)start, (long long)n_tokens);
+        return CLB_E_RANGE;
+    }
+    /* one small fixed-size batch at a time keeps this wrapper allocation-free */
+    enum { STEP = 64 };
+    int32_t seq[STEP], pos[STEP];
+    uint8_t want[STEP];
+    memset(seq, 0, sizeof seq);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += STEP) {
+        int64_t n = n_tokens - t0 < STEP ? n_tokens - t0 : STEP;
+        for (int64_t i = 0; i < n; i++) {
+            pos[i] = (int32_t)(start + t0 + i);
+            want[i] = t0 + i == n_tokens - 1;
+        }
+        clb_status st = clb_forward(cm->model, cm->kv, n, tokens + t0, seq, pos, want, logits, err);
+        if (st != CLB_OK) return st;
+    }
+    return CLB_OK;
+}
+
+void colibri_reset(colibri_model *cm) {
+    if (cm) clb_kv_clear_seq(cm->kv, 0);
+}
+
+void colibri_free(colibri_model *cm) {
+    if (!cm) return;
+    clb_kv_free(cm->kv);
+    clb_model_free(cm->model);
+    free(cm);
+}

@@ -1,0 +1,95 @@
+/* Colibri model internals shared by model.c, kv.c and forward.c (not part of the public API).
+ * Guarantees: every tensor pointer below was validated against the file and the hparams at
+ * load; every scratch buffer is sized for CLB_MAX_BATCH tokens, so forward never allocates.
+ * Refuses: nothing here is for callers outside csrc/. */
+#ifndef CLB_MODEL_INTERNAL_H
+#define CLB_MODEL_INTERNAL_H
+
+#include "clb_model.h"
+#include "clb_pool.h"
+
+/* Tokens one internal forward chunk carries; longer calls are split (see clb_forward). */
+#define CLB_MAX_BATCH 512
+/* Positions per KV block: the cache is addressed through a per-sequence block table so a
+ * paged (shared-pool) cache can replace the fixed mapping without touching forward.c. */
+#define CLB_KV_BLOCK 16
+
+typedef struct {
+    const clb_tensor *w1, *w3, *w2; /* [F, D] gate, [F, D] up, [D, F] down */
+} clb_ffn_w;
+
+typedef struct {
+    const clb_tensor *attn_norm;            /* [D] */
+    const clb_tensor *wq, *wk, *wv, *wo;    /* [H*hd, D], [Hkv*hd, D] x2, [D, H*hd] */
+    const clb_tensor *bq, *bk, *bv;         /* NULL unless qkv_bias */
+    const clb_tensor *q_norm, *k_norm;      /* NULL unless qk_norm */
+    const clb_tensor *ffn_norm;             /* [D] */
+    const clb_tensor *gate_inp;             /* [E, D] f32 */
+    const clb_tensor *shared_gate;          /* [1, D] f32 or NULL */
+    clb_ffn_w shared;                       /* all NULL unless n_ff_shared > 0 */
+    clb_ffn_w *experts;                     /* [E], points into clb_model.experts */
+} clb_layer_w;
+
+struct clb_model {
+    clb_hparams hp;
+    clb_pool *pool;
+    clb_threadpool *tp;
+    int n_threads;
+
+    int n_files;
+    clb_wfile **files;          /* [n_files], closed at free */
+
+    const clb_tensor *tok_embd;    /* [V, D] */
+    const clb_tensor *output_norm; /* [D] */
+    const clb_tensor *output;      /* [V, D]; tok_embd when tied */
+    clb_layer_w *layers;           /* [L] */
+    clb_ffn_w *experts;            /* [L * E] */
+
+    /* scratch, B = CLB_MAX_BATCH rows each */
+    float *x;        /* [B, D] residual stream */
+    float *xn;       /* [B, D] normed input of the current block */
+    float *q;        /* [B, H*hd] */
+    float *k, *v;    /* [B, Hkv*hd] */
+    float *att;      /* [B, H*hd] attention output (pre o-projection) */
+    float *proj;     /* [B, D] o-projection / MoE output */
+    float *rope;     /* [B, rotary_dim]: cos of the rotary_dim/2 frequencies, then sin */
+    float *inv_freq; /* [rotary_dim/2] */
+    float *probs;    /* [B, E] router probabilities */
+    int32_t *top_id; /* [B, K] */
+    float *top_w;    /* [B, K] */
+    int64_t *e_start;  /* [E+1] start of each expert's group in route_* */
+    int64_t *e_fill;   /* [E] fill cursor */
+    int32_t *route_tok; /* [B*K] token index, grouped by expert, tokens ascending */
+    float *route_w;     /* [B*K] routing weight */
+    float *xg;       /* [B, D] rows gathered for one expert */
+    float *h1, *h3;  /* [B, max(F, Fs)] */
+    float *eo;       /* [B, D] expert output */
+    float *sgate;    /* [B] shared expert gate logits */
+    int32_t *out_rows; /* [B] chunk rows that want logits */
+    float *scores;   /* [n_threads, span] attention scores per worker */
+    int64_t span;    /* most keys one query sees: min(n_ctx, sliding_window) */
+    void *mm_scratch;
+    size_t mm_scratch_size;
+};
+
+struct clb_kv {
+    clb_pool *pool;
+    const clb_model *model; /* the model this cache was made for */
+    int n_seq;
+    int64_t n_layer, n_ctx, kv_dim; /* kv_dim = n_head_kv * head_dim */
+    int64_t n_blk_seq;      /* blocks per sequence: ceil(n_ctx / CLB_KV_BLOCK) */
+    int64_t n_blk;          /* physical blocks per layer */
+    int32_t *blk_table;     /* [n_seq, n_blk_seq] -> physical block */
+    int64_t *seq_len;       /* [n_seq] positions held */
+    int64_t *seq_next;      /* [n_seq] forward's validation scratch */
+    float *data;            /* [L, n_blk, 2 (K, V), CLB_KV_BLOCK, kv_dim] */
+};
+
+/* Row of K (kind 0) or V (kind 1) of layer il for sequence seq at position pos. */
+static inline float *clb_kv_row(const clb_kv *kv, int64_t il, int seq, int64_t pos, int kind) {
+    int64_t blk = kv->blk_table[(int64_t)seq * kv->n_blk_seq + pos / CLB_KV_BLOCK];
+    int64_t base = ((il * kv->n_blk + blk) * 2 + kind) * CLB_KV_BLOCK + pos % CLB_KV_BLOCK;
+    return kv->data + base * kv->kv_dim;
+}
+
+#endif

@@ -1,0 +1,378 @@
+/* Colibri forward pass: one call runs a whole step (all layers) for a batch of tokens from any
+ * number of sequences, following the transformers math summarised in docs/INTERNALS.md.
+ * Guarantees: inputs are validated before anything is computed; heavy math goes through
+ * clb_matmul on the model's thread pool; each expert's weights are read once per chunk for all
+ * the tokens routed to it; no allocation (all scratch was sized at load).
+ * Refuses: token ids, sequence ids and positions outside the model and cache. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "clb_kernels.h"
+#include "clb_model_internal.h"
+
+/* Shape legend: T tokens in the chunk, D n_embd, H/Hkv heads, hd head_dim, E experts, K used,
+ * F expert ff, Fs shared ff, V vocab, qd = H*hd, kvd = Hkv*hd. */
+
+static void f_err(char *err, const char *fmt, ...) {
+    if (!err) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, CLB_ERR_LEN, fmt, ap);
+    va_end(ap);
+}
+
+/* y = x * rsqrt(mean(x^2) + eps) * w over n elements; y may alias x. The sum is kept in double
+ * so the result does not depend on n's size. */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * scale);
+}
+
+static const float *f32(const clb_tensor *t) { return t ? (const float *)t->data : NULL; }
+
+static clb_status mm(clb_model *m, const clb_tensor *w, const float *x, int64_t T, float *y,
+                     int64_t ldy, const clb_tensor *bias) {
+    return clb_matmul(w->type, w->data, w->shape[0], w->shape[1], x, T, y, ldy, f32(bias),
+                      m->mm_scratch, m->tp);
+}
+
+#define TRY(expr)                         \
+    do {                                  \
+        clb_status st_ = (expr);          \
+        if (st_ != CLB_OK) return st_;    \
+    } while (0)
+
+/* HF "rotate half" on the first rd dims of one head: pairs (x[i], x[i + rd/2]). */
+static void rope_head(float *x, const float *cs, int64_t rd) {
+    int64_t half = rd / 2;
+    const float *c = cs, *s = cs + half;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * c[i] - b * s[i];
+        x[i + half] = b * c[i] + a * s[i];
+    }
+}
+
+/* ---- attention -------------------------------------------------------------------------- */
+
+typedef struct {
+    clb_model *m;
+    const clb_kv *kv;
+    int64_t il, T;
+    const int32_t *seq, *pos;
+} att_task;
+
+/* Work items are (token, head) pairs split evenly over the workers; each query reads the keys
+ * of its own sequence in [max(0, pos - window + 1), pos], all already in the cache. */
+static void att_worker(void *vctx, int ith, int nth) {
+    const att_task *a = vctx;
+    const clb_model *m = a->m;
+    const clb_hparams *hp = &m->hp;
+    const int64_t H = hp->n_head, hd = hp->head_dim, qd = H * hd;
+    const int64_t group = H / hp->n_head_kv;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int64_t n_items = a->T * H;
+    const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
+    float *sc = m->scores + (int64_t)ith * m->span;
+
+    for (int64_t it = i0; it < i1; it++) {
+        int64_t t = it / H, h = it % H, kvh = h / group;
+        int s = a->seq[t];
+        int64_t p = a->pos[t];
+        int64_t lo = 0;
+        if (hp->sliding_window > 0 && p - hp->sliding_window + 1 > 0) lo = p - hp->sliding_window + 1;
+        const float *q = m->q + t * qd + h * hd;
+        float *out = m->att + t * qd + h * hd;
+
+        float mx = -INFINITY;
+        for (int64_t j = lo; j <= p; j++) {
+            const float *k = clb_kv_row(a->kv, a->il, s, j, 0) + kvh * hd;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < hd; d++) dot += q[d] * k[d];
+            dot *= scale;
+            sc[j - lo] = dot;
+            if (dot > mx) mx = dot;
+        }
+        float sum = 0.0f;
+        for (int64_t j = lo; j <= p; j++) {
+            float e = expf(sc[j - lo] - mx);
+            sc[j - lo] = e;
+            sum += e;
+        }
+        float inv = 1.0f / sum; /* sum >= 1: the maximum contributes exp(0) */
+        for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
+        for (int64_t j = lo; j <= p; j++) {
+            const float *v = clb_kv_row(a->kv, a->il, s, j, 1) + kvh * hd;
+            float w = sc[j - lo] * inv;
+            for (int64_t d = 0; d < hd; d++) out[d] += w * v[d];
+        }
+    }
+}
+
+static clb_status attention(clb_model *m, clb_kv *kv, int64_t il, int64_t T, const int32_t *seq,
+                            const int32_t *pos) {
+    const clb_hparams *hp = &m->hp;
+    const clb_layer_w *l = &m->layers[il];
+    const int64_t D = hp->n_embd, H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim;
+    const int64_t qd = H * hd, kvd = Hkv * hd, rd = hp->rotary_dim;
+
+    for (int64_t t = 0; t < T; t++)
+        rmsnorm(m->x + t * D, f32(l->attn_norm), D, hp->rms_eps, m->xn + t * D);
+    TRY(mm(m, l->wq, m->xn, T, m->q, qd, l->bq)); /* [T, qd] */
+    TRY(mm(m, l->wk, m->xn, T, m->k, kvd, l->bk)); /* [T, kvd] */
+    TRY(mm(m, l->wv, m->xn, T, m->v, kvd, l->bv)); /* [T, kvd] */
+
+    for (int64_t t = 0; t < T; t++) {
+        float *q = m->q + t * qd, *k = m->k + t * kvd, *v = m->v + t * kvd;
+        if (hp->qk_norm == CLB_QK_NORM_HEAD) {
+            for (int64_t h = 0; h < H; h++) rmsnorm(q + h * hd, f32(l->q_norm), hd, hp->rms_eps, q + h * hd);
+            for (int64_t h = 0; h < Hkv; h++) rmsnorm(k + h * hd, f32(l->k_norm), hd, hp->rms_eps, k + h * hd);
+        } else if (hp->qk_norm == CLB_QK_NORM_FULL) {
+            rmsnorm(q, f32(l->q_norm), qd, hp->rms_eps, q);
+            rmsnorm(k, f32(l->k_norm), kvd, hp->rms_eps, k);
+        }
+        if (hp->clip_qkv > 0.0f) {
+            const float c = hp->clip_qkv;
+            for (int64_t i = 0; i < qd; i++) q[i] = fminf(fmaxf(q[i], -c), c);
+            for (int64_t i = 0; i < kvd; i++) {
+                k[i] = fminf(fmaxf(k[i], -c), c);
+                v[i] = fminf(fmaxf(v[i], -c), c);
+            }
+        }
+        const float *cs = m->rope + t * rd;
+        for (int64_t h = 0; h < H; h++) rope_head(q + h * hd, cs, rd);
+        for (int64_t h = 0; h < Hkv; h++) rope_head(k + h * hd, cs, rd);
+        memcpy(clb_kv_row(kv, il, seq[t], pos[t], 0), k, (size_t)kvd * sizeof(float));
+        memcpy(clb_kv_row(kv, il, seq[t], pos[t], 1), v, (size_t)kvd * sizeof(float));
+    }
+
+    /* every K/V row of this chunk is stored first, so in-chunk causal attention sees them */
+    att_task task = {m, kv, il, T, seq, pos};
+    TRY(clb_threadpool_run(m->tp, att_worker, &task));
+
+    TRY(mm(m, l->wo, m->att, T, m->proj, D, NULL)); /* [T, D] */
+    for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
+    return CLB_OK;
+}
+
+/* ---- MoE ------------------------------------------------------------------------------- */
+
+/* Softmax over E logits, then the K largest probabilities (ties: lower expert id first),
+ * optionally renormalised to sum to one. */
+static void route_token(const clb_hparams *hp, float *p, int32_t *ids, float *w) {
+    const int64_t E = hp->n_expert, K = hp->n_expert_used;
+    float mx = p[0];
+    for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = expf(p[e] - mx);
+        sum += p[e];
+    }
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids[k] = (int32_t)best;
+        w[k] = p[best];
+    }
+    if (hp->norm_topk_prob) {
+        float ws = 0.0f;
+        for (int64_t k = 0; k < K; k++) ws += w[k];
+        for (int64_t k = 0; k < K; k++) w[k] /= ws;
+    }
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* out[c, D] = w2 @ (silu(w1 @ x) * (w3 @ x)) for c rows of x. */
+static clb_status ffn(clb_model *m, const clb_ffn_w *w, const float *x, int64_t c, float *out) {
+    const int64_t F = w->w1->shape[0], D = m->hp.n_embd;
+    TRY(mm(m, w->w1, x, c, m->h1, F, NULL)); /* [c, F] */
+    TRY(mm(m, w->w3, x, c, m->h3, F, NULL)); /* [c, F] */
+    for (int64_t i = 0; i < c * F; i++) m->h1[i] = silu(m->h1[i]) * m->h3[i];
+    return mm(m, w->w2, m->h1, c, out, D, NULL); /* [c, D] */
+}
+
+static clb_status moe(clb_model *m, int64_t il, int64_t T) {
+    const clb_hparams *hp = &m->hp;
+    const clb_layer_w *l = &m->layers[il];
+    const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
+
+    for (int64_t t = 0; t < T; t++)
+        rmsnorm(m->x + t * D, f32(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
+
+    /* route: [T, E] logits -> top-K ids and weights */
+    TRY(mm(m, l->gate_inp, m->xn, T, m->probs, E, NULL));
+    for (int64_t t = 0; t < T; t++)
+        route_token(hp, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
+
+    /* group: counting sort by expert, tokens ascending within a group */
+    for (int64_t e = 0; e <= E; e++) m->e_start[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) m->e_start[m->top_id[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) {
+        m->e_start[e + 1] += m->e_start[e];
+        m->e_fill[e] = m->e_start[e];
+    }
+    for (int64_t i = 0; i < T * K; i++) {
+        int64_t slot = m->e_fill[m->top_id[i]]++;
+        m->route_tok[slot] = (int32_t)(i / K);
+        m->route_w[slot] = m->top_w[i];
+    }
+
+    /* run each chosen expert once over its gathered rows; combine in expert order, as HF does */
+    memset(m->proj, 0, (size_t)(T * D) * sizeof(float));
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = m->e_start[e], c = m->e_start[e + 1] - r0;
+        if (c == 0) continue;
+        for (int64_t r = 0; r < c; r++)
+            memcpy(m->xg + r * D, m->xn + (int64_t)m->route_tok[r0 + r] * D, (size_t)D * sizeof(float));
+        TRY(ffn(m, &l->experts[e], m->xg, c, m->eo));
+        for (int64_t r = 0; r < c; r++) {
+            float *dst = m->proj + (int64_t)m->route_tok[r0 + r] * D;
+            const float *src = m->eo + r * D;
+            float w = m->route_w[r0 + r];
+            for (int64_t d = 0; d < D; d++) dst[d] += src[d] * w;
+        }
+    }
+
+    if (hp->n_ff_shared > 0) {
+        TRY(ffn(m, &l->shared, m->xn, T, m->eo)); /* [T, D] */
+        if (l->shared_gate) {
+            TRY(mm(m, l->shared_gate, m->xn, T, m->sgate, 1, NULL)); /* [T, 1] */
+            for (int64_t t = 0; t < T; t++) {
+                float g = 1.0f / (1.0f + expf(-m->sgate[t]));
+                for (int64_t d = 0; d < D; d++) m->eo[t * D + d] *= g;
+            }
+        }
+        for (int64_t i = 0; i < T * D; i++) m->proj[i] += m->eo[i];
+    }
+    for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
+    return CLB_OK;
+}
+
+/* ---- one chunk ------------------------------------------------------------------------- */
+
+static clb_status forward_chunk(clb_model *m, clb_kv *kv, int64_t T, const int32_t *tokens,
+                                const int32_t *seq, const int32_t *pos, const uint8_t *want,
+                                float *logits, int64_t *n_out) {
+    const clb_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd, rd = hp->rotary_dim, half = rd / 2;
+
+    for (int64_t t = 0; t < T; t++)
+        clb_get_row(m->tok_embd->type, m->tok_embd->data, D, tokens[t], m->x + t * D);
+    for (int64_t t = 0; t < T; t++) {
+        float *cs = m->rope + t * rd;
+        for (int64_t i = 0; i < half; i++) {
+            float ang = (float)pos[t] * m->inv_freq[i]; /* f32, as transformers computes it */
+            cs[i] = cosf(ang);
+            cs[half + i] = sinf(ang);
+        }
+    }
+    for (int64_t il = 0; il < hp->n_layer; il++) {
+        TRY(attention(m, kv, il, T, seq, pos));
+        TRY(moe(m, il, T));
+    }
+
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (!want || want[t]) m->out_rows[n++] = (int32_t)t;
+    for (int64_t r = 0; r < n; r++)
+        rmsnorm(m->x + (int64_t)m->out_rows[r] * D, f32(m->output_norm), D, hp->rms_eps,
+                m->xn + r * D);
+    if (n > 0) TRY(mm(m, m->output, m->xn, n, logits, hp->n_vocab, NULL)); /* [n, V] */
+    *n_out = n;
+    return CLB_OK;
+}
+
+/* Checks every token before any work so a refused call leaves the cache untouched. Fills
+ * kv->seq_next[s] with one past the last position of s in the call (-1: not in the call). */
+static clb_status validate(const clb_model *m, clb_kv *kv, int64_t n, const int32_t *tokens,
+                           const int32_t *seq, const int32_t *pos, char *err) {
+    const clb_hparams *hp = &m->hp;
+    for (int s = 0; s < kv->n_seq; s++) kv->seq_next[s] = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) {
+            f_err(err, "token %d at index %lld is not in 0..%lld (n_vocab - 1)", tokens[i],
+                  (long long)i, (long long)(hp->n_vocab - 1));
+            return CLB_E_ARG;
+        }
+        if (seq[i] < 0 || seq[i] >= kv->n_seq) {
+            f_err(err, "sequence id %d at index %lld is not in 0..%d", seq[i], (long long)i,
+                  kv->n_seq - 1);
+            return CLB_E_ARG;
+        }
+        if (pos[i] < 0) {
+            f_err(err, "position %d at index %lld is negative", pos[i], (long long)i);
+            return CLB_E_ARG;
+        }
+        if (pos[i] >= hp->n_ctx) {
+            f_err(err, "position %d at index %lld is past the context (n_ctx %lld)", pos[i],
+                  (long long)i, (long long)hp->n_ctx);
+            return CLB_E_RANGE;
+        }
+        int s = seq[i];
+        int64_t next = kv->seq_next[s];
+        if (next < 0 && pos[i] > kv->seq_len[s]) {
+            f_err(err, "sequence %d: position %d at index %lld skips ahead: the cache holds %lld "
+                  "positions", s, pos[i], (long long)i, (long long)kv->seq_len[s]);
+            return CLB_E_ARG;
+        }
+        if (next >= 0 && pos[i] != next) {
+            f_err(err, "sequence %d: position %d at index %lld, expected %lld (positions of a "
+                  "sequence must be consecutive in a call)", s, pos[i], (long long)i,
+                  (long long)next);
+            return CLB_E_ARG;
+        }
+        kv->seq_next[s] = (int64_t)pos[i] + 1;
+    }
+    return CLB_OK;
+}
+
+clb_status clb_forward(clb_model *m, clb_kv *kv, int64_t n_tokens, const int32_t *tokens,
+                       const int32_t *seq_ids, const int32_t *positions,
+                       const uint8_t *want_logits, float *logits, char *err) {
+    if (err) err[0] = '\0';
+    if (!m || !kv || kv->model != m) {
+        f_err(err, "clb_forward: model missing or the KV cache belongs to another model");
+        return CLB_E_ARG;
+    }
+    if (n_tokens < 0 || (n_tokens > 0 && (!tokens || !seq_ids || !positions))) {
+        f_err(err, "clb_forward: bad token arrays (n_tokens %lld)", (long long)n_tokens);
+        return CLB_E_ARG;
+    }
+    if (n_tokens == 0) return CLB_OK;
+    clb_status st = validate(m, kv, n_tokens, tokens, seq_ids, positions, err);
+    if (st != CLB_OK) return st;
+    int any_out = !want_logits;
+    for (int64_t i = 0; i < n_tokens && !any_out; i++) any_out = want_logits[i] != 0;
+    if (any_out && !logits) {
+        f_err(err, "clb_forward: logits requested but no output buffer given");
+        return CLB_E_ARG;
+    }
+
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
+        int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH, n_out = 0;
+        st = forward_chunk(m, kv, T, tokens + t0, seq_ids + t0, positions + t0,
+                           want_logits ? want_logits + t0 : NULL, logits, &n_out);
+        if (st != CLB_OK) {
+            /* the cache of these sequences is now partly rewritten: forget them entirely */
+            for (int s = 0; s < kv->n_seq; s++)
+                if (kv->seq_next[s] >= 0) kv->seq_len[s] = 0;
+            f_err(err, "forward failed in a kernel (status %d); the sequences of this call were "
+                  "cleared", (int)st);
+            return st;
+        }
+        if (n_out > 0) logits += n_out * m->hp.n_vocab;
+    }
+    for (int s = 0; s < kv->n_seq; s++)
+        if (kv->seq_next[s] >= 0) kv->seq_len[s] = kv->seq_next[s];
+    return CLB_OK;
+}

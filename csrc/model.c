@@ -1,0 +1,376 @@
+/* Colibri model loading: hyper-parameter checks, the folder layout, per-tensor dtype/shape
+ * checks, and the one-time allocation of all forward scratch from the memory pool.
+ * Guarantees: a loaded model has every tensor the forward pass reads, each with the shape the
+ * hparams imply; a missing file or tensor, a wrong dtype or shape is an error naming both.
+ * Refuses: hparams that are non-positive, inconsistent or large enough to overflow sizes. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clb_kernels.h"
+#include "clb_model_internal.h"
+
+#define CLB_PATH_MAX 4096
+
+/* Generous caps that keep every size computed below far from overflow. */
+#define CLB_MAX_EMBD ((int64_t)1 << 20)
+#define CLB_MAX_VOCAB ((int64_t)1 << 24)
+#define CLB_MAX_LAYER 4096
+#define CLB_MAX_EXPERT 4096
+#define CLB_MAX_HEADS 4096
+#define CLB_MAX_CTX ((int64_t)1 << 24)
+
+static void m_err(char *err, const char *fmt, ...) {
+    if (!err) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, CLB_ERR_LEN, fmt, ap);
+    va_end(ap);
+}
+
+static clb_status check_hparams(const clb_hparams *hp, char *err) {
+#define NEED(cond, ...)                  \
+    do {                                 \
+        if (!(cond)) {                   \
+            m_err(err, "hparams: " __VA_ARGS__); \
+            return CLB_E_ARG;            \
+        }                                \
+    } while (0)
+    NEED(hp->arch >= CLB_ARCH_MIXTRAL && hp->arch <= CLB_ARCH_OLMOE, "unknown arch %d", hp->arch);
+    NEED(hp->n_vocab > 0 && hp->n_vocab <= CLB_MAX_VOCAB, "n_vocab %lld out of range",
+         (long long)hp->n_vocab);
+    NEED(hp->n_embd > 0 && hp->n_embd <= CLB_MAX_EMBD, "n_embd %lld out of range",
+         (long long)hp->n_embd);
+    NEED(hp->n_layer > 0 && hp->n_layer <= CLB_MAX_LAYER, "n_layer %lld out of range",
+         (long long)hp->n_layer);
+    NEED(hp->n_head > 0 && hp->n_head <= CLB_MAX_HEADS, "n_head %lld out of range",
+         (long long)hp->n_head);
+    NEED(hp->n_head_kv > 0 && hp->n_head_kv <= hp->n_head, "n_head_kv %lld not in 1..n_head",
+         (long long)hp->n_head_kv);
+    NEED(hp->n_head % hp->n_head_kv == 0, "n_head %lld is not a multiple of n_head_kv %lld",
+         (long long)hp->n_head, (long long)hp->n_head_kv);
+    NEED(hp->head_dim > 0 && hp->head_dim * hp->n_head <= CLB_MAX_EMBD,
+         "head_dim %lld out of range", (long long)hp->head_dim);
+    NEED(hp->n_ff > 0 && hp->n_ff <= CLB_MAX_EMBD, "n_ff %lld out of range", (long long)hp->n_ff);
+    NEED(hp->n_expert > 0 && hp->n_expert <= CLB_MAX_EXPERT, "n_expert %lld out of range",
+         (long long)hp->n_expert);
+    NEED(hp->n_expert_used > 0 && hp->n_expert_used <= hp->n_expert,
+         "n_expert_used %lld not in 1..n_expert (%lld)", (long long)hp->n_expert_used,
+         (long long)hp->n_expert);
+    NEED(hp->n_ff_shared >= 0 && hp->n_ff_shared <= CLB_MAX_EMBD, "n_ff_shared %lld out of range",
+         (long long)hp->n_ff_shared);
+    NEED(!hp->shared_gate || hp->n_ff_shared > 0, "shared_gate set without a shared expert");
+    NEED(hp->qk_norm >= CLB_QK_NORM_NONE && hp->qk_norm <= CLB_QK_NORM_FULL,
+         "unknown qk_norm %d", hp->qk_norm);
+    NEED(hp->rotary_dim > 0 && hp->rotary_dim <= hp->head_dim && hp->rotary_dim % 2 == 0,
+         "rotary_dim %lld must be even and in 2..head_dim (%lld)", (long long)hp->rotary_dim,
+         (long long)hp->head_dim);
+    NEED(isfinite(hp->rope_theta) && hp->rope_theta > 0.0f, "rope_theta must be positive");
+    NEED(isfinite(hp->rms_eps) && hp->rms_eps > 0.0f, "rms_eps must be positive");
+    NEED(!isnan(hp->clip_qkv), "clip_qkv is NaN");
+    NEED(hp->n_ctx > 0 && hp->n_ctx <= CLB_MAX_CTX, "n_ctx %lld out of range",
+         (long long)hp->n_ctx);
+    NEED(hp->sliding_window >= 0, "sliding_window %lld is negative (0: off)",
+         (long long)hp->sliding_window);
+#undef NEED
+    return CLB_OK;
+}
+
+/* ---- file and tensor lookup ------------------------------------------------------------ */
+
+typedef struct {
+    clb_model *m;
+    char *err;
+} loader;
+
+static clb_status open_file(loader *ld, const char *dir, const char *rel, clb_wfile **out) {
+    char path[CLB_PATH_MAX];
+    int n = snprintf(path, sizeof path, "%s/%s", dir, rel);
+    if (n < 0 || n >= (int)sizeof path) {
+        m_err(ld->err, "path too long: %s/%s", dir, rel);
+        return CLB_E_ARG;
+    }
+    clb_status st = clb_wfile_open(path, out, ld->err);
+    if (st != CLB_OK) return st;
+    ld->m->files[ld->m->n_files++] = *out;
+    return CLB_OK;
+}
+
+enum { KIND_VEC_F32, KIND_MAT_F32, KIND_MAT_ANY };
+
+/* Finds `name` in f and checks dtype and shape; rows == 0 means a 1-D tensor of `cols`. */
+static clb_status want(loader *ld, const clb_wfile *f, const char *file, const char *name,
+                       int kind, int64_t rows, int64_t cols, const char *what,
+                       const clb_tensor **out) {
+    const clb_tensor *t = clb_wfile_find(f, name);
+    if (!t) {
+        m_err(ld->err, "%s: tensor '%s' is missing", file, name);
+        return CLB_E_SHAPE;
+    }
+    if (kind != KIND_MAT_ANY && t->type != CLB_TYPE_F32) {
+        m_err(ld->err, "%s: tensor '%s' has dtype %s, must be f32", file, name,
+              clb_get_type_traits(t->type)->name);
+        return CLB_E_SHAPE;
+    }
+    int ok = kind == KIND_VEC_F32 ? (t->n_dims == 1 && t->shape[0] == cols)
+                                  : (t->n_dims == 2 && t->shape[0] == rows && t->shape[1] == cols);
+    if (!ok) {
+        char got[96];
+        int p = snprintf(got, sizeof got, "[");
+        for (int d = 0; d < t->n_dims && p < (int)sizeof got; d++)
+            p += snprintf(got + p, sizeof got - (size_t)p, d ? ", %lld" : "%lld",
+                          (long long)t->shape[d]);
+        if (p < (int)sizeof got) snprintf(got + p, sizeof got - (size_t)p, "]");
+        if (kind == KIND_VEC_F32)
+            m_err(ld->err, "%s: tensor '%s' has shape %s, the config wants [%lld] (%s)", file,
+                  name, got, (long long)cols, what);
+        else
+            m_err(ld->err, "%s: tensor '%s' has shape %s, the config wants [%lld, %lld] (%s)",
+                  file, name, got, (long long)rows, (long long)cols, what);
+        return CLB_E_SHAPE;
+    }
+    *out = t;
+    return CLB_OK;
+}
+
+#define TRY(expr)                         \
+    do {                                  \
+        clb_status st_ = (expr);          \
+        if (st_ != CLB_OK) return st_;    \
+    } while (0)
+
+static clb_status load_ffn(loader *ld, const clb_wfile *f, const char *file, int64_t ff,
+                           const char *what, clb_ffn_w *w) {
+    int64_t d = ld->m->hp.n_embd;
+    TRY(want(ld, f, file, "w1", KIND_MAT_ANY, ff, d, what, &w->w1));
+    TRY(want(ld, f, file, "w3", KIND_MAT_ANY, ff, d, what, &w->w3));
+    TRY(want(ld, f, file, "w2", KIND_MAT_ANY, d, ff, what, &w->w2));
+    return CLB_OK;
+}
+
+static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
+    clb_model *m = ld->m;
+    const clb_hparams *hp = &m->hp;
+    clb_layer_w *l = &m->layers[il];
+    int64_t d = hp->n_embd, qd = hp->n_head * hp->head_dim, kvd = hp->n_head_kv * hp->head_dim;
+    char rel[256];
+    clb_wfile *f;
+
+    snprintf(rel, sizeof rel, "attention/layer_%lld.bin", (long long)il);
+    TRY(open_file(ld, dir, rel, &f));
+    TRY(want(ld, f, rel, "attn_norm", KIND_VEC_F32, 0, d, "n_embd", &l->attn_norm));
+    TRY(want(ld, f, rel, "wq", KIND_MAT_ANY, qd, d, "n_head*head_dim, n_embd", &l->wq));
+    TRY(want(ld, f, rel, "wk", KIND_MAT_ANY, kvd, d, "n_head_kv*head_dim, n_embd", &l->wk));
+    TRY(want(ld, f, rel, "wv", KIND_MAT_ANY, kvd, d, "n_head_kv*head_dim, n_embd", &l->wv));
+    TRY(want(ld, f, rel, "wo", KIND_MAT_ANY, d, qd, "n_embd, n_head*head_dim", &l->wo));
+    if (hp->qkv_bias) {
+        TRY(want(ld, f, rel, "bq", KIND_VEC_F32, 0, qd, "n_head*head_dim", &l->bq));
+        TRY(want(ld, f, rel, "bk", KIND_VEC_F32, 0, kvd, "n_head_kv*head_dim", &l->bk));
+        TRY(want(ld, f, rel, "bv", KIND_VEC_F32, 0, kvd, "n_head_kv*head_dim", &l->bv));
+    }
+    if (hp->qk_norm == CLB_QK_NORM_HEAD) {
+        TRY(want(ld, f, rel, "q_norm", KIND_VEC_F32, 0, hp->head_dim, "head_dim", &l->q_norm));
+        TRY(want(ld, f, rel, "k_norm", KIND_VEC_F32, 0, hp->head_dim, "head_dim", &l->k_norm));
+    } else if (hp->qk_norm == CLB_QK_NORM_FULL) {
+        TRY(want(ld, f, rel, "q_norm", KIND_VEC_F32, 0, qd, "n_head*head_dim", &l->q_norm));
+        TRY(want(ld, f, rel, "k_norm", KIND_VEC_F32, 0, kvd, "n_head_kv*head_dim", &l->k_norm));
+    }
+
+    snprintf(rel, sizeof rel, "router/layer_%lld.bin", (long long)il);
+    TRY(open_file(ld, dir, rel, &f));
+    TRY(want(ld, f, rel, "ffn_norm", KIND_VEC_F32, 0, d, "n_embd", &l->ffn_norm));
+    TRY(want(ld, f, rel, "gate_inp", KIND_MAT_F32, hp->n_expert, d, "n_expert, n_embd",
+             &l->gate_inp));
+    if (hp->shared_gate)
+        TRY(want(ld, f, rel, "shared_gate", KIND_MAT_F32, 1, d, "1, n_embd", &l->shared_gate));
+
+    if (hp->n_ff_shared > 0) {
+        snprintf(rel, sizeof rel, "shared/layer_%lld.bin", (long long)il);
+        TRY(open_file(ld, dir, rel, &f));
+        TRY(load_ffn(ld, f, rel, hp->n_ff_shared, "n_ff_shared / n_embd", &l->shared));
+    }
+
+    l->experts = &m->experts[il * hp->n_expert];
+    for (int64_t e = 0; e < hp->n_expert; e++) {
+        snprintf(rel, sizeof rel, "experts/layer_%lld_expert_%lld.bin", (long long)il,
+                 (long long)e);
+        TRY(open_file(ld, dir, rel, &f));
+        TRY(load_ffn(ld, f, rel, hp->n_ff, "n_ff / n_embd", &l->experts[e]));
+    }
+    return CLB_OK;
+}
+
+/* ---- scratch ---------------------------------------------------------------------------- */
+
+static void *palloc(clb_model *m, size_t n, int *fail) {
+    if (*fail) return NULL;
+    void *p = clb_pool_alloc(m->pool, n ? n : 1);
+    if (!p) *fail = 1;
+    return p;
+}
+
+static size_t mm_need(const clb_tensor *t, size_t cur) {
+    if (!t) return cur;
+    size_t s = clb_matmul_scratch_size(t->type, t->shape[1], CLB_MAX_BATCH);
+    return s > cur ? s : cur;
+}
+
+static clb_status alloc_scratch(clb_model *m, char *err) {
+    const clb_hparams *hp = &m->hp;
+    const size_t B = CLB_MAX_BATCH, F = sizeof(float);
+    size_t d = (size_t)hp->n_embd, qd = (size_t)(hp->n_head * hp->head_dim);
+    size_t kvd = (size_t)(hp->n_head_kv * hp->head_dim), e = (size_t)hp->n_expert;
+    size_t k = (size_t)hp->n_expert_used;
+    size_t ff = (size_t)(hp->n_ff > hp->n_ff_shared ? hp->n_ff : hp->n_ff_shared);
+    m->span = hp->n_ctx;
+    if (hp->sliding_window > 0 && hp->sliding_window < m->span) m->span = hp->sliding_window;
+
+    size_t mm = mm_need(m->output, mm_need(m->tok_embd, 0));
+    for (int64_t il = 0; il < hp->n_layer; il++) {
+        const clb_layer_w *l = &m->layers[il];
+        mm = mm_need(l->wq, mm);
+        mm = mm_need(l->wk, mm);
+        mm = mm_need(l->wv, mm);
+        mm = mm_need(l->wo, mm);
+        mm = mm_need(l->gate_inp, mm);
+        mm = mm_need(l->shared_gate, mm);
+        mm = mm_need(l->shared.w1, mm);
+        mm = mm_need(l->shared.w3, mm);
+        mm = mm_need(l->shared.w2, mm);
+        for (int64_t j = 0; j < hp->n_expert; j++) {
+            mm = mm_need(l->experts[j].w1, mm);
+            mm = mm_need(l->experts[j].w3, mm);
+            mm = mm_need(l->experts[j].w2, mm);
+        }
+    }
+    int fail = 0;
+    m->x = palloc(m, B * d * F, &fail);
+    m->xn = palloc(m, B * d * F, &fail);
+    m->q = palloc(m, B * qd * F, &fail);
+    m->k = palloc(m, B * kvd * F, &fail);
+    m->v = palloc(m, B * kvd * F, &fail);
+    m->att = palloc(m, B * qd * F, &fail);
+    m->proj = palloc(m, B * d * F, &fail);
+    m->rope = palloc(m, B * (size_t)hp->rotary_dim * F, &fail);
+    m->inv_freq = palloc(m, (size_t)hp->rotary_dim / 2 * F, &fail);
+    m->probs = palloc(m, B * e * F, &fail);
+    m->top_id = palloc(m, B * k * sizeof(int32_t), &fail);
+    m->top_w = palloc(m, B * k * F, &fail);
+    m->e_start = palloc(m, (e + 1) * sizeof(int64_t), &fail);
+    m->e_fill = palloc(m, e * sizeof(int64_t), &fail);
+    m->route_tok = palloc(m, B * k * sizeof(int32_t), &fail);
+    m->route_w = palloc(m, B * k * F, &fail);
+    m->xg = palloc(m, B * d * F, &fail);
+    m->h1 = palloc(m, B * ff * F, &fail);
+    m->h3 = palloc(m, B * ff * F, &fail);
+    m->eo = palloc(m, B * d * F, &fail);
+    m->sgate = palloc(m, B * F, &fail);
+    m->out_rows = palloc(m, B * sizeof(int32_t), &fail);
+    m->scores = palloc(m, (size_t)m->n_threads * (size_t)m->span * F, &fail);
+    m->mm_scratch_size = mm;
+    m->mm_scratch = palloc(m, mm, &fail);
+    if (fail) {
+        m_err(err, "out of memory allocating forward scratch");
+        return CLB_E_NOMEM;
+    }
+    /* same float32 arithmetic as transformers' default rope: 1 / theta^(2i/rd) */
+    for (int64_t i = 0; i < hp->rotary_dim / 2; i++)
+        m->inv_freq[i] = 1.0f / powf(hp->rope_theta, (float)(2 * i) / (float)hp->rotary_dim);
+    return CLB_OK;
+}
+
+/* ---- load / free ----------------------------------------------------------------------- */
+
+static clb_status load_all(clb_model *m, const char *dir, char *err) {
+    const clb_hparams *hp = &m->hp;
+    loader ld = {m, err};
+    int64_t n_files = 1 + hp->n_layer * (2 + (hp->n_ff_shared > 0) + hp->n_expert);
+    m->files = calloc((size_t)n_files, sizeof(clb_wfile *));
+    m->layers = calloc((size_t)hp->n_layer, sizeof(clb_layer_w));
+    m->experts = calloc((size_t)(hp->n_layer * hp->n_expert), sizeof(clb_ffn_w));
+    if (!m->files || !m->layers || !m->experts) {
+        m_err(err, "out of memory for the model tables");
+        return CLB_E_NOMEM;
+    }
+    clb_wfile *f;
+    const char *rel = "embeddings.bin";
+    TRY(open_file(&ld, dir, rel, &f));
+    TRY(want(&ld, f, rel, "tok_embd", KIND_MAT_ANY, hp->n_vocab, hp->n_embd, "n_vocab, n_embd",
+             &m->tok_embd));
+    TRY(want(&ld, f, rel, "output_norm", KIND_VEC_F32, 0, hp->n_embd, "n_embd", &m->output_norm));
+    if (hp->tie_embeddings) {
+        if (clb_wfile_find(f, "output")) {
+            m_err(err, "%s: has an 'output' tensor but the config says tie_embeddings", rel);
+            return CLB_E_SHAPE;
+        }
+        m->output = m->tok_embd;
+    } else {
+        TRY(want(&ld, f, rel, "output", KIND_MAT_ANY, hp->n_vocab, hp->n_embd, "n_vocab, n_embd",
+                 &m->output));
+    }
+    for (int64_t il = 0; il < hp->n_layer; il++) TRY(load_layer(&ld, dir, il));
+    return alloc_scratch(m, err);
+}
+
+clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads, clb_model **out,
+                          char *err) {
+    if (err) err[0] = '\0';
+    if (!out || !dir || !hp) {
+        m_err(err, "clb_model_load: NULL argument");
+        return CLB_E_ARG;
+    }
+    *out = NULL;
+    clb_kernels_init();
+    clb_status st = check_hparams(hp, err);
+    if (st != CLB_OK) return st;
+    clb_model *m = calloc(1, sizeof(*m));
+    if (!m) {
+        m_err(err, "out of memory");
+        return CLB_E_NOMEM;
+    }
+    m->hp = *hp;
+    if (n_threads <= 0) n_threads = clb_physical_cores();
+    if (n_threads <= 0) n_threads = 1;
+    if (n_threads > 256) n_threads = 256;
+    m->pool = clb_pool_init();
+    if (!m->pool) {
+        free(m);
+        m_err(err, "out of memory creating the memory pool");
+        return CLB_E_NOMEM;
+    }
+    st = clb_threadpool_init(&m->tp, n_threads);
+    if (st != CLB_OK) {
+        m_err(err, "cannot start %d worker threads", n_threads);
+        clb_model_free(m);
+        return st;
+    }
+    m->n_threads = clb_threadpool_n_threads(m->tp);
+    st = load_all(m, dir, err);
+    if (st != CLB_OK) {
+        clb_model_free(m);
+        return st;
+    }
+    *out = m;
+    return CLB_OK;
+}
+
+void clb_model_free(clb_model *m) {
+    if (!m) return;
+    if (m->tp) clb_threadpool_free(m->tp);
+    if (m->files)
+        for (int i = 0; i < m->n_files; i++) clb_wfile_close(m->files[i]);
+    free(m->files);
+    free(m->layers);
+    free(m->experts);
+    if (m->pool) clb_pool_free_all(m->pool); /* releases every scratch buffer at once */
+    free(m);
+}
+
+const clb_hparams *clb_model_hparams(const clb_model *m) { return &m->hp; }
+
+int clb_model_n_threads(const clb_model *m) { return m->n_threads; }
+
+int64_t clb_forward_max_batch(void) { return CLB_MAX_BATCH; }

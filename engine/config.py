@@ -1,0 +1,196 @@
+"""ModelConfig: the config.json of a converted Colibri folder, validated.
+
+`ModelConfig.from_dir(path)` reads and checks config.json (see docs/INTERNALS.md);
+`to_hparams(n_ctx)` gives the dict the C core (engine._core.CoreModel) takes. Unknown keys are
+ignored so newer converters can add fields; missing or ill-typed keys raise FormatError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import FormatError
+
+ARCH_IDS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3}
+QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}
+QUANTS = ("f32", "f16", "bf16", "q8", "q4")
+FORMAT_VERSION = 1
+
+_POSITIVE_INTS = (
+    "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff", "n_expert",
+    "n_expert_used", "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters and metadata of a converted model (one field per config.json key)."""
+
+    architecture: str
+    quant: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_expert: int
+    n_expert_used: int
+    max_position_embeddings: int
+    n_ff_shared: int = 0
+    shared_gate: bool = False
+    norm_topk_prob: bool = True
+    qk_norm: str = "none"
+    qkv_bias: bool = False
+    clip_qkv: float | None = None
+    rope_theta: float = 10000.0
+    rotary_dim: int = 0  # 0: head_dim
+    rms_eps: float = 1e-6
+    sliding_window: int | None = None
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_architecture: str = ""
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    files: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Read `path/config.json`; FileNotFoundError if absent, FormatError if invalid."""
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"missing file: {p}")
+        try:
+            raw = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FormatError(f"{p}: not valid JSON: {e}") from e
+        return cls.from_dict(raw, source=str(p))
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "config.json") -> ModelConfig:
+        """Validate a parsed config.json dict (see the schema in docs/INTERNALS.md)."""
+        if not isinstance(raw, dict):
+            raise FormatError(f"{source}: top level must be a JSON object")
+        if raw.get("format") != "colibri":
+            raise FormatError(f"{source}: 'format' is {raw.get('format')!r}, not 'colibri'")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise FormatError(
+                f"{source}: format_version {raw.get('format_version')!r}, "
+                f"this engine reads {FORMAT_VERSION}"
+            )
+
+        def get(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+            if key not in raw or raw[key] is None:
+                if default is ...:
+                    raise FormatError(f"{source}: missing key {key!r}")
+                return default
+            v = raw[key]
+            # bool is an int in Python: refuse it where a number is wanted, and vice versa
+            if isinstance(v, bool) != (kind is bool) or not isinstance(v, kind):
+                raise FormatError(f"{source}: {key!r} = {v!r} has the wrong type")
+            return v
+
+        ints = {k: get(k, int) for k in _POSITIVE_INTS}
+        for k, v in ints.items():
+            if v <= 0:
+                raise FormatError(f"{source}: {k!r} must be positive, got {v}")
+        arch = get("architecture", str)
+        if arch not in ARCH_IDS:
+            raise FormatError(f"{source}: unknown architecture {arch!r}; "
+                              f"supported: {', '.join(ARCH_IDS)}")
+        quant = get("quant", str)
+        if quant not in QUANTS:
+            raise FormatError(f"{source}: unknown quant {quant!r}")
+        qk_norm = get("qk_norm", str, "none")
+        if qk_norm not in QK_NORM_IDS:
+            raise FormatError(f"{source}: qk_norm {qk_norm!r} not in {list(QK_NORM_IDS)}")
+        clip = get("clip_qkv", (int, float), None)
+        window = get("sliding_window", int, None)
+        eos = get("eos_token_ids", list, [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise FormatError(f"{source}: eos_token_ids must be a list of integers")
+        cfg = cls(
+            architecture=arch,
+            quant=quant,
+            **ints,
+            n_ff_shared=get("n_ff_shared", int, 0),
+            shared_gate=get("shared_gate", bool, False),
+            norm_topk_prob=get("norm_topk_prob", bool, True),
+            qk_norm=qk_norm,
+            qkv_bias=get("qkv_bias", bool, False),
+            clip_qkv=None if clip is None else float(clip),
+            rope_theta=float(get("rope_theta", (int, float), 10000.0)),
+            rotary_dim=get("rotary_dim", int, 0),
+            rms_eps=float(get("rms_eps", (int, float), 1e-6)),
+            sliding_window=window,
+            tie_embeddings=get("tie_embeddings", bool, False),
+            bos_token_id=get("bos_token_id", int, None),
+            eos_token_ids=tuple(eos),
+            hf_architecture=get("hf_architecture", str, ""),
+            tensor_types=dict(get("tensor_types", dict, {})),
+            files=dict(get("files", dict, {})),
+        )
+        cfg._check(source)
+        return cfg
+
+    def _check(self, source: str) -> None:
+        def bad(msg: str) -> FormatError:
+            return FormatError(f"{source}: {msg}")
+
+        if self.n_head % self.n_head_kv:
+            raise bad(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if self.n_expert_used > self.n_expert:
+            raise bad(f"n_expert_used {self.n_expert_used} exceeds n_expert {self.n_expert}")
+        if self.n_ff_shared < 0:
+            raise bad("n_ff_shared must be >= 0")
+        if self.shared_gate and self.n_ff_shared == 0:
+            raise bad("shared_gate is set but there is no shared expert (n_ff_shared 0)")
+        rd = self.rotary_dim or self.head_dim
+        if rd < 0 or rd % 2 or rd > self.head_dim:
+            raise bad(f"rotary_dim {self.rotary_dim} must be even and <= head_dim")
+        for k in ("rope_theta", "rms_eps"):
+            v = getattr(self, k)
+            if not math.isfinite(v) or v <= 0:
+                raise bad(f"{k} must be a positive number, got {v}")
+        if self.clip_qkv is not None and (not math.isfinite(self.clip_qkv) or self.clip_qkv <= 0):
+            raise bad(f"clip_qkv must be positive or null, got {self.clip_qkv}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise bad(f"sliding_window must be positive or null, got {self.sliding_window}")
+
+    def default_n_ctx(self) -> int:
+        """The context used when the caller does not choose one."""
+        return min(self.max_position_embeddings, 4096)
+
+    def to_hparams(self, n_ctx: int) -> dict[str, Any]:
+        """The clb_hparams fields for the C core, with KV capacity n_ctx per sequence."""
+        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
+            raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        return {
+            "arch": ARCH_IDS[self.architecture],
+            "n_vocab": self.n_vocab,
+            "n_embd": self.n_embd,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_head_kv": self.n_head_kv,
+            "head_dim": self.head_dim,
+            "n_ff": self.n_ff,
+            "n_expert": self.n_expert,
+            "n_expert_used": self.n_expert_used,
+            "n_ff_shared": self.n_ff_shared,
+            "shared_gate": int(self.shared_gate),
+            "norm_topk_prob": int(self.norm_topk_prob),
+            "qk_norm": QK_NORM_IDS[self.qk_norm],
+            "qkv_bias": int(self.qkv_bias),
+            "tie_embeddings": int(self.tie_embeddings),
+            "clip_qkv": 0.0 if self.clip_qkv is None else float(self.clip_qkv),
+            "rope_theta": float(self.rope_theta),
+            "rotary_dim": self.rotary_dim or self.head_dim,
+            "rms_eps": float(self.rms_eps),
+            "sliding_window": self.sliding_window or 0,
+            "n_ctx": n_ctx,
+        }
