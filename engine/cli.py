@@ -79,6 +79,43 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model folder (Colibri or Hugging Face); default: the bundled demo model")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message with the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: cores)")
+    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q8",
+                   help="precision when converting a Hugging Face folder (default q8)")
+
+
+@command("generate", "stream a completion to stdout (the seeds' colibri-cli)", _generate_args)
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    llm = LLM(args.model, threads=args.threads, quant=args.quant)
+    if args.chat:
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        ids = llm.tokenizer.encode(args.prompt, add_special_tokens=True)
+        sys.stdout.write(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    for out in llm.generate_tokens(ids, params):
+        sys.stdout.write(out.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="colibri", description="Colibri MoE inference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
