@@ -21,6 +21,7 @@ _EXPORTS = {
     "Tokenizer": "engine.tokenizer",
     "convert": "engine.convert",
     "ensure_converted": "engine.convert",
+    "cli_main": "engine.cli",
 }
 
 __all__ = [
@@ -31,12 +32,14 @@ __all__ = [
     "StepOutput",
     "Tokenizer",
     "__version__",
+    "cli_main",
     "convert",
     "default_model_path",
     "ensure_converted",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from engine.cli import main as cli_main
     from engine.convert import convert, ensure_converted
     from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
     from engine.sampling import SamplingParamError, SamplingParams
@@ -47,6 +50,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    attr = "main" if name == "cli_main" else name
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -116,23 +117,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+AddParser = Callable[[Any], argparse.ArgumentParser]
+
+
+def build_parser(extra: Sequence[AddParser] = ()) -> argparse.ArgumentParser:
+    """The parser of every engine subcommand, plus those `extra` registers (e.g. serve)."""
     parser = argparse.ArgumentParser(prog="colibri", description="Colibri MoE inference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for c in COMMANDS.values():
         c.configure(sub.add_parser(c.name, help=c.help, description=c.help))
+    for add in extra:
+        add(sub)  # sets its own `handler` default
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `colibri` script; returns the exit status."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, extra: Sequence[AddParser] = ()) -> int:
+    """Entry point of the `colibri` script; returns the exit status.
+
+    Layers above the engine (the HTTP server) add their subcommands through `extra`, so the
+    engine never imports them.
+    """
+    parser = build_parser(extra)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed its message
         return int(e.code or 0)
+    run = getattr(args, "handler", None) or COMMANDS[args.command].run
     try:
-        return COMMANDS[args.command].run(args)
+        return int(run(args))
     except (ValueError, OSError) as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2

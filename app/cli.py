@@ -1,0 +1,109 @@
+"""`colibri serve`: argparse options over COLIBRI_* environment variables over `.env`.
+
+`add_serve_parser(subparsers)` registers the subcommand, `serve_main(args)` runs it and
+returns the exit code: 0 after SIGTERM/SIGINT and a drain, 1 when the model cannot load or
+the engine fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from app.server import create_app
+from app.settings import Settings
+from app.state import ServerState
+from engine import cli_main
+
+_OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", dict(help="model folder (Colibri or Hugging Face); default: the demo model")),
+    ("--host", dict(help="address to bind (default 127.0.0.1)")),
+    ("--port", dict(type=int, help="port (default 8000)")),
+    ("--api-key", dict(help="require 'Authorization: Bearer KEY' on the API")),
+    ("--served-model-name", dict(help="model name clients use (default: folder name)")),
+    ("--threads", dict(type=int, help="compute threads (default: all cores)")),
+    ("--n-ctx", dict(type=int, help="context length (default: the model's)")),
+    ("--quant", dict(help="precision when converting a Hugging Face folder (q8, q4, f16)")),
+    ("--max-queue", dict(type=int, help="requests that may wait for the engine (default 16)")),
+    ("--max-n", dict(type=int, help="largest n per request (default 8)")),
+    ("--max-body-bytes", dict(type=int, help="largest request body (default 1 MiB)")),
+    ("--cors-origins", dict(nargs="+", help="origins allowed by CORS (default: none)")),
+    ("--drain-timeout-s", dict(type=float, help="SIGTERM: seconds to let requests finish")),
+    ("--log-level", dict(help="debug, info, warning, error")),
+]
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `serve` on an argparse subparsers object; returns the new parser."""
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API. Every option can also "
+                    "be set as COLIBRI_<OPTION> in the environment or in a .env file.")
+    for flag, kwargs in _OPTIONS:
+        parser.add_argument(flag, default=argparse.SUPPRESS, **kwargs)
+    parser.add_argument("--allow-client-chat-template", action="store_true",
+                        default=argparse.SUPPRESS,
+                        help="let requests send their own chat template (sandboxed)")
+    parser.add_argument("--env-file", default=".env", help="settings file (default .env)")
+    parser.set_defaults(handler=serve_main)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings: given options first, then COLIBRI_* variables, then the .env file."""
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    env_file = getattr(args, "env_file", ".env")
+    return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, marking the app as draining as soon as a signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.colibri = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.colibri.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the process exit code."""
+    settings = settings_from_args(args)
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    state: ServerState = app.state.colibri
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        http="h11", loop="asyncio", lifespan="on",
+        timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1),
+        # our guard answers 431 at max_header_bytes; h11 must let such heads through to it
+        h11_max_incomplete_event_size=settings.max_header_bytes + (64 << 10),
+    )
+    server = _Server(config, state)
+
+    def request_exit(code: int) -> None:
+        state.exit_code = code
+        server.should_exit = True
+
+    state.request_exit = request_exit
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler lets the
+    # drained process exit with our code (0) instead of dying by that signal.
+    signal.signal(signal.SIGTERM, lambda s, f: None)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return state.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `colibri` command: the engine's subcommands plus `serve`."""
+    return cli_main(argv, extra=[add_serve_parser])

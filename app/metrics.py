@@ -1,0 +1,134 @@
+"""Prometheus metrics, written in the text exposition format by hand (no extra dependency).
+
+Thread-safe: the engine thread records token timings while the event loop counts requests.
+Label sets are bounded (endpoints are route templates, never raw URLs).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class Histogram:
+    """A cumulative-bucket histogram (Prometheus semantics)."""
+
+    def __init__(self, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
+
+    def render(self, name: str) -> list[str]:
+        pairs = zip(self.buckets, self.counts, strict=True)
+        lines = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in pairs]
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.total}')
+        lines.append(f"{name}_sum {self.sum}")
+        lines.append(f"{name}_count {self.total}")
+        return lines
+
+
+class Metrics:
+    """Every number /metrics exports."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.aborted = 0
+        self.waiting = 0
+        self.running = 0
+        self.model_loaded = 0
+        self.ttft = Histogram()
+        self.itl = Histogram()
+        self.e2e = Histogram()
+
+    # -- recorders ---------------------------------------------------------------------
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+
+    def add_prompt_tokens(self, n: int) -> None:
+        with self._lock:
+            self.prompt_tokens += n
+
+    def add_token(self, itl: float | None, ttft: float | None) -> None:
+        """One generated token; itl/ttft are the latencies it closes, when it closes one."""
+        with self._lock:
+            self.generation_tokens += 1
+            if itl is not None:
+                self.itl.observe(itl)
+            if ttft is not None:
+                self.ttft.observe(ttft)
+
+    def add_e2e(self, seconds: float) -> None:
+        with self._lock:
+            self.e2e.observe(seconds)
+
+    def add_aborted(self) -> None:
+        with self._lock:
+            self.aborted += 1
+
+    def set_queue(self, waiting: int, running: int) -> None:
+        with self._lock:
+            self.waiting = waiting
+            self.running = running
+
+    # -- exposition --------------------------------------------------------------------
+    def render(self) -> str:
+        """The text exposition format (version 0.0.4)."""
+        with self._lock:
+            out: list[str] = []
+
+            def head(name: str, kind: str, doc: str) -> None:
+                out.append(f"# HELP {name} {doc}")
+                out.append(f"# TYPE {name} {kind}")
+
+            head("colibri_requests_total", "counter", "HTTP requests by endpoint and status.")
+            for (endpoint, status), n in sorted(self.requests.items()):
+                out.append(f'colibri_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+            head("colibri_prompt_tokens_total", "counter", "Prompt tokens processed.")
+            out.append(f"colibri_prompt_tokens_total {self.prompt_tokens}")
+            head("colibri_generation_tokens_total", "counter", "Tokens generated.")
+            out.append(f"colibri_generation_tokens_total {self.generation_tokens}")
+            head("colibri_requests_aborted_total", "counter",
+                 "Requests stopped early (client gone, server draining).")
+            out.append(f"colibri_requests_aborted_total {self.aborted}")
+            head("colibri_requests_waiting", "gauge", "Requests waiting in the queue.")
+            out.append(f"colibri_requests_waiting {self.waiting}")
+            head("colibri_requests_running", "gauge", "Requests being generated.")
+            out.append(f"colibri_requests_running {self.running}")
+            head("colibri_model_loaded", "gauge", "1 when the model is loaded and ready.")
+            out.append(f"colibri_model_loaded {self.model_loaded}")
+            head("colibri_time_to_first_token_seconds", "histogram",
+                 "From arrival in the queue to the first generated token.")
+            out += self.ttft.render("colibri_time_to_first_token_seconds")
+            head("colibri_inter_token_latency_seconds", "histogram",
+                 "Between consecutive generated tokens of one sequence.")
+            out += self.itl.render("colibri_inter_token_latency_seconds")
+            head("colibri_e2e_request_latency_seconds", "histogram",
+                 "From arrival in the queue to the last token.")
+            out += self.e2e.render("colibri_e2e_request_latency_seconds")
+            return "\n".join(out) + "\n"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples of a text exposition as {name{labels}: value} (used by tests and scripts)."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        samples[key] = float(value)
+    return samples

@@ -1,0 +1,153 @@
+"""The guard in front of every route: header and body size limits, API key, request counts.
+
+Pure ASGI (no BaseHTTPMiddleware) so streaming responses and disconnect messages pass
+through untouched. Order of checks: headers (431), API key (401), body size (413). The body
+is read here once, bounded, and replayed to the app; after it, `receive` is the server's
+own, so the app still sees `http.disconnect`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import error_bytes
+from app.metrics import Metrics
+from app.settings import Settings
+
+log = logging.getLogger("colibri.app")
+
+# Paths that need the API key when one is set; /health, /ready, /metrics and the page do not.
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+class GuardMiddleware:
+    """Limits, authentication and per-endpoint request counting."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, metrics: Metrics,
+                 known_paths: Callable[[], set[str]]) -> None:
+        self.app = app
+        self._known_paths = known_paths
+        self.settings = settings
+        self.metrics = metrics
+        key = settings.api_key.get_secret_value() if settings.api_key else ""
+        self._key = key.encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status_box = [0]
+
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_box[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, send_counted)
+        except Exception as exc:  # noqa: BLE001 - one request's fault is its own 500
+            log.error("internal error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            if status_box[0] == 0:
+                await _reply(send_counted, 500,
+                             "The server had an error while processing the request.")
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None)
+            if endpoint is None:  # refused before routing: name it only if it is a route
+                endpoint = scope["path"] if scope["path"] in self._known_paths() else "unmatched"
+            self.metrics.count_request(endpoint, status_box[0])
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes:
+            await _reply(send, 431, "Request header fields too large.")
+            return
+        path: str = scope["path"]
+        if (self._key is not None and scope["method"] != "OPTIONS"
+                and path.startswith(_PROTECTED) and not self._authorized(headers)):
+            await _reply(send, 401, "Incorrect API key provided. Send it as "
+                         "'Authorization: Bearer <key>'.", code="invalid_api_key",
+                         extra=[(b"www-authenticate", b"Bearer")])
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            limit = self.settings.max_body_bytes
+            length = _content_length(headers)
+            if length is not None and length > limit:
+                await _reply(send, 413, f"The request body exceeds {limit} bytes.")
+                return
+            body = await _read_body(receive, limit)
+            if body is None:
+                await _reply(send, 413, f"The request body exceeds {limit} bytes.")
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        assert self._key is not None
+        given = b""
+        for k, v in headers:
+            if k == b"authorization":
+                scheme, _, token = v.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = token.strip()
+        # hashing first makes the comparison constant-time in the length too; the key is
+        # never logged
+        return hmac.compare_digest(hashlib.sha256(given).digest(),
+                                   hashlib.sha256(self._key).digest())
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for k, v in headers:
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it passes limit bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # client gone: hand the app an empty body
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _reply(send: Send, status: int, message: str, code: str | None = None,
+                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = error_bytes(status, message, None, code)
+    headers: list[Any] = [(b"content-type", b"application/json"),
+                          (b"content-length", str(len(body)).encode())]
+    headers += extra or []
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

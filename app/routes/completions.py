@@ -1,0 +1,133 @@
+"""POST /v1/completions (text completions), streamed (SSE) and not."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from app.errors import APIError
+from app.generation import (
+    Choice,
+    add_output,
+    collect,
+    completion_logprobs,
+    first_output,
+    max_tokens_for,
+    new_id,
+    now,
+    submit,
+    usage,
+)
+from app.protocol import CompletionRequest
+from app.state import ServerState, get_state
+from app.streaming import sse_response
+from app.worker import Output, Sequence
+
+router = APIRouter()
+
+
+def _tokenize_prompts(llm: Any, prompts: list[str | list[int]],
+                      echo: bool) -> list[tuple[list[int], str]]:
+    """(ids, echo text) per prompt; runs on the tokenizer pool."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids = list(llm.tokenizer.encode(p, add_special_tokens=True))
+            out.append((ids, p))
+        else:
+            text = llm.tokenizer.decode(p, skip_special_tokens=False) if echo else ""
+            out.append((list(p), text))
+    return out
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    """OpenAI's (legacy) text completions."""
+    state = get_state(request)
+    model = state.check_model(body.model)
+    llm = state.llm
+    vocab = int(llm.tokenizer.vocab_size)
+    body.check(state.settings, vocab)
+    prompts = await state.off_loop(_tokenize_prompts, llm, body.prompt_list(), body.echo)
+    sequences = []
+    for ids, _ in prompts:
+        if not ids:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        budget = max_tokens_for(state, len(ids), body.max_tokens, "prompt")
+        sequences += [Sequence(ids, body.sampling_params(budget, j, vocab, body.logprobs))
+                      for j in range(body.n)]
+    job = submit(state, sequences, want_token_text=body.logprobs is not None)
+    echoes = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
+    n_prompt = sum(len(ids) for ids, _ in prompts)
+    meta = {"id": new_id("cmpl"), "created": now(), "model": model}
+    if not body.stream:
+        choices = await collect(state, request, job, len(sequences), "prompt")
+        return _response(meta, choices, n_prompt, body, echoes)
+    first, outputs = await first_output(state, request, job, "prompt")
+    return sse_response(state, _stream(state, body, meta, n_prompt, len(sequences), echoes,
+                                       first, outputs))
+
+
+def _response(meta: dict[str, Any], choices: list[Choice], n_prompt: int,
+              body: CompletionRequest, echoes: list[str] | None) -> dict[str, Any]:
+    out = []
+    for c in choices:
+        prefix = echoes[c.index] if echoes else ""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(c.logprob_outputs, body.logprobs, len(prefix))
+        out.append({"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason or "stop"})
+    return {**meta, "object": "text_completion", "system_fingerprint": None, "choices": out,
+            "usage": usage(n_prompt, sum(c.n_tokens for c in choices))}
+
+
+async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, Any],
+                  n_prompt: int, n_choices: int, echoes: list[str] | None,
+                  first: Output | None, outputs: AsyncIterator[Output]) -> AsyncIterator[str]:
+    base = {**meta, "object": "text_completion", "system_fingerprint": None}
+    if body.include_usage:
+        base["usage"] = None
+
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        return json.dumps({**base, "choices": [{
+            "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+        }]}, ensure_ascii=False)
+
+    choices = [Choice(i) for i in range(n_choices)]
+    offsets = [len(e) for e in echoes] if echoes else [0] * n_choices
+    try:
+        if echoes:
+            for i, text in enumerate(echoes):
+                yield chunk(i, text)
+        pending = [first] if first is not None else []
+        while True:
+            if pending:
+                out = pending.pop()
+            else:
+                try:
+                    out = await outputs.__anext__()
+                except StopAsyncIteration:
+                    break
+            choice = choices[out.index]
+            before = len(choice.logprob_outputs)
+            add_output(choice, out, state)
+            lp = None
+            if body.logprobs is not None and len(choice.logprob_outputs) > before:
+                lp = completion_logprobs(choice.logprob_outputs[before:], body.logprobs,
+                                         offsets[out.index])
+                offsets[out.index] += sum(len(t) for t in lp["tokens"])
+            step = out.step
+            if step.text or lp is not None:
+                yield chunk(out.index, step.text, None, lp)
+            if step.finish_reason is not None:
+                yield chunk(out.index, "", step.finish_reason)
+        if body.include_usage:
+            yield json.dumps({**base, "choices": [],
+                              "usage": usage(n_prompt, sum(c.n_tokens for c in choices))})
+        yield "[DONE]"
+    finally:
+        await outputs.aclose()

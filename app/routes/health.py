@@ -1,0 +1,63 @@
+"""Liveness, readiness, metrics and the chat page; none of them needs the API key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+
+from app.state import get_state
+
+router = APIRouter()
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the process works (also while loading); 503 after an engine fault."""
+    state = get_state(request)
+    if state.worker.error is not None:
+        return JSONResponse({"status": "error"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+@router.get("/health/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 once the model is loaded; 503 while loading, draining or failed."""
+    state = get_state(request)
+    worker = state.worker
+    retry = {"Retry-After": str(state.settings.retry_after_s)}
+    if worker.error is not None:
+        return JSONResponse({"status": "failed", "model_loaded": False}, 503, retry)
+    if state.draining or worker.stopping:
+        return JSONResponse({"status": "draining", "model_loaded": True}, 503, retry)
+    if not worker.ready:
+        return JSONResponse({"status": "loading", "model_loaded": False}, 503, retry)
+    return JSONResponse({"status": "ready", "model_loaded": True,
+                         "model": state.served_name()})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    """Prometheus text exposition."""
+    text = get_state(request).metrics.render()
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/", include_in_schema=False)
+async def page() -> Response:
+    """The chat page."""
+    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
+
+
+@router.get("/static/{name}", include_in_schema=False)
+async def static_file(name: str) -> Response:
+    """The page's script and style (only files that exist directly in static/)."""
+    files = {p.name: p for p in STATIC.iterdir() if p.is_file()}
+    path = files.get(name)
+    if path is None:
+        return JSONResponse({"error": {"message": "not found", "type": "invalid_request_error",
+                                       "param": None, "code": None}}, status_code=404)
+    return FileResponse(path)

@@ -1,0 +1,36 @@
+"""GET /v1/models and GET /v1/models/{model}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from app.errors import APIError
+from app.state import get_state
+
+router = APIRouter()
+
+
+def _card(name: str, created: int, n_ctx: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "colibri",
+            "max_model_len": n_ctx}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """The served model (one per server)."""
+    state = get_state(request)
+    llm = state.llm
+    return {"object": "list",
+            "data": [_card(state.served_name(), state.started, int(llm.n_ctx))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict[str, Any]:
+    """One model by name; 404 for any other."""
+    state = get_state(request)
+    llm = state.llm
+    if model not in state.model_names():
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    return _card(state.served_name(), state.started, int(llm.n_ctx))

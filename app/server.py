@@ -1,0 +1,81 @@
+"""The FastAPI application: routes, error shapes, the guard middleware, CORS, lifespan.
+
+The model loads on the engine thread after the server is up, so /health answers at once
+and /ready says 503 until the model is loaded. Shutdown (after uvicorn has drained the
+connections) aborts what is left and joins the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from app.errors import install_error_handlers
+from app.metrics import Metrics
+from app.middleware import GuardMiddleware
+from app.routes import chat, completions, health, models, tokenize
+from app.settings import Settings
+from app.state import ServerState
+from app.worker import EngineWorker
+from engine import LLM, __version__
+
+log = logging.getLogger("colibri.app")
+
+
+def default_loader(settings: Settings) -> Callable[[], LLM]:
+    """Load settings.model (None: the bundled demo model) the way `colibri serve` does."""
+
+    def load() -> LLM:
+        return LLM(settings.model, threads=settings.threads, n_ctx=settings.n_ctx,
+                   quant=settings.quant)
+
+    return load
+
+
+def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> FastAPI:
+    """The app for settings; loader builds the LLM on the engine thread."""
+    metrics = Metrics()
+    holder: list[ServerState] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        state = holder[0]
+        state.exit_code = 1
+        if state.request_exit is not None:
+            state.request_exit(1)
+
+    worker = EngineWorker(loader or default_loader(settings), settings.max_queue, metrics,
+                          on_fatal)
+    state = ServerState(settings, metrics, worker)
+    holder.append(state)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            await asyncio.to_thread(worker.stop, settings.drain_timeout_s)
+            state.tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="Colibri", version=__version__, lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
+    app.state.colibri = state
+    install_error_handlers(app)
+    paths: set[str] = set()
+    for module in (models, chat, completions, tokenize, health):
+        app.include_router(module.router)
+        paths |= {getattr(r, "path", "") for r in module.router.routes}
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics,
+                       known_paths=lambda: paths)
+    if settings.cors_origins:
+        # credentials are never allowed: API keys travel in the Authorization header
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
+                           allow_credentials=False, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+    return app

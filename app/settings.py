@@ -1,0 +1,55 @@
+"""Server settings: command-line options over COLIBRI_* environment variables over `.env`.
+
+Every field here is documented in `.env.example`; the defaults are the safe ones (bind to
+127.0.0.1, no CORS, client chat templates refused).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything `colibri serve` can be told."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="COLIBRI_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    # -- model ------------------------------------------------------------------------
+    model: str | None = Field(None, description="model folder; None = the bundled demo model")
+    served_model_name: str | None = Field(None, description="name clients use; default: folder")
+    quant: str = Field("q8", description="precision when converting a Hugging Face folder")
+    threads: int | None = Field(None, ge=1, description="compute threads; None = all cores")
+    n_ctx: int | None = Field(None, ge=16, description="context length; None = model default")
+
+    # -- network ----------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: SecretStr | None = None
+    cors_origins: list[str] = Field(default_factory=list)
+    log_level: str = "info"
+
+    # -- limits -----------------------------------------------------------------------
+    max_queue: int = Field(16, ge=0, description="requests that may wait for the engine")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503 when full")
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_header_bytes: int = Field(16 << 10, ge=1024)
+    max_n: int = Field(8, ge=1, description="largest `n` a request may ask for")
+    max_stop: int = Field(4, ge=1, description="most stop strings per request")
+    max_stop_chars: int = Field(256, ge=1, description="longest stop string")
+    max_logprobs: int = Field(20, ge=0, description="largest top_logprobs / logprobs")
+    send_timeout_s: float = Field(30.0, gt=0, description="give up on a client that stalls")
+    drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: wait this long for work")
+
+    # -- chat templates ---------------------------------------------------------------
+    allow_client_chat_template: bool = False
+    max_chat_template_chars: int = Field(32 << 10, ge=64)
+
+    def model_names(self, loaded_name: str) -> list[str]:
+        """Names a request's `model` may use: the served name first."""
+        names = [self.served_model_name] if self.served_model_name else []
+        if loaded_name not in names:
+            names.append(loaded_name)
+        return names

@@ -1,0 +1,82 @@
+"""What the routes share: settings, metrics, the engine worker and a tokenizer pool.
+
+Tokenizing, chat-template rendering and detokenizing run on `tok_pool` threads, never on
+the event loop; generation runs only on the worker's engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from app.errors import APIError
+from app.metrics import Metrics
+from app.settings import Settings
+from app.worker import EngineWorker
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    """One per app; reachable from a request as request.app.state.colibri."""
+
+    settings: Settings
+    metrics: Metrics
+    worker: EngineWorker
+    tok_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="colibri-tok"))
+    started: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    exit_code: int = 0
+    request_exit: Callable[[int], None] | None = None
+
+    @property
+    def llm(self) -> Any:
+        llm = self.worker.llm
+        if llm is None or not self.worker.ready:
+            raise unavailable(self)
+        return llm
+
+    def model_names(self) -> list[str]:
+        return self.settings.model_names(self.llm.model_name)
+
+    def served_name(self) -> str:
+        return self.model_names()[0]
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name; 404 (param model) when the request names another model."""
+        names = self.model_names()
+        if requested is not None and requested not in names:
+            raise APIError(404, f"The model `{requested}` does not exist.", "model",
+                           "model_not_found")
+        return names[0]
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run fn (tokenizer work) on the tokenizer pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tok_pool, functools.partial(fn, *args, **kwargs))
+
+
+def unavailable(state: ServerState) -> APIError:
+    """503 while loading, draining or after a failed load."""
+    if state.worker.error is not None:
+        why = "the model failed to load"
+    elif state.draining or state.worker.stopping:
+        why = "the server is shutting down"
+    else:
+        why = "the model is still loading"
+    return APIError(503, f"Service unavailable: {why}.",
+                    headers={"Retry-After": str(state.settings.retry_after_s)})
+
+
+def get_state(request: Request) -> ServerState:
+    """The ServerState of the app serving request."""
+    return request.app.state.colibri  # type: ignore[no-any-return]

@@ -1,0 +1,190 @@
+"""Helpers for the server tests (not a test file): tiny models, servers in a subprocess or
+in this process, metrics.
+
+Subprocess servers run `python -m app serve` (what `colibri serve` runs) on 127.0.0.1 with
+a free port, in a temporary working folder (so no stray .env applies) and a temporary
+conversion cache. In-process servers run the real app and the real LLM in a uvicorn thread;
+`PacedLLM` wraps the real LLM so a test decides when each token may come (deterministic
+queueing and disconnect tests), `fail_next` makes the next generation raise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiny_model(out_dir: Path, **overrides: Any) -> Path:
+    """A tiny random Mixtral checkpoint (real ChatML tokenizer) written to out_dir."""
+    from tests.tiny_models import make_checkpoint
+
+    if not (out_dir / "config.json").exists():
+        make_checkpoint("mixtral", out_dir, seed=0, **overrides)
+    return out_dir
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples of a Prometheus text exposition: {'name{labels}': value}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll pred() until true; fail after timeout seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class SubprocessServer:
+    """`python -m app serve` in a child process."""
+
+    def __init__(self, model: Path | None, workdir: Path, *args: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / "server.log"
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)
+        full_env.setdefault("COLIBRI_CACHE_DIR", str(workdir / "cache"))
+        full_env.update(env or {})
+        cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port), *args]
+        if model is not None:
+            cmd += ["--model", str(model)]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> SubprocessServer:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=5.0).text)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+class PacedLLM:
+    """The real LLM, but each token waits for a permit from the test (or for abort)."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self.permits = threading.Semaphore(0)
+        self.produced = 0
+        self.produced_after_abort = 0
+        self.started = threading.Event()
+        self.fail_next = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def drain(self) -> None:
+        """Take back permits a previous test released but did not use."""
+        while self.permits.acquire(blocking=False):
+            pass
+
+    def release(self, n: int) -> None:
+        for _ in range(n):
+            self.permits.release()
+
+    def generate_tokens(self, prompt_ids: list[int], params: Any,
+                        abort: threading.Event | None = None) -> Iterator[Any]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("secret internal detail /opt/colibri/kernel.c:42")
+        inner = self._llm.generate_tokens(prompt_ids, params, abort)
+
+        def paced() -> Iterator[Any]:
+            self.started.set()
+            try:
+                for step in inner:
+                    while not self.permits.acquire(timeout=0.01):
+                        if abort is not None and abort.is_set():
+                            break
+                    if step.token_id >= 0:
+                        self.produced += 1
+                        if abort is not None and abort.is_set():
+                            self.produced_after_abort += 1
+                    yield step
+            finally:
+                inner.close()
+
+        return paced()
+
+
+class InProcessServer:
+    """The app (with any loader) served by uvicorn on a thread of this process."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                http="h11", loop="asyncio", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> InProcessServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, 30.0, "uvicorn to start")
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=5.0).text)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30.0)

@@ -1,0 +1,137 @@
+"""End to end in a browser: the chat page at / in headless Chromium (Debian `chromium`),
+driven over the DevTools protocol, streams a reply to a message.
+
+The page must show the text as it streams (several DOM updates spread over time, watched
+by a MutationObserver) and end with exactly the text the API returns for the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from tests.server_helpers import SubprocessServer, tiny_model, wait_for
+
+MODEL = "tiny-chat"
+N_CTX = 512
+SETTINGS = {"seed": 42, "temperature": 0.8, "max-tokens": 120}
+
+
+class DevTools:
+    """A minimal Chrome DevTools Protocol client over one page's websocket."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.next_id = 0
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=30))
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise AssertionError(f"{method}: {msg['error']}")
+                return dict(msg["result"])
+
+    def eval(self, expression: str) -> Any:
+        res = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                        awaitPromise=True)
+        if "exceptionDetails" in res:
+            raise AssertionError(f"{expression}: {res['exceptionDetails']}")
+        return res["result"].get("value")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
+    tmp = tmp_path_factory.mktemp("browser")
+    model = tiny_model(tmp / "model", max_position_embeddings=N_CTX)
+    srv = SubprocessServer(model, tmp / "run", "--served-model-name", MODEL,
+                           "--n-ctx", str(N_CTX)).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevTools]:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert exe is not None, "Debian's chromium is needed (.ci/run installs it)"
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    proc = subprocess.Popen(
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={profile}",
+         "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        port_file = Path(profile) / "DevToolsActivePort"
+        wait_for(port_file.exists, 60, "chromium's DevTools port")
+        port = int(port_file.read_text().split()[0])
+        targets: list[dict[str, Any]] = []
+
+        def has_page() -> bool:
+            targets[:] = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
+            return any(t["type"] == "page" for t in targets)
+
+        wait_for(has_page, 30, "a page target")
+        target = next(t for t in targets if t["type"] == "page")
+        with connect(target["webSocketDebuggerUrl"], max_size=None, open_timeout=30) as ws:
+            yield DevTools(ws)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_chat_page_streams_a_reply(server: SubprocessServer, page: DevTools) -> None:
+    page.call("Page.enable")
+    page.call("Page.navigate", url=server.url + "/")
+    wait_for(lambda: page.eval("document.readyState") == "complete", 30, "page load")
+    wait_for(lambda: page.eval("document.getElementById('model').textContent") == MODEL,
+             30, "the model name on the page")
+    for field, value in SETTINGS.items():
+        page.eval(f"document.getElementById({field!r}).value = {json.dumps(str(value))}")
+    page.eval("""
+        window.updates = [];
+        new MutationObserver(() => {
+            const m = document.querySelector('.msg.assistant');
+            if (m) window.updates.push([performance.now(), m.textContent.length]);
+        }).observe(document.getElementById('log'),
+                   {childList: true, subtree: true, characterData: true});
+        document.getElementById('input').value = 'Tell me about the river.';
+        document.getElementById('form').requestSubmit();
+    """)
+    done = "document.querySelector('.msg.assistant') && " \
+           "document.querySelector('.msg.assistant').dataset.done === 'true'"
+    t0 = time.monotonic()
+    wait_for(lambda: page.eval(done), 60, "the reply to finish")
+    shown = page.eval("document.querySelector('.msg.assistant').textContent")
+    status = page.eval("document.getElementById('status').textContent")
+    updates = page.eval("window.updates")
+    assert page.eval("document.querySelector('.msg.assistant').className") == "msg assistant"
+    assert status.startswith("done"), status
+
+    # the same request through the API, not streamed
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Tell me about the river."}],
+        "temperature": SETTINGS["temperature"], "max_tokens": SETTINGS["max-tokens"],
+        "seed": SETTINGS["seed"], "stream": False})
+    expected = r.json()["choices"][0]["message"]["content"]
+    assert shown == expected and len(expected) > 0
+
+    # streamed: the text grew over several updates spread in time, not in one go
+    lengths = [n for _, n in updates if n > 0]
+    assert len(set(lengths)) >= 3, updates
+    grow = [t for t, n in updates if 0 < n < len(shown)]
+    assert grow and max(grow) - min(grow) > 20.0, updates  # ms between partial renders
+    assert time.monotonic() - t0 < 60

@@ -1,0 +1,317 @@
+"""Load, queue, disconnect, failure and shutdown behaviour of the server.
+
+Most tests run the real app and the real LLM in this process, with `PacedLLM` deciding when
+each token may come, so that "a request is running", "one is queued" and "the client left
+after 3 tokens" are exact states rather than races. Process-level behaviour (SIGTERM drain,
+exit code after a failed load) runs `python -m app serve` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_helpers import (
+    InProcessServer,
+    PacedLLM,
+    SubprocessServer,
+    tiny_model,
+    wait_for,
+)
+
+N_CTX = 256
+MSG = [{"role": "user", "content": "Hello!"}]
+LONG = {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("lifecycle") / "model",
+                      max_position_embeddings=N_CTX)
+
+
+@pytest.fixture(scope="module")
+def real_llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import os
+
+    from engine import LLM
+
+    os.environ.setdefault("COLIBRI_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    return LLM(str(model_dir), n_ctx=N_CTX)
+
+
+def _app(loader: Any, **settings: Any) -> Any:
+    from app.server import create_app
+    from app.settings import Settings
+
+    return create_app(Settings(_env_file=None, **settings), loader=loader)  # type: ignore[call-arg]
+
+
+@pytest.fixture(scope="module")
+def paced(real_llm: Any) -> Iterator[tuple[InProcessServer, PacedLLM]]:
+    llm = PacedLLM(real_llm)
+    srv = InProcessServer(_app(lambda: llm, max_queue=1, retry_after_s=2,
+                               cors_origins=["http://ok.example"])).start()
+    wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 30, "ready")
+    yield srv, llm
+    llm.release(10_000)
+    srv.stop()
+
+
+def _idle(srv: InProcessServer) -> bool:
+    m = srv.metrics()
+    return m["colibri_requests_running"] == 0 and m["colibri_requests_waiting"] == 0
+
+
+def _raw_request(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+    """Send a request on a raw socket and return the socket (close it to disconnect)."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def test_readiness_503_while_loading(real_llm: Any) -> None:
+    gate = threading.Event()
+
+    def slow_loader() -> Any:
+        gate.wait(30)
+        return real_llm
+
+    srv = InProcessServer(_app(slow_loader)).start()
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200  # alive while loading
+        r = httpx.get(srv.url + "/ready")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert r.headers["retry-after"] == "1"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MSG})
+        assert r.status_code == 503 and "retry-after" in r.headers
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert srv.metrics()["colibri_model_loaded"] == 0
+        gate.set()
+        wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 10, "ready")
+        assert srv.metrics()["colibri_model_loaded"] == 1
+    finally:
+        gate.set()
+        srv.stop()
+
+
+def test_failed_load_marks_health_503() -> None:
+    def broken_loader() -> Any:
+        raise FileNotFoundError("no model here")
+
+    srv = InProcessServer(_app(broken_loader)).start()
+    try:
+        wait_for(lambda: httpx.get(srv.url + "/health").status_code == 503, 10, "health 503")
+        r = httpx.get(srv.url + "/ready")
+        assert r.status_code == 503 and r.json()["status"] == "failed"
+        r = httpx.get(srv.url + "/v1/models")
+        assert r.status_code == 503 and "no model here" not in r.text
+    finally:
+        srv.stop()
+
+
+def test_health_and_models_answer_during_generation(
+        paced: tuple[InProcessServer, PacedLLM]) -> None:
+    srv, llm = paced
+    got: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", srv.url + "/v1/chat/completions",
+                          json={**LONG, "stream": True}, timeout=60) as r:
+            got.extend(r.iter_lines())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        llm.release(2)
+        wait_for(lambda: srv.metrics()["colibri_requests_running"] == 1, 10, "running")
+        for path in ("/health", "/v1/models", "/ready", "/metrics"):
+            t0 = time.perf_counter()
+            r = httpx.get(srv.url + path, timeout=5)
+            assert r.status_code == 200
+            assert time.perf_counter() - t0 < 0.5, path
+    finally:
+        llm.release(200)
+        t.join(60)
+    assert [x for x in got if x][-1] == "data: [DONE]"
+    wait_for(lambda: _idle(srv), 10, "idle")
+
+
+def test_queue_full_is_503_with_retry_after(paced: tuple[InProcessServer, PacedLLM]) -> None:
+    srv, llm = paced
+    wait_for(lambda: _idle(srv), 10, "idle")
+    llm.drain()
+    before = srv.metrics()["colibri_requests_aborted_total"]
+    running = _raw_request(srv.port, "/v1/chat/completions", {**LONG, "stream": True})
+    llm.release(1)
+    wait_for(lambda: srv.metrics()["colibri_requests_running"] == 1, 10, "running")
+    queued = _raw_request(srv.port, "/v1/chat/completions", LONG)
+    wait_for(lambda: srv.metrics()["colibri_requests_waiting"] == 1, 10, "waiting")
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=LONG, timeout=10)
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "2"
+        assert r.json()["error"]["code"] == "queue_full"
+        # the queued client goes away: its slot is freed without running it
+        queued.close()
+        wait_for(lambda: srv.metrics()["colibri_requests_waiting"] == 0, 10, "queue empty")
+        assert srv.metrics()["colibri_requests_aborted_total"] == before + 1
+    finally:
+        running.close()
+        queued.close()
+    wait_for(lambda: _idle(srv), 10, "idle")
+
+
+def test_disconnect_mid_stream_stops_within_one_token(
+        paced: tuple[InProcessServer, PacedLLM]) -> None:
+    srv, llm = paced
+    wait_for(lambda: _idle(srv), 10, "idle")
+    llm.drain()
+    before = srv.metrics()
+    produced0, after_abort0 = llm.produced, llm.produced_after_abort
+    client = httpx.Client(timeout=30)
+    llm.release(3)
+    with client.stream("POST", srv.url + "/v1/chat/completions",
+                       json={**LONG, "stream": True}) as r:
+        # next() rather than a for/break: leaving httpx's line iterator closes the response
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass  # the stream is open (the role chunk comes with the first token)
+        tokens0 = before["colibri_generation_tokens_total"]
+        wait_for(lambda: srv.metrics()["colibri_generation_tokens_total"] == tokens0 + 3,
+                 10, "3 tokens")
+        assert srv.metrics()["colibri_requests_running"] == 1
+    client.close()  # disconnect mid-stream; the engine is waiting for its next permit
+    wait_for(lambda: _idle(srv), 10, "request freed")
+    after = srv.metrics()
+    assert after["colibri_requests_aborted_total"] == before["colibri_requests_aborted_total"] + 1
+    assert llm.produced_after_abort - after_abort0 <= 1
+    assert llm.produced - produced0 <= 4
+    assert (after["colibri_generation_tokens_total"]
+            - before["colibri_generation_tokens_total"]) <= 4
+    # the engine is free again: the next request runs to the end
+    llm.release(5)
+    r = httpx.post(srv.url + "/v1/chat/completions",
+                   json={**LONG, "max_tokens": 5}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_disconnect_while_waiting_for_non_streamed(
+        paced: tuple[InProcessServer, PacedLLM]) -> None:
+    srv, llm = paced
+    s = _raw_request(srv.port, "/v1/completions", {"prompt": "Water", "max_tokens": 100,
+                                                   "ignore_eos": True})
+    llm.release(2)
+    wait_for(lambda: srv.metrics()["colibri_requests_running"] == 1, 10, "running")
+    s.close()
+    wait_for(lambda: _idle(srv), 10, "request freed")
+
+
+def test_one_failure_is_a_500_for_that_request_only(
+        paced: tuple[InProcessServer, PacedLLM]) -> None:
+    srv, llm = paced
+    llm.fail_next = True
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**LONG, "max_tokens": 3}, timeout=30)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "secret" not in r.text and "kernel.c" not in r.text and "Traceback" not in r.text
+    assert httpx.get(srv.url + "/health").status_code == 200
+    llm.release(3)
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**LONG, "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200
+    # a stream whose generation fails before its first token gets the 500 status too
+    llm.fail_next = True
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                      json={"prompt": "a", "max_tokens": 3, "stream": True}) as s:
+        assert s.status_code == 500
+
+
+def test_cors_when_configured(paced: tuple[InProcessServer, PacedLLM]) -> None:
+    srv, _ = paced
+    pre = {"Access-Control-Request-Method": "POST"}
+    ok = httpx.options(srv.url + "/v1/chat/completions",
+                       headers={"Origin": "http://ok.example", **pre})
+    assert ok.headers.get("access-control-allow-origin") == "http://ok.example"
+    assert "access-control-allow-credentials" not in ok.headers
+    bad = httpx.options(srv.url + "/v1/chat/completions",
+                        headers={"Origin": "http://evil.example", **pre})
+    assert "access-control-allow-origin" not in bad.headers
+
+
+def test_client_chat_template_when_enabled(real_llm: Any) -> None:
+    from engine.bpe import CHATML_TEMPLATE
+
+    srv = InProcessServer(_app(lambda: real_llm, allow_client_chat_template=True)).start()
+    try:
+        wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 30, "ready")
+        body = {"messages": MSG, "max_tokens": 4, "seed": 3, "ignore_eos": True}
+        a = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30).json()
+        b = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                       json={**body, "chat_template": CHATML_TEMPLATE}).json()
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]
+        assert a["usage"] == b["usage"]
+        bad = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                         json={**body, "chat_template": "{{ ''.__class__.__mro__ }}"})
+        assert bad.status_code == 400
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_running_request_then_exits_0(model_dir: Path, tmp_path: Path) -> None:
+    srv = SubprocessServer(model_dir, tmp_path, "--n-ctx", str(N_CTX),
+                           "--max-n", "4").wait_ready()
+    lines: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        # 4 sequences of 200 tokens: long enough to be running when SIGTERM comes
+        body = {"prompt": ["Once", "The"], "n": 2, "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert first.wait(30)
+        assert t.is_alive(), "the request ended before SIGTERM: nothing was drained"
+        srv.proc.send_signal(signal.SIGTERM)
+        # new connections are refused while the running stream finishes
+        wait_for(lambda: _refused(srv.port), 10, "listener closed")
+        t.join(60)
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.log()
+    assert [x for x in lines if x][-1] == "data: [DONE]"
+    finals = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines
+              if x.startswith("data: {") and '"finish_reason": "' in x]
+    assert finals == ["length"] * 4
+
+
+def _refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return False
+    except OSError:
+        return True
+
+
+def test_failed_load_exits_1(tmp_path: Path) -> None:
+    srv = SubprocessServer(tmp_path / "no-such-model", tmp_path)
+    assert srv.proc.wait(60) == 1
+    srv.stop()
+    assert "no-such-model" in srv.log()
