@@ -19,6 +19,8 @@ const char *clb_isa_name(clb_isa isa);
 
 /* traits of the active ISA */
 const clb_type_traits *clb_get_type_traits(clb_type t);
+/* traits of a given ISA (NULL if this CPU or build does not support it) */
+const clb_type_traits *clb_get_type_traits_isa(clb_isa isa, clb_type t);
 
 /* reference quantizers (bit-exact with engine/quant.py); n multiple of 32 */
 void clb_quantize_q8_ref(int64_t n, const float *x, clb_block_q8 *y);
@@ -37,6 +39,43 @@ size_t clb_matmul_scratch_size(clb_type t, int64_t n_in, int64_t n_tokens);
 clb_status clb_matmul(clb_type t, const void *w, int64_t n_out, int64_t n_in,
                       const float *x, int64_t n_tokens, float *y, int64_t ldy,
                       const float *bias, void *scratch, clb_threadpool *tp);
+
+/* Packed activations: the layout the active ISA's kernel for weights of type t reads, one row
+ * of clb_act_row_size(t, n_in) bytes per token (0: t is a float type, whose products read
+ * f32 rows in place). clb_act_row_size_max is the largest over every ISA this CPU supports
+ * (for sizing scratch before a test forces another ISA). clb_act_pack packs n_tok rows of x
+ * (row stride ldx floats); pack and product must run under the same active ISA. */
+size_t clb_act_row_size(clb_type t, int64_t n_in);
+size_t clb_act_row_size_max(clb_type t, int64_t n_in);
+void clb_act_pack(clb_type t, int64_t n_in, const float *x, int64_t ldx, int64_t n_tok,
+                  void *act);
+
+/* One matrix of a batched product: y[n_tok, ldy] (first n_out columns) = act @ W^T (+ bias).
+ * act: n_tok packed rows (clb_act_pack) for quantized types, f32 rows of n_in otherwise. */
+typedef struct {
+    clb_type type;
+    const void *w;       /* [n_out, n_in] of type */
+    int64_t n_out, n_in;
+    const void *act;     /* [n_tok] packed or f32 rows */
+    int64_t n_tok;
+    float *y;            /* [n_tok, ldy] */
+    int64_t ldy;
+    const float *bias;   /* [n_out] or NULL */
+    /* gated (SwiGLU) job when w_up is set: y = silu(act @ W^T) * (act @ W_up^T), W_up of the
+     * same type and shape as W; y_up [n_tok, ldy] is scratch for the second product; no bias */
+    const void *w_up;
+    float *y_up;
+} clb_mm_job;
+
+/* Runs every job in one thread-pool dispatch (jobs must not write each other's inputs). */
+clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp);
+
+/* f32 vector helpers of the active ISA (attention): x . y, and y += a * x; hot loops fetch
+ * the function once (clb_get_type_traits(CLB_TYPE_F32)->vec_dot, clb_get_vec_mad_f32()) */
+typedef void (*clb_vec_mad_fn)(int64_t n, float *y, const float *x, float a);
+float clb_vec_dot_f32(int64_t n, const float *x, const float *y);
+void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a);
+clb_vec_mad_fn clb_get_vec_mad_f32(void);
 
 /* Copy row `row` of a [n_rows, n] weight matrix into y as f32 (embedding lookup). */
 void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y);

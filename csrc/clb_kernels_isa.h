@@ -25,6 +25,12 @@ float clb_vec_dot_f16_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_bf16_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x);
+void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a);
+size_t clb_act_size_q8a(int64_t n); /* q8a row bytes: the packed layout of ref and AVX2 */
+void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                     size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                     size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 /* AVX2 + FMA + F16C (kernels_avx2.c) */
 float clb_vec_dot_f32_avx2(int64_t n, const void *w, const void *x);
@@ -33,6 +39,11 @@ float clb_vec_dot_bf16_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q8_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_avx2(int64_t n, const void *w, const void *x);
 void clb_quantize_q8a_avx2(int64_t n, const float *x, void *y);
+void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a);
+void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 /* AVX-512 F/BW/VL/VNNI (kernels_avx512.c) */
 float clb_vec_dot_f32_avx512(int64_t n, const void *w, const void *x);
@@ -41,5 +52,14 @@ float clb_vec_dot_bf16_avx512(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q8_avx512(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_avx512(int64_t n, const void *w, const void *x);
 void clb_quantize_q8a_avx512(int64_t n, const float *x, void *y);
+void clb_vec_mad_f32_avx512(int64_t n, float *y, const float *x, float a);
+/* packed activations (clb_q8x2 pairs, see kernels_avx512.c) and the kernels that read them */
+size_t clb_act_size_avx512(int64_t n);
+void clb_act_pack_q8_avx512(int64_t n, const float *x, void *y);
+void clb_act_pack_q4_avx512(int64_t n, const float *x, void *y);
+void clb_gemm_q8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 #endif

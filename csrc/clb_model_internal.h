@@ -6,6 +6,7 @@
 #define CLB_MODEL_INTERNAL_H
 
 #include "clb_model.h"
+#include "clb_kernels.h"
 #include "clb_pool.h"
 
 /* Tokens one internal forward chunk carries; longer calls are split (see clb_forward). */
@@ -68,8 +69,11 @@ struct clb_model {
     int32_t *out_rows; /* [B] chunk rows that want logits */
     float *scores;   /* [n_threads, span] attention scores per worker */
     int64_t span;    /* most keys one query sees: min(n_ctx, sliding_window) */
-    void *mm_scratch;
+    void *mm_scratch;  /* [B] packed activation rows for clb_matmul (any n_in) */
     size_t mm_scratch_size;
+    void *act;         /* [B] packed activation rows shared by the jobs of one dispatch */
+    clb_mm_job *jobs;  /* [E + 3] jobs of one dispatch */
+    const clb_ffn_w **ffn_list; /* [E] the experts of one dispatch */
 };
 
 struct clb_kv {

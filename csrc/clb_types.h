@@ -60,6 +60,15 @@ typedef void (*clb_from_float_fn)(int64_t n, const float *x, void *y);
 /* weight row -> f32 (n elements) */
 typedef void (*clb_to_float_fn)(int64_t n, const void *x, float *y);
 
+/* Multi-row kernel: y[t * ldy + r] = dot(weight row r, packed activation row t) for r < n_rows,
+ * t < n_tok; weight rows are w_row bytes apart, packed activation rows act_row bytes apart.
+ * Each (r, t) result is computed with the same arithmetic whatever n_rows and n_tok are, so
+ * splitting rows or tokens differently never changes a bit of the output. */
+typedef void (*clb_gemm_fn)(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                            const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+/* bytes of one packed activation row of n elements */
+typedef size_t (*clb_act_size_fn)(int64_t n);
+
 typedef struct {
     const char *name;
     int64_t blck_size;
@@ -68,6 +77,12 @@ typedef struct {
     clb_to_float_fn to_float;
     clb_vec_dot_fn vec_dot;     /* NULL for q8a (activation-only) */
     clb_from_float_fn from_float; /* f32 row -> this type (quantizer / converter) */
+    /* Optional fast path for weight types (all three set, or all NULL): act_pack turns an f32
+     * row into the ISA's packed activation layout (q8a values, rearranged for the kernel),
+     * act_size gives its bytes, gemm multiplies several weight rows by several packed rows. */
+    clb_act_size_fn act_size;
+    clb_from_float_fn act_pack;
+    clb_gemm_fn gemm;
 } clb_type_traits;
 
 /* bytes of one row of n elements; 0 if n is not a multiple of the block size or type invalid */

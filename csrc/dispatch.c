@@ -16,23 +16,50 @@ static clb_isa clb_isa_top = CLB_ISA_REF;
 static _Atomic int clb_isa_cur = CLB_ISA_REF;
 static pthread_once_t clb_init_once = PTHREAD_ONCE_INIT;
 
+static clb_vec_mad_fn clb_mad[CLB_ISA_COUNT];
+
 static const char *const clb_isa_names[CLB_ISA_COUNT] = {"ref", "avx2", "avx512"};
 
 static void clb_fill_ref(clb_type_traits *t) {
-    t[CLB_TYPE_F32] = (clb_type_traits){"f32", 1, 4, CLB_TYPE_F32, clb_to_float_f32_ref,
-                                        clb_vec_dot_f32_ref, clb_from_float_f32_ref};
-    t[CLB_TYPE_F16] = (clb_type_traits){"f16", 1, 2, CLB_TYPE_F32, clb_to_float_f16_ref,
-                                        clb_vec_dot_f16_ref, clb_from_float_f16_ref};
-    t[CLB_TYPE_BF16] = (clb_type_traits){"bf16", 1, 2, CLB_TYPE_F32, clb_to_float_bf16_ref,
-                                         clb_vec_dot_bf16_ref, clb_from_float_bf16_ref};
-    t[CLB_TYPE_Q8] = (clb_type_traits){"q8", CLB_QK, sizeof(clb_block_q8), CLB_TYPE_Q8A,
-                                       clb_to_float_q8_ref, clb_vec_dot_q8_ref,
-                                       clb_from_float_q8_ref};
-    t[CLB_TYPE_Q4] = (clb_type_traits){"q4", CLB_QK, sizeof(clb_block_q4), CLB_TYPE_Q8A,
-                                       clb_to_float_q4_ref, clb_vec_dot_q4_ref,
-                                       clb_from_float_q4_ref};
-    t[CLB_TYPE_Q8A] = (clb_type_traits){"q8a", CLB_QK, sizeof(clb_block_q8a), CLB_TYPE_Q8A,
-                                        clb_to_float_q8a_ref, NULL, clb_from_float_q8a_ref};
+    t[CLB_TYPE_F32] = (clb_type_traits){.name = "f32", .blck_size = 1, .type_size = 4,
+                                        .act_type = CLB_TYPE_F32,
+                                        .to_float = clb_to_float_f32_ref,
+                                        .vec_dot = clb_vec_dot_f32_ref,
+                                        .from_float = clb_from_float_f32_ref};
+    t[CLB_TYPE_F16] = (clb_type_traits){.name = "f16", .blck_size = 1, .type_size = 2,
+                                        .act_type = CLB_TYPE_F32,
+                                        .to_float = clb_to_float_f16_ref,
+                                        .vec_dot = clb_vec_dot_f16_ref,
+                                        .from_float = clb_from_float_f16_ref};
+    t[CLB_TYPE_BF16] = (clb_type_traits){.name = "bf16", .blck_size = 1, .type_size = 2,
+                                         .act_type = CLB_TYPE_F32,
+                                         .to_float = clb_to_float_bf16_ref,
+                                         .vec_dot = clb_vec_dot_bf16_ref,
+                                         .from_float = clb_from_float_bf16_ref};
+    t[CLB_TYPE_Q8] = (clb_type_traits){.name = "q8", .blck_size = CLB_QK,
+                                       .type_size = sizeof(clb_block_q8),
+                                       .act_type = CLB_TYPE_Q8A,
+                                       .to_float = clb_to_float_q8_ref,
+                                       .vec_dot = clb_vec_dot_q8_ref,
+                                       .from_float = clb_from_float_q8_ref,
+                                       .act_size = clb_act_size_q8a,
+                                       .act_pack = clb_from_float_q8a_ref,
+                                       .gemm = clb_gemm_q8_ref};
+    t[CLB_TYPE_Q4] = (clb_type_traits){.name = "q4", .blck_size = CLB_QK,
+                                       .type_size = sizeof(clb_block_q4),
+                                       .act_type = CLB_TYPE_Q8A,
+                                       .to_float = clb_to_float_q4_ref,
+                                       .vec_dot = clb_vec_dot_q4_ref,
+                                       .from_float = clb_from_float_q4_ref,
+                                       .act_size = clb_act_size_q8a,
+                                       .act_pack = clb_from_float_q8a_ref,
+                                       .gemm = clb_gemm_q4_ref};
+    t[CLB_TYPE_Q8A] = (clb_type_traits){.name = "q8a", .blck_size = CLB_QK,
+                                        .type_size = sizeof(clb_block_q8a),
+                                        .act_type = CLB_TYPE_Q8A,
+                                        .to_float = clb_to_float_q8a_ref,
+                                        .vec_dot = NULL,
+                                        .from_float = clb_from_float_q8a_ref};
 }
 
 #ifdef CLB_HAVE_X86
@@ -44,6 +71,10 @@ static void clb_fill_avx2(clb_type_traits *t) {
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx2;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx2;
     t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx2;
+    t[CLB_TYPE_Q8].act_pack = clb_quantize_q8a_avx2;
+    t[CLB_TYPE_Q8].gemm = clb_gemm_q8_avx2;
+    t[CLB_TYPE_Q4].act_pack = clb_quantize_q8a_avx2;
+    t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx2;
 }
 
 static void clb_fill_avx512(clb_type_traits *t) {
@@ -54,11 +85,18 @@ static void clb_fill_avx512(clb_type_traits *t) {
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx512;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx512;
     t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx512;
+    t[CLB_TYPE_Q8].act_size = clb_act_size_avx512;
+    t[CLB_TYPE_Q8].act_pack = clb_act_pack_q8_avx512;
+    t[CLB_TYPE_Q8].gemm = clb_gemm_q8_avx512;
+    t[CLB_TYPE_Q4].act_size = clb_act_size_avx512;
+    t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx512;
+    t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx512;
 }
 #endif
 
 static void clb_init_impl(void) {
     clb_fill_ref(clb_traits[CLB_ISA_REF]);
+    clb_mad[CLB_ISA_REF] = clb_vec_mad_f32_ref;
     clb_isa_ok[CLB_ISA_REF] = 1;
     clb_isa_top = CLB_ISA_REF;
 #ifdef CLB_HAVE_X86
@@ -66,11 +104,13 @@ static void clb_init_impl(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         /* F16C has no __builtin_cpu_supports name in older compilers; every AVX2 CPU has it */
         clb_fill_avx2(clb_traits[CLB_ISA_AVX2]);
+        clb_mad[CLB_ISA_AVX2] = clb_vec_mad_f32_avx2;
         clb_isa_ok[CLB_ISA_AVX2] = 1;
         clb_isa_top = CLB_ISA_AVX2;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
             clb_fill_avx512(clb_traits[CLB_ISA_AVX512]);
+            clb_mad[CLB_ISA_AVX512] = clb_vec_mad_f32_avx512;
             clb_isa_ok[CLB_ISA_AVX512] = 1;
             clb_isa_top = CLB_ISA_AVX512;
         }
@@ -111,3 +151,18 @@ const clb_type_traits *clb_get_type_traits(clb_type t) {
     if ((int)t < 0 || t >= CLB_TYPE_COUNT) return NULL;
     return &clb_traits[clb_isa_active()][t];
 }
+
+const clb_type_traits *clb_get_type_traits_isa(clb_isa isa, clb_type t) {
+    if ((int)t < 0 || t >= CLB_TYPE_COUNT || !clb_isa_supported(isa)) return NULL;
+    return &clb_traits[isa][t];
+}
+
+float clb_vec_dot_f32(int64_t n, const float *x, const float *y) {
+    return clb_traits[clb_isa_active()][CLB_TYPE_F32].vec_dot(n, x, y);
+}
+
+void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a) {
+    clb_mad[clb_isa_active()](n, y, x, a);
+}
+
+clb_vec_mad_fn clb_get_vec_mad_f32(void) { return clb_mad[clb_isa_active()]; }

@@ -1,8 +1,9 @@
 /* Colibri forward pass: one call runs a whole step (all layers) for a batch of tokens from any
  * number of sequences, following the transformers math summarised in docs/INTERNALS.md.
  * Guarantees: inputs are validated before anything is computed; heavy math goes through
- * clb_matmul on the model's thread pool; each expert's weights are read once per chunk for all
- * the tokens routed to it; no allocation (all scratch was sized at load).
+ * clb_matmul_jobs on the model's thread pool, with matrices that read the same input in one
+ * dispatch; each expert's weights are read once per chunk for all the tokens routed to it; no
+ * allocation (all scratch was sized at load).
  * Refuses: token ids, sequence ids and positions outside the model and cache. */
 #include <math.h>
 #include <stdarg.h>
@@ -46,6 +47,23 @@ static clb_status mm(clb_model *m, const clb_tensor *w, const float *x, int64_t 
         if (st_ != CLB_OK) return st_;    \
     } while (0)
 
+/* A job for weight w reading activations act (packed for w's type, or f32 rows). */
+static clb_mm_job job(const clb_tensor *w, const void *act, int64_t T, float *y, int64_t ldy,
+                      const clb_tensor *bias) {
+    return (clb_mm_job){.type = w->type, .w = w->data, .n_out = w->shape[0],
+                        .n_in = w->shape[1], .act = act, .n_tok = T, .y = y, .ldy = ldy,
+                        .bias = f32(bias)};
+}
+
+/* Activations of T rows of x (row stride ldx) for weights of w's type: packed into buf, or x
+ * itself for float weights (which then needs ldx == n_in). */
+static const void *act_for(const clb_tensor *w, const float *x, int64_t ldx, int64_t T,
+                           void *buf) {
+    if (clb_act_row_size(w->type, w->shape[1]) == 0) return x;
+    clb_act_pack(w->type, w->shape[1], x, ldx, T, buf);
+    return buf;
+}
+
 /* HF "rotate half" on the first rd dims of one head: pairs (x[i], x[i + rd/2]). */
 static void rope_head(float *x, const float *cs, int64_t rd) {
     int64_t half = rd / 2;
@@ -78,6 +96,8 @@ static void att_worker(void *vctx, int ith, int nth) {
     const int64_t n_items = a->T * H;
     const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
     float *sc = m->scores + (int64_t)ith * m->span;
+    const clb_vec_dot_fn vdot = clb_get_type_traits(CLB_TYPE_F32)->vec_dot;
+    const clb_vec_mad_fn vmad = clb_get_vec_mad_f32();
 
     for (int64_t it = i0; it < i1; it++) {
         int64_t t = it / H, h = it % H, kvh = h / group;
@@ -91,9 +111,7 @@ static void att_worker(void *vctx, int ith, int nth) {
         float mx = -INFINITY;
         for (int64_t j = lo; j <= p; j++) {
             const float *k = clb_kv_row(a->kv, a->il, s, j, 0) + kvh * hd;
-            float dot = 0.0f;
-            for (int64_t d = 0; d < hd; d++) dot += q[d] * k[d];
-            dot *= scale;
+            float dot = vdot(hd, q, k) * scale;
             sc[j - lo] = dot;
             if (dot > mx) mx = dot;
         }
@@ -107,8 +125,7 @@ static void att_worker(void *vctx, int ith, int nth) {
         for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
         for (int64_t j = lo; j <= p; j++) {
             const float *v = clb_kv_row(a->kv, a->il, s, j, 1) + kvh * hd;
-            float w = sc[j - lo] * inv;
-            for (int64_t d = 0; d < hd; d++) out[d] += w * v[d];
+            vmad(hd, out, v, sc[j - lo] * inv);
         }
     }
 }
@@ -122,9 +139,18 @@ static clb_status attention(clb_model *m, clb_kv *kv, int64_t il, int64_t T, con
 
     for (int64_t t = 0; t < T; t++)
         rmsnorm(m->x + t * D, f32(l->attn_norm), D, hp->rms_eps, m->xn + t * D);
-    TRY(mm(m, l->wq, m->xn, T, m->q, qd, l->bq)); /* [T, qd] */
-    TRY(mm(m, l->wk, m->xn, T, m->k, kvd, l->bk)); /* [T, kvd] */
-    TRY(mm(m, l->wv, m->xn, T, m->v, kvd, l->bv)); /* [T, kvd] */
+    if (l->wk->type == l->wq->type && l->wv->type == l->wq->type) {
+        /* xn is packed once and q, k, v run in one dispatch */
+        const void *a = act_for(l->wq, m->xn, D, T, m->act);
+        m->jobs[0] = job(l->wq, a, T, m->q, qd, l->bq);  /* [T, qd] */
+        m->jobs[1] = job(l->wk, a, T, m->k, kvd, l->bk); /* [T, kvd] */
+        m->jobs[2] = job(l->wv, a, T, m->v, kvd, l->bv); /* [T, kvd] */
+        TRY(clb_matmul_jobs(m->jobs, 3, m->tp));
+    } else {
+        TRY(mm(m, l->wq, m->xn, T, m->q, qd, l->bq));
+        TRY(mm(m, l->wk, m->xn, T, m->k, kvd, l->bk));
+        TRY(mm(m, l->wv, m->xn, T, m->v, kvd, l->bv));
+    }
 
     for (int64_t t = 0; t < T; t++) {
         float *q = m->q + t * qd, *k = m->k + t * kvd, *v = m->v + t * kvd;
@@ -190,15 +216,62 @@ static void route_token(const clb_hparams *hp, float *p, int32_t *ids, float *w)
     }
 }
 
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-/* out[c, D] = w2 @ (silu(w1 @ x) * (w3 @ x)) for c rows of x. */
-static clb_status ffn(clb_model *m, const clb_ffn_w *w, const float *x, int64_t c, float *out) {
-    const int64_t F = w->w1->shape[0], D = m->hp.n_embd;
-    TRY(mm(m, w->w1, x, c, m->h1, F, NULL)); /* [c, F] */
-    TRY(mm(m, w->w3, x, c, m->h3, F, NULL)); /* [c, F] */
-    for (int64_t i = 0; i < c * F; i++) m->h1[i] = silu(m->h1[i]) * m->h3[i];
-    return mm(m, w->w2, m->h1, c, out, D, NULL); /* [c, D] */
+/* FFNs of n_g groups of consecutive rows, all in two dispatches (gate/up, then down):
+ * rows [off[g], off[g+1]) go through w[g]: out[r, D] = w2 @ (silu(w1 @ x_r) * (w3 @ x_r)),
+ * x_r = src[idx[r]] (idx NULL: src[r]). At most CLB_MAX_BATCH rows; every w[g] has the same
+ * tensor types (one group of the file layout). */
+static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *w,
+                             const int64_t *off, const float *src, const int32_t *idx,
+                             float *out) {
+    const int64_t D = m->hp.n_embd, F = w[0]->w1->shape[0], n = off[n_g] - off[0];
+    const clb_tensor *w1 = w[0]->w1, *w2 = w[0]->w2;
+    if (w[0]->w3->type != w1->type) { /* gate and up of different types: one at a time */
+        for (int64_t g = 0; g < n_g; g++) {
+            int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
+            for (int64_t r = 0; r < c; r++)
+                memcpy(m->xg + r * D, src + (idx ? idx[off[g] + r] : off[g] + r) * D,
+                       (size_t)D * sizeof(float));
+            TRY(mm(m, w[g]->w1, m->xg, c, m->h1, F, NULL));
+            TRY(mm(m, w[g]->w3, m->xg, c, m->h3, F, NULL));
+            for (int64_t i = 0; i < c * F; i++)
+                m->h1[i] = m->h1[i] / (1.0f + expf(-m->h1[i])) * m->h3[i]; /* silu * up */
+            TRY(mm(m, w[g]->w2, m->h1, c, out + r0 * D, D, NULL));
+        }
+        return CLB_OK;
+    }
+    /* gather (and pack) the rows in group order */
+    size_t arow = clb_act_row_size(w1->type, D);
+    const void *a = m->xg;
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = src + (idx ? idx[off[0] + r] : off[0] + r) * D;
+        if (arow)
+            clb_act_pack(w1->type, D, x, D, 1, (char *)m->act + (size_t)r * arow);
+        else
+            memcpy(m->xg + r * D, x, (size_t)D * sizeof(float));
+    }
+    if (arow) a = m->act;
+    int64_t nj = 0;
+    for (int64_t g = 0; g < n_g; g++) {
+        int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
+        if (c == 0) continue;
+        size_t a_off = arow ? (size_t)r0 * arow : (size_t)(r0 * D) * sizeof(float);
+        clb_mm_job j = job(w[g]->w1, (const char *)a + a_off, c, m->h1 + r0 * F, F, NULL);
+        j.w_up = w[g]->w3->data;
+        j.y_up = m->h3 + r0 * F;
+        m->jobs[nj++] = j; /* [c, F] silu(gate) * up */
+    }
+    TRY(clb_matmul_jobs(m->jobs, (int)nj, m->tp));
+    size_t hrow = clb_act_row_size(w2->type, F);
+    const void *h = act_for(w2, m->h1, F, n, m->act);
+    nj = 0;
+    for (int64_t g = 0; g < n_g; g++) {
+        int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
+        if (c == 0) continue;
+        size_t h_off = hrow ? (size_t)r0 * hrow : (size_t)(r0 * F) * sizeof(float);
+        const void *hg = (const char *)h + h_off;
+        m->jobs[nj++] = job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
+    }
+    return clb_matmul_jobs(m->jobs, (int)nj, m->tp);
 }
 
 static clb_status moe(clb_model *m, int64_t il, int64_t T) {
@@ -209,8 +282,9 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T) {
     for (int64_t t = 0; t < T; t++)
         rmsnorm(m->x + t * D, f32(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
 
-    /* route: [T, E] logits -> top-K ids and weights */
-    TRY(mm(m, l->gate_inp, m->xn, T, m->probs, E, NULL));
+    /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
+    TRY(clb_matmul(l->gate_inp->type, l->gate_inp->data, E, D, m->xn, T, m->probs, E, NULL,
+                   m->mm_scratch, NULL));
     for (int64_t t = 0; t < T; t++)
         route_token(hp, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
 
@@ -227,24 +301,32 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T) {
         m->route_w[slot] = m->top_w[i];
     }
 
-    /* run each chosen expert once over its gathered rows; combine in expert order, as HF does */
+    /* run each chosen expert once over its gathered rows, as many experts per dispatch as
+     * fit in one batch of rows; combine in expert order, as HF does */
     memset(m->proj, 0, (size_t)(T * D) * sizeof(float));
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = m->e_start[e], c = m->e_start[e + 1] - r0;
-        if (c == 0) continue;
-        for (int64_t r = 0; r < c; r++)
-            memcpy(m->xg + r * D, m->xn + (int64_t)m->route_tok[r0 + r] * D, (size_t)D * sizeof(float));
-        TRY(ffn(m, &l->experts[e], m->xg, c, m->eo));
-        for (int64_t r = 0; r < c; r++) {
-            float *dst = m->proj + (int64_t)m->route_tok[r0 + r] * D;
-            const float *src = m->eo + r * D;
-            float w = m->route_w[r0 + r];
+    const clb_ffn_w **ws = m->ffn_list;
+    for (int64_t e = 0; e < E;) {
+        int64_t e0 = e, s0 = m->e_start[e];
+        /* an expert holds at most T <= CLB_MAX_BATCH rows, so each batch takes at least one */
+        while (e < E && m->e_start[e + 1] - s0 <= CLB_MAX_BATCH) {
+            ws[e - e0] = &l->experts[e];
+            e++;
+        }
+        int64_t s1 = m->e_start[e];
+        if (s1 == s0) continue;
+        TRY(ffn_groups(m, e - e0, ws, m->e_start + e0, m->xn, m->route_tok, m->eo));
+        for (int64_t r = s0; r < s1; r++) {
+            float *dst = m->proj + (int64_t)m->route_tok[r] * D;
+            const float *src = m->eo + (r - s0) * D;
+            float w = m->route_w[r];
             for (int64_t d = 0; d < D; d++) dst[d] += src[d] * w;
         }
     }
 
     if (hp->n_ff_shared > 0) {
-        TRY(ffn(m, &l->shared, m->xn, T, m->eo)); /* [T, D] */
+        const clb_ffn_w *sw = &l->shared;
+        int64_t off[2] = {0, T};
+        TRY(ffn_groups(m, 1, &sw, off, m->xn, NULL, m->eo)); /* [T, D] */
         if (l->shared_gate) {
             TRY(mm(m, l->shared_gate, m->xn, T, m->sgate, 1, NULL)); /* [T, 1] */
             for (int64_t t = 0; t < T; t++) {

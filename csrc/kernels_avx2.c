@@ -138,3 +138,31 @@ void clb_quantize_q8a_avx2(int64_t n, const float *x, void *vy) {
         _mm256_storeu_si256((__m256i *)y[bi].qs, p);
     }
 }
+
+/* multi-row products on q8a rows: one vec_dot per (row, token), rows inner so a row block's
+ * weights stay in cache while the tokens pass (reference: clb_gemm_q8_ref / _q4_ref) */
+void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t r = 0; r < n_rows; r++)
+            y[t * ldy + r] = clb_vec_dot_q8_avx2(n, (const char *)w + (size_t)r * w_row,
+                                                 (const char *)act + (size_t)t * act_row);
+}
+
+void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t r = 0; r < n_rows; r++)
+            y[t * ldy + r] = clb_vec_dot_q4_avx2(n, (const char *)w + (size_t)r * w_row,
+                                                 (const char *)act + (size_t)t * act_row);
+}
+
+/* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, one rounding per element) */
+void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i,
+                         _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}

@@ -210,3 +210,29 @@ float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x) {
     }
     return s;
 }
+
+/* ---- multi-row products on q8a rows (the packed layout of the reference) ---- */
+
+size_t clb_act_size_q8a(int64_t n) { return (size_t)(n / CLB_QK) * sizeof(clb_block_q8a); }
+
+void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                     size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t r = 0; r < n_rows; r++)
+            y[t * ldy + r] = clb_vec_dot_q8_ref(n, (const char *)w + (size_t)r * w_row,
+                                                (const char *)act + (size_t)t * act_row);
+}
+
+void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                     size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t r = 0; r < n_rows; r++)
+            y[t * ldy + r] = clb_vec_dot_q4_ref(n, (const char *)w + (size_t)r * w_row,
+                                                (const char *)act + (size_t)t * act_row);
+}
+
+/* ---- small f32 vector ops (attention) ---- */
+
+void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}

@@ -272,6 +272,9 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->scores = palloc(m, (size_t)m->n_threads * (size_t)m->span * F, &fail);
     m->mm_scratch_size = mm;
     m->mm_scratch = palloc(m, mm, &fail);
+    m->act = palloc(m, mm, &fail);
+    m->jobs = palloc(m, (e + 3) * sizeof(clb_mm_job), &fail);
+    m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
     if (fail) {
         m_err(err, "out of memory allocating forward scratch");
         return CLB_E_NOMEM;

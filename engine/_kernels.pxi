@@ -83,6 +83,7 @@ cdef extern from "clb_kernels.h" nogil:
                           const float *x, int64_t n_tokens, float *y, int64_t ldy,
                           const float *bias, void *scratch, clb_threadpool *tp)
     void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y)
+    void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a)
 
 cdef extern from "clb_pool.h" nogil:
     ctypedef struct clb_pool:
@@ -217,6 +218,19 @@ def vec_dot(name: str, w, x) -> float:
     cdef unsigned char[::1] av = act
     at.from_float(n, &xv[0], &av[0])
     return tr.vec_dot(n, &wv[0], &av[0])
+
+
+def vec_mad_f32(y, x, float a):
+    """y + a * x (float32 vectors of one length) with the active ISA's kernel; returns a new
+    array, y is not modified."""
+    out = np.array(y, dtype=np.float32).reshape(-1)
+    cdef const float[::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if xv.shape[0] != out.shape[0]:
+        raise ValueError("x and y must have the same length")
+    cdef float[::1] ov = out
+    if out.shape[0] > 0:
+        clb_vec_mad_f32(out.shape[0], &ov[0], &xv[0], a)
+    return out
 
 
 cdef dict _pools_by_threads = {}

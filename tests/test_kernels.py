@@ -274,6 +274,20 @@ def test_vec_dot_within_budget(type_name: str, isa: str) -> None:
                 assert abs(got - want) <= budget, (n, name, got, want, budget)
 
 
+def test_vec_mad_f32_within_budget(isa: str) -> None:
+    # y + a * x: at most two roundings (multiply, then add; one with FMA) per element
+    rng = np.random.default_rng(11)
+    for n in (1, 7, 15, 16, 17, 33, 64, 100, 1000):
+        y = rng.standard_normal(n).astype(np.float32)
+        x = (rng.standard_normal(n) * 1e3).astype(np.float32)
+        x[n // 2] = 0.0
+        for a in (0.0, 1.0, -0.3125, 7.1e-3):
+            got = core.vec_mad_f32(y, x, a)
+            exact = y.astype(np.float64) + np.float64(np.float32(a)) * x.astype(np.float64)
+            budget = 2 * U * (np.abs(y) + np.abs(np.float32(a) * x.astype(np.float64))) + TINY
+            assert got.shape == (n,) and np.all(np.abs(got - exact) <= budget), (n, a)
+
+
 # ---- matmul --------------------------------------------------------------------------------
 
 MATMUL_SHAPES = [  # (n_out, n_in, n_tokens)
@@ -283,6 +297,8 @@ MATMUL_SHAPES = [  # (n_out, n_in, n_tokens)
     (64, 256, 8),
     (33, 160, 5),
     (130, 512, 2),
+    (39, 96, 7),  # row tail of 3, token tail of 3, odd block count
+    (64, 224, 6),
 ]
 
 
@@ -320,6 +336,23 @@ def test_matmul_within_budget(type_name: str, shape: tuple[int, int, int], isa: 
     for n_threads in (2, 3, 4):
         yt = core.matmul(type_name, data, n_out, n_in, x, bias, n_threads)
         assert np.array_equal(yt, yb), n_threads
+
+
+@pytest.mark.parametrize("type_name", WEIGHT_TYPES)
+def test_matmul_token_tiles_do_not_change_results(type_name: str, isa: str) -> None:
+    # the kernels tile rows and tokens; a row's result must not depend on which tile (or how
+    # many tokens) it was computed with: prefill and decode give the same numbers
+    n_out, n_in, n_tok = 23, 288, 9
+    w, x, _ = matmul_inputs(n_out, n_in, n_tok, seed=3)
+    data = quant.encode(w, type_name)
+    y = core.matmul(type_name, data, n_out, n_in, x, None, 1)
+    for t in range(n_tok):
+        yt = core.matmul(type_name, data, n_out, n_in, x[t:t + 1], None, 1)
+        assert np.array_equal(yt[0], y[t]), t
+    for r0, r1 in ((0, 1), (5, 11), (20, 23)):
+        yr = core.matmul(type_name, data[r0 * len(data) // n_out:r1 * len(data) // n_out],
+                         r1 - r0, n_in, x, None, 2)
+        assert np.array_equal(yr, y[:, r0:r1]), (r0, r1)
 
 
 def test_matmul_rejects_bad_arguments() -> None:
