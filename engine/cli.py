@@ -117,6 +117,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    from engine.evaluate import configure_eval_parser
+
+    configure_eval_parser(p)
+
+
+@command("eval", "perplexity of a model over a text (quantization quality check)", _eval_args)
+def _eval(args: argparse.Namespace) -> int:
+    from engine.evaluate import eval_main
+
+    return eval_main(args)
+
+
 AddParser = Callable[[Any], argparse.ArgumentParser]
 
 
