@@ -79,6 +79,20 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from engine.bench import add_bench_args
+
+    add_bench_args(p)
+
+
+@command("bench", "measure prefill and decode tokens/s against the memory-bandwidth bound",
+         _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    from engine.bench import bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="colibri", description="Colibri MoE inference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
