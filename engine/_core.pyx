@@ -6,3 +6,4 @@ One include per C area so each grows on its own; Python code uses engine's modul
 
 include "_kernels.pxi"
 include "_model.pxi"
+include "_bench.pxi"

@@ -130,6 +130,20 @@ def _eval(args: argparse.Namespace) -> int:
     return eval_main(args)
 
 
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from engine.bench import add_bench_args
+
+    add_bench_args(p)
+
+
+@command("bench", "measure prefill and decode tokens/s against the memory-bandwidth bound",
+         _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    from engine.bench import bench_main
+
+    return bench_main(args)
+
+
 AddParser = Callable[[Any], argparse.ArgumentParser]
 
 

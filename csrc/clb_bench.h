@@ -1,0 +1,28 @@
+/* Colibri machine probes for `colibri bench`: the memory read bandwidth that bounds decode.
+ * Guarantees: the probe reads every byte of its buffer on every pass, with the widest loads
+ * the CPU has and on huge pages where the kernel grants them, and proves it with a checksum;
+ * the buffer is mapped for the call only and unmapped before it returns.
+ * Refuses: buffers under 64 KiB, thread counts outside 1..1024, pass counts outside 1..1000. */
+#ifndef CLB_BENCH_H
+#define CLB_BENCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "clb_types.h"
+
+#define CLB_BENCH_ERR_LEN 512 /* bytes of the err buffer clb_bandwidth_probe writes to */
+
+/* Read a fresh nbytes buffer n_passes times with n_threads threads (a clb_threadpool of its
+ * own, each thread a contiguous slice) and write the best pass in GB/s (1e9 bytes/s) to
+ * *gbps. The buffer should be several times the last-level cache for a DRAM figure.
+ * CLB_E_ARG for bad arguments, CLB_E_NOMEM when the buffer or pool cannot be had. */
+clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, double *gbps,
+                               char *err);
+
+/* Per-ISA read kernels (bandwidth_<isa>.c): the wrap-around sum of w[0..n). bandwidth.c picks
+ * one by the active kernel ISA (clb_isa_active), so forcing "ref" forces the scalar loop. */
+uint64_t clb_bw_sum_avx2(const uint64_t *w, size_t n);
+uint64_t clb_bw_sum_avx512(const uint64_t *w, size_t n);
+
+#endif

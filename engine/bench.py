@@ -1,0 +1,255 @@
+"""`colibri bench`: prefill and decode speed of one model, against the machine's memory bound.
+
+Decode reads every active weight once per token, so tokens/s can never pass
+bandwidth / bytes-per-token. This module measures both sides of that inequality: the speed
+(one forward call over a deterministic prompt, then greedy single-token calls, a fresh
+sequence per repeat) and the bound (weight bytes per decoded token, counted exactly from the
+tensor tables, and read bandwidth from the C probe). It makes no claim about speed itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROMPT_SEED = 20240601
+DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
+
+
+# -- bytes of weights per decoded token ---------------------------------------------------
+
+def _file_bytes(model_dir: Path, rel: str) -> dict[str, int]:
+    """nbytes of each tensor of one weight file, from its validated table."""
+    from engine.wfile import read_wfile
+
+    return {name: t.nbytes for name, t in read_wfile(model_dir / rel).tensors.items()}
+
+
+def weight_bytes_per_token(model_dir: str | Path) -> dict[str, int]:
+    """Bytes of weights one decoded token reads, by part, and their "total".
+
+    Per layer: every attention tensor, the router file (ffn norm, gate, shared gate), the
+    shared expert, and n_expert_used experts (the mean expert size of the layer; all experts
+    of a layer have one size). Once per token: one embedding row, the final norm and the
+    lm_head (the whole embedding matrix when tied). Counts tensor data, not file headers.
+    """
+    from engine.config import ModelConfig
+
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    emb = _file_bytes(model_dir, "embeddings.bin")
+    parts = {
+        "embedding_row": emb["tok_embd"] // cfg.n_vocab,
+        "output_norm": emb["output_norm"],
+        "lm_head": emb["output"] if "output" in emb else emb["tok_embd"],
+        "attention": 0,
+        "router": 0,
+        "shared": 0,
+        "experts": 0,
+    }
+    files = set(cfg.files)
+    for i in range(cfg.n_layer):
+        parts["attention"] += sum(_file_bytes(model_dir, f"attention/layer_{i}.bin").values())
+        parts["router"] += sum(_file_bytes(model_dir, f"router/layer_{i}.bin").values())
+        if f"shared/layer_{i}.bin" in files:
+            parts["shared"] += sum(_file_bytes(model_dir, f"shared/layer_{i}.bin").values())
+        sizes = [sum(_file_bytes(model_dir, f"experts/layer_{i}_expert_{j}.bin").values())
+                 for j in range(cfg.n_expert)]
+        parts["experts"] += sum(sizes) * cfg.n_expert_used // len(sizes)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# -- measurement ---------------------------------------------------------------------------
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kib) * (1 if sys.platform == "darwin" else 1024)
+
+
+def bench_prompt(n_vocab: int, n_tokens: int, seed: int = PROMPT_SEED) -> np.ndarray:
+    """A deterministic prompt of n_tokens valid ids (int32), the same for every engine."""
+    if n_tokens <= 0:
+        raise ValueError(f"prompt tokens must be positive, got {n_tokens}")
+    return np.random.default_rng(seed).integers(0, n_vocab, n_tokens).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class RunTiming:
+    """One prefill + greedy decode of a fresh sequence."""
+
+    prefill_s: float
+    decode_s: float
+    tokens: list[int]  # greedy continuation: 1 from the prefill + one per decode call
+
+
+def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
+    """Prefill prompt in one forward call, then n_gen greedy single-token calls (EOS ignored).
+
+    model is an engine.model.Model; sequence 0 is cleared before and after.
+    """
+    n = int(prompt.size)
+    seq0 = np.zeros(1, dtype=np.int32)
+    want = np.zeros(n, dtype=np.uint8)
+    want[-1] = 1
+    model.reset(0)
+    try:
+        t0 = time.perf_counter()
+        logits = model.forward(prompt, np.zeros(n, np.int32), np.arange(n, dtype=np.int32), want)
+        tok = int(np.argmax(logits[-1]))
+        t1 = time.perf_counter()
+        tokens = [tok]
+        for step in range(n_gen):
+            logits = model.forward(np.asarray([tok], np.int32), seq0,
+                                   np.asarray([n + step], np.int32))
+            tok = int(np.argmax(logits[0]))
+            tokens.append(tok)
+        t2 = time.perf_counter()
+    finally:
+        model.reset(0)
+    return RunTiming(t1 - t0, t2 - t1, tokens)
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    """Median, min, max and the runs themselves."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": list(values)}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What `colibri bench` measures and how."""
+
+    model: str
+    prompt_tokens: int = 128
+    gen_tokens: int = 128
+    threads: int | None = None
+    repeat: int = 3
+    quant: str = "q4"
+    probe_mib: int = DEFAULT_PROBE_MIB
+    probe_passes: int = 3
+
+    def check(self) -> None:
+        for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name.replace('_', '-')} must be positive")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError("threads must be positive")
+
+
+def run_bench(s: BenchSettings) -> dict[str, Any]:
+    """Measure a model; returns the result object `--json` prints."""
+    from engine import _core
+    from engine.convert import ensure_converted
+    from engine.model import Model
+
+    s.check()
+    path = ensure_converted(Path(s.model), s.quant, progress=False)
+    t0 = time.perf_counter()
+    model = Model.load(path, threads=s.threads, n_ctx=s.prompt_tokens + s.gen_tokens)
+    load_s = time.perf_counter() - t0
+    cfg = model.config
+    prompt = bench_prompt(cfg.n_vocab, s.prompt_tokens)
+
+    timed_greedy_run(model, prompt, min(s.gen_tokens, 8))  # warm-up: page in, spin up
+    runs = [timed_greedy_run(model, prompt, s.gen_tokens) for _ in range(s.repeat)]
+    prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
+    decode = summarize([s.gen_tokens / r.decode_s for r in runs])
+    rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
+    n_threads = model.n_threads
+    del model
+
+    per_token = weight_bytes_per_token(path)
+    gbps = _core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes)
+    bound = gbps * 1e9 / per_token["total"]
+    return {
+        "model": str(path),
+        "architecture": cfg.architecture,
+        "quant": cfg.quant,
+        "tensor_types": dict(cfg.tensor_types),
+        "isa": _core.isa_active(),
+        "threads": n_threads,
+        "prompt_tokens": s.prompt_tokens,
+        "gen_tokens": s.gen_tokens,
+        "repeat": s.repeat,
+        "load_s": load_s,
+        "prefill_tok_s": prefill,
+        "decode_tok_s": decode,
+        "peak_rss_bytes": rss,
+        "bytes_per_token": per_token["total"],
+        "bytes_per_token_parts": {k: v for k, v in per_token.items() if k != "total"},
+        "bandwidth_gb_s": gbps,
+        "probe_bytes": s.probe_mib << 20,
+        "bound_tok_s": bound,
+        "percent_of_bound": 100.0 * decode["median"] / bound if bound > 0 else math.nan,
+        "greedy_tokens": runs[0].tokens[:16],
+    }
+
+
+# -- output ---------------------------------------------------------------------------------
+
+def _mb(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render(r: dict[str, Any]) -> str:
+    """A run_bench result as a readable table."""
+    p, d = r["prefill_tok_s"], r["decode_tok_s"]
+    parts = ", ".join(f"{k} {_mb(v)}" for k, v in r["bytes_per_token_parts"].items() if v)
+    lines = [
+        f"model          {r['model']}",
+        f"               {r['architecture']}, {r['quant']}, {r['threads']} threads, "
+        f"kernels {r['isa']}, loaded in {r['load_s']:.2f} s",
+        f"workload       {r['prompt_tokens']}-token prompt, {r['gen_tokens']} greedy tokens, "
+        f"{r['repeat']} repeats",
+        f"{'':15}{'median':>10}{'min':>10}{'max':>10}",
+        f"{'prefill tok/s':15}{p['median']:>10.1f}{p['min']:>10.1f}{p['max']:>10.1f}",
+        f"{'decode tok/s':15}{d['median']:>10.1f}{d['min']:>10.1f}{d['max']:>10.1f}",
+        f"peak RSS       {r['peak_rss_bytes'] / 2**20:.1f} MiB",
+        f"weights/token  {_mb(r['bytes_per_token'])} ({parts})",
+        f"bandwidth      {r['bandwidth_gb_s']:.1f} GB/s read ({r['threads']} threads, "
+        f"{r['probe_bytes'] >> 20} MiB probe)",
+        f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
+        f"{r['percent_of_bound']:.1f}% of it",
+    ]
+    return "\n".join(lines)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The options of `colibri bench`."""
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="Colibri folder, or a Hugging Face folder (converted once, see --quant)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    p.add_argument("--gen-tokens", type=int, default=128,
+                   help="greedy tokens decoded per repeat (default 128)")
+    p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    p.add_argument("--repeat", type=int, default=3, help="timed repeats (default 3)")
+    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q4",
+                   help="preset when PATH is a Hugging Face folder (default q4)")
+    p.add_argument("--probe-mib", type=int, default=DEFAULT_PROBE_MIB,
+                   help=f"bandwidth probe buffer in MiB (default {DEFAULT_PROBE_MIB})")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """Run `colibri bench` with parsed arguments; prints the table or JSON."""
+    settings = BenchSettings(
+        model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+        threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib)
+    result = run_bench(settings)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0

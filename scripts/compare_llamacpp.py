@@ -1,0 +1,636 @@
+#!/usr/bin/env python3
+"""Colibri against llama.cpp (and transformers eager) on one random Mixtral, same machine.
+
+Builds a seeded random Mixtral checkpoint with transformers (f16 safetensors plus a
+sentencepiece tokenizer.model and the matching tokenizer.json), converts it with llama.cpp's
+own converter to GGUF f16 and quantizes that to Q8_0 and Q4_0 (llama_model_quantize), converts
+it with Colibri to q8 and q4, then times the engines alternately in one process on the same
+prompt token ids: prefill of the prompt in one call, then greedy single-token decode (EOS
+ignored). Everything built is cached in --workdir, keyed by the model dimensions and seed.
+
+Needs the bench extra: pip install -e '.[bench]' (llama-cpp-python, sentencepiece, gguf)
+(llama-cpp-python compiles llama.cpp, about ten minutes on a 2-core machine).
+
+    python scripts/compare_llamacpp.py                      # defaults of the issue
+    python scripts/compare_llamacpp.py --layers 2 --repeat 3 --skip-transformers --json out.json
+
+Pitfalls met on a 2-vCPU Xeon with AMX: a GGML_NATIVE build of llama.cpp dies with SIGILL in
+its AMX matmul (the script checks in a child process first and prints how to build without
+AMX; run with PYTHONPATH=that build); and OpenMP's active wait made two-thread decode ~30x
+slower whenever other work shared the cores, so OMP_WAIT_POLICY defaults to PASSIVE here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# llama-cpp-python's wheels use OpenMP; with the default active wait its idle threads spin, and
+# on a machine whose cores are also busy with other work two-thread decode fell from ~29 to
+# ~1 token/s. Passive waiting costs one wake-up per graph (per token); set the variable
+# yourself to override. It must be set before libgomp loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
+
+INSTALL_HINT = ("llama-cpp-python is not installed. Install the benchmark extra with\n"
+                "    pip install 'llama-cpp-python==0.3.36' sentencepiece gguf\n"
+                "(it compiles llama.cpp: about ten minutes on a 2-core machine), "
+                "or pip install -e '.[bench]'.")
+DEFAULT_LLAMA_VERSION = "0.3.36"
+
+
+# -- the model ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dims:
+    vocab: int = 32000
+    hidden: int = 1024
+    intermediate: int = 3584
+    layers: int = 8
+    experts: int = 8
+    top_k: int = 2
+    heads: int = 16
+    kv_heads: int = 8
+    seed: int = 0
+
+    def tag(self) -> str:
+        raw = json.dumps(asdict(self), sort_keys=True).encode()
+        return (f"mixtral-v{self.vocab}-d{self.hidden}-f{self.intermediate}-l{self.layers}"
+                f"-e{self.experts}k{self.top_k}-h{self.heads}kv{self.kv_heads}-s{self.seed}-"
+                + hashlib.sha256(raw).hexdigest()[:8])
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    cons = "b c d f g h j k l m n p r s t v w z ch sh th st tr pl br gr".split()
+    vows = "a e i o u ai ea ou io".split()
+    syl = [c + v for c in cons for v in vows] + [v + c for c in cons for v in vows]
+    return ["".join(rng.choice(syl) for _ in range(rng.randint(1, 4))) for _ in range(n)]
+
+
+def train_tokenizer(out: Path, vocab: int, seed: int) -> None:
+    """tokenizer.model (sentencepiece BPE with byte fallback, Llama-style ids 0 unk, 1 <s>,
+    2 </s>) trained on generated pseudo-words, and the same tokenizer as tokenizer.json."""
+    import sentencepiece as spm
+
+    rng = random.Random(seed)
+    words = _words(rng, 60000)
+    text = out / "sp_train.txt"
+    with open(text, "w", encoding="utf-8") as f:
+        for _ in range(100000):
+            f.write(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + ".\n")
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(out / "tokenizer"), vocab_size=vocab,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, num_threads=2,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, input_sentence_size=100000,
+        shuffle_input_sentence=False, minloglevel=2)
+    text.unlink()
+    (out / "tokenizer.vocab").unlink(missing_ok=True)
+    _write_tokenizer_json(out / "tokenizer.model", out)
+
+
+def _write_tokenizer_json(model_file: Path, out: Path) -> None:
+    """The sentencepiece BPE model as a `tokenizers` BPE (merges rebuilt from piece ranks)."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+    merges: list[tuple[int, int, int, str, str]] = []
+    for piece, pid in vocab.items():
+        if sp.is_control(pid) or sp.is_byte(pid) or sp.is_unknown(pid) or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            a, b = piece[:k], piece[k:]
+            if a in vocab and b in vocab:
+                merges.append((pid, vocab[a], vocab[b], a, b))
+    merges.sort()
+    bpe = models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token="<unk>",
+                     fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    sample = "hello wörld, the quick brown fox 12345 !"
+    if tok.encode(sample).ids != sp.encode(sample):
+        raise RuntimeError("tokenizer.json does not reproduce tokenizer.model")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+        "legacy": True}, indent=2) + "\n")
+
+
+def _scale_init(model: Any, seed: int) -> None:
+    """Weights N(0, 1/fan_in), embeddings N(0, 1): activations keep their scale through the
+    layers, so greedy output depends on the prompt (transformers' 0.02 init mostly repeats
+    one token, which makes the agreement check say little). Speed does not depend on it."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if "embed_tokens" in name:
+                p.normal_(0.0, 1.0, generator=g)
+            elif p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+
+
+def build_checkpoint(out: Path, d: Dims) -> Path:
+    """Random Mixtral (transformers' own init, seeded) saved as f16 safetensors."""
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import torch
+    import transformers as tf
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    print(f"building the random checkpoint in {out} ...", flush=True)
+    cfg = tf.MixtralConfig(
+        vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
+        num_hidden_layers=d.layers, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
+        num_local_experts=d.experts, num_experts_per_tok=d.top_k, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, sliding_window=None)
+    torch.manual_seed(d.seed)
+    model = tf.MixtralForCausalLM(cfg).eval()
+    _scale_init(model, d.seed)
+    model = model.to(torch.float16)
+    model.save_pretrained(str(tmp))
+    del model
+    train_tokenizer(tmp, d.vocab, d.seed)
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
+
+
+# -- llama.cpp side ---------------------------------------------------------------------------
+
+def llama_source(workdir: Path, given: str | None) -> Path:
+    """A folder with llama.cpp's convert_hf_to_gguf.py (and its conversion/, gguf-py/)."""
+    if given:
+        src = Path(given)
+        if not (src / "convert_hf_to_gguf.py").is_file():
+            raise SystemExit(f"{src}: no convert_hf_to_gguf.py (give llama.cpp's source root)")
+        return src
+    try:
+        import llama_cpp
+        version = llama_cpp.__version__
+    except ImportError:
+        version = DEFAULT_LLAMA_VERSION
+    dest = workdir / f"llama_src-{version}"
+    if (dest / "convert_hf_to_gguf.py").is_file():
+        return dest
+    sdist_dir = workdir / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    print(f"fetching the llama-cpp-python {version} source distribution ...", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                    "llama-cpp-python", f"llama-cpp-python=={version}", "-d", str(sdist_dir)],
+                   check=True)
+    archive = next(sdist_dir.glob(f"llama_cpp_python-{version}.tar.gz"))
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                   and ".." not in Path(m.name).parts and (m.isfile() or m.isdir()) and (
+            m.name == prefix + "convert_hf_to_gguf.py"
+            or m.name.startswith((prefix + "gguf-py/", prefix + "conversion/")))]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(tmp, members=members, filter="data")
+        else:  # Python without extraction filters: the names were checked above
+            tar.extractall(tmp, members=members)
+    os.rename(tmp, dest)
+    return dest
+
+
+def build_gguf(hf: Path, out_dir: Path, src: Path) -> dict[str, Path]:
+    """GGUF f16 by llama.cpp's converter, then Q8_0 and Q4_0 by llama_model_quantize."""
+    import llama_cpp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f16 = out_dir / "model-f16.gguf"
+    if not f16.is_file():
+        print("converting to GGUF f16 with convert_hf_to_gguf.py ...", flush=True)
+        part = f16.with_suffix(".part")
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf),
+                        "--outtype", "f16", "--outfile", str(part)], check=True)
+        os.rename(part, f16)
+    out = {}
+    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
+                        ("Q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
+        path = out_dir / f"model-{name}.gguf"
+        if not path.is_file():
+            print(f"quantizing to {name} with llama_model_quantize ...", flush=True)
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = ftype
+            params.nthread = 2
+            part = path.with_suffix(".part")
+            with _stderr_to(out_dir / f"quantize-{name}.log"):
+                rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(part).encode(),
+                                                    ctypes.byref(params))
+            if rc != 0:
+                raise RuntimeError(f"llama_model_quantize to {name} failed ({rc})")
+            os.rename(part, path)
+        out[name] = path
+    return out
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Send the C library's stderr (file descriptor 2) to path for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "w") as f:
+            os.dup2(f.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+AMX_HINT = """llama.cpp died with SIGILL evaluating the model. Where this was seen, the cause
+was ggml's AMX path (tileloadd in ggml_backend_amx_mul_mat) of a GGML_NATIVE build. Build
+llama-cpp-python without AMX but with the other native features, e.g. into a folder of its own:
+
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\
+    -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \\
+    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \\
+    -DGGML_AMX_BF16=OFF" pip install --no-deps --target DIR llama-cpp-python==0.3.36
+
+and run this script with PYTHONPATH=DIR."""
+
+
+def llama_preflight(path: Path, threads: int) -> None:
+    """Evaluate a few tokens in a child process, so a crash in llama.cpp is explained."""
+    code = ("import sys, llama_cpp\n"
+            "lm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]),"
+            " n_threads_batch=int(sys.argv[2]), verbose=False)\n"
+            "lm.eval([1, 2, 3, 4, 5, 6, 7, 8]); lm.eval([9])\n")
+    r = subprocess.run([sys.executable, "-c", code, str(path), str(threads)],
+                       capture_output=True, text=True)
+    if r.returncode == -signal.SIGILL:
+        raise SystemExit(AMX_HINT)
+    if r.returncode != 0:
+        raise SystemExit(f"llama.cpp cannot evaluate {path} (exit {r.returncode}):\n"
+                         + r.stderr[-2000:])
+
+
+def gguf_bytes_per_token(path: Path, n_used: int) -> dict[str, Any]:
+    """Weight bytes one decoded token reads in llama.cpp, counted as engine.bench counts."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    t = {x.name: x for x in r.tensors}
+    emb = t["token_embd.weight"]
+    n_vocab = int(max(emb.shape))
+    parts = {"embedding_row": int(emb.n_bytes) // n_vocab,
+             "output_norm": int(t["output_norm.weight"].n_bytes),
+             "lm_head": int(t.get("output.weight", emb).n_bytes),
+             "attention": 0, "router": 0, "experts": 0}
+    types: dict[str, set[str]] = {}
+    for name, x in t.items():
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.rsplit(".", 1)[0]
+        types.setdefault(kind, set()).add(x.tensor_type.name)
+        if not name.startswith("blk."):
+            continue
+        if "_exps" in name:  # [n_expert, rows, cols]; GGUF lists dims innermost first
+            parts["experts"] += int(x.n_bytes) * n_used // int(x.shape[-1])
+        elif kind in ("ffn_norm", "ffn_gate_inp"):
+            parts["router"] += int(x.n_bytes)
+        else:
+            parts["attention"] += int(x.n_bytes)
+    return {"total": sum(parts.values()), "parts": parts,
+            "types": {k: "/".join(sorted(v)) for k, v in sorted(types.items())}}
+
+
+def llama_load(path: Path, threads: int, n_ctx: int) -> Any:
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                 n_threads=threads, n_threads_batch=threads, logits_all=False,
+                 use_mmap=True, verbose=False, seed=0)
+
+
+def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> tuple[float, float, list[int]]:
+    """Same protocol as engine.bench.timed_greedy_run, through llama-cpp-python's eval.
+
+    Llama.eval leaves `scores` empty without logits_all, so the last row is read with
+    llama_get_logits_ith.
+    """
+    import llama_cpp
+
+    n_vocab = lm.n_vocab()
+
+    def last_argmax() -> int:
+        ptr = llama_cpp.llama_get_logits_ith(lm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
+
+    ids = [int(x) for x in prompt]
+    lm.reset()
+    t0 = time.perf_counter()
+    lm.eval(ids)
+    tok = last_argmax()
+    t1 = time.perf_counter()
+    tokens = [tok]
+    for _ in range(n_gen):
+        lm.eval([tok])
+        tok = last_argmax()
+        tokens.append(tok)
+    t2 = time.perf_counter()
+    lm.reset()
+    return t1 - t0, t2 - t1, tokens
+
+
+# -- transformers side --------------------------------------------------------------------
+
+def hf_bytes_per_token(model: Any, n_used: int, n_expert: int, elem: int) -> int:
+    """Parameter bytes one token reads in a Hugging Face Mixtral at elem bytes per value."""
+    total = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if "embed_tokens" in name:
+            n = p.shape[-1]  # one row
+        elif ".experts." in name:  # fused [E, ...] or one of E per-expert tensors: same share
+            n = n * n_used // n_expert
+        total += n * elem
+    return total
+
+
+def hf_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> tuple[float, float, list[int]]:
+    """transformers eager generate(): prefill = start to the first logits processor call,
+    decode = first to last call (n_gen single-token forwards)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor(prompt[None].astype(np.int64))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_gen + 1,
+                             min_new_tokens=n_gen + 1, do_sample=False,
+                             logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0)
+    tokens = [int(x) for x in out[0, prompt.size:]]
+    return stamps[0] - t0, stamps[-1] - stamps[0], tokens
+
+
+# -- the comparison ---------------------------------------------------------------------------
+
+def _as_tuple(r: Any) -> tuple[float, float, list[int]]:
+    return r.prefill_s, r.decode_s, r.tokens
+
+
+def _median(runs: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+
+
+def _agree(a: list[int], b: list[int], n: int = 16) -> int:
+    return sum(1 for x, y in zip(a[:n], b[:n], strict=False) if x == y)
+
+
+def _prefix(a: list[int], b: list[int], n: int = 16) -> int:
+    k = 0
+    while k < min(n, len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    from engine import _core
+    from engine.convert import convert
+    from engine.model import Model
+
+    d = Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts, args.top_k,
+             args.heads, args.kv_heads, args.seed)
+    work = Path(args.workdir)
+    base = work / d.tag()
+    hf = build_checkpoint(base / "hf", d)
+    src = llama_source(work, args.llama_src)
+    ggufs = build_gguf(hf, base / "gguf", src)
+    colibri_dirs = {}
+    for q in ("q8", "q4"):
+        out = base / f"colibri-{q}"
+        if not (out / "config.json").is_file():
+            print(f"converting to Colibri {q} ...", flush=True)
+            convert(hf, out, quant=q, progress=False)
+        colibri_dirs[q] = out
+
+    llama_preflight(ggufs["Q4_0"], args.threads)
+    load0 = os.getloadavg()
+    probe = [_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3)]
+    prompt = bench_prompt(d.vocab, args.prompt_tokens)
+    n_ctx = args.prompt_tokens + args.gen_tokens + 8
+    rows: list[dict[str, Any]] = []
+    tokens: dict[str, list[int]] = {}
+    for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
+        lm = llama_load(ggufs[lq], args.threads, n_ctx)
+        cm = Model.load(colibri_dirs[q], threads=args.threads, n_ctx=n_ctx)
+        runners = {
+            "llama.cpp": lambda lm=lm: llama_greedy_run(lm, prompt, args.gen_tokens),
+            "colibri": lambda cm=cm: _as_tuple(timed_greedy_run(cm, prompt, args.gen_tokens)),
+        }
+        llama_greedy_run(lm, prompt, 8)  # warm-up: page weights in, start threads
+        timed_greedy_run(cm, prompt, 8)
+        res: dict[str, list[tuple[float, float, list[int]]]] = {k: [] for k in runners}
+        for rep in range(args.repeat):
+            for name, run in runners.items():  # alternate: llama.cpp, colibri, llama.cpp, ...
+                res[name].append(run())
+            print(f"  {q} repeat {rep + 1}/{args.repeat}: " + ", ".join(
+                f"{k} prefill {args.prompt_tokens / v[-1][0]:.1f} decode "
+                f"{args.gen_tokens / v[-1][1]:.1f} tok/s" for k, v in res.items()), flush=True)
+        lbytes = gguf_bytes_per_token(ggufs[lq], d.top_k)
+        cbytes = weight_bytes_per_token(colibri_dirs[q])
+        for name, prec, nbytes, types in (
+                ("llama.cpp", lq, lbytes["total"], lbytes["types"]),
+                ("colibri", q, cbytes["total"], json.loads(
+                    (colibri_dirs[q] / "config.json").read_text())["tensor_types"])):
+            runs = res[name]
+            rows.append({"engine": name, "precision": prec, "bytes_per_token": nbytes,
+                         "tensor_types": types,
+                         "bytes_per_token_parts": (lbytes["parts"] if name == "llama.cpp"
+                                                   else {k: v for k, v in cbytes.items()
+                                                         if k != "total"}),
+                         "prefill_tok_s": _median([args.prompt_tokens / r[0] for r in runs]),
+                         "decode_tok_s": _median([args.gen_tokens / r[1] for r in runs])})
+            tokens[f"{name} {prec}"] = runs[0][2]
+        del lm, cm
+
+    if not args.skip_transformers:
+        import torch
+        import transformers as tf
+
+        torch.set_num_threads(args.threads)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            str(hf), dtype=torch.float32, attn_implementation="eager").eval()
+        hf_greedy_run(model, prompt, 4)  # warm-up
+        runs = []
+        for rep in range(args.tf_repeat):
+            runs.append(hf_greedy_run(model, prompt, args.gen_tokens))
+            print(f"  transformers repeat {rep + 1}/{args.tf_repeat}: prefill "
+                  f"{args.prompt_tokens / runs[-1][0]:.1f} decode "
+                  f"{args.gen_tokens / runs[-1][1]:.1f} tok/s", flush=True)
+        rows.append({"engine": "transformers", "precision": "f32 eager",
+                     "bytes_per_token": hf_bytes_per_token(model, d.top_k, d.experts, 4),
+                     "tensor_types": {"all": "f32"}, "bytes_per_token_parts": {},
+                     "prefill_tok_s": _median([args.prompt_tokens / r[0] for r in runs]),
+                     "decode_tok_s": _median([args.gen_tokens / r[1] for r in runs])})
+        tokens["transformers f32"] = runs[0][2]
+        del model
+
+    probe.append(_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3))
+    gbps = max(probe)
+    for r in rows:
+        r["bound_tok_s"] = gbps * 1e9 / r["bytes_per_token"]
+        r["percent_of_bound"] = 100 * r["decode_tok_s"]["median"] / r["bound_tok_s"]
+    by = {(r["engine"], r["precision"]): r for r in rows}
+    ratios = {}
+    for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
+        c, ll = by[("colibri", q)], by[("llama.cpp", lq)]
+        ratios[q] = {k: c[k]["median"] / ll[k]["median"] for k in ("prefill_tok_s", "decode_tok_s")}
+    agreement = {
+        "q8 colibri vs llama.cpp": _agree(tokens["colibri q8"], tokens["llama.cpp Q8_0"]),
+        "q4 colibri vs llama.cpp": _agree(tokens["colibri q4"], tokens["llama.cpp Q4_0"]),
+        "q8 colibri vs llama.cpp, common prefix": _prefix(tokens["colibri q8"],
+                                                          tokens["llama.cpp Q8_0"]),
+    }
+    if "transformers f32" in tokens:
+        for k in ("colibri q8", "llama.cpp Q8_0", "colibri q4", "llama.cpp Q4_0"):
+            agreement[f"{k} vs transformers f32"] = _agree(tokens[k], tokens["transformers f32"])
+    import llama_cpp
+
+    return {
+        "model": asdict(d), "workdir": str(base), "threads": args.threads,
+        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
+        "llama_cpp_python": llama_cpp.__version__, "colibri_isa": _core.isa_active(),
+        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,
+        "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+        "rows": rows, "ratios_colibri_over_llama": ratios,
+        "greedy_agreement_first16": agreement, "greedy_tokens_first16": {
+            k: v[:16] for k, v in tokens.items()},
+    }
+
+
+def render(res: dict[str, Any]) -> str:
+    d = res["model"]
+    lines = [
+        f"random Mixtral: vocab {d['vocab']}, hidden {d['hidden']}, ffn {d['intermediate']}, "
+        f"{d['layers']} layers, {d['experts']} experts top-{d['top_k']}, {d['heads']} heads / "
+        f"{d['kv_heads']} kv, seed {d['seed']}",
+        f"{res['threads']} threads, {res['prompt_tokens']}-token prompt, {res['gen_tokens']} "
+        f"greedy tokens, medians of {res['repeat']} alternating repeats "
+        f"(transformers: {res['tf_repeat']}); llama-cpp-python {res['llama_cpp_python']}, "
+        f"colibri kernels {res['colibri_isa']}",
+        f"read bandwidth {res['bandwidth_gb_s']:.1f} GB/s (probes "
+        + ", ".join(f"{x:.1f}" for x in res["bandwidth_probes_gb_s"])
+        + f"); load average {res['loadavg_start'][0]:.2f} at start, "
+        f"{res['loadavg_end'][0]:.2f} at end",
+        "",
+        f"{'engine':13}{'precision':11}{'MB/token':>10}{'prefill tok/s':>15}"
+        f"{'decode tok/s':>14}{'(min-max)':>15}{'bound tok/s':>13}{'% bound':>9}",
+    ]
+    for r in res["rows"]:
+        p, dd = r["prefill_tok_s"], r["decode_tok_s"]
+        spread = f"{dd['min']:.1f}-{dd['max']:.1f}"
+        lines.append(
+            f"{r['engine']:13}{r['precision']:11}{r['bytes_per_token'] / 1e6:>10.1f}"
+            f"{p['median']:>15.1f}{dd['median']:>14.1f}{spread:>15}"
+            f"{r['bound_tok_s']:>13.1f}{r['percent_of_bound']:>9.1f}")
+    lines.append("")
+    for q, rr in res["ratios_colibri_over_llama"].items():
+        lines.append(f"colibri / llama.cpp at {q}: prefill x{rr['prefill_tok_s']:.2f}, "
+                     f"decode x{rr['decode_tok_s']:.2f}")
+    lines.append(f"llama.cpp build: {res['llama_cpp_system_info'].strip()} "
+                 f"(OMP_WAIT_POLICY={res['omp_wait_policy']})")
+    lines.append("greedy tokens agreeing among the first 16: " + ", ".join(
+        f"{k}: {v}" for k, v in res["greedy_agreement_first16"].items()))
+    for r in res["rows"]:
+        if r["engine"] == "llama.cpp":
+            lines.append(f"llama.cpp {r['precision']} tensor types: " + ", ".join(
+                f"{k} {v}" for k, v in r["tensor_types"].items()))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    dflt = Dims()
+    for name in ("vocab", "hidden", "intermediate", "layers", "experts", "heads", "seed"):
+        p.add_argument(f"--{name}", type=int, default=getattr(dflt, name))
+    p.add_argument("--top-k", type=int, default=dflt.top_k)
+    p.add_argument("--kv-heads", type=int, default=dflt.kv_heads)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=5, help="alternating repeats per engine")
+    p.add_argument("--tf-repeat", type=int, default=2, help="transformers repeats (slow)")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--probe-mib", type=int, default=1024, help="bandwidth probe buffer, MiB")
+    p.add_argument("--workdir", default="/tmp/colibri_compare",
+                   help="cache of the checkpoint, conversions and llama.cpp source")
+    p.add_argument("--llama-src", default=None,
+                   help="llama.cpp source root with convert_hf_to_gguf.py (default: fetched "
+                        "from the llama-cpp-python source distribution into --workdir)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the result here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    for mod in ("sentencepiece", "gguf"):
+        try:
+            __import__(mod)
+        except ImportError:
+            print(f"{mod} is not installed: pip install {mod}", file=sys.stderr)
+            return 2
+    res = compare(args)
+    print()
+    print(render(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

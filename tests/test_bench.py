@@ -1,0 +1,170 @@
+"""`colibri bench` and its probes: shapes of the output and exact byte counts, never speed.
+
+- the bandwidth probe returns a positive finite figure and refuses bad arguments;
+- `colibri bench --json` on tiny converted Mixtral models prints one JSON object with every
+  field, and bytes per token equal a count made by hand from the model's dimensions and the
+  format's block sizes (f32 and q4, tied and untied lm_head);
+- greedy decoding of a tiny f32 model gives the same tokens with the reference kernels and
+  the best ISA the machine has.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from engine import _core  # noqa: E402
+from engine.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
+from engine.cli import main  # noqa: E402
+from engine.convert import convert  # noqa: E402
+from engine.model import Model  # noqa: E402
+from engine.wfile import read_wfile  # noqa: E402
+from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
+
+# tests/tiny_models.py's mixtral dimensions
+D, F, LAYERS, H, HKV, HD, E, K = 64, 96, 2, 4, 2, 16, 4, 2
+
+
+def _row(type_name: str, n: int) -> int:
+    """Bytes of one row of n elements (docs/INTERNALS.md's type table)."""
+    return {"f32": 4 * n, "f16": 2 * n, "q8": n // 32 * 34, "q4": n // 32 * 18}[type_name]
+
+
+def _hand_count(mat: str, expert: str) -> int:
+    """Weight bytes one decoded token reads, from the dimensions alone (tied or not: the
+    lm_head reads a [V, D] matrix of the embeddings' type either way)."""
+    attention = (4 * D + _row(mat, D) * (H * HD + 2 * HKV * HD) + _row(mat, H * HD) * D)
+    router = 4 * D + 4 * E * D  # ffn_norm + gate_inp, both f32
+    one_expert = 2 * F * _row(expert, D) + D * _row(expert, F)
+    per_layer = attention + router + K * one_expert
+    lm_head = VOCAB_SIZE * _row(mat, D)  # the output matrix, or the tied embedding matrix
+    return LAYERS * per_layer + _row(mat, D) + 4 * D + lm_head
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bench")
+    hf = make_checkpoint("mixtral", root / "hf", seed=3)
+    hf_tied = make_checkpoint("mixtral", root / "hf_tied", seed=4, tie_word_embeddings=True)
+    return {
+        "hf": hf,
+        "f32": convert(hf, root / "f32", quant="f32", progress=False),
+        "q4": convert(hf, root / "q4", quant="q4", progress=False),
+        "q4_tied": convert(hf_tied, root / "q4_tied", quant="q4", progress=False),
+    }
+
+
+def test_bandwidth_probe_positive_and_finite_on_every_isa() -> None:
+    """Each ISA's read kernel must reproduce the fill pattern's checksum (else ValueError),
+    including a tail that is not a whole vector (4 MiB + 24 bytes)."""
+    before = _core.isa_active()
+    try:
+        for isa in _core.isa_supported():
+            _core.isa_force(isa)
+            for threads in (1, 2):
+                gbps = _core.bandwidth_probe((4 << 20) + 24, threads, 2)
+                assert math.isfinite(gbps) and gbps > 0
+    finally:
+        _core.isa_force(before)
+
+
+@pytest.mark.parametrize("args", [(100, 1, 1), (1 << 20, 0, 1), (1 << 20, 1, 0)])
+def test_bandwidth_probe_refuses_bad_arguments(args: tuple[int, int, int]) -> None:
+    with pytest.raises(ValueError):
+        _core.bandwidth_probe(*args)
+
+
+@pytest.mark.parametrize("name,mat,expert,tied", [
+    ("f32", "f32", "f32", False),
+    ("q4", "q8", "q4", False),
+    ("q4_tied", "q8", "q4", True),
+])
+def test_bytes_per_token_match_hand_count(tiny: dict[str, Path], name: str, mat: str,
+                                          expert: str, tied: bool) -> None:
+    has_output = "output" in read_wfile(tiny[name] / "embeddings.bin").tensors
+    assert has_output != tied  # the tied model really reads its lm_head from tok_embd
+    parts = weight_bytes_per_token(tiny[name])
+    assert parts["total"] == _hand_count(mat, expert)
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert parts["experts"] == LAYERS * K * (2 * F * _row(expert, D) + D * _row(expert, F))
+
+
+def test_bench_json_has_every_field(tiny: dict[str, Path],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--model", str(tiny["q4"]), "--prompt-tokens", "12",
+               "--gen-tokens", "6", "--threads", "2", "--repeat", "2", "--probe-mib", "8",
+               "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["architecture"] == "mixtral" and r["quant"] == "q4"
+    assert (r["threads"], r["prompt_tokens"], r["gen_tokens"], r["repeat"]) == (2, 12, 6, 2)
+    for key in ("prefill_tok_s", "decode_tok_s"):
+        s = r[key]
+        assert len(s["runs"]) == 2
+        assert all(math.isfinite(v) and v > 0 for v in s["runs"])
+        assert s["min"] <= s["median"] <= s["max"]
+    assert r["bytes_per_token"] == _hand_count("q8", "q4")
+    assert sum(r["bytes_per_token_parts"].values()) == r["bytes_per_token"]
+    assert r["peak_rss_bytes"] > 0
+    assert r["probe_bytes"] == 8 << 20
+    assert r["bandwidth_gb_s"] > 0 and math.isfinite(r["bandwidth_gb_s"])
+    assert r["bound_tok_s"] == pytest.approx(r["bandwidth_gb_s"] * 1e9 / r["bytes_per_token"])
+    assert r["percent_of_bound"] == pytest.approx(
+        100 * r["decode_tok_s"]["median"] / r["bound_tok_s"])
+    assert r["isa"] in _core.isa_supported()
+    assert len(r["greedy_tokens"]) == 7 and all(0 <= t < VOCAB_SIZE for t in r["greedy_tokens"])
+
+
+def test_bench_table_and_bad_arguments(tiny: dict[str, Path],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--model", str(tiny["f32"]), "--prompt-tokens", "4",
+               "--gen-tokens", "2", "--repeat", "1", "--threads", "1", "--probe-mib", "4"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for label in ("prefill tok/s", "decode tok/s", "peak RSS", "weights/token", "bandwidth",
+                  "decode bound"):
+        assert label in out
+    assert main(["bench", "--model", str(tiny["f32"]), "--repeat", "0"]) == 2
+    assert "repeat must be positive" in capsys.readouterr().err
+
+
+def test_bench_converts_a_hugging_face_folder(tiny: dict[str, Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", str(tmp_path))
+    rc = main(["bench", "--model", str(tiny["hf"]), "--quant", "q4", "--prompt-tokens", "4",
+               "--gen-tokens", "2", "--repeat", "1", "--threads", "1", "--probe-mib", "4",
+               "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert Path(r["model"]).parent == tmp_path and r["quant"] == "q4"
+    assert r["bytes_per_token"] == _hand_count("q8", "q4")
+
+
+def test_prompt_is_deterministic_and_valid() -> None:
+    a, b = bench_prompt(320, 128), bench_prompt(320, 128)
+    assert np.array_equal(a, b) and a.dtype == np.int32
+    assert a.min() >= 0 and a.max() < 320 and len(np.unique(a)) > 64
+
+
+def test_greedy_tokens_same_on_reference_and_best_isa(tiny: dict[str, Path]) -> None:
+    prompt = bench_prompt(VOCAB_SIZE, 20)
+    before = _core.isa_active()
+    runs = {}
+    try:
+        for isa in sorted({"ref", _core.isa_best()}):
+            _core.isa_force(isa)
+            m = Model.load(tiny["f32"], threads=2, n_ctx=64)
+            runs[isa] = timed_greedy_run(m, prompt, 24).tokens
+    finally:
+        _core.isa_force(before)
+    assert len(runs["ref"]) == 25
+    assert runs["ref"] == runs[_core.isa_best()]
+    assert len(set(runs["ref"])) > 1  # a model stuck on one token would prove little
