@@ -4,9 +4,11 @@
 Builds a seeded random Mixtral checkpoint with transformers (f16 safetensors plus a
 sentencepiece tokenizer.model and the matching tokenizer.json), converts it with llama.cpp's
 own converter to GGUF f16 and quantizes that to Q8_0 and Q4_0 (llama_model_quantize), converts
-it with Colibri to q8 and q4, then times the engines alternately in one process on the same
-prompt token ids: prefill of the prompt in one call, then greedy single-token decode (EOS
-ignored). Everything built is cached in --workdir, keyed by the model dimensions and seed.
+it with Colibri to q8 and q4, then times the engines alternately on the same prompt token ids:
+prefill of the prompt in one call, then greedy single-token decode (EOS ignored). Each timed
+run is a fresh child process (model load and one warm-up run untimed), so neither engine's
+idle threads (llama.cpp's OpenMP workers spin while waiting) can slow the other. Everything
+built is cached in --workdir, keyed by the model dimensions and seed.
 
 Needs the bench extra: pip install -e '.[bench]' (llama-cpp-python, sentencepiece, gguf)
 (llama-cpp-python compiles llama.cpp, about ten minutes on a 2-core machine).
@@ -16,8 +18,9 @@ Needs the bench extra: pip install -e '.[bench]' (llama-cpp-python, sentencepiec
 
 Pitfalls met on a 2-vCPU Xeon with AMX: a GGML_NATIVE build of llama.cpp dies with SIGILL in
 its AMX matmul (the script checks in a child process first and prints how to build without
-AMX; run with PYTHONPATH=that build); and OpenMP's active wait made two-thread decode ~30x
-slower whenever other work shared the cores, so OMP_WAIT_POLICY defaults to PASSIVE here.
+AMX; run with PYTHONPATH=that build); and OpenMP's spinning workers made two-thread decode ~30x
+slower whenever other work shared the cores: run on a quiet machine (the load average is
+printed), or set OMP_WAIT_POLICY=PASSIVE yourself to see llama.cpp under load.
 """
 
 from __future__ import annotations
@@ -42,12 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-# llama-cpp-python's wheels use OpenMP; with the default active wait its idle threads spin, and
-# on a machine whose cores are also busy with other work two-thread decode fell from ~29 to
-# ~1 token/s. Passive waiting costs one wake-up per graph (per token); set the variable
-# yourself to override. It must be set before libgomp loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -429,10 +426,40 @@ def _prefix(a: list[int], b: list[int], n: int = 16) -> int:
     return k
 
 
+def child_run(args: argparse.Namespace) -> int:
+    """One timed run in this (fresh) process: load, warm up, time, print one JSON line."""
+    path = Path(args.child_model)
+    prompt = bench_prompt(args.vocab, args.prompt_tokens)
+    n_ctx = args.prompt_tokens + args.gen_tokens + 8
+    if args.child == "llama.cpp":
+        lm = llama_load(path, args.threads, n_ctx)
+        llama_greedy_run(lm, prompt, 8)  # warm-up: page weights in, start threads
+        run = llama_greedy_run(lm, prompt, args.gen_tokens)
+    else:
+        from engine.model import Model
+
+        cm = Model.load(path, threads=args.threads, n_ctx=n_ctx)
+        timed_greedy_run(cm, prompt, 8)
+        run = _as_tuple(timed_greedy_run(cm, prompt, args.gen_tokens))
+    print(json.dumps({"prefill_s": run[0], "decode_s": run[1], "tokens": run[2]}))
+    return 0
+
+
+def _spawn(args: argparse.Namespace, engine: str, path: Path) -> tuple[float, float, list[int]]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine,
+           "--child-model", str(path), "--threads", str(args.threads),
+           "--vocab", str(args.vocab), "--prompt-tokens", str(args.prompt_tokens),
+           "--gen-tokens", str(args.gen_tokens)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{engine} run failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return out["prefill_s"], out["decode_s"], out["tokens"]
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     from engine import _core
     from engine.convert import convert
-    from engine.model import Model
 
     d = Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts, args.top_k,
              args.heads, args.kv_heads, args.seed)
@@ -453,18 +480,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     load0 = os.getloadavg()
     probe = [_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3)]
     prompt = bench_prompt(d.vocab, args.prompt_tokens)
-    n_ctx = args.prompt_tokens + args.gen_tokens + 8
     rows: list[dict[str, Any]] = []
     tokens: dict[str, list[int]] = {}
     for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
-        lm = llama_load(ggufs[lq], args.threads, n_ctx)
-        cm = Model.load(colibri_dirs[q], threads=args.threads, n_ctx=n_ctx)
         runners = {
-            "llama.cpp": lambda lm=lm: llama_greedy_run(lm, prompt, args.gen_tokens),
-            "colibri": lambda cm=cm: _as_tuple(timed_greedy_run(cm, prompt, args.gen_tokens)),
+            "llama.cpp": lambda lq=lq: _spawn(args, "llama.cpp", ggufs[lq]),
+            "colibri": lambda q=q: _spawn(args, "colibri", colibri_dirs[q]),
         }
-        llama_greedy_run(lm, prompt, 8)  # warm-up: page weights in, start threads
-        timed_greedy_run(cm, prompt, 8)
         res: dict[str, list[tuple[float, float, list[int]]]] = {k: [] for k in runners}
         for rep in range(args.repeat):
             for name, run in runners.items():  # alternate: llama.cpp, colibri, llama.cpp, ...
@@ -487,7 +509,6 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                          "prefill_tok_s": _median([args.prompt_tokens / r[0] for r in runs]),
                          "decode_tok_s": _median([args.gen_tokens / r[1] for r in runs])})
             tokens[f"{name} {prec}"] = runs[0][2]
-        del lm, cm
 
     if not args.skip_transformers:
         import torch
@@ -538,7 +559,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
         "llama_cpp_python": llama_cpp.__version__, "colibri_isa": _core.isa_active(),
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,
         "loadavg_start": load0, "loadavg_end": os.getloadavg(),
         "rows": rows, "ratios_colibri_over_llama": ratios,
@@ -607,11 +628,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llama.cpp source root with convert_hf_to_gguf.py (default: fetched "
                         "from the llama-cpp-python source distribution into --workdir)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the result here")
+    p.add_argument("--child", choices=("llama.cpp", "colibri"), default=None,
+                   help=argparse.SUPPRESS)  # internal: one timed run in a fresh process
+    p.add_argument("--child-model", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.child:
+        return child_run(args)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
