@@ -7,13 +7,13 @@ ignored so newer converters can add fields; missing or ill-typed keys raise Form
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.errors import FormatError
+from engine.jsonfile import read_json_object
 
 ARCH_IDS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3}
 QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}
@@ -65,11 +65,8 @@ class ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise FileNotFoundError(f"missing file: {p}")
-        try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{p}: not valid JSON: {e}") from e
-        return cls.from_dict(raw, source=str(p))
+        return cls.from_dict(read_json_object(p, "model config", error=FormatError),
+                             source=str(p))
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "config.json") -> ModelConfig:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import archs, quant
+from engine.jsonfile import read_json_object
 from engine.safetensors_io import Checkpoint, CheckpointError
 from engine.wfile import TensorSpec, write_wfile
 
@@ -45,15 +46,7 @@ def choose_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{path.parent}: no {what} found")
-    if path.stat().st_size > CONFIG_MAX_BYTES:
-        raise ValueError(f"{path}: too large for a {what}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a JSON object")
-    return data
+    return read_json_object(path, what, CONFIG_MAX_BYTES)
 
 
 def is_colibri_dir(path: str | Path) -> bool:

@@ -6,10 +6,10 @@ table as the loader would; refuses folders that are not Colibri model folders.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from engine.jsonfile import read_json_object
 from engine.wfile import read_wfile
 
 _DIMS = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
@@ -25,11 +25,8 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{model_dir}: no config.json (not a model folder)")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != "colibri":
+    cfg = read_json_object(cfg_path, "model config")
+    if cfg.get("format") != "colibri":
         raise ValueError(f"{model_dir}: not a Colibri model folder (run `colibri convert` first)")
     files = cfg.get("files") or {}
 

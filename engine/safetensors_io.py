@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.jsonfile import read_json_object
 from engine.quant import bf16_bits_to_f32
 
 HEADER_MAX_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -235,13 +236,8 @@ class Checkpoint:
                     raise CheckpointError(f"{index}: tensor {t!r} is not in {fname}")
 
     def _read_index(self, index: Path) -> list[str]:
-        if index.stat().st_size > HEADER_MAX_BYTES:
-            raise CheckpointError(f"{index}: too large")
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
-        wm = data.get("weight_map") if isinstance(data, dict) else None
+        data = read_json_object(index, "safetensors index", HEADER_MAX_BYTES, CheckpointError)
+        wm = data.get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: missing or empty weight_map")
         for t, fname in wm.items():

@@ -25,6 +25,8 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.jsonfile import read_json_object
+
 MAX_TEMPLATE_CHARS = 200_000
 # The rendering is capped at a fixed allowance plus a multiple of the text the caller passed in,
 # so long conversations render while a template that loops or multiplies strings cannot grow
@@ -290,10 +292,7 @@ def _token_content(spec: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
+    return read_json_object(path, "tokenizer file") if path.is_file() else {}
 
 
 @dataclass(frozen=True)
