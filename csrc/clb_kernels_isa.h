@@ -7,6 +7,18 @@
 
 #include "clb_types.h"
 
+/* The multi-row product of the ref and AVX2 paths: one vec_dot per (row, token), rows inner so
+ * a row block's weights stay in cache while the tokens pass. Each ISA's gemm wraps it with its
+ * own vec_dot (inlined there), so this loop is written once. */
+static inline void clb_gemm_by_dot(clb_vec_dot_fn dot, int64_t n, int64_t n_rows, const void *w,
+                                   size_t w_row, const void *act, size_t act_row, int64_t n_tok,
+                                   float *y, int64_t ldy) {
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t r = 0; r < n_rows; r++)
+            y[t * ldy + r] = dot(n, (const char *)w + (size_t)r * w_row,
+                                 (const char *)act + (size_t)t * act_row);
+}
+
 /* reference (kernels_ref.c) */
 void clb_to_float_f32_ref(int64_t n, const void *x, float *y);
 void clb_to_float_f16_ref(int64_t n, const void *x, float *y);

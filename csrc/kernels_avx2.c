@@ -139,22 +139,15 @@ void clb_quantize_q8a_avx2(int64_t n, const float *x, void *vy) {
     }
 }
 
-/* multi-row products on q8a rows: one vec_dot per (row, token), rows inner so a row block's
- * weights stay in cache while the tokens pass (reference: clb_gemm_q8_ref / _q4_ref) */
+/* multi-row products on q8a rows (reference: clb_gemm_q8_ref / _q4_ref) */
 void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    for (int64_t t = 0; t < n_tok; t++)
-        for (int64_t r = 0; r < n_rows; r++)
-            y[t * ldy + r] = clb_vec_dot_q8_avx2(n, (const char *)w + (size_t)r * w_row,
-                                                 (const char *)act + (size_t)t * act_row);
+    clb_gemm_by_dot(clb_vec_dot_q8_avx2, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    for (int64_t t = 0; t < n_tok; t++)
-        for (int64_t r = 0; r < n_rows; r++)
-            y[t * ldy + r] = clb_vec_dot_q4_avx2(n, (const char *)w + (size_t)r * w_row,
-                                                 (const char *)act + (size_t)t * act_row);
+    clb_gemm_by_dot(clb_vec_dot_q4_avx2, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, one rounding per element) */

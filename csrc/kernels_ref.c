@@ -217,18 +217,12 @@ size_t clb_act_size_q8a(int64_t n) { return (size_t)(n / CLB_QK) * sizeof(clb_bl
 
 void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    for (int64_t t = 0; t < n_tok; t++)
-        for (int64_t r = 0; r < n_rows; r++)
-            y[t * ldy + r] = clb_vec_dot_q8_ref(n, (const char *)w + (size_t)r * w_row,
-                                                (const char *)act + (size_t)t * act_row);
+    clb_gemm_by_dot(clb_vec_dot_q8_ref, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    for (int64_t t = 0; t < n_tok; t++)
-        for (int64_t r = 0; r < n_rows; r++)
-            y[t * ldy + r] = clb_vec_dot_q4_ref(n, (const char *)w + (size_t)r * w_row,
-                                                (const char *)act + (size_t)t * act_row);
+    clb_gemm_by_dot(clb_vec_dot_q4_ref, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 /* ---- small f32 vector ops (attention) ---- */
