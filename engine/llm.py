@@ -79,7 +79,7 @@ class LLM:
         source = Path(path) if path is not None else default_model_path()
         if not source.exists():
             raise FileNotFoundError(f"model folder not found: {source}")
-        self.path = ensure_converted(source, quant)
+        self.path = ensure_converted(source, quant, progress=True)  # first use converts: show it
         self.model = Model.load(self.path, threads=threads, n_ctx=n_ctx, n_seq=1)
         self.tokenizer = Tokenizer.from_dir(self.path)
         self.n_ctx: int = self.model.n_ctx
