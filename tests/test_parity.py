@@ -130,6 +130,7 @@ def test_f32_logits_and_greedy_decode(case: Case, isa: str) -> None:
     logits = _prefill(m, case.prompt)
     assert logits.shape == (PROMPT_LEN, VOCAB_SIZE)
     err = _rel_max(logits, case.ref_logits)
+    print(f"{case.name}/{isa} f32: max|diff|/max|ref| {err:.3e}")
     assert err <= 1e-4, f"{case.name}/{isa}: prompt logits rel max error {err:.3g}"
 
     hf = case.hf
