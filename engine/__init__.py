@@ -17,6 +17,7 @@ _EXPORTS = {
     "ContextLengthError": "engine.llm",
     "default_model_path": "engine.llm",
     "SamplingParams": "engine.sampling",
+    "MIN_REPETITION_PENALTY": "engine.sampling",
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
     "convert": "engine.convert",
@@ -26,6 +27,7 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "MIN_REPETITION_PENALTY",
     "ContextLengthError",
     "SamplingParamError",
     "SamplingParams",
@@ -42,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
     from engine.convert import convert, ensure_converted
     from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
-    from engine.sampling import SamplingParamError, SamplingParams
+    from engine.sampling import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
 
 
