@@ -21,7 +21,7 @@ from fastapi import Request
 from app.errors import APIError
 from app.state import ServerState, unavailable
 from app.worker import EngineUnavailableError, Job, Output, QueueFullError, Sequence
-from engine import ContextLengthError, SamplingParamError
+from engine import ContextLengthError, ModelFaultError, SamplingParamError
 
 log = logging.getLogger("colibri.app")
 T = TypeVar("T")
@@ -93,6 +93,10 @@ def engine_error(exc: BaseException, param: str) -> APIError:
         return APIError(400, str(exc), param, "context_length_exceeded")
     if isinstance(exc, SamplingParamError):
         return APIError(400, str(exc), getattr(exc, "param", None))
+    if isinstance(exc, ModelFaultError):  # the engine logged which file or why, once
+        return APIError(500, "The model can no longer serve requests (its weight files "
+                        "changed or it produced non-finite values); the server needs a restart.",
+                        code="model_fault")
     log.error("generation failed: %s", exc, exc_info=exc)
     return APIError(500, "The server had an error while processing the request.")
 

@@ -41,7 +41,7 @@ class ServerState:
     @property
     def llm(self) -> Any:
         llm = self.worker.llm
-        if llm is None or not self.worker.ready:
+        if llm is None or not self.worker.ready or model_fault(self) is not None:
             raise unavailable(self)
         return llm
 
@@ -65,10 +65,18 @@ class ServerState:
         return await loop.run_in_executor(self.tok_pool, functools.partial(fn, *args, **kwargs))
 
 
+def model_fault(state: ServerState) -> str | None:
+    """Why the loaded model can no longer serve (weights changed, non-finite outputs)."""
+    llm = state.worker.llm
+    return None if llm is None else getattr(llm, "fault", None)
+
+
 def unavailable(state: ServerState) -> APIError:
-    """503 while loading, draining or after a failed load."""
+    """503 while loading, draining, after a failed load or once the model is faulty."""
     if state.worker.error is not None:
         why = "the model failed to load"
+    elif model_fault(state) is not None:
+        why = "the model's weights changed or went bad; the server needs a restart"
     elif state.draining or state.worker.stopping:
         why = "the server is shutting down"
     else:

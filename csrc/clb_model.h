@@ -53,6 +53,9 @@ void clb_wfile_close(clb_wfile *f);
 int clb_wfile_n_tensors(const clb_wfile *f);
 const clb_tensor *clb_wfile_tensor(const clb_wfile *f, int i);
 const clb_tensor *clb_wfile_find(const clb_wfile *f, const char *name);
+/* The file's path when it was truncated under its mapping since it was opened (its data now
+ * reads as zeros, see csrc/wfault.c), else NULL. */
+const char *clb_wfile_changed(const clb_wfile *f);
 
 typedef struct clb_model clb_model;
 typedef struct clb_kv clb_kv;
@@ -79,7 +82,9 @@ int clb_kv_n_seq(const clb_kv *kv);
  * was. A sequence's first token in the call may sit at a position below what the cache holds
  * (rewinding it: later positions are dropped); it may not skip ahead. Calls longer than
  * clb_forward_max_batch() tokens are run as consecutive chunks, which gives the same result.
- * Not reentrant for one model (it uses the model's scratch); never allocates. */
+ * Not reentrant for one model (it uses the model's scratch); never allocates.
+ * A weight file truncated under the running model fails the call with CLB_E_IO and a message
+ * starting "weight file changed: " that names the file; so do all later calls. */
 clb_status clb_forward(clb_model *m, clb_kv *kv, int64_t n_tokens, const int32_t *tokens,
                        const int32_t *seq_ids, const int32_t *positions,
                        const uint8_t *want_logits, float *logits, char *err);

@@ -8,6 +8,7 @@
 #include "clb_model.h"
 #include "clb_kernels.h"
 #include "clb_pool.h"
+#include "clb_wfault.h"
 
 /* Tokens one internal forward chunk carries; longer calls are split (see clb_forward). */
 #define CLB_MAX_BATCH 512
@@ -88,6 +89,11 @@ struct clb_kv {
     int64_t *seq_next;      /* [n_seq] forward's validation scratch */
     float *data;            /* [L, n_blk, 2 (K, V), CLB_KV_BLOCK, kv_dim] */
 };
+
+/* After a step during which some mapping faulted (clb_wfault_any()): CLB_E_IO naming the
+ * first of m's files that changed, with the call's sequences cleared; CLB_OK when the fault
+ * was in another model's files. */
+clb_status clb_model_weight_fault(const clb_model *m, clb_kv *kv, char *err);
 
 /* Row of K (kind 0) or V (kind 1) of layer il for sequence seq at position pos. */
 static inline float *clb_kv_row(const clb_kv *kv, int64_t il, int seq, int64_t pos, int kind) {

@@ -454,6 +454,7 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, int64_t n_tokens, const int32_t
         }
         if (n_out > 0) logits += n_out * m->hp.n_vocab;
     }
+    if (clb_wfault_any() && (st = clb_model_weight_fault(m, kv, err)) != CLB_OK) return st;
     for (int s = 0; s < kv->n_seq; s++)
         if (kv->seq_next[s] >= 0) kv->seq_len[s] = kv->seq_next[s];
     return CLB_OK;

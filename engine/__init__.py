@@ -15,6 +15,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "StepOutput": "engine.llm",
     "ContextLengthError": "engine.llm",
+    "ModelFaultError": "engine.errors",
     "default_model_path": "engine.llm",
     "SamplingParams": "engine.sampling",
     "MIN_REPETITION_PENALTY": "engine.sampling",
@@ -29,6 +30,7 @@ __all__ = [
     "LLM",
     "MIN_REPETITION_PENALTY",
     "ContextLengthError",
+    "ModelFaultError",
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
@@ -43,6 +45,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
     from engine.convert import convert, ensure_converted
+    from engine.errors import ModelFaultError
     from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
     from engine.sampling import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer

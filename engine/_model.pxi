@@ -16,6 +16,7 @@ from engine.errors import (
     FormatError,
     InputError,
     ModelFileNotFoundError,
+    WeightFileChangedError,
     ShapeError,
 )
 
@@ -107,6 +108,8 @@ cdef object _model_error(clb_status st, const char *err):
     if st == CLB_E_IO:
         if msg.startswith("missing file: "):
             return ModelFileNotFoundError(msg)
+        if msg.startswith("weight file changed: "):
+            return WeightFileChangedError(msg)
         return OSError(msg)
     if st == CLB_E_FORMAT:
         return FormatError(msg)

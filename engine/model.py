@@ -7,13 +7,17 @@ with the GIL released and returns float32 logits.
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 
 import numpy as np
 
 from engine import _core
 from engine.config import ModelConfig
-from engine.errors import ContextOverflowError, InputError
+from engine.errors import ContextOverflowError, InputError, ModelFaultError, WeightFileChangedError
+
+log = logging.getLogger("colibri.engine")
 
 
 class Model:
@@ -25,6 +29,9 @@ class Model:
         self.config = config
         self.core = core
         self.kv = kv
+        # why the model can no longer be trusted (a weight file changed under it, non-finite
+        # outputs); None while it is healthy. Once set, every forward raises ModelFaultError.
+        self.fault: str | None = None
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
@@ -74,7 +81,25 @@ class Model:
         if pos.size and pos.max() >= self.n_ctx:
             raise ContextOverflowError(
                 f"position {int(pos.max())} is past the context (n_ctx {self.n_ctx})")
-        return self.core.forward(self.kv, tok, seq_ids, pos, want_logits)
+        if self.fault is not None:
+            raise ModelFaultError(self.fault)
+        try:
+            out = self.core.forward(self.kv, tok, seq_ids, pos, want_logits)
+        except WeightFileChangedError as e:
+            self._mark_faulty(str(e))
+            raise
+        # one vectorised sum finds NaN and inf; the exact test runs only when it is not finite
+        if out.size and not math.isfinite(float(out.sum(dtype=np.float64))):
+            if not np.isfinite(out).all():
+                self._mark_faulty(f"{self.path}: the model produced non-finite logits (NaN or "
+                                  "inf weights?); check it with `colibri verify`")
+                raise ModelFaultError(self.fault)
+        return out
+
+    def _mark_faulty(self, why: str) -> None:
+        if self.fault is None:
+            self.fault = why
+            log.error("model marked unhealthy: %s", why)
 
     def reset(self, seq_id: int = 0) -> None:
         """Forget sequence seq_id's cached positions."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
-from app.state import get_state
+from app.state import get_state, model_fault
 
 router = APIRouter()
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -15,9 +15,10 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """Liveness: 200 while the process works (also while loading); 503 after an engine fault."""
+    """Liveness: 200 while the process works (also while loading); 503 after an engine fault
+    or once the model is faulty (a weight file changed, non-finite outputs)."""
     state = get_state(request)
-    if state.worker.error is not None:
+    if state.worker.error is not None or model_fault(state) is not None:
         return JSONResponse({"status": "error"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -31,6 +32,8 @@ async def ready(request: Request) -> JSONResponse:
     retry = {"Retry-After": str(state.settings.retry_after_s)}
     if worker.error is not None:
         return JSONResponse({"status": "failed", "model_loaded": False}, 503, retry)
+    if model_fault(state) is not None:
+        return JSONResponse({"status": "failed", "model_loaded": True}, 503, retry)
     if state.draining or worker.stopping:
         return JSONResponse({"status": "draining", "model_loaded": True}, 503, retry)
     if not worker.ready:
