@@ -35,6 +35,9 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="colibri-tok"))
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    # set drain_timeout_s after draining began: what is still queued gets 503, what still
+    # streams ends with an error event and [DONE] (see app.server's drain watch)
+    drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0
     request_exit: Callable[[int], None] | None = None
 
@@ -63,6 +66,17 @@ class ServerState:
         """Run fn (tokenizer work) on the tokenizer pool."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tok_pool, functools.partial(fn, *args, **kwargs))
+
+
+class DrainExpiredError(Exception):
+    """The drain timeout ran out while this request was still waiting or running."""
+
+
+def shutting_down(state: ServerState) -> APIError:
+    """503 + Retry-After for a request the drain timeout cut off."""
+    return APIError(503, "Service unavailable: the server is shutting down.",
+                    code="server_shutting_down",
+                    headers={"Retry-After": str(state.settings.retry_after_s)})
 
 
 def model_fault(state: ServerState) -> str | None:

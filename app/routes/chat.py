@@ -23,6 +23,7 @@ from app.generation import (
     usage,
 )
 from app.protocol import ChatCompletionRequest
+from app.schemas import ChatCompletion, error_responses, sse_200
 from app.state import ServerState, get_state
 from app.streaming import sse_response
 from app.templates import chat_prompt_ids
@@ -31,7 +32,9 @@ from app.worker import Output, Sequence
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None,
+             responses={**sse_200(ChatCompletion, "The completion, or its event stream."),
+                        **error_responses(400, 404, 500, 503)})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """OpenAI's chat completions."""
     state = get_state(request)

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
+from app.schemas import HealthStatus, ReadyStatus
 from app.state import get_state, model_fault
 
 router = APIRouter()
+_READY: dict[int | str, dict[str, Any]] = {
+    200: {"model": ReadyStatus},
+    503: {"model": ReadyStatus, "description": "Loading, draining or failed."}}
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
 
-@router.get("/health")
+@router.get("/health", response_model=None, responses={
+    200: {"model": HealthStatus}, 503: {"model": HealthStatus, "description": "Engine fault."}})
 async def health(request: Request) -> JSONResponse:
     """Liveness: 200 while the process works (also while loading); 503 after an engine fault
     or once the model is faulty (a weight file changed, non-finite outputs)."""
@@ -23,8 +29,8 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
-@router.get("/health/ready")
+@router.get("/ready", response_model=None, responses=_READY)
+@router.get("/health/ready", response_model=None, responses=_READY)
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once the model is loaded; 503 while loading, draining or failed."""
     state = get_state(request)
@@ -42,7 +48,8 @@ async def ready(request: Request) -> JSONResponse:
                          "model": state.served_name()})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses={
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> PlainTextResponse:
     """Prometheus text exposition."""
     text = get_state(request).metrics.render()
