@@ -20,6 +20,7 @@ from typing import Any
 
 from engine import archs, quant
 from engine.jsonfile import read_json_object
+from engine.model_check import check_finite, converted_hparams, member, verify_problems
 from engine.safetensors_io import Checkpoint, CheckpointError
 from engine.wfile import TensorSpec, write_wfile
 
@@ -83,6 +84,7 @@ def _producer(ckpt: Checkpoint, t: archs.Target, type_name: str):  # noqa: ANN20
         a = ckpt.get(t.source.hf_name, t.source.index)
         if t.source.rows is not None:
             a = a[t.source.rows[0] : t.source.rows[1]]
+        check_finite(a, f"{t.source.hf_name} (for {t.file}: {t.name})")
         return quant.encode(a, type_name)
 
     return produce
@@ -138,10 +140,16 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = "q4",
                     bar.update(1)
             finally:
                 bar.close()
+            text_files: dict[str, dict[str, Any]] = {}
             for name in TOKENIZER_FILES:
                 if (hf_dir / name).is_file():
                     shutil.copyfile(hf_dir / name, tmp / name)
+                    # recorded so that verify notices a truncated or edited tokenizer too
+                    text_files[name] = {"size": (tmp / name).stat().st_size,
+                                        "sha256": _sha256(tmp / name)}
             config = dict(cfg)
+            config["tokenizer_files"] = text_files
+            config["converted_hparams"] = converted_hparams(config)
             config["quant"] = preset
             config["tensor_types"] = tensor_types
             config["files"] = files
@@ -189,9 +197,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def verify(model_dir: str | Path, full: bool = False) -> None:
-    """Check every file listed in config.json: sizes always, sha256 too when full.
+    """Check every file listed in config.json (sizes always, sha256 and finite weights too
+    when full), config.json against the weights and the tokenizer (engine.model_check).
 
-    Raises ValueError listing every file that is missing, resized or (full) altered.
+    Raises ValueError listing every problem: files missing, resized, altered or outside the
+    folder, hyper-parameters changed since conversion, shapes or dtypes that disagree.
     """
     model_dir = Path(model_dir)
     cfg = _read_json(model_dir / "config.json", "config.json")
@@ -201,8 +211,17 @@ def verify(model_dir: str | Path, full: bool = False) -> None:
     if not isinstance(files, dict) or not files:
         raise ValueError(f"{model_dir}/config.json: no 'files' table")
     problems: list[str] = []
+    text_files = cfg.get("tokenizer_files", {})
+    if isinstance(text_files, dict):
+        files = {**files, **text_files}
     for name, meta in files.items():
-        path = model_dir / name
+        path = member(model_dir, name)
+        if path is None:
+            problems.append(f"{name!r}: not a file name inside the model folder")
+            continue
+        if not isinstance(meta, dict):
+            problems.append(f"{name}: no size and sha256 recorded")
+            continue
         if not path.is_file():
             problems.append(f"{name}: missing")
             continue
@@ -212,6 +231,8 @@ def verify(model_dir: str | Path, full: bool = False) -> None:
             continue
         if full and _sha256(path) != meta.get("sha256"):
             problems.append(f"{name}: sha256 mismatch (file altered or corrupt)")
+    if not problems:  # the files are what was written: now do they still fit together?
+        problems = verify_problems(model_dir, cfg, full)
     if problems:
         raise ValueError(f"{model_dir}: " + "; ".join(problems))
 

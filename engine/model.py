@@ -16,6 +16,7 @@ import numpy as np
 from engine import _core
 from engine.config import ModelConfig
 from engine.errors import ContextOverflowError, InputError, ModelFaultError, WeightFileChangedError
+from engine.model_check import check_tensor_types
 
 log = logging.getLogger("colibri.engine")
 
@@ -42,6 +43,7 @@ class Model:
         cfg = ModelConfig.from_dir(p)
         ctx = cfg.default_n_ctx() if n_ctx is None else n_ctx
         core = _core.CoreModel.load(str(p), cfg.to_hparams(ctx), threads or 0)
+        check_tensor_types(p, cfg.tensor_types)
         return cls(p, cfg, core, core.new_kv(n_seq))
 
     @property
