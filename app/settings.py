@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     # -- chat templates ---------------------------------------------------------------
     allow_client_chat_template: bool = False
     max_chat_template_chars: int = Field(32 << 10, ge=64)
+    client_template_timeout_s: float = Field(2.0, gt=0, description="render time of a client "
+                                             "chat template (separate process)")
 
     def model_names(self, loaded_name: str) -> list[str]:
         """Names a request's `model` may use: the served name first."""

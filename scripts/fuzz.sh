@@ -20,7 +20,8 @@ python -c "import atheris, Cython" 2>/dev/null || {
 cd "$work"
 COLIBRI_SANITIZE=1 python setup.py build_ext --inplace -j 1 --build-temp "$work/build" \
     > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
-nm -D engine/_core*.so | grep -q __asan_report || { echo "build is not instrumented"; exit 1; }
+syms="$(nm -D engine/_core*.so)"
+grep -q __asan_report <<<"$syms" || { echo "build is not instrumented"; exit 1; }
 
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so)"
 export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1

@@ -26,7 +26,7 @@ from app.protocol import ChatCompletionRequest
 from app.schemas import ChatCompletion, error_responses, sse_200
 from app.state import ServerState, get_state
 from app.streaming import sse_response
-from app.templates import chat_prompt_ids
+from app.templates import chat_prompt
 from app.worker import Output, Sequence
 
 router = APIRouter()
@@ -41,9 +41,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     model = state.check_model(body.model)
     llm = state.llm
     body.check(state.settings, int(llm.tokenizer.vocab_size))
-    prompt = await state.off_loop(
-        chat_prompt_ids, llm, body.template_messages(), body.add_generation_prompt,
-        body.chat_template)
+    prompt = await chat_prompt(state, request, llm, body.template_messages(),
+                               body.add_generation_prompt, body.chat_template)
     if not prompt:
         raise APIError(400, "the chat prompt is empty", "messages")
     budget = max_tokens_for(state, len(prompt), body.requested_max_tokens(), "messages")
