@@ -7,6 +7,7 @@ for batch invariance. f16 and q8 KV are compared with f32 KV under named toleran
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, eager_mask  # noqa: E402
 
 from engine import _core  # noqa: E402
 from engine.convert import convert  # noqa: E402
@@ -28,6 +31,14 @@ from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 N_CTX = 96
 THREADS = 2
 BLK = _core.KV_BLOCK
+# against transformers with the same KV rounding: max|diff| / max|ref|, as f32 parity
+KV_REF_TOL = 1e-4
+# against f32 KV, per position max|diff| / max|f32-KV logits| over a 70-position prompt
+# (measured on these models: f16 <= 3.6e-4, q8 <= 6.7e-3). q8 may flip a top-k expert choice
+# at a near tie, which moves that position's logits far more (transformers with the same
+# rounding flips it too), so q8's bound holds for 95% of positions.
+F16_KV_TOL = 1e-3
+Q8_KV_TOL = 1e-2
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral-hd16": ("mixtral", {}),
@@ -37,6 +48,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe-hd4": ("qwen2_moe", {"num_attention_heads": 16, "num_key_value_heads": 4}),
 }
 _DIRS: dict[str, tuple[Path, Any]] = {}
+ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):  # noqa: ANN201
+    before = _core.isa_active()
+    _core.isa_force(request.param)
+    yield request.param
+    _core.isa_force(before)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -56,6 +76,29 @@ def model_dir(request: pytest.FixtureRequest,
 def _hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+
+
+def _round_kv(x: torch.Tensor, kv_type: str) -> torch.Tensor:
+    """K or V [B, Hkv, T, hd] as the cache stores it, back in f32."""
+    if kv_type == "f16":
+        return x.to(torch.float16).to(torch.float32)
+    d = x.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return torch.clamp(torch.round(x * inv), -127, 127) * d  # round half to even, as C
+
+
+def _rounded_kv_attention(kv_type: str) -> Any:
+    def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: Any, **kw: Any) -> Any:
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, _round_kv(key, kv_type), _round_kv(value, kv_type), mask,
+                     **kw)
+    return attend
+
+
+for _t in ("f16", "q8"):
+    AttentionInterface.register(f"colibri_test_{_t}_kv", _rounded_kv_attention(_t))
+    AttentionMaskInterface.register(f"colibri_test_{_t}_kv", eager_mask)
 
 
 def _rel_max(x: np.ndarray, ref: np.ndarray) -> float:
@@ -136,6 +179,28 @@ def test_batch_invariance(model_dir: tuple[Path, Any], kv_type: str) -> None:
         t = [[7, 2, 5, 11]]
         np.testing.assert_array_equal(_run(alone, t, [(p[:-1], 0)])[0], joint[i])
         np.testing.assert_array_equal(_run(alone, t, [(p[-1:], p.size - 1)])[0], step[i])
+
+
+@pytest.mark.parametrize("kv_type,tol,share", [("f16", F16_KV_TOL, 1.0),
+                                               ("q8", Q8_KV_TOL, 0.95)])
+def test_kv_type_against_references(model_dir: tuple[Path, Any], kv_type: str, tol: float,
+                                    share: float, isa: str) -> None:
+    path, _ = model_dir
+    ids = _prompt(4, 70)
+    table = [[6, 0, 3, 1, 9]]
+    f32 = _run(_load(path, "f32"), table, [(ids, 0)])[0]
+    got = _run(_load(path, kv_type), table, [(ids, 0)])[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent / "hf"), dtype=torch.float32,
+        attn_implementation=f"colibri_test_{kv_type}_kv").eval()
+    ref = _hf_logits(hf, ids)
+    err_ref = _rel_max(got, ref)
+    per_pos = np.abs(got - f32).max(axis=1) / np.abs(f32).max()
+    print(f"{path.parent.name}/{isa} {kv_type} KV: vs transformers with {kv_type} KV "
+          f"{err_ref:.2e}; vs f32 KV max {per_pos.max():.2e}, median {np.median(per_pos):.2e}")
+    assert err_ref <= KV_REF_TOL
+    assert np.mean(per_pos <= tol) >= share
+    assert not np.array_equal(got, f32)  # the type really changed the stored rows
 
 
 def test_refused_calls_change_nothing(model_dir: tuple[Path, Any]) -> None:
