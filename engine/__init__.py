@@ -20,18 +20,26 @@ _EXPORTS = {
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
     "convert": "engine.convert",
+    "DEFAULT_QUANT": "engine.convert",
+    "QUANT_PRESETS": "engine.convert",
+    "ModelError": "engine.modelcheck",
+    "check_model": "engine.modelcheck",
     "ensure_converted": "engine.convert",
     "cli_main": "engine.cli",
 }
 
 __all__ = [
+    "DEFAULT_QUANT",
     "LLM",
     "ContextLengthError",
+    "ModelError",
+    "QUANT_PRESETS",
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
     "Tokenizer",
     "__version__",
+    "check_model",
     "cli_main",
     "convert",
     "default_model_path",
@@ -40,8 +48,9 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
-    from engine.convert import convert, ensure_converted
+    from engine.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
+    from engine.modelcheck import ModelError, check_model
     from engine.sampling import SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
 
