@@ -450,6 +450,11 @@ class Tokenizer:
                     ids.append(self.eos_token_id)
         return ids
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled exactly `text`, else None."""
+        special = self._specials.get(text)
+        return None if special is None else special.token_id
+
     def check_ids(self, ids: Any, param: str = "prompt") -> list[int]:
         """Return ids as a list of ints, raising TokenizerError if any is outside the vocab."""
         out = [int(t) for t in ids]
