@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from app.server import create_app
 from app.settings import Settings
@@ -66,7 +67,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings: given options first, then COLIBRI_* variables, then the .env file."""
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     env_file = getattr(args, "env_file", ".env")
-    return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]
+    try:
+        return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]
+    except ValidationError as e:  # one line for the user, like every other start-up error
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors())
+        raise ValueError(f"invalid setting ({problems}); fix the option, its COLIBRI_* "
+                         f"variable or {env_file}") from None
 
 
 class _Server(uvicorn.Server):

@@ -202,3 +202,13 @@ def test_bench_defaults_to_the_bundled_model(tmp_path: Path,
     r = json.loads(out)
     assert r["quant"] == DEFAULT_QUANT and "demo_model" in r["model"]
     assert r["decode_tok_s"]["median"] > 0
+
+
+def test_bad_setting_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLIBRI_QUANT", "q9")
+    code, _, err = _run_main(["serve", "--port", "0"], capsys)
+    assert code == 2
+    assert err.strip() == ("colibri: error: invalid setting (quant: quant must be one of f32, "
+                           "f16, q8, q4); fix the option, its COLIBRI_* variable or .env")
