@@ -1,8 +1,8 @@
 """End to end in a browser: the chat page at / in headless Chromium (Debian `chromium`),
 driven over the DevTools protocol, streams a reply to a message.
 
-The page must show the text as it streams (several DOM updates spread over time, watched
-by a MutationObserver) and end with exactly the text the API returns for the same seed.
+The page must show the text as it streams (several partial renders before the reply ends,
+watched by a MutationObserver) and end with exactly the text the API returns for the same seed.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_chat_page_streams_a_reply(server: SubprocessServer, page: DevTools) -> 
         window.updates = [];
         new MutationObserver(() => {
             const m = document.querySelector('.msg.assistant');
-            if (m) window.updates.push([performance.now(), m.textContent.length]);
+            if (m) window.updates.push([m.dataset.done, m.textContent.length]);
         }).observe(document.getElementById('log'),
                    {childList: true, subtree: true, characterData: true});
         document.getElementById('input').value = 'Tell me about the river.';
@@ -129,11 +129,12 @@ def test_chat_page_streams_a_reply(server: SubprocessServer, page: DevTools) -> 
     expected = r.json()["choices"][0]["message"]["content"]
     assert shown == expected and len(expected) > 0
 
-    # streamed: the text grew over several updates spread in time, not in one go
+    # streamed: the text grew over several renders while the reply was still coming, not
+    # in one go at the end (how far apart they are depends on the machine, so not checked)
     lengths = [n for _, n in updates if n > 0]
     assert len(set(lengths)) >= 3, updates
-    grow = [t for t, n in updates if 0 < n < len(shown)]
-    assert grow and max(grow) - min(grow) > 20.0, updates  # ms between partial renders
+    partial = {n for done, n in updates if done == "false" and 0 < n < len(shown)}
+    assert len(partial) >= 2, updates
     assert time.monotonic() - t0 < 60
 
 
