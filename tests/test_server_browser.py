@@ -3,6 +3,8 @@ driven over the DevTools protocol, streams a reply to a message.
 
 The page must show the text as it streams (several partial renders before the reply ends,
 watched by a MutationObserver) and end with exactly the text the API returns for the same seed.
+A long conversation must never overflow the context (older turns left out, the reply capped),
+a failed turn must not be sent again, and "New chat" must start over.
 """
 
 from __future__ import annotations
