@@ -120,7 +120,7 @@ def serve_main(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code."""
     settings = settings_from_args(args)
     check_port(settings.host, settings.port)
-    check_model(settings.model)
+    check_model(settings.model, n_ctx=settings.n_ctx)
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)

@@ -212,3 +212,16 @@ def test_bad_setting_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 2
     assert err.strip() == ("colibri: error: invalid setting (quant: quant must be one of f32, "
                            "f16, q8, q4); fix the option, its COLIBRI_* variable or .env")
+
+
+def test_serve_context_longer_than_the_model_is_refused_at_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    demo = json.loads((bundled_model_path() / "config.json").read_text())
+    most = demo["max_position_embeddings"]
+    code, _, err = _run_main(["serve", "--port", "0", "--n-ctx", str(most + 1)], capsys)
+    assert code == 2
+    assert err.strip() == (f"colibri: error: --n-ctx {most + 1}: demo_model handles 1 to "
+                           f"{most} positions; pass --n-ctx {most} or less, or leave it out "
+                           f"for {min(most, 4096)}")
