@@ -211,3 +211,11 @@ def test_accept_any_model(servers: Servers) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["model"] == MODEL  # the response names the model that answered
     assert httpx.get(lax.url + "/v1/models/llama3:latest", timeout=30).status_code == 200
+
+
+def test_tokenizer_info_needs_the_key_when_one_is_set(servers: Servers) -> None:
+    srv = servers.get(("--served-model-name", "my-moe", "--api-key", "sk-local"))
+    assert httpx.get(srv.url + "/tokenizer_info", timeout=30).status_code == 401
+    r = httpx.get(srv.url + "/tokenizer_info", headers={"Authorization": "Bearer sk-local"},
+                  timeout=30)
+    assert r.status_code == 200 and r.json()["eos_token"]
