@@ -26,11 +26,16 @@ _EXPORTS = {
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
     "convert": "engine.convert",
+    "DEFAULT_QUANT": "engine.convert",
+    "QUANT_PRESETS": "engine.convert",
+    "ModelError": "engine.modelcheck",
+    "check_model": "engine.modelcheck",
     "ensure_converted": "engine.convert",
     "cli_main": "engine.cli",
 }
 
 __all__ = [
+    "DEFAULT_QUANT",
     "LLM",
     "AsyncEngine",
     "AsyncEngineConfig",
@@ -39,11 +44,14 @@ __all__ = [
     "QueueFullError",
     "RequestOutput",
     "ContextLengthError",
+    "ModelError",
+    "QUANT_PRESETS",
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
     "Tokenizer",
     "__version__",
+    "check_model",
     "cli_main",
     "convert",
     "default_model_path",
@@ -52,7 +60,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
-    from engine.convert import convert, ensure_converted
+    from engine.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.core.async_engine import (
         AsyncEngine,
         AsyncEngineConfig,
@@ -63,6 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.core.loader import EngineConfig
     from engine.core.request import RequestOutput
     from engine.llm import LLM, StepOutput, default_model_path
+    from engine.modelcheck import ModelError, check_model
     from engine.sampling import SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
 
