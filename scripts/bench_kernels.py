@@ -24,22 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine import _core  # noqa: E402
-
-
-def cpu_model() -> str:
-    """The CPU's model name and the SIMD flags that matter to the kernels."""
-    name, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "unknown":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    keep = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-            "avx_vnni", "avx512_bf16", "amx_int8")
-    return f"{name} [{' '.join(f for f in keep if f in flags)}]"
+from engine.bench import cpu_model  # noqa: E402
 
 
 def ints(s: str) -> list[int]:
