@@ -75,6 +75,24 @@ def weight_bytes_per_token(model_dir: str | Path) -> dict[str, int]:
 
 # -- measurement ---------------------------------------------------------------------------
 
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx_vnni", "avx512_bf16", "amx_int8")
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name and the SIMD flags the kernels care about (Linux)."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == "unknown CPU":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return f"{name} [{' '.join(f for f in SIMD_FLAGS if f in flags)}]"
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far, in bytes."""
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -142,6 +160,7 @@ class BenchSettings:
     quant: str = DEFAULT_QUANT
     probe_mib: int = DEFAULT_PROBE_MIB
     probe_passes: int = 3
+    profile: bool = False
 
     def check(self) -> None:
         for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes"):
@@ -176,7 +195,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     per_token = weight_bytes_per_token(path)
     gbps = _core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes)
     bound = gbps * 1e9 / per_token["total"]
-    return {
+    result = {
         "model": str(path),
         "architecture": cfg.architecture,
         "quant": cfg.quant,
@@ -198,6 +217,11 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "percent_of_bound": 100.0 * decode["median"] / bound if bound > 0 else math.nan,
         "greedy_tokens": runs[0].tokens[:16],
     }
+    if s.profile:
+        from engine.bench_profile import profile_decode
+
+        result["profile"] = profile_decode(path, n_threads, 1.0 / decode["median"])
+    return result
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -229,6 +253,10 @@ def render(r: dict[str, Any]) -> str:
         f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
         f"{r['percent_of_bound']:.1f}% of it",
     ]
+    if "profile" in r:
+        from engine.bench_profile import render_profile
+
+        lines.append(render_profile(r["profile"]))
     return "\n".join(lines)
 
 
@@ -247,6 +275,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-mib", type=int, default=DEFAULT_PROBE_MIB,
                    help=f"bandwidth probe buffer in MiB (default {DEFAULT_PROBE_MIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--profile", action="store_true",
+                   help="also time each weight phase of a decode step (attention projections, "
+                        "router, experts, lm_head) against the measured step")
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -254,7 +285,8 @@ def bench_main(args: argparse.Namespace) -> int:
     check_model(args.model)  # before anything is timed or converted
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-        threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib)
+        threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
+        profile=args.profile)
     result = run_bench(settings)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
