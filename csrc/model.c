@@ -378,13 +378,10 @@ int clb_model_n_threads(const clb_model *m) { return m->n_threads; }
 
 int64_t clb_forward_max_batch(void) { return CLB_MAX_BATCH; }
 
-clb_status clb_model_weight_fault(const clb_model *m, clb_kv *kv, char *err) {
+clb_status clb_model_weight_fault(const clb_model *m, char *err) {
     for (int i = 0; i < m->n_files; i++) {
         const char *path = clb_wfile_changed(m->files[i]);
         if (!path) continue;
-        /* this step read zeros where weights were: its KV rows are void as well */
-        for (int s = 0; s < kv->n_seq; s++)
-            if (kv->seq_next[s] >= 0) kv->seq_len[s] = 0;
         m_err(err, "weight file changed: %s was truncated or overwritten while the model was "
               "loaded; restart to load it again", path);
         return CLB_E_IO;

@@ -1,4 +1,4 @@
-"""Checks that a converted model folder still is what was converted (`colibri verify`, load).
+"""`colibri verify` and load-time checks: a converted folder still is what was converted.
 
 Guarantees: names in config.json's `files` never lead outside the folder (absolute paths,
 `..` and symlinks out are refused before anything is opened); the hyper-parameters recorded
