@@ -125,6 +125,24 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    eos_token_id: int | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool | None
+    add_eos_token: bool | None
+    chat_template: str | None
+    vocab_size: int
+    model_max_length: int
+    max_model_len: int
+
+
 class HealthStatus(BaseModel):
     status: Literal["ok", "error"]
 

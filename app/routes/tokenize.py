@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from app.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
-from app.schemas import DetokenizeResponse, TokenizeResponse, error_responses
+from app.schemas import DetokenizeResponse, TokenizeResponse, TokenizerInfo, error_responses
 from app.state import get_state
 from app.templates import chat_prompt_ids
 
@@ -55,7 +55,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     return {"prompt": text}
 
 
-@router.get("/tokenizer_info")
+@router.get("/tokenizer_info", response_model=None,
+            responses={200: {"model": TokenizerInfo}, **error_responses(503)})
 async def tokenizer_info(request: Request) -> dict[str, Any]:
     """The tokenizer's special tokens, chat template and limits (vLLM's shape)."""
     state = get_state(request)
