@@ -208,9 +208,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def verify(model_dir: str | Path, full: bool = False) -> None:
-    """Check every file listed in config.json (sizes always, sha256 and finite weights too
-    when full), config.json against the weights and the tokenizer (engine.verify).
+def verify(model_dir: str | Path, full: bool = False, deep: bool = False) -> None:
+    """Check every file listed in config.json (sizes always, sha256 too when full); with
+    deep (what `colibri verify` does), also config.json against the weights, the recorded
+    hyper-parameters and tensor_types, the tokenizer and, with full, finite weights
+    (engine.verify). Without deep nothing is mapped or parsed: a cheap check before loading.
 
     Raises ValueError listing every problem: files missing, resized, altered or outside the
     folder, hyper-parameters changed since conversion, shapes or dtypes that disagree.
@@ -224,8 +226,9 @@ def verify(model_dir: str | Path, full: bool = False) -> None:
         raise ValueError(f"{model_dir}/config.json: no 'files' table")
     problems: list[str] = []
     text_files = cfg.get("tokenizer_files", {})
-    if isinstance(text_files, dict):
-        files = {**files, **text_files}
+    if not isinstance(text_files, dict):
+        text_files = {}
+    files = {**files, **text_files}
     for name, meta in files.items():
         path = member(model_dir, name)
         if path is None:
@@ -239,14 +242,32 @@ def verify(model_dir: str | Path, full: bool = False) -> None:
             continue
         size = path.stat().st_size
         if size != meta.get("size"):
-            problems.append(f"{name}: {size} bytes, expected {meta.get('size')}")
+            problem = f"{name}: {size} bytes, expected {meta.get('size')}"
+            if name in text_files and name.endswith(".json"):
+                problem += _parse_problem(path)
+            problems.append(problem)
             continue
         if full and _sha256(path) != meta.get("sha256"):
             problems.append(f"{name}: sha256 mismatch (file altered or corrupt)")
-    if not problems:  # the files are what was written: now do they still fit together?
+    if deep and not problems:  # the files are what was written: do they still fit together?
         problems = verify_problems(model_dir, cfg, full)
     if problems:
         raise ValueError(f"{model_dir}: " + "; ".join(problems))
+
+
+def _parse_problem(path: Path) -> str:
+    """What a reader of a resized tokenizer file runs into (with its parser's words), or ""."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.name == "tokenizer.json":
+            from tokenizers import Tokenizer as HFTokenizer
+
+            HFTokenizer.from_str(text)
+        else:
+            json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parser complaint is the detail we report
+        return f" (does not load: {e})"
+    return ""
 
 
 def _sha256(path: Path) -> str:

@@ -45,7 +45,7 @@ def _edit(folder: Path, **changes: object) -> None:
 
 
 def test_fresh_conversion_verifies(converted: Path) -> None:
-    verify(converted, full=True)
+    verify(converted, full=True, deep=True)
     out = subprocess.run([sys.executable, "-m", "app", "verify", str(converted)],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
@@ -57,7 +57,7 @@ def test_config_edited_after_conversion(copy: Path, key: str, delta: int) -> Non
     cfg = json.loads((copy / "config.json").read_text())
     _edit(copy, **{key: cfg[key] + delta})
     with pytest.raises(ValueError, match=key):
-        verify(copy, full=False)
+        verify(copy, full=False, deep=True)
 
 
 def test_truncated_or_missing_tokenizer(copy: Path) -> None:
@@ -65,10 +65,10 @@ def test_truncated_or_missing_tokenizer(copy: Path) -> None:
     data = tj.read_bytes()
     tj.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="tokenizer.json"):
-        verify(copy, full=False)
+        verify(copy, full=False, deep=True)
     tj.unlink()
     with pytest.raises(ValueError, match="tokenizer.json"):
-        verify(copy, full=False)
+        verify(copy, full=False, deep=True)
 
 
 @pytest.mark.parametrize("name", ["../../../../../etc/shadow", "/etc/passwd", "a/../../x",
@@ -79,7 +79,7 @@ def test_files_outside_the_folder_are_refused(copy: Path, name: str) -> None:
     cfg["files"][name] = {"size": 1, "sha256": "0" * 64}
     (copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not a file name inside the model folder") as e:
-        verify(copy, full=True)
+        verify(copy, full=True, deep=True)
     assert "bytes, expected" not in str(e.value)  # the outside file was never looked at
 
 
@@ -98,7 +98,7 @@ def test_tensor_types_disagreeing_with_files(copy: Path) -> None:
     with pytest.raises(FormatError, match="tensor_types"):
         Model.load(copy, threads=1, n_ctx=32)
     with pytest.raises(ValueError, match="tensor_types"):
-        verify(copy, full=False)
+        verify(copy, full=False, deep=True)
 
 
 def test_nan_weights_refused_at_conversion(hf: Path, tmp_path: Path) -> None:
@@ -130,9 +130,9 @@ def _poison(folder: Path, file: str, tensor: str) -> None:
 
 def test_nan_weights_found_by_verify_and_at_run_time(copy: Path) -> None:
     _poison(copy, "embeddings.bin", "output_norm")
-    verify(copy, full=False)  # sizes and shapes are fine: only the full check reads values
+    verify(copy, full=False, deep=True)  # sizes and shapes are fine; only full reads values
     with pytest.raises(ValueError, match="non-finite"):
-        verify(copy, full=True)
+        verify(copy, full=True, deep=True)
     m = Model.load(copy, threads=1, n_ctx=32)
     ids = np.array([1, 2], dtype=np.int32)
     with pytest.raises(ModelFaultError, match="non-finite"):
