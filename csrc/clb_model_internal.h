@@ -85,7 +85,7 @@ struct clb_kv {
     unsigned char *data;    /* [n_blocks, L, 2 (K, V), CLB_KV_BLOCK, row_bytes] */
     int32_t *writer;        /* [n_blocks] forward's validation scratch: -1 between calls */
     int32_t *seq_next;      /* [n_blocks] forward's validation scratch (one per sequence) */
-    float *deq;             /* [n_threads, head_dim] attention's dequantized V row per worker */
+    float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
 };
 
 /* K (kind 0) or V (kind 1) row of layer il in block blk, slot `slot` (kv_dim values of the
@@ -98,5 +98,8 @@ static inline unsigned char *clb_kv_row(const clb_kv *kv, int64_t blk, int64_t i
 
 /* Stores one row of kv_dim f32 values into a cache row in the cache's format (kv.c). */
 void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x);
+/* Row widening for attention (kv.c): n values into y. */
+void clb_kv_f16_to_f32(int64_t n, const clb_f16 *restrict x, float *restrict y);
+void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y);
 
 #endif

@@ -103,7 +103,7 @@ static void att_worker(void *vctx, int ith, int nth) {
     const int64_t n_items = a->T * H;
     const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
     float *sc = m->scores + (int64_t)ith * m->span;
-    float *deq = kv->deq + (int64_t)ith * hd;
+    float *deq = kv->deq + (int64_t)ith * CLB_KV_BLOCK * hd;
     const clb_vec_dot_fn vdot = clb_get_type_traits(CLB_TYPE_F32)->vec_dot;
     const clb_vec_dot_fn vdot16 = clb_get_type_traits(CLB_TYPE_F16)->vec_dot;
     const clb_vec_mad_fn vmad = clb_get_vec_mad_f32();
@@ -118,24 +118,31 @@ static void att_worker(void *vctx, int ith, int nth) {
         const float *q = m->q + t * qd + h * hd;
         float *out = m->att + t * qd + h * hd;
 
+        /* positions are walked block by block: one table lookup per block */
         float mx = -INFINITY;
-        for (int64_t j = lo; j <= p; j++) {
+        for (int64_t j = lo; j <= p;) {
+            const int64_t j_end = j - j % CLB_KV_BLOCK + CLB_KV_BLOCK - 1 < p
+                                      ? j - j % CLB_KV_BLOCK + CLB_KV_BLOCK - 1 : p;
             const unsigned char *row = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 0,
                                                   j % CLB_KV_BLOCK);
-            float dot;
-            if (ty == CLB_KV_F32) {
-                dot = vdot(hd, q, (const float *)(const void *)row + kvh * hd);
-            } else if (ty == CLB_KV_F16) {
-                dot = vdot16(hd, (const clb_f16 *)(const void *)row + kvh * hd, q);
-            } else {
-                const int8_t *k8 = (const int8_t *)row + kvh * hd;
-                const float d = ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
-                for (int64_t i = 0; i < hd; i++) deq[i] = (float)k8[i];
-                dot = vdot(hd, q, deq) * d;
+            if (ty == CLB_KV_Q8) /* widen the block's rows first, then read them back */
+                for (int64_t r = 0; r <= j_end - j; r++)
+                    clb_kv_i8_to_f32(hd, (const int8_t *)(row + r * kv->row_bytes) + kvh * hd,
+                                     deq + r * hd);
+            for (const float *dq = deq; j <= j_end; j++, row += kv->row_bytes, dq += hd) {
+                float dot;
+                if (ty == CLB_KV_F32) {
+                    dot = vdot(hd, q, (const float *)(const void *)row + kvh * hd);
+                } else if (ty == CLB_KV_F16) {
+                    dot = vdot16(hd, (const clb_f16 *)(const void *)row + kvh * hd, q);
+                } else {
+                    const float d = ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
+                    dot = vdot(hd, q, dq) * d;
+                }
+                dot *= scale;
+                sc[j - lo] = dot;
+                if (dot > mx) mx = dot;
             }
-            dot *= scale;
-            sc[j - lo] = dot;
-            if (dot > mx) mx = dot;
         }
         float sum = 0.0f;
         for (int64_t j = lo; j <= p; j++) {
@@ -145,21 +152,29 @@ static void att_worker(void *vctx, int ith, int nth) {
         }
         float inv = 1.0f / sum; /* sum >= 1: the maximum contributes exp(0) */
         for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
-        for (int64_t j = lo; j <= p; j++) {
+        for (int64_t j = lo; j <= p;) {
+            const int64_t j_end = j - j % CLB_KV_BLOCK + CLB_KV_BLOCK - 1 < p
+                                      ? j - j % CLB_KV_BLOCK + CLB_KV_BLOCK - 1 : p;
             const unsigned char *row = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 1,
                                                   j % CLB_KV_BLOCK);
-            float w = sc[j - lo] * inv;
-            if (ty == CLB_KV_F32) {
-                vmad(hd, out, (const float *)(const void *)row + kvh * hd, w);
-            } else if (ty == CLB_KV_F16) {
-                const clb_f16 *v16 = (const clb_f16 *)(const void *)row + kvh * hd;
-                for (int64_t i = 0; i < hd; i++) deq[i] = clb_f16_to_f32(v16[i]);
-                vmad(hd, out, deq, w);
-            } else {
-                const int8_t *v8 = (const int8_t *)row + kvh * hd;
-                const float d = ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
-                for (int64_t i = 0; i < hd; i++) deq[i] = (float)v8[i];
-                vmad(hd, out, deq, w * d);
+            for (int64_t r = 0; ty != CLB_KV_F32 && r <= j_end - j; r++) {
+                const unsigned char *rr = row + r * kv->row_bytes;
+                if (ty == CLB_KV_F16)
+                    clb_kv_f16_to_f32(hd, (const clb_f16 *)(const void *)rr + kvh * hd,
+                                      deq + r * hd);
+                else
+                    clb_kv_i8_to_f32(hd, (const int8_t *)rr + kvh * hd, deq + r * hd);
+            }
+            for (const float *dq = deq; j <= j_end; j++, row += kv->row_bytes, dq += hd) {
+                float w = sc[j - lo] * inv;
+                if (ty == CLB_KV_F32) {
+                    vmad(hd, out, (const float *)(const void *)row + kvh * hd, w);
+                } else if (ty == CLB_KV_F16) {
+                    vmad(hd, out, dq, w);
+                } else {
+                    const float d = ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
+                    vmad(hd, out, dq, w * d);
+                }
             }
         }
     }
