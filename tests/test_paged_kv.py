@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask  # noq
 from engine import _core  # noqa: E402
 from engine.convert import convert  # noqa: E402
 from engine.errors import ContextOverflowError, InputError  # noqa: E402
-from engine.model import Model  # noqa: E402
+from engine.model import Model, kv_block_bytes  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 N_CTX = 96
@@ -288,7 +288,7 @@ def test_slot_api_and_sizes(model_dir: tuple[Path, Any]) -> None:
     expect = {"f32": rows * kvd * 4, "f16": rows * kvd * 2,
               "q8": rows * (-(-kvd // 4) * 4 + 4 * hkv)}
     for t, n in expect.items():
-        assert m.kv_block_bytes(t) == n == _core.kv_block_bytes(hp, t)
+        assert m.kv_block_bytes(t) == n == _core.kv_block_bytes(hp, t) == kv_block_bytes(cfg, t)
     assert m.kv_block_bytes() == expect["q8"]
     with pytest.raises(ValueError, match="KV cache type"):
         m.kv_block_bytes("q4")
