@@ -4,7 +4,8 @@
  * clb_matmul_jobs on the model's thread pool, with matrices that read the same input in one
  * dispatch; each expert's weights are read once per chunk for all the tokens routed to it; no
  * allocation (all scratch was sized at load).
- * Refuses: token ids, sequence ids and positions outside the model and cache. */
+ * Refuses: token ids, sequence ids and positions outside the model, and block tables that name
+ * blocks outside the cache or let two sequences write one block. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
