@@ -64,7 +64,8 @@ struct clb_model {
     float *eo;       /* [B, D] expert output */
     float *sgate;    /* [B] shared expert gate logits */
     int32_t *out_rows; /* [B] chunk rows that want logits */
-    float *scores;   /* [n_threads, span] attention scores per worker */
+    float *scores;   /* [n_threads, H/Hkv, span] attention scores per worker and head */
+    float *head_stat; /* [n_threads, 2, H/Hkv] per head: max score, then 1 / sum of exps */
     int64_t span;    /* most keys one query sees: min(n_ctx, sliding_window) */
     void *mm_scratch;  /* [B] packed activation rows for clb_matmul (any n_in) */
     size_t mm_scratch_size;
