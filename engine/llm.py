@@ -18,6 +18,7 @@ from engine.convert import ensure_converted
 from engine.detok import IncrementalDetokenizer, StopStringMatcher
 from engine.model import Model
 from engine.sampling import Sampler, SamplingParams
+from engine.scoring import PromptLogprobs, prompt_logprobs
 from engine.tokenizer import Tokenizer
 
 DEFAULT_N_CTX = 4096
@@ -41,6 +42,9 @@ class StepOutput:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+    # on the first output only, when params.prompt_logprobs is set (engine.scoring); with
+    # max_tokens 0 that output has token_id -1, no text and finish_reason "length"
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -108,6 +112,8 @@ class LLM:
         if n_prompt == 0:
             raise ValueError("the prompt is empty")
         room = self.n_ctx - n_prompt
+        if params.max_tokens == 0 and room >= 0:
+            return _Budget(max_new=0)  # prompt scoring only (prompt_logprobs)
         if room <= 0:
             raise ContextLengthError(
                 f"the prompt has {n_prompt} tokens, the context holds {self.n_ctx}",
@@ -161,9 +167,20 @@ class LLM:
                 ids = np.asarray(prompt, dtype=np.int32)
                 want = np.zeros(ids.size, dtype=np.uint8)
                 want[-1] = 1
-                logits = self.model.forward(
+                if params.prompt_logprobs is not None:
+                    want[:] = 1
+                rows = self.model.forward(
                     ids, np.zeros_like(ids), np.arange(ids.size, dtype=np.int32), want
-                )[-1]
+                )
+                logits = rows[-1].copy() if rows.shape[0] > 1 else rows[-1]
+                plp = None
+                if params.prompt_logprobs is not None:
+                    plp = prompt_logprobs(rows, prompt, params.prompt_logprobs)
+                del rows
+                if budget.max_new == 0:
+                    yield StepOutput(-1, "", finish_reason="length", prompt_logprobs=plp)
+                    return
+                constraint = params.constraint
                 for step in range(budget.max_new):
                     if abort is not None and abort.is_set():
                         yield StepOutput(token_id=-1, text="", finish_reason="abort")
@@ -171,20 +188,23 @@ class LLM:
                     res = sampler.sample(logits, history)
                     tok = res.token_id
                     history.append(tok)
+                    finish = None
                     if tok in budget.stop_ids:
-                        yield StepOutput(tok, _drain(detok, stops)[0], res.logprob,
-                                         res.top_logprobs, "stop")
+                        text, finish = _drain(detok, stops)[0], "stop"
+                    else:
+                        text, stopped = stops.push(detok.push(tok))
+                        if stopped:
+                            finish = "stop"
+                        elif constraint is not None and constraint.is_finished():
+                            tail, _ = _drain(detok, stops)  # the grammar is complete
+                            text, finish = text + tail, "stop"
+                        elif step == budget.max_new - 1:
+                            tail, stopped = _drain(detok, stops)
+                            text, finish = text + tail, "stop" if stopped else "length"
+                    yield StepOutput(tok, text, res.logprob, res.top_logprobs, finish, plp)
+                    plp = None
+                    if finish is not None:
                         return
-                    emit, stopped = stops.push(detok.push(tok))
-                    if not stopped and step == budget.max_new - 1:
-                        tail, stopped = _drain(detok, stops)
-                        yield StepOutput(tok, emit + tail, res.logprob, res.top_logprobs,
-                                         "stop" if stopped else "length")
-                        return
-                    if stopped:
-                        yield StepOutput(tok, emit, res.logprob, res.top_logprobs, "stop")
-                        return
-                    yield StepOutput(tok, emit, res.logprob, res.top_logprobs, None)
                     pos = len(history) - 1
                     logits = self.model.forward(
                         np.asarray([tok], dtype=np.int32),
