@@ -20,7 +20,14 @@ from fastapi import Request
 
 from app.errors import APIError
 from app.state import ServerState, unavailable
-from app.worker import EngineUnavailableError, Job, Output, QueueFullError, Sequence
+from app.worker import (
+    EngineUnavailableError,
+    Job,
+    Output,
+    PromptToken,
+    QueueFullError,
+    Sequence,
+)
 from engine import ContextLengthError, SamplingParamError
 
 log = logging.getLogger("colibri.app")
@@ -40,6 +47,7 @@ class Choice:
     n_tokens: int = 0
     finish_reason: str | None = None
     logprob_outputs: list[Output] = field(default_factory=list)
+    prompt: list[PromptToken] | None = None  # echo with logprobs: the prompt's tokens
 
     @property
     def text(self) -> str:
@@ -55,19 +63,23 @@ def now() -> int:
     return int(time.time())
 
 
-def max_tokens_for(state: ServerState, n_prompt: int, requested: int | None, param: str) -> int:
-    """The completion budget: requested, or what is left of the context; 400 if it cannot fit."""
+def max_tokens_for(state: ServerState, n_prompt: int, requested: int | None, param: str,
+                   note: str = "") -> int:
+    """The completion budget: requested, or what is left of the context; 400 if it cannot fit.
+    note: appended to the error (e.g. that tool definitions are part of the prompt)."""
     n_ctx = int(state.llm.n_ctx)
+    if requested == 0 and n_prompt <= n_ctx:
+        return 0  # scoring the prompt only
     if n_prompt >= n_ctx:
         raise APIError(400, f"This model's maximum context length is {n_ctx} tokens, and the "
-                       f"prompt has {n_prompt} tokens.", param, "context_length_exceeded")
+                       f"prompt has {n_prompt} tokens.{note}", param, "context_length_exceeded")
     if requested is None:
         return n_ctx - n_prompt
     if n_prompt + requested > n_ctx:
         raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, "
                        f"you requested {n_prompt + requested} tokens ({n_prompt} in the prompt, "
                        f"{requested} for the completion). Please reduce the prompt or "
-                       "max_tokens.", param, "context_length_exceeded")
+                       f"max_tokens.{note}", param, "context_length_exceeded")
     return requested
 
 
@@ -149,10 +161,13 @@ def add_output(choice: Choice, out: Output, state: ServerState) -> None:
     """Fold one engine step into its choice."""
     step = out.step
     choice.parts.append(step.text)
-    choice.n_tokens += 1
+    if step.token_id >= 0:
+        choice.n_tokens += 1
+    if out.prompt is not None:
+        choice.prompt = out.prompt
     if step.finish_reason is not None:
         choice.finish_reason = step.finish_reason
-    if out.token is not None and not is_eos_stop(out, state):
+    if out.token is not None and step.token_id >= 0 and not is_eos_stop(out, state):
         choice.logprob_outputs.append(out)
 
 
@@ -179,9 +194,23 @@ def chat_logprob_entries(outputs: list[Output]) -> list[dict[str, Any]]:
     return entries
 
 
-def completion_logprobs(outputs: list[Output], k: int, offset: int) -> dict[str, Any]:
-    """Legacy completions format: parallel lists tokens / token_logprobs / top / offsets."""
-    tokens, lps, tops, offsets = [], [], [], []
+def completion_logprobs(outputs: list[Output], k: int, offset: int,
+                        prompt: list[PromptToken] | None = None) -> dict[str, Any]:
+    """Legacy completions format: parallel lists tokens / token_logprobs / top / offsets;
+    with prompt (echo), the prompt's tokens come first (the first has no logprob)."""
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for p in prompt or []:
+        tokens.append(p.token.text)
+        lps.append(p.logprob)
+        offsets.append(offset)
+        offset += len(p.token.text)
+        if p.logprob is None:
+            tops.append(None)
+        else:
+            tops.append({t.text: lp for t, lp in p.top} if k > 0 else None)
     for out in outputs:
         assert out.token is not None
         tokens.append(out.token.text)

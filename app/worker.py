@@ -52,6 +52,15 @@ class TokenInfo:
 
 
 @dataclass
+class PromptToken:
+    """A prompt token with its logprob (None for the first) and the top alternatives."""
+
+    token: TokenInfo
+    logprob: float | None
+    top: list[tuple[TokenInfo, float]]
+
+
+@dataclass
 class Output:
     """One engine step of one sequence, as the event loop receives it."""
 
@@ -59,6 +68,7 @@ class Output:
     step: StepOutput
     token: TokenInfo | None = None
     top: list[tuple[TokenInfo, float]] | None = None
+    prompt: list[PromptToken] | None = None  # on the first output, with prompt logprobs
 
 
 @dataclass(eq=False)  # identity semantics: jobs live in a set
@@ -232,16 +242,19 @@ class EngineWorker:
             last = None
             try:
                 for step in steps:
-                    if step.token_id < 0 or step.finish_reason == "abort":
+                    if step.finish_reason == "abort":
+                        return
+                    if step.token_id < 0 and step.prompt_logprobs is None:
                         return
                     now = time.perf_counter()
-                    self._metrics.add_token(
-                        None if last is None else now - last,
-                        now - job.arrival if first else None,
-                    )
-                    first = False
-                    last = now
-                    self._post(job, self._output(job, index, step))
+                    if step.token_id >= 0:
+                        self._metrics.add_token(
+                            None if last is None else now - last,
+                            now - job.arrival if first else None,
+                        )
+                        first = False
+                        last = now
+                    self._post(job, self._output(job, index, step, seq.prompt_ids))
                     if step.finish_reason is not None or job.abort.is_set():
                         break
             finally:
@@ -249,13 +262,20 @@ class EngineWorker:
                 if close is not None:
                     close()  # frees the sequence's state now, not at garbage collection
 
-    def _output(self, job: Job, index: int, step: StepOutput) -> Output:
+    def _output(self, job: Job, index: int, step: StepOutput, prompt_ids: list[int]) -> Output:
         if not job.want_token_text:
             return Output(index, step)
         top = None
         if step.top_logprobs is not None:
             top = [(self._token_info(t), lp) for t, lp in step.top_logprobs]
-        return Output(index, step, self._token_info(step.token_id), top)
+        prompt = None
+        if step.prompt_logprobs is not None:
+            prompt = [PromptToken(self._token_info(t), None if e is None else e[0],
+                                  [] if e is None else
+                                  [(self._token_info(a), lp) for a, lp in e[1]])
+                      for t, e in zip(prompt_ids, step.prompt_logprobs, strict=True)]
+        token = self._token_info(step.token_id) if step.token_id >= 0 else None
+        return Output(index, step, token, top, prompt)
 
     def _token_info(self, token_id: int) -> TokenInfo:
         info = self._token_cache.get(token_id)

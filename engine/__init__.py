@@ -19,6 +19,16 @@ _EXPORTS = {
     "SamplingParams": "engine.sampling",
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
+    "ConstraintCompiler": "engine.constraints",
+    "ConstraintError": "engine.constraints",
+    "ConstraintSpec": "engine.constraints",
+    "ToolCall": "engine.toolcalls",
+    "ToolCallParser": "engine.toolcalls",
+    "template_tools": "engine.toolcalls",
+    "forced_calls_schema": "engine.toolcalls",
+    "forced_calls": "engine.toolcalls",
+    "generic_preamble": "engine.toolcalls",
+    "history_call_text": "engine.toolcalls",
     "convert": "engine.convert",
     "ensure_converted": "engine.convert",
     "cli_main": "engine.cli",
@@ -26,6 +36,16 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "ConstraintCompiler",
+    "ConstraintError",
+    "ConstraintSpec",
+    "ToolCall",
+    "ToolCallParser",
+    "forced_calls",
+    "forced_calls_schema",
+    "generic_preamble",
+    "history_call_text",
+    "template_tools",
     "ContextLengthError",
     "SamplingParamError",
     "SamplingParams",
@@ -40,10 +60,20 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
+    from engine.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
     from engine.convert import convert, ensure_converted
     from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
     from engine.sampling import SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
+    from engine.toolcalls import (
+        ToolCall,
+        ToolCallParser,
+        forced_calls,
+        forced_calls_schema,
+        generic_preamble,
+        history_call_text,
+        template_tools,
+    )
 
 
 def __getattr__(name: str) -> Any:
