@@ -6,9 +6,10 @@ it into a per-request `Constraint` bound to the model's tokenizer. The sampler c
 `accept(token)` after each sampled token. The end-of-sequence token is allowed exactly when
 the grammar accepts; `is_finished()` turns true once the grammar admits no further text.
 Grammars are validated and compiled once per spec and cached; each request gets its own
-matcher state. Given the request's token budget, the last `reserve` tokens steer the output to
-a short completion (closing quotes and brackets first), so that output cut by max_tokens
-still parses whenever the grammar can be closed in that many tokens. Refuses
+matcher state. Given the request's token budget, a constraint looks ahead near the end: once
+the greedy way to close the grammar (quotes and brackets first) needs nearly all the tokens
+left, it follows that way, so output that would be cut by max_tokens still parses (a
+pattern that this path cannot complete may still be cut: finish_reason "length"). Refuses
 (ConstraintError, naming the feature) what the library cannot compile.
 """
 
@@ -34,11 +35,44 @@ _JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 _CACHE_SIZE = 256
+# Closing look-ahead: checked in the last _LOOKAHEAD tokens of a budget, with a margin.
+_LOOKAHEAD = 96
+_CLOSING_MARGIN = 6
 MAX_SPEC_CHARS = 200_000
 
 # One background thread computes the next mask while the forward pass runs (llguidance
 # releases the GIL while it computes); apply() waits for it.
 _mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-mask")
+
+
+# Formats rewritten to patterns before compiling: the grammar engine's own date-time accepts
+# second 60 and the 31st of every month, which strict validators (RFC 3339) reject. These
+# allow exactly the dates every month has (February up to the 28th) and seconds 00-59.
+_DAY = (r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+        r"|02-(0[1-9]|1[0-9]|2[0-8]))")
+_TIME = (r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?"
+         r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])")
+_FORMAT_PATTERNS = {
+    "date-time": rf"^[0-9]{{4}}-{_DAY}T{_TIME}$",
+    "date": rf"^[0-9]{{4}}-{_DAY}$",
+    "time": rf"^{_TIME}$",
+}
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _strict_formats(node: Any) -> Any:
+    """A copy of a schema with the formats above turned into patterns (when no pattern is
+    given); data keywords (enum, const, default, examples) are left alone."""
+    if isinstance(node, list):
+        return [_strict_formats(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in _DATA_KEYS else _strict_formats(v)) for k, v in node.items()}
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt in _FORMAT_PATTERNS and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = _FORMAT_PATTERNS[fmt]
+    return out
 
 
 class ConstraintError(ValueError):
@@ -78,7 +112,7 @@ class Constraint:
         self._m = matcher
         self._max_tokens = max_tokens
         self._closing = closing
-        self.reserve = 0 if max_tokens is None else max(4, min(64, max_tokens // 4))
+        self._closing_mode = False
         self._n = int(n_vocab)
         self._words = (self._n + 31) // 32
         self._bitmask = np.full(self._words, -1, dtype=np.int32)
@@ -121,10 +155,35 @@ class Constraint:
             np.add(logits, self._closing, out=logits, where=allowed)
 
     def closing_now(self) -> bool:
-        """True in the last `reserve` tokens of the budget (see the module docstring)."""
-        if self._max_tokens is None or self._closing is None:
-            return False
-        return self._max_tokens - self.n_accepted <= self.reserve
+        """True once the rest of the budget is needed to close the grammar (then for good)."""
+        if self._closing_mode or self._max_tokens is None or self._closing is None:
+            return self._closing_mode
+        left = self._max_tokens - self.n_accepted
+        if left <= _LOOKAHEAD:
+            # A sampled token can deepen the structure by a few tokens: keep a margin. A
+            # greedy path that does not close at all (a pattern the preference cannot
+            # complete) is not taken: the model's own choices are the better bet then.
+            cost = self._closing_cost(left)
+            self._closing_mode = cost < left and cost + _CLOSING_MARGIN >= left
+        return self._closing_mode
+
+    def _closing_cost(self, limit: int) -> int:
+        """Tokens the greedy closing path needs from the current state (limit if more)."""
+        self._wait()
+        assert self._closing is not None
+        m = self._m.deep_copy()
+        bitmask = np.empty(self._words, dtype=np.int32)
+        for k in range(limit):
+            if m.is_stopped():
+                return k
+            if m.is_accepting():
+                return k + 1  # the end-of-sequence token
+            m.unsafe_compute_mask_ptr(bitmask.ctypes.data, self._words * 4)
+            bits = np.unpackbits(bitmask.view(np.uint8), count=self._n, bitorder="little")
+            if not bits.any() or not m.consume_token(
+                    int(np.argmax(np.where(bits != 0, self._closing, -np.inf)))):
+                return limit
+        return limit
 
     def accept(self, token_id: int) -> None:
         """Advance the grammar by one sampled token (which apply() allowed)."""
@@ -157,6 +216,7 @@ class Constraint:
         c = Constraint(self._m.deep_copy(), self._n, self._overlap, self._max_tokens,
                        self._closing)
         c._finished = self._finished
+        c._closing_mode = self._closing_mode
         c.n_accepted = self.n_accepted
         return c
 
@@ -177,16 +237,24 @@ class ConstraintCompiler:
         self._eos = list(eos_token_ids)
 
     def closing_scores(self) -> np.ndarray:
-        """Per-token preference used near the end of the budget (built once): end of sequence
-        first, then tokens made only of closing characters, then longer tokens (forced text
-        such as keys and enum values is covered in fewer steps)."""
+        """Per-token preference of the closing path (built once). In order: end of sequence;
+        a closing quote, with any closing brackets after it (inside a string only a quote
+        ends it); '@' and then brackets alone (an e-mail address needs its '@' before its
+        closing quote); '.'; then longer tokens (forced text such as keys and enum values
+        is covered in fewer steps)."""
         if self._closing is None:
             scores = np.zeros(self.n_vocab, dtype=np.float32)
-            closers = set(b'"}]')
+            brackets = set(b"}]")
             for i in range(min(self.n_vocab, self._tok.vocab_size)):
                 raw = self._tok.decode_bytes([i])
-                if raw and all(b in closers for b in raw):
-                    scores[i] = 1e6 + 1e3 * len(raw)
+                if raw[:1] == b'"' and all(b in brackets for b in raw[1:]):
+                    scores[i] = 5e6 + 1e3 * len(raw)
+                elif raw == b"@":
+                    scores[i] = 4e6
+                elif raw and all(b in brackets for b in raw):
+                    scores[i] = 3e6 + 1e3 * len(raw)
+                elif raw == b".":
+                    scores[i] = 2e6
                 else:
                     scores[i] = 1e5 + 10.0 * min(len(raw), 64)
             for t in self._eos:
@@ -219,7 +287,8 @@ class ConstraintCompiler:
             if not isinstance(schema, dict):
                 raise ConstraintError("the JSON schema must be an object", spec.param)
             try:
-                return M.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+                return M.grammar_from_json_schema(_strict_formats(schema),
+                                                  overrides=_JSON_OPTIONS)
             except (ValueError, TypeError) as exc:
                 raise ConstraintError(f"the JSON schema cannot be compiled: {exc}",
                                       spec.param) from None
