@@ -212,8 +212,8 @@ class ToolCallParser:
     """Splits streamed model text into content deltas and tool calls (tool_choice "auto").
 
     Content is released as it comes, except the tail that could start a call marker; text
-    after a marker, and a reply that opens with '{', '[' or a ``` fence, is held until it can be
-    parsed (then it is either calls or, when it does not parse, content after all).
+    after a marker, and a whole reply that opens with '{', '[' or a ``` fence, is held until it
+    can be parsed (then it is either calls or, when it does not parse, content after all).
     """
 
     def __init__(self, family: str, names: set[str]) -> None:
@@ -236,10 +236,7 @@ class ToolCallParser:
             else:
                 self._mode = "content"
         if self._mode == "held":
-            if self.marker and self.marker in self._buf:
-                self._mode = "content"  # a marker after all: handled below
-            else:
-                return "", []
+            return "", []
         if self._mode == "content":
             return self._scan_content()
         return "", self._scan_calls()
@@ -284,6 +281,13 @@ class ToolCallParser:
             if calls is not None:
                 self.calls += calls
                 return "", calls
+            if self.marker and self.marker in buf:  # not the generic form: read it as text
+                again = ToolCallParser(self.family, self.names)
+                again._mode = "content"
+                content, calls = again.push(buf)
+                tail, more = again.finish()
+                self.calls += calls + more
+                return content + tail, calls + more
             return buf, []
         if self._mode == "content":
             return buf, []
