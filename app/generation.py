@@ -134,7 +134,7 @@ async def race_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
 
 
 async def collect(state: ServerState, request: Request, job: Job, n_choices: int,
-                  param: str) -> list[Choice]:
+                  param: str, keep_eos: bool = False) -> list[Choice]:
     """Run the job to the end (non-streaming); the job is cancelled if the client leaves."""
     choices = [Choice(i) for i in range(n_choices)]
 
@@ -142,7 +142,7 @@ async def collect(state: ServerState, request: Request, job: Job, n_choices: int
         outputs = state.worker.outputs(job)
         try:
             async for out in outputs:
-                add_output(choices[out.index], out, state)
+                add_output(choices[out.index], out, state, keep_eos)
         finally:
             await outputs.aclose()
 
@@ -157,8 +157,9 @@ async def collect(state: ServerState, request: Request, job: Job, n_choices: int
     return choices
 
 
-def add_output(choice: Choice, out: Output, state: ServerState) -> None:
-    """Fold one engine step into its choice."""
+def add_output(choice: Choice, out: Output, state: ServerState, keep_eos: bool = False) -> None:
+    """Fold one engine step into its choice. keep_eos: the end-of-sequence token that ended
+    it gets a logprobs entry too (echoed completions: scorers count one entry per token)."""
     step = out.step
     choice.parts.append(step.text)
     if step.token_id >= 0:
@@ -167,7 +168,7 @@ def add_output(choice: Choice, out: Output, state: ServerState) -> None:
         choice.prompt = out.prompt
     if step.finish_reason is not None:
         choice.finish_reason = step.finish_reason
-    if out.token is not None and step.token_id >= 0 and not is_eos_stop(out, state):
+    if out.token is not None and step.token_id >= 0 and (keep_eos or not is_eos_stop(out, state)):
         choice.logprob_outputs.append(out)
 
 

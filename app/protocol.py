@@ -132,7 +132,8 @@ class _Sampling(_Model):
         # OpenAI's SDK and front ends send `"temperature": null` for "not set"
         if isinstance(data, dict):
             for key in ("temperature", "top_p", "n", "frequency_penalty", "presence_penalty",
-                        "stream", "top_k", "min_p", "repetition_penalty", "ignore_eos"):
+                        "stream", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+                        "parallel_tool_calls"):
                 if key in data and data[key] is None:
                     del data[key]
         return data

@@ -73,7 +73,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     n_prompt = sum(len(ids) for ids, _ in prompts)
     meta = {"id": new_id("cmpl"), "created": now(), "model": model}
     if not body.stream:
-        choices = await collect(state, request, job, len(sequences), "prompt")
+        choices = await collect(state, request, job, len(sequences), "prompt", body.echo)
         return _response(meta, choices, n_prompt, body, echoes)
     first, outputs = await first_output(state, request, job, "prompt")
     return sse_response(state, _stream(state, body, meta, n_prompt, len(sequences), echoes,
@@ -126,7 +126,7 @@ async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, A
                     break
             choice = choices[out.index]
             before = len(choice.logprob_outputs)
-            add_output(choice, out, state)
+            add_output(choice, out, state, body.echo)
             if echo_late and echoes and out.prompt is not None:
                 assert body.logprobs is not None
                 lp_prompt = completion_logprobs([], body.logprobs, 0, out.prompt)
