@@ -189,3 +189,24 @@ def test_prompt_logprobs_equal_log_softmax_of_logits(llm: LLM) -> None:
                                                            ignore_eos=True)))
     assert outs[0].prompt_logprobs is not None and outs[1].prompt_logprobs is None
     assert [o.token_id for o in outs] == llm.generate_ids(prompt, 3, ignore_eos=True)
+
+
+def test_logprobs_are_of_the_masked_distribution(llm: LLM, compiler: ConstraintCompiler) -> None:
+    prompt = llm.tokenizer.encode("ROMEO.\n", add_special_tokens=True)
+    c = compiler.compile(ConstraintSpec("regex", "(yes|no)"))
+    outs = list(llm.generate_tokens(prompt, SamplingParams(max_tokens=8, temperature=0.0,
+                                                           logprobs=5, constraint=c)))
+    text = "".join(o.text for o in outs)
+    assert text in ("yes", "no")
+    first = outs[0]
+    assert first.top_logprobs is not None and first.logprob is not None
+    assert first.top_logprobs[0][0] == first.token_id  # greedy: the best allowed token
+    for tok, lp in first.top_logprobs:
+        assert np.isfinite(lp)
+        piece = llm.tokenizer.decode([tok])
+        assert "yes".startswith(piece) or "no".startswith(piece), piece
+    # renormalised over the allowed tokens: they hold all the probability
+    allowed = int(compiler.compile(ConstraintSpec("regex", "(yes|no)")).mask().sum())
+    assert len(first.top_logprobs) == min(5, allowed)
+    if allowed <= 5:
+        assert sum(np.exp(lp) for _, lp in first.top_logprobs) == pytest.approx(1.0, abs=1e-6)

@@ -121,3 +121,21 @@ def test_prompt_scoring_with_max_tokens_0(server: SubprocessServer) -> None:
         "temperature": 0, "ignore_eos": True})
     lp = r.json()["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(ids) + 3
+
+
+def test_streamed_echo_with_logprobs(server: SubprocessServer) -> None:
+    body = {"model": MODEL, "prompt": "ROMEO.\nBut soft", "max_tokens": 2, "echo": True,
+            "logprobs": 1, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    tokens: list[str] = []
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                text += c["text"]
+                if c["logprobs"]:
+                    tokens += c["logprobs"]["tokens"]
+    ref = whole["choices"][0]
+    assert text == ref["text"] and tokens == ref["logprobs"]["tokens"]
