@@ -30,6 +30,15 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--n-ctx", dict(type=int, help="context length (default: the model's)")),
     ("--quant", dict(help="precision when converting a Hugging Face folder (q8, q4, f16)")),
     ("--max-queue", dict(type=int, help="requests that may wait for the engine (default 16)")),
+    ("--max-num-seqs", dict(type=int, help="sequences generated together (default 16)")),
+    ("--max-num-batched-tokens", dict(type=int,
+                                      help="tokens per engine step, prompt chunks included "
+                                           "(default 256)")),
+    ("--kv-cache-mb", dict(type=float, help="KV cache pool in MB (default: room for "
+                                            "max-num-seqs full contexts, at most a quarter "
+                                            "of free memory)")),
+    ("--kv-cache-type", dict(choices=["f32", "f16", "q8"], help="KV element type "
+                                                                 "(default f16)")),
     ("--max-n", dict(type=int, help="largest n per request (default 8)")),
     ("--max-body-bytes", dict(type=int, help="largest request body (default 1 MiB)")),
     ("--cors-origins", dict(nargs="+", help="origins allowed by CORS (default: none)")),
@@ -49,6 +58,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--allow-client-chat-template", action="store_true",
                         default=argparse.SUPPRESS,
                         help="let requests send their own chat template (sandboxed)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        default=argparse.SUPPRESS,
+                        help="do not reuse the KV blocks of prompt prefixes across requests")
     parser.add_argument("--env-file", default=".env", help="settings file (default .env)")
     parser.set_defaults(handler=serve_main)
     return parser

@@ -45,6 +45,7 @@ class Choice:
     index: int
     parts: list[str] = field(default_factory=list)
     n_tokens: int = 0
+    n_cached: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None
     logprob_outputs: list[Output] = field(default_factory=list)
     prompt: list[PromptToken] | None = None  # echo with logprobs: the prompt's tokens
@@ -164,6 +165,7 @@ def add_output(choice: Choice, out: Output, state: ServerState, keep_eos: bool =
     choice.parts.append(step.text)
     if step.token_id >= 0:
         choice.n_tokens += 1
+    choice.n_cached = max(choice.n_cached, step.n_cached_tokens)
     if out.prompt is not None:
         choice.prompt = out.prompt
     if step.finish_reason is not None:
@@ -178,9 +180,14 @@ def is_eos_stop(out: Output, state: ServerState) -> bool:
             and out.step.token_id in state.llm.tokenizer.eos_token_ids)
 
 
-def usage(n_prompt: int, n_completion: int) -> dict[str, int]:
+def usage(n_prompt: int, choices: list[Choice]) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache (the
+    first choice's: later choices of a prompt share its prefill)."""
+    n_completion = sum(c.n_tokens for c in choices)
+    cached = choices[0].n_cached if choices else 0
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-            "total_tokens": n_prompt + n_completion}
+            "total_tokens": n_prompt + n_completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # -- logprobs formats ------------------------------------------------------------------------

@@ -6,6 +6,8 @@ Every field here is documented in `.env.example`; the defaults are the safe ones
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -23,6 +25,13 @@ class Settings(BaseSettings):
     quant: str = Field("q8", description="precision when converting a Hugging Face folder")
     threads: int | None = Field(None, ge=1, description="compute threads; None = all cores")
     n_ctx: int | None = Field(None, ge=16, description="context length; None = model default")
+
+    # -- batching and KV cache --------------------------------------------------------
+    max_num_seqs: int = Field(16, ge=1, le=256, description="sequences in one batch")
+    max_num_batched_tokens: int = Field(256, ge=16, description="tokens in one step")
+    kv_cache_mb: float | None = Field(None, gt=0, description="KV pool; None = from memory")
+    kv_cache_type: Literal["f32", "f16", "q8"] = Field("f16", description="KV element type")
+    prefix_cache: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
 
     # -- network ----------------------------------------------------------------------
     host: str = "127.0.0.1"

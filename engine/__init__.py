@@ -14,9 +14,15 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "engine.llm",
     "StepOutput": "engine.llm",
-    "ContextLengthError": "engine.llm",
+    "ContextLengthError": "engine.core.engine",
     "default_model_path": "engine.llm",
     "SamplingParams": "engine.sampling",
+    "AsyncEngine": "engine.core.async_engine",
+    "AsyncEngineConfig": "engine.core.async_engine",
+    "EngineUnavailableError": "engine.core.async_engine",
+    "QueueFullError": "engine.core.async_engine",
+    "RequestOutput": "engine.core.request",
+    "EngineConfig": "engine.core.loader",
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
     "ConstraintCompiler": "engine.constraints",
@@ -46,6 +52,12 @@ __all__ = [
     "generic_preamble",
     "history_call_text",
     "template_tools",
+    "AsyncEngine",
+    "AsyncEngineConfig",
+    "EngineConfig",
+    "EngineUnavailableError",
+    "QueueFullError",
+    "RequestOutput",
     "ContextLengthError",
     "SamplingParamError",
     "SamplingParams",
@@ -62,7 +74,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
     from engine.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
     from engine.convert import convert, ensure_converted
-    from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
+    from engine.core.async_engine import (
+        AsyncEngine,
+        AsyncEngineConfig,
+        EngineUnavailableError,
+        QueueFullError,
+    )
+    from engine.core.engine import ContextLengthError
+    from engine.core.loader import EngineConfig
+    from engine.core.request import RequestOutput
+    from engine.llm import LLM, StepOutput, default_model_path
     from engine.sampling import SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
     from engine.toolcalls import (

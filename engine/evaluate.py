@@ -149,6 +149,8 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="score only the first N tokens of the text")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--kv-cache-type", choices=("f32", "f16", "q8"), default="f16",
+                   help="KV cache element type (default f16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -163,6 +165,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 def eval_main(args: argparse.Namespace) -> int:
     """Run `colibri eval`: print the token count and a final line `perplexity: N`."""
+    from engine.core.loader import EngineConfig
     from engine.llm import LLM
 
     if args.ctx < 2:
@@ -178,7 +181,8 @@ def eval_main(args: argparse.Namespace) -> int:
             raise ValueError(str(e)) from e
     if not text.strip():
         raise ValueError("the text to score is empty")
-    llm = LLM(args.model, threads=args.threads, n_ctx=args.ctx, quant=args.quant)
+    config = EngineConfig(kv_cache_type=args.kv_cache_type, max_num_seqs=1)
+    llm = LLM(args.model, threads=args.threads, n_ctx=args.ctx, quant=args.quant, config=config)
     window = min(args.ctx, llm.n_ctx)
     ids = llm.tokenizer.encode(text)
     if args.max_tokens is not None:

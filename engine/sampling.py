@@ -6,9 +6,10 @@ temperature == 0, else temperature -> top_k -> top_p -> min_p -> draw. Logprobs 
 log-softmax of the logits after bias and penalties, before temperature and filtering: they
 describe the model's (adjusted) distribution, not the truncated one that was sampled from, so
 they are comparable across temperatures and finite for every token. A request's
-`constraint` (engine.constraints) masks the adjusted logits before anything else looks at them:
-disallowed tokens get -inf, so the logprobs reported are those of the masked distribution
-(tokens the grammar forbids have none and never appear among the top logprobs).
+`constraint` (engine.constraints) is applied by the batched sampler (engine.sample.batch) to
+the adjusted logits before anything else looks at them: disallowed tokens get -inf, so the
+logprobs reported are those of the masked distribution (tokens the grammar forbids have none
+and never appear among the top logprobs); the engine calls its accept() after each token.
 Guarantees: the same seed and logits give the same tokens; no Python loop over the vocabulary;
 penalty counts are kept incrementally. Refuses: parameters outside the documented ranges.
 """
@@ -243,8 +244,6 @@ class Sampler:
         """Choose the next token from logits [vocab] given prompt + generated ids so far."""
         p = self.params
         x = self.adjusted_logits(logits, history)
-        if p.constraint is not None:
-            p.constraint.apply(x)
         logp = _log_softmax(x)
         if p.temperature == 0.0:
             token = int(np.argmax(x))  # first maximum: ties go to the lowest id
@@ -254,9 +253,7 @@ class Sampler:
         if p.logprobs is not None:
             k = min(p.logprobs, self.vocab_size)
             idx = _top_indices(logp, k) if k > 0 else np.empty(0, dtype=np.int64)
-            top = [(int(i), float(logp[i])) for i in idx if logp[i] > -np.inf]
-        if p.constraint is not None:
-            p.constraint.accept(token)
+            top = [(int(i), float(logp[i])) for i in idx]
         return SampleResult(token, float(logp[token]), top)
 
     def _draw(self, x: np.ndarray) -> int:

@@ -115,7 +115,7 @@ def _response(meta: dict[str, Any], plan: ChatPlan, choices: list[Choice], n_pro
             "finish_reason": finish,
         })
     return {**meta, "object": "chat.completion", "system_fingerprint": None, "choices": out,
-            "usage": usage(n_prompt, sum(c.n_tokens for c in choices))}
+            "usage": usage(n_prompt, choices)}
 
 
 class _ChoiceStream:
@@ -223,8 +223,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, plan: ChatPla
                 yield chunk(out.index, {}, reason)
         if include_usage:
             yield json.dumps({**base, "choices": [],
-                              "usage": usage(len(plan.prompt),
-                                             sum(c.n_tokens for c in choices))})
+                              "usage": usage(len(plan.prompt), choices)})
         yield "[DONE]"
     finally:
         await outputs.aclose()
