@@ -7,6 +7,8 @@ constraint work of the step (apply + accept for the 8 rows) in three ways: the m
 when apply() needs them (no overlap), computed in the background right after accept() so
 they overlap the next forward pass (what Colibri does), and llguidance's parallel batch fill
 (LLExecutor) for comparison. Sampling is greedy so every variant follows the same tokens.
+Then the same through the step engine itself (LLM.generate_batch: scheduler, paged KV,
+batched sampler): per step, the time outside the forward pass with and without constraints.
 
     python scripts/bench_constraints.py [--model DIR] [--steps 64] [--threads N] [--json out]
 """
@@ -105,6 +107,35 @@ def run(model: Model, tok: Tokenizer, comp: ConstraintCompiler, steps: int, vari
             "share": statistics.median(mask) / statistics.median(fwd)}
 
 
+def run_engine(source: Path | None, quant: str, threads: int | None, steps: int
+               ) -> dict[str, Any]:
+    """Per-step time outside the forward pass in the step engine, constrained or not."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(source, threads=threads, quant=quant)
+    comp = ConstraintCompiler.for_tokenizer(llm.tokenizer, llm.vocab_size)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Order {i}"}])
+               for i in range(BATCH)]
+    res: dict[str, Any] = {}
+    for label in ("plain", "constrained"):
+        params = [SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True,
+                                 constraint=(comp.compile(ConstraintSpec("json_schema", SCHEMA),
+                                                          max_tokens=1024)
+                                             if label == "constrained" else None))
+                  for _ in range(BATCH)]
+        st = llm.core.stats
+        n0, s0, f0 = st.n_steps, st.step_time_s, st.forward_time_s
+        outs = llm.generate_batch(prompts, params)
+        n = st.n_steps - n0
+        res[label] = {"steps": n, "tokens": sum(len(o) for o in outs),
+                      "step_ms": (st.step_time_s - s0) / n * 1e3,
+                      "outside_forward_ms": ((st.step_time_s - s0) - (st.forward_time_s - f0))
+                      / n * 1e3}
+    c, p = res["constrained"], res["plain"]
+    res["constraint_share"] = (c["outside_forward_ms"] - p["outside_forward_ms"]) / c["step_ms"]
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="Hugging Face or Colibri folder")
@@ -126,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(f"{variant:11} steps {r['steps']:3d}  forward {r['forward_ms']:7.3f} ms  "
                   f"constraints {r['constraint_ms']:6.3f} ms  share {100 * r['share']:5.1f}%")
+    for _ in range(args.repeat):
+        e = run_engine(args.model, args.quant, args.threads, args.steps)
+        rows.append({"variant": "engine", **e})
+        c, p = e["constrained"], e["plain"]
+        print(f"engine      steps {c['steps']:3d}  step {c['step_ms']:7.3f} ms  outside forward: "
+              f"constrained {c['outside_forward_ms']:6.3f} ms, plain {p['outside_forward_ms']:6.3f}"
+              f" ms  constraint share {100 * e['constraint_share']:5.1f}%")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
