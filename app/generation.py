@@ -67,20 +67,26 @@ def now() -> int:
 def max_tokens_for(state: ServerState, n_prompt: int, requested: int | None, param: str,
                    note: str = "") -> int:
     """The completion budget: requested, or what is left of the context; 400 if it cannot fit.
-    note: appended to the error (e.g. that tool definitions are part of the prompt)."""
+    A KV cache smaller than the context caps a request at the cache's size. note: appended to
+    the error (e.g. that tool definitions are part of the prompt)."""
     n_ctx = int(state.llm.n_ctx)
-    if requested == 0 and n_prompt <= n_ctx:
+    cap = int(state.llm.core.max_request_tokens)
+    if cap < n_ctx:
+        limit = (f"This server's KV cache holds {cap} tokens per request (the model's context "
+                 f"is {n_ctx})")
+    else:
+        limit = f"This model's maximum context length is {n_ctx} tokens"
+    if requested == 0 and n_prompt < cap:
         return 0  # scoring the prompt only
-    if n_prompt >= n_ctx:
-        raise APIError(400, f"This model's maximum context length is {n_ctx} tokens, and the "
-                       f"prompt has {n_prompt} tokens.{note}", param, "context_length_exceeded")
+    if n_prompt >= cap:
+        raise APIError(400, f"{limit}, and the prompt has {n_prompt} tokens.{note}", param,
+                       "context_length_exceeded")
     if requested is None:
-        return n_ctx - n_prompt
-    if n_prompt + requested > n_ctx:
-        raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, "
-                       f"you requested {n_prompt + requested} tokens ({n_prompt} in the prompt, "
-                       f"{requested} for the completion). Please reduce the prompt or "
-                       f"max_tokens.{note}", param, "context_length_exceeded")
+        return cap - n_prompt
+    if n_prompt + requested > cap:
+        raise APIError(400, f"{limit}. However, you requested {n_prompt + requested} tokens "
+                       f"({n_prompt} in the prompt, {requested} for the completion). Please "
+                       f"reduce the prompt or max_tokens.{note}", param, "context_length_exceeded")
     return requested
 
 

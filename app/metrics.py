@@ -166,6 +166,11 @@ class Metrics:
             ("colibri_kv_cache_blocks_free", "gauge", "Free KV cache blocks.", "kv_free"),
             ("colibri_kv_cache_blocks_total", "gauge", "KV cache blocks in the pool.",
              "kv_total"),
+            ("colibri_engine_step_seconds_total", "counter",
+             "Time in engine steps (scheduling, forward pass, sampling, detokenizing).",
+             "step_s"),
+            ("colibri_engine_forward_seconds_total", "counter",
+             "Time in the forward pass (the C core) within engine steps.", "forward_s"),
         ]
         out: list[str] = []
         for name, kind, doc, key in rows:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine import DEFAULT_QUANT, QUANT_PRESETS
 
 
 class Settings(BaseSettings):
@@ -22,7 +24,9 @@ class Settings(BaseSettings):
     # -- model ------------------------------------------------------------------------
     model: str | None = Field(None, description="model folder; None = the bundled demo model")
     served_model_name: str | None = Field(None, description="name clients use; default: folder")
-    quant: str = Field("q8", description="precision when converting a Hugging Face folder")
+    accept_any_model: bool = Field(
+        False, description="answer requests whatever `model` they name (one model is served)")
+    quant: str = Field(DEFAULT_QUANT, description="precision when converting a HF folder")
     threads: int | None = Field(None, ge=1, description="compute threads; None = all cores")
     n_ctx: int | None = Field(None, ge=16, description="context length; None = model default")
 
@@ -55,6 +59,13 @@ class Settings(BaseSettings):
     # -- chat templates ---------------------------------------------------------------
     allow_client_chat_template: bool = False
     max_chat_template_chars: int = Field(32 << 10, ge=64)
+
+    @field_validator("quant")
+    @classmethod
+    def _known_quant(cls, v: str) -> str:
+        if v not in QUANT_PRESETS:
+            raise ValueError(f"quant must be one of {', '.join(QUANT_PRESETS)}")
+        return v
 
     def model_names(self, loaded_name: str) -> list[str]:
         """Names a request's `model` may use: the served name first."""

@@ -36,11 +36,16 @@ _EXPORTS = {
     "generic_preamble": "engine.toolcalls",
     "history_call_text": "engine.toolcalls",
     "convert": "engine.convert",
+    "DEFAULT_QUANT": "engine.convert",
+    "QUANT_PRESETS": "engine.convert",
+    "ModelError": "engine.modelcheck",
+    "check_model": "engine.modelcheck",
     "ensure_converted": "engine.convert",
     "cli_main": "engine.cli",
 }
 
 __all__ = [
+    "DEFAULT_QUANT",
     "LLM",
     "ConstraintCompiler",
     "ConstraintError",
@@ -59,11 +64,14 @@ __all__ = [
     "QueueFullError",
     "RequestOutput",
     "ContextLengthError",
+    "ModelError",
+    "QUANT_PRESETS",
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
     "Tokenizer",
     "__version__",
+    "check_model",
     "cli_main",
     "convert",
     "default_model_path",
@@ -73,7 +81,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
     from engine.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
-    from engine.convert import convert, ensure_converted
+    from engine.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.core.async_engine import (
         AsyncEngine,
         AsyncEngineConfig,
@@ -84,6 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.core.loader import EngineConfig
     from engine.core.request import RequestOutput
     from engine.llm import LLM, StepOutput, default_model_path
+    from engine.modelcheck import ModelError, check_model
     from engine.sampling import SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
     from engine.toolcalls import (

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.convert import DEFAULT_QUANT, PRESETS
+from engine.modelcheck import check_model
+
 LogitsFn = Callable[[list[int]], np.ndarray]
 
 DEMO_DATASET = "demo-validation"
@@ -136,8 +139,9 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of `colibri eval`."""
     p.add_argument("--model", default=None,
                    help="model folder (Hugging Face or Colibri; default: the bundled demo model)")
-    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q8",
-                   help="precision when a Hugging Face folder is converted (default q8)")
+    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
+                   help=f"precision when a Hugging Face folder is converted "
+                        f"(default {DEFAULT_QUANT})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", metavar="FILE", help="UTF-8 text file to score")
     src.add_argument("--dataset", choices=(DEMO_DATASET,),
@@ -170,6 +174,7 @@ def eval_main(args: argparse.Namespace) -> int:
 
     if args.ctx < 2:
         raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
+    check_model(args.model)
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     if args.text is not None:

@@ -317,7 +317,14 @@ def _refused(port: int) -> bool:
 
 
 def test_failed_load_exits_1(tmp_path: Path) -> None:
-    srv = SubprocessServer(tmp_path / "no-such-model", tmp_path)
+    # a missing folder is refused before start (exit 2, tests/test_cli_models.py); a folder
+    # whose weight file is garbage of the right size passes those checks and fails to load
+    from engine.convert import convert
+
+    model = convert(tiny_model(tmp_path / "hf"), tmp_path / "broken", progress=False)
+    victim = model / "embeddings.bin"
+    victim.write_bytes(b"\xff" * victim.stat().st_size)
+    srv = SubprocessServer(model, tmp_path)
     assert srv.proc.wait(60) == 1
     srv.stop()
-    assert "no-such-model" in srv.log()
+    assert "embeddings.bin" in srv.log()

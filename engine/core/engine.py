@@ -141,7 +141,8 @@ class EngineCore:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_usage": b.usage, "prefix_queries": b.prefix_queries,
                 "prefix_hits": b.prefix_hits, "preemptions": self.scheduler.n_preemptions,
-                "kv_free": b.n_free, "kv_total": b.n_blocks}
+                "kv_free": b.n_free, "kv_total": b.n_blocks,
+                "step_s": self.stats.step_time_s, "forward_s": self.stats.forward_time_s}
 
     @property
     def n_running(self) -> int:
