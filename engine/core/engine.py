@@ -188,6 +188,7 @@ class EngineCore:
         self.stats.forward_time_s += time.perf_counter() - tf
 
         outputs: list[RequestOutput] = []
+        failed: list[RequestOutput] = []
         to_sample: list[tuple[Request, np.ndarray]] = []
         row = at = 0
         for req, n in sched.items:
@@ -196,7 +197,12 @@ class EngineCore:
             row += n_rows
             c = req.num_computed
             if getattr(req.params, "prompt_logprobs", None) is not None and c < len(req.prompt):
-                self._gather_prompt_logprobs(req, c, min(n, len(req.prompt) - c), rows)
+                try:
+                    self._gather_prompt_logprobs(req, c, min(n, len(req.prompt) - c), rows)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed.append(self._fail(req, exc))
+                    at += n
+                    continue
             req.num_computed = c + n
             at += n
             self.blocks.commit(req.rid, req.tokens, req.num_computed)
@@ -214,7 +220,11 @@ class EngineCore:
                     outputs.append(self._fail(req, res.error))
                     continue
                 assert res.result is not None
-                outputs.append(self._advance(req, res.result))
+                try:
+                    outputs.append(self._advance(req, res.result))
+                except Exception as exc:  # noqa: BLE001 - detokenizing or a constraint failed
+                    outputs.append(self._fail(req, exc))
+        outputs += failed
         self.stats.n_steps += 1
         self.stats.n_step_tokens += n_tok
         self.stats.step_time_s += time.perf_counter() - t0
