@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from app.settings import Settings
 
@@ -100,6 +100,20 @@ class Completion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage
+
+
+class ResponseObject(BaseModel):
+    """The non-streamed answer of POST /v1/responses (OpenAI's Responses API object; its
+    output items are described by OpenAI's reference)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    output: list[dict[str, Any]]
 
 
 class ModelCard(BaseModel):

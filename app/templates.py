@@ -12,11 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from fastapi import Request
-
 from app.errors import APIError
-from app.generation import ClientGoneError, race_disconnect
-from app.state import ServerState
 
 
 def chat_prompt_ids(llm: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -33,18 +29,3 @@ def chat_prompt_ids(llm: Any, messages: list[dict[str, Any]], add_generation_pro
     except ValueError as exc:
         raise APIError(400, str(exc), getattr(exc, "param", None) or "messages") from None
 
-
-async def chat_prompt(state: ServerState, request: Request, llm: Any,
-                      messages: list[dict[str, Any]], add_generation_prompt: bool,
-                      client_template: str | None) -> list[int]:
-    """chat_prompt_ids on the tokenizer pool; a client template's render is stopped as soon
-    as the client disconnects (or after client_template_timeout_s)."""
-    cancel = threading.Event()
-    try:
-        return await race_disconnect(request, state.off_loop(
-            chat_prompt_ids, llm, messages, add_generation_prompt, client_template,
-            state.settings.client_template_timeout_s, cancel))
-    except ClientGoneError:
-        raise APIError(499, "client closed the request") from None
-    finally:
-        cancel.set()  # a render still running in the pool stops now

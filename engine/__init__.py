@@ -27,6 +27,16 @@ _EXPORTS = {
     "MIN_REPETITION_PENALTY": "engine.sampling",
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
+    "ConstraintCompiler": "engine.constraints",
+    "ConstraintError": "engine.constraints",
+    "ConstraintSpec": "engine.constraints",
+    "ToolCall": "engine.toolcalls",
+    "ToolCallParser": "engine.toolcalls",
+    "template_tools": "engine.toolcalls",
+    "forced_calls_schema": "engine.toolcalls",
+    "forced_calls": "engine.toolcalls",
+    "generic_preamble": "engine.toolcalls",
+    "history_call_text": "engine.toolcalls",
     "convert": "engine.convert",
     "DEFAULT_QUANT": "engine.convert",
     "QUANT_PRESETS": "engine.convert",
@@ -40,6 +50,16 @@ __all__ = [
     "DEFAULT_QUANT",
     "LLM",
     "MIN_REPETITION_PENALTY",
+    "ConstraintCompiler",
+    "ConstraintError",
+    "ConstraintSpec",
+    "ToolCall",
+    "ToolCallParser",
+    "forced_calls",
+    "forced_calls_schema",
+    "generic_preamble",
+    "history_call_text",
+    "template_tools",
     "AsyncEngine",
     "AsyncEngineConfig",
     "EngineConfig",
@@ -64,6 +84,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
+    from engine.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
     from engine.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.core.async_engine import (
         AsyncEngine,
@@ -79,6 +100,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.modelcheck import ModelError, check_model
     from engine.sampling import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
+    from engine.toolcalls import (
+        ToolCall,
+        ToolCallParser,
+        forced_calls,
+        forced_calls_schema,
+        generic_preamble,
+        history_call_text,
+        template_tools,
+    )
 
 
 def __getattr__(name: str) -> Any:
