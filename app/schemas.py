@@ -186,8 +186,11 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def sse_200(model: type[BaseModel], what: str) -> dict[int | str, dict[str, Any]]:
     """A 200 that is JSON (model) or, with `stream: true`, an event stream."""
+    # one server-sent event (`data:` a JSON chunk or `[DONE]`, `event:` where the API names it)
+    event = {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
     return {200: {"model": model, "description": what, "content": {
-        "text/event-stream": {"schema": {"type": "string"}}}}}
+        "text/event-stream": {"schema": event}}}}
 
 
 def _error_ref() -> dict[str, Any]:
