@@ -17,8 +17,10 @@ earlier versions alike (run it on each folder with the same arguments):
 - words: the share of words in sampled continuations (temperature 0.8; top-p 0.95 as
   `colibri generate` does by default, and top-p 1) that occur in a word list built from
   the training plays.
-- loops: greedy continuations of 60 tokens; a loop is a block of 1 to 30 tokens repeated
-  at least 3 times back to back, covering at least 12 tokens.
+- loops: greedy continuations of 60 tokens (chat replies end at the end-of-turn token);
+  a loop is a block of 1 to 30 tokens repeated at least 3 times back to back, covering at
+  least 12 tokens. Also the share of 4-grams that repeat an earlier one (seq-rep-4), which
+  catches near-loops with small variations.
 - routing (transformers, float32, Qwen3-MoE / OLMoE / Mixtral folders): per layer over the
   held-out text in windows of 512 tokens, each expert's share of the token-to-expert
   assignments, the entropy of those shares, how many of a token's experts the previous
@@ -78,6 +80,12 @@ def longest_loop(ids: list[int], max_period: int = 30) -> tuple[int, int, int]:
             if covered // p >= 2 and covered > best[0]:
                 best = (covered, p, covered // p)
     return best
+
+
+def seq_rep(ids: list[int], n: int = 4) -> float:
+    """Share of the n-grams of ids that repeat an n-gram seen before (0: none repeat)."""
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def is_loop(ids: list[int]) -> bool:
@@ -165,14 +173,17 @@ def loops(model: str, threads: int | None, n_tokens: int) -> dict[str, Any]:
             ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         else:
             ids = llm.tokenizer.encode(prompt, add_special_tokens=True)
-        # ignore_eos: judge the full 60 tokens, not a reply that ended early
-        gen = llm.generate_ids(ids, max_tokens=n_tokens, ignore_eos=True)
+        # plain text: the full 60 tokens even past an end-of-text; chat: the reply
+        gen = llm.generate_ids(ids, max_tokens=n_tokens, ignore_eos=kind == "text")
         covered, period, reps = longest_loop(gen)
         rows.append(dict(kind=kind, prompt=prompt, tokens=len(gen), loop=is_loop(gen),
                          longest_repeat=dict(tokens=covered, period=period, repeats=reps),
+                         seq_rep_4=seq_rep(gen),
                          distinct_tokens=len(set(gen)), text=llm.tokenizer.decode(gen)))
+    text_rows = [r for r in rows if r["kind"] == "text"]
     return dict(model=str(model), tokens=n_tokens, rows=rows,
-                loops=sum(r["loop"] for r in rows))
+                loops=sum(r["loop"] for r in rows),
+                mean_text_seq_rep_4=sum(r["seq_rep_4"] for r in text_rows) / len(text_rows))
 
 
 # -- routing -----------------------------------------------------------------------------
@@ -285,13 +296,14 @@ def markdown(kind: str, r: dict[str, Any]) -> str:
                          + ", ".join(f"{w} ({c})" for w, c in s["unknown_top"]))
         return "\n".join(lines)
     if kind == "loops":
-        lines = ["| prompt | loop | longest repeat (tokens, period x repeats) | distinct tokens |",
-                 "|---|---|---|---|"]
+        lines = ["| prompt | loop | longest repeat (tokens, period x repeats) | seq-rep-4 | "
+                 "distinct tokens |", "|---|---|---|---|---|"]
         for row in r["rows"]:
             lr = row["longest_repeat"]
             lines.append(f"| {row['kind']}: `{row['prompt']!r}` | {'yes' if row['loop'] else 'no'}"
                          f" | {lr['tokens']} ({lr['period']} x {lr['repeats']}) | "
-                         f"{row['distinct_tokens']} of {row['tokens']} |")
+                         f"{row['seq_rep_4']:.2f} | {row['distinct_tokens']} of {row['tokens']} |")
+        lines.append(f"\nMean seq-rep-4 of the text prompts: {r['mean_text_seq_rep_4']:.3f}.")
         return "\n".join(lines)
     # routing
     lines = ["| layer | entropy of shares (bits, max "

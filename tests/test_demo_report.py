@@ -31,3 +31,10 @@ def test_words_keep_inner_apostrophes() -> None:
     r = _report()
     assert r.words_of("O'er the hills, ne'er--'tis THEE.") == ["o'er", "the", "hills", "ne'er",
                                                                "tis", "thee"]
+
+
+def test_seq_rep_counts_repeated_four_grams() -> None:
+    r = _report()
+    assert r.seq_rep(list(range(10))) == 0.0
+    assert r.seq_rep([1, 2, 3, 4] * 3) == 1.0 - 4 / 9  # 9 four-grams, 4 distinct
+    assert r.seq_rep([1, 2]) == 0.0
