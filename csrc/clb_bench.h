@@ -25,4 +25,13 @@ clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, doubl
 uint64_t clb_bw_sum_avx2(const uint64_t *w, size_t n);
 uint64_t clb_bw_sum_avx512(const uint64_t *w, size_t n);
 
+/* Micro-benchmark probes (bandwidth_kernels.c). clb_matmul_bench times n_reps calls of
+ * clb_matmul(t, w, ...) on n_tok f32 rows x (a pool of n_threads of its own) into secs[n_reps];
+ * clb_threadpool_bench writes the mean wall time of one empty clb_threadpool_run, each after
+ * gap_us microseconds of the caller's own work (0: back to back). */
+clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_in,
+                            const float *x, int64_t n_tok, int n_threads, int n_reps,
+                            double *secs);
+clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run);
+
 #endif

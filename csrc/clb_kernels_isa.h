@@ -19,6 +19,16 @@ static inline void clb_gemm_by_dot(clb_vec_dot_fn dot, int64_t n, int64_t n_rows
                                  (const char *)act + (size_t)t * act_row);
 }
 
+/* Packed activation block of the SIMD multi-row kernels, which read weights as unsigned bytes
+ * (weight + offset): the q8a block with corr = -offset * sum(qs) in place of the sum, so an
+ * integer accumulator started at corr ends at the exact signed block sum. */
+typedef struct {
+    float d;
+    int32_t corr;
+    int8_t qs[CLB_QK];
+} clb_block_q8c;
+_Static_assert(sizeof(clb_block_q8c) == 40, "q8c block must be 40 bytes");
+
 /* reference (kernels_ref.c) */
 void clb_to_float_f32_ref(int64_t n, const void *x, float *y);
 void clb_to_float_f16_ref(int64_t n, const void *x, float *y);
@@ -38,7 +48,8 @@ float clb_vec_dot_bf16_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x);
 void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a);
-size_t clb_act_size_q8a(int64_t n); /* q8a row bytes: the packed layout of ref and AVX2 */
+size_t clb_act_size_q8a(int64_t n); /* q8a row bytes: the packed layout of the reference */
+size_t clb_act_size_q8c(int64_t n); /* q8c row bytes: the packed layout of AVX2 and AVX-512 */
 void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
@@ -52,6 +63,8 @@ float clb_vec_dot_q8_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_avx2(int64_t n, const void *w, const void *x);
 void clb_quantize_q8a_avx2(int64_t n, const float *x, void *y);
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a);
+void clb_act_pack_q8_avx2(int64_t n, const float *x, void *y); /* clb_block_q8c rows */
+void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y);
 void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
@@ -65,8 +78,7 @@ float clb_vec_dot_q8_avx512(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_avx512(int64_t n, const void *w, const void *x);
 void clb_quantize_q8a_avx512(int64_t n, const float *x, void *y);
 void clb_vec_mad_f32_avx512(int64_t n, float *y, const float *x, float a);
-/* packed activations (clb_q8x2 pairs, see kernels_avx512.c) and the kernels that read them */
-size_t clb_act_size_avx512(int64_t n);
+/* packed activations (clb_block_q8c rows) and the kernels that read them */
 void clb_act_pack_q8_avx512(int64_t n, const float *x, void *y);
 void clb_act_pack_q4_avx512(int64_t n, const float *x, void *y);
 void clb_gemm_q8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,

@@ -71,9 +71,11 @@ static void clb_fill_avx2(clb_type_traits *t) {
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx2;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx2;
     t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx2;
-    t[CLB_TYPE_Q8].act_pack = clb_quantize_q8a_avx2;
+    t[CLB_TYPE_Q8].act_size = clb_act_size_q8c;
+    t[CLB_TYPE_Q8].act_pack = clb_act_pack_q8_avx2;
     t[CLB_TYPE_Q8].gemm = clb_gemm_q8_avx2;
-    t[CLB_TYPE_Q4].act_pack = clb_quantize_q8a_avx2;
+    t[CLB_TYPE_Q4].act_size = clb_act_size_q8c;
+    t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx2;
     t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx2;
 }
 
@@ -85,10 +87,10 @@ static void clb_fill_avx512(clb_type_traits *t) {
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx512;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx512;
     t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx512;
-    t[CLB_TYPE_Q8].act_size = clb_act_size_avx512;
+    t[CLB_TYPE_Q8].act_size = clb_act_size_q8c;
     t[CLB_TYPE_Q8].act_pack = clb_act_pack_q8_avx512;
     t[CLB_TYPE_Q8].gemm = clb_gemm_q8_avx512;
-    t[CLB_TYPE_Q4].act_size = clb_act_size_avx512;
+    t[CLB_TYPE_Q4].act_size = clb_act_size_q8c;
     t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx512;
     t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx512;
 }

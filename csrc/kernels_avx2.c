@@ -139,15 +139,178 @@ void clb_quantize_q8a_avx2(int64_t n, const float *x, void *vy) {
     }
 }
 
-/* multi-row products on q8a rows (reference: clb_gemm_q8_ref / _q4_ref) */
+/* ---- multi-row kernels: 8 weight rows in the 8 int32 lanes --------------------------------
+ * The AVX-512 kernels' scheme at half width (see kernels_avx512.c): a row group of 8 rows is
+ * transposed in registers per block so that v[d] lane r holds bytes 4d..4d+3 of row r's block,
+ * each token's activation bytes are broadcast, and every lane ends a block with its row's
+ * exact integer sum, scaled and added in the reference's order (multiply, multiply, add). So
+ * every result equals clb_gemm_q8_ref / clb_gemm_q4_ref bit for bit, whatever the number of
+ * rows or tokens in the call. Without VNNI the products go through vpmaddubsw (unsigned x
+ * signed -> int16 pairs): q8 moves the weight's sign onto the activation (|w| * sign(w)*a, no
+ * pair passes 2*128*127), q4 reads raw nibbles w + 8 (sixteen products of 15*127 fit int16,
+ * so a whole block is summed in int16) and starts from corr = -8 * sum(a). Activations are
+ * clb_block_q8c rows (q8 ignores corr). */
+
+#define CLB_TT2 8 /* tokens per pass over a row group */
+
+void clb_act_pack_q8_avx2(int64_t n, const float *x, void *vy) {
+    clb_quantize_q8a_avx2(n, x, vy); /* corr unused by the q8 kernel: sum kept as is */
+}
+
+void clb_act_pack_q4_avx2(int64_t n, const float *x, void *vy) {
+    clb_block_q8c *y = vy;
+    clb_quantize_q8a_avx2(n, x, y);
+    for (int64_t b = 0; b < n / CLB_QK; b++) y[b].corr *= -8;
+}
+
+static inline __attribute__((always_inline)) void clb_t4x4_avx2(__m256i z[4]) {
+    __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+    z[0] = _mm256_unpacklo_epi64(t0, t2);
+    z[1] = _mm256_unpackhi_epi64(t0, t2);
+    z[2] = _mm256_unpacklo_epi64(t1, t3);
+    z[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* 16 bytes at offset off of rows k and k+4 of the group in the two 128-bit lanes */
+static inline __attribute__((always_inline)) __m256i clb_load2x16(const char *const rp[8], int k,
+                                                                  size_t off) {
+    __m256i z = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rp[k] + off)));
+    return _mm256_inserti128_si256(z, _mm_loadu_si128((const __m128i *)(rp[k + 4] + off)), 1);
+}
+
+/* q8: v[d] = |w| bytes, sg[d] = the signed bytes (for the sign trick); q4: v[d] = nibbles */
+static inline __attribute__((always_inline)) void clb_weights8(int Q4, const char *const rp[8],
+                                                               int64_t b, __m256i v[8],
+                                                               __m256i sg[8]) {
+    if (Q4) {
+        const __m256i low4 = _mm256_set1_epi8(0x0f);
+        size_t off = (size_t)b * sizeof(clb_block_q4) + 2;
+        for (int k = 0; k < 4; k++) v[k] = clb_load2x16(rp, k, off);
+        clb_t4x4_avx2(v);
+        for (int j = 0; j < 4; j++) {
+            v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low4);
+            v[j] = _mm256_and_si256(v[j], low4);
+        }
+    } else {
+        size_t off = (size_t)b * sizeof(clb_block_q8) + 2;
+        for (int h = 0; h < 2; h++) {
+            for (int k = 0; k < 4; k++) sg[4 * h + k] = clb_load2x16(rp, k, off + 16 * (size_t)h);
+            clb_t4x4_avx2(sg + 4 * h);
+        }
+        for (int d = 0; d < 8; d++) v[d] = _mm256_abs_epi8(sg[d]);
+    }
+}
+
+/* the f16 scales of block b of the 8 rows as f32 (4-byte reads at each block start) */
+static inline __attribute__((always_inline)) __m256 clb_scales8(int Q4, const char *rp0,
+                                                                __m256i roff, int64_t b) {
+    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+    __m256i g = _mm256_i32gather_epi32((const int *)(const void *)(rp0 + (size_t)b * bs), roff, 1);
+    g = _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
+    g = _mm256_permute4x64_epi64(_mm256_packus_epi32(g, g), 0x08); /* 8 u16 in the low half */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(g));
+}
+
+static inline __attribute__((always_inline)) __m256i clb_bcast32_avx2(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void clb_group8(int Q4, int TT, int64_t n,
+                                                             const char *const rp[8],
+                                                             __m256i roff, const char *act,
+                                                             size_t act_row, float *y,
+                                                             int64_t ldy, int nv) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[CLB_TT2];
+    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / CLB_QK; b++) {
+        __m256i v[8], sg[8];
+        clb_weights8(Q4, rp, b, v, sg);
+        __m256 ws = clb_scales8(Q4, rp[0], roff, b);
+        for (int t = 0; t < TT; t++) {
+            const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+            __m256i s;
+            if (Q4) {
+                __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(a->qs));
+                __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(a->qs + 16));
+                for (int d = 1; d < 4; d++) {
+                    h0 = _mm256_add_epi16(
+                        h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(a->qs + 4 * d)));
+                    h1 = _mm256_add_epi16(
+                        h1, _mm256_maddubs_epi16(v[4 + d], clb_bcast32_avx2(a->qs + 16 + 4 * d)));
+                }
+                s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones),
+                                     _mm256_set1_epi32(a->corr));
+            } else {
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int d = 0; d < 4; d++) {
+                    __m256i a0 = _mm256_sign_epi8(clb_bcast32_avx2(a->qs + 4 * d), sg[d]);
+                    __m256i a1 = _mm256_sign_epi8(clb_bcast32_avx2(a->qs + 16 + 4 * d), sg[4 + d]);
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(v[d], a0), ones));
+                    s1 = _mm256_add_epi32(
+                        s1, _mm256_madd_epi16(_mm256_maddubs_epi16(v[4 + d], a1), ones));
+                }
+                s = _mm256_add_epi32(s0, s1);
+            }
+            __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
+            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+        }
+    }
+    if (nv == 8) {
+        for (int t = 0; t < TT; t++) _mm256_storeu_ps(y + t * ldy, acc[t]);
+    } else {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), lane);
+        for (int t = 0; t < TT; t++) _mm256_maskstore_ps(y + t * ldy, keep, acc[t]);
+    }
+}
+
+static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int64_t n, int64_t n_rows,
+                                                            const void *w, size_t w_row,
+                                                            const void *act, size_t act_row,
+                                                            int64_t n_tok, float *y,
+                                                            int64_t ldy) {
+    const char *wb = w;
+    for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
+        const int nv = n_rows - r0 < 8 ? (int)(n_rows - r0) : 8;
+        const char *rp[8];
+        int32_t offs[8];
+        for (int r = 0; r < 8; r++) {
+            int row = r < nv ? r : nv - 1; /* rows past the matrix repeat a real one, unstored */
+            rp[r] = wb + (size_t)(r0 + row) * w_row;
+            offs[r] = (int32_t)((size_t)row * w_row); /* matmul keeps a row group under 2 GiB */
+        }
+        const __m256i roff = _mm256_loadu_si256((const __m256i *)offs);
+        int64_t t = 0;
+        for (; t + CLB_TT2 <= n_tok; t += CLB_TT2)
+            clb_group8(Q4, CLB_TT2, n, rp, roff, (const char *)act + (size_t)t * act_row, act_row,
+                       y + t * ldy + r0, ldy, nv);
+        const char *at = (const char *)act + (size_t)t * act_row;
+        float *yt = y + t * ldy + r0;
+        switch (n_tok - t) {
+        case 7: clb_group8(Q4, 7, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        case 6: clb_group8(Q4, 6, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        case 5: clb_group8(Q4, 5, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        case 4: clb_group8(Q4, 4, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        case 3: clb_group8(Q4, 3, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        case 2: clb_group8(Q4, 2, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        case 1: clb_group8(Q4, 1, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        default: break;
+        }
+    }
+}
+
 void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm_by_dot(clb_vec_dot_q8_avx2, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+    clb_gemm8(0, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm_by_dot(clb_vec_dot_q4_avx2, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+    clb_gemm8(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, one rounding per element) */

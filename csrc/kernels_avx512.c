@@ -4,6 +4,7 @@
  * (vpdpbusd) and are exact, so results differ from the reference only by float summation order.
  * Refuses: to run on a CPU without AVX-512 F/BW/VL/VNNI; dispatch.c never selects it there. */
 #include <immintrin.h>
+#include <string.h>
 
 #include "clb_kernels_isa.h"
 
@@ -155,218 +156,164 @@ void clb_quantize_q8a_avx512(int64_t n, const float *x, void *vy) {
     }
 }
 
-/* ---- multi-row kernels on packed activations ----------------------------------------------
- * Packed activation row: one clb_q8x2 per pair of 32-element blocks (an odd last block is
- * paired with an all-zero block). qs holds the q8a values of both blocks in the order the
- * weight pair unpacks to; corr holds, per int32 lane of vpdpbusd, minus the offset the weights
- * are read with times the sum of that lane's four activation bytes, so vpdpbusd starting from
- * corr yields the exact signed lane sum; sc holds each lane's activation block scale.
- *   q8 weights are read as unsigned w + 128 (xor 0x80): lanes 0-7 block 0, 8-15 block 1.
- *   q4 weights are unsigned nibbles n = w + 8: bytes [b0 lo, b1 lo, b0 hi, b1 hi] (16 each),
- *   so lanes 0-3 and 8-11 are block 0, lanes 4-7 and 12-15 block 1.
- * Every (row, token) result runs the same instruction sequence whatever the tile shape, so
- * outputs do not depend on how rows and tokens are split. Reference: clb_gemm_q8_ref /
- * clb_gemm_q4_ref (vec_dot on q8a). */
-typedef struct {
-    int8_t qs[64];
-    int32_t corr[16];
-    float sc[16];
-} clb_q8x2;
-_Static_assert(sizeof(clb_q8x2) == 192, "packed pair must be 192 bytes");
+/* ---- multi-row kernels: 16 weight rows in the 16 int32 lanes ------------------------------
+ * A row group is 16 consecutive weight rows; for each 32-element block the kernel loads the
+ * group's 16 blocks, transposes them in registers so that register V[d] holds, in lane r,
+ * bytes 4d..4d+3 of row r's block (4x4 dword transposes inside 128-bit lanes), and multiplies
+ * V[d] by token t's four activation bytes 4d..4d+3 broadcast to every lane (vpdpbusd). One
+ * weight load then feeds every token, no lane ever mixes rows (no horizontal sums), and each
+ * lane finishes a block with its row's exact integer block sum, which it scales and adds in
+ * the reference's order: s += (d_w * d_a) * sum, a multiply, a multiply and an add (no fused
+ * multiply-add). So every result equals clb_gemm_q8_ref / clb_gemm_q4_ref bit for bit, and
+ * does not depend on the number of rows or tokens in the call nor on a row's place among them.
+ * Packed activations (clb_block_q8c): the q8a values with corr = -(weight offset) * sum, since
+ * weights are read unsigned: q8 as w + 128 (xor 0x80), q4 as its raw nibbles w + 8. */
 
-size_t clb_act_size_avx512(int64_t n) {
-    return (size_t)((n / CLB_QK + 1) / 2) * sizeof(clb_q8x2);
+/* tokens per pass over a row group: 8 accumulators + 8 weight registers stay in zmm */
+#define CLB_TT 8
+
+static void clb_act_pack_q8c(int64_t n, const float *x, void *vy, int32_t offset) {
+    clb_block_q8c *y = vy;
+    /* q8a and q8c share their layout except the meaning of the second field */
+    _Static_assert(sizeof(clb_block_q8c) == sizeof(clb_block_q8a), "q8c mirrors q8a");
+    clb_quantize_q8a_avx512(n, x, y);
+    for (int64_t b = 0; b < n / CLB_QK; b++) y[b].corr *= -offset;
 }
 
-/* q8a-quantizes blocks 2i and 2i+1 (the second zero when past the end) */
-static void clb_pair_q8a(int64_t n, const float *x, int64_t i, clb_block_q8a b[2]) {
-    const int64_t nb = n / CLB_QK;
-    int64_t cnt = 2 * i + 1 < nb ? 2 : 1;
-    clb_quantize_q8a_avx512(cnt * CLB_QK, x + 2 * i * CLB_QK, b);
-    if (cnt == 1) {
-        b[1].d = 0.0f;
-        b[1].sum = 0;
-        for (int j = 0; j < CLB_QK; j++) b[1].qs[j] = 0;
+void clb_act_pack_q8_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 128); }
+void clb_act_pack_q4_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 8); }
+
+/* in every 128-bit lane, dword j of z[k] -> dword k of z[j] (a 4x4 transpose) */
+static inline __attribute__((always_inline)) void clb_t4x4(__m512i z[4]) {
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    z[0] = _mm512_unpacklo_epi64(t0, t2);
+    z[1] = _mm512_unpackhi_epi64(t0, t2);
+    z[2] = _mm512_unpacklo_epi64(t1, t3);
+    z[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* 16 bytes at offset off of rows k, k+4, k+8, k+12 of the group in 128-bit lanes 0..3 */
+static inline __attribute__((always_inline)) __m512i clb_load4x16(const char *const rp[16],
+                                                                  int k, size_t off) {
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[k] + off)));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rp[k + 4] + off)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rp[k + 8] + off)), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rp[k + 12] + off)), 3);
+}
+
+/* block b of the 16 rows as unsigned bytes: v[d] lane r = bytes 4d..4d+3 of row r's block */
+static inline __attribute__((always_inline)) void clb_weights16(int Q4, const char *const rp[16],
+                                                                int64_t b, __m512i v[8]) {
+    if (Q4) {
+        const __m512i low4 = _mm512_set1_epi8(0x0f);
+        size_t off = (size_t)b * sizeof(clb_block_q4) + 2;
+        for (int k = 0; k < 4; k++) v[k] = clb_load4x16(rp, k, off);
+        clb_t4x4(v);
+        for (int j = 0; j < 4; j++) { /* element j<16 low nibble of byte j, j+16 high nibble */
+            v[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v[j], 4), low4);
+            v[j] = _mm512_and_si512(v[j], low4);
+        }
+    } else {
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        size_t off = (size_t)b * sizeof(clb_block_q8) + 2;
+        for (int h = 0; h < 2; h++) {
+            for (int k = 0; k < 4; k++) v[4 * h + k] = clb_load4x16(rp, k, off + 16 * (size_t)h);
+            clb_t4x4(v + 4 * h);
+        }
+        for (int d = 0; d < 8; d++) v[d] = _mm512_xor_si512(v[d], bias);
     }
 }
 
-static __m512i clb_lane_sums(__m512i q) {
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), q);
-}
-
-void clb_act_pack_q8_avx512(int64_t n, const float *x, void *vy) {
-    clb_q8x2 *y = vy;
-    for (int64_t i = 0; i < (n / CLB_QK + 1) / 2; i++) {
-        clb_block_q8a b[2];
-        clb_pair_q8a(n, x, i, b);
-        __m512i q = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b[0].qs)),
-            _mm256_loadu_si256((const __m256i *)b[1].qs), 1);
-        __m512i corr = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                        _mm512_slli_epi32(clb_lane_sums(q), 7));
-        __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castps_pd(_mm512_set1_ps(b[0].d)), _mm256_castps_pd(_mm256_set1_ps(b[1].d)),
-            1));
-        _mm512_storeu_si512(y[i].qs, q);
-        _mm512_storeu_si512(y[i].corr, corr);
-        _mm512_storeu_ps(y[i].sc, sc);
-    }
-}
-
-void clb_act_pack_q4_avx512(int64_t n, const float *x, void *vy) {
-    clb_q8x2 *y = vy;
-    for (int64_t i = 0; i < (n / CLB_QK + 1) / 2; i++) {
-        clb_block_q8a b[2];
-        clb_pair_q8a(n, x, i, b);
-        __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b[0].qs));
-        q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)b[1].qs), 1);
-        q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(b[0].qs + 16)), 2);
-        q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(b[1].qs + 16)), 3);
-        __m512i corr = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                        _mm512_slli_epi32(clb_lane_sums(q), 3));
-        __m128 s0 = _mm_set1_ps(b[0].d), s1 = _mm_set1_ps(b[1].d);
-        __m512 sc = _mm512_castps128_ps512(s0);
-        sc = _mm512_insertf32x4(sc, s1, 1);
-        sc = _mm512_insertf32x4(sc, s0, 2);
-        sc = _mm512_insertf32x4(sc, s1, 3);
-        _mm512_storeu_si512(y[i].qs, q);
-        _mm512_storeu_si512(y[i].corr, corr);
-        _mm512_storeu_ps(y[i].sc, sc);
-    }
-}
-
-/* weight pair i of a q8 row as unsigned bytes (w ^ 0x80); the second block is all zero when
- * `one` (odd tail: it is never read past the row) */
-static inline __attribute__((always_inline)) __m512i clb_w8_pair(const clb_block_q8 *b, int one) {
-    __m256i lo = _mm256_loadu_si256((const __m256i *)b[0].qs);
-    __m256i hi = one ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)b[1].qs);
-    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
-                            _mm512_set1_epi8((char)0x80));
-}
-
-/* weight pair i of a q4 row as unsigned nibbles [b0 lo, b1 lo, b0 hi, b1 hi] */
-static inline __attribute__((always_inline)) __m512i clb_w4_pair(const clb_block_q4 *b, int one) {
-    __m128i r0 = _mm_loadu_si128((const __m128i *)b[0].qs);
-    __m128i r1 = one ? _mm_setzero_si128() : _mm_loadu_si128((const __m128i *)b[1].qs);
-    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1);
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-    return _mm512_and_si512(z, _mm512_set1_epi8(0x0f));
-}
-
-/* The f32 scales of blocks k0 .. k0+nv-1 (nv <= 16) of a row, zero past nv: one gather of
- * the 16 f16 scales (4-byte reads at each block start, inside the block) instead of
- * broadcasting two scales per pair. */
-static inline __attribute__((always_inline)) __m512 clb_row_scales(int Q4, const char *row,
-                                                                  int64_t k0, int64_t nv) {
-    const int bs = Q4 ? (int)sizeof(clb_block_q4) : (int)sizeof(clb_block_q8);
-    const __m512i off = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(bs));
-    __mmask16 k = nv >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nv) - 1u);
-    __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, off,
-                                            row + (size_t)k0 * (size_t)bs, 1);
+/* the f16 scales of block b of the 16 rows as f32 (4-byte reads at each block start) */
+static inline __attribute__((always_inline)) __m512 clb_scales16(int Q4, const char *rp0,
+                                                                 __m512i roff, int64_t b) {
+    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+    __m512i g = _mm512_i32gather_epi32(roff, rp0 + (size_t)b * bs, 1);
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
 }
 
-/* lane -> block (within a 16-block chunk) of pair 0; pair j adds 2j */
-static inline __m512i clb_pair_lanes(int Q4) {
-    return Q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-              : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+static inline __attribute__((always_inline)) __m512i clb_bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
 }
 
-/* one weight pair of R rows against T tokens, accumulated into acc[r][t]; sc[r] holds the
- * chunk's block scales of row r, lanes selects this pair's */
-static inline __attribute__((always_inline)) void clb_tile_step(int Q4, int R, int T, int one,
-                                                                int64_t i, const char *w,
-                                                                size_t w_row, const char *act,
-                                                                size_t act_row, __m512i lanes,
-                                                                const __m512 sc[4],
-                                                                __m512 acc[4][4]) {
-    __m512i wq[4];
-    __m512 ws[4];
-    for (int r = 0; r < R; r++) {
-        /* the same spot of the next row tile: decode streams weights from DRAM once, and the
-         * hardware prefetcher alone leaves the memory bus idle at page boundaries (a
-         * prefetch never faults, so running past the matrix is harmless) */
-        _mm_prefetch(w + (size_t)(r + R) * w_row + (size_t)i * (Q4 ? 36 : 68), _MM_HINT_T0);
-        if (Q4)
-            wq[r] = clb_w4_pair((const clb_block_q4 *)(w + (size_t)r * w_row) + 2 * i, one);
-        else
-            wq[r] = clb_w8_pair((const clb_block_q8 *)(w + (size_t)r * w_row) + 2 * i, one);
-        ws[r] = _mm512_permutexvar_ps(lanes, sc[r]);
+/* TT tokens (a constant after inlining) against one row group; rp: the 16 row pointers (rows
+ * past the matrix repeat a real row and are not stored), nv: rows to store */
+static inline __attribute__((always_inline)) void clb_group(int Q4, int TT, int64_t n,
+                                                            const char *const rp[16],
+                                                            __m512i roff, const char *act,
+                                                            size_t act_row, float *y,
+                                                            int64_t ldy, __mmask16 keep) {
+    __m512 acc[CLB_TT];
+    for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < n / CLB_QK; b++) {
+        __m512i v[8];
+        clb_weights16(Q4, rp, b, v);
+        __m512 ws = clb_scales16(Q4, rp[0], roff, b);
+        for (int t = 0; t < TT; t++) {
+            const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+            /* two chains of four: integer sums are exact in any order */
+            __m512i s0 = _mm512_set1_epi32(a->corr), s1 = _mm512_setzero_si512();
+            for (int d = 0; d < 4; d++) {
+                s0 = _mm512_dpbusd_epi32(s0, v[d], clb_bcast32(a->qs + 4 * d));
+                s1 = _mm512_dpbusd_epi32(s1, v[4 + d], clb_bcast32(a->qs + 16 + 4 * d));
+            }
+            __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(a->d));
+            __m512 p = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)));
+            acc[t] = _mm512_add_ps(acc[t], p);
+        }
     }
-    for (int t = 0; t < T; t++) {
-        const clb_q8x2 *a = (const clb_q8x2 *)(act + (size_t)t * act_row) + i;
-        __m512i aq = _mm512_loadu_si512(a->qs);
-        __m512i ac = _mm512_loadu_si512(a->corr);
-        __m512 as = _mm512_loadu_ps(a->sc);
-        for (int r = 0; r < R; r++) {
-            __m512i p = _mm512_dpbusd_epi32(ac, wq[r], aq);
-            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ws[r], as),
-                                        acc[r][t]);
+    for (int t = 0; t < TT; t++) _mm512_mask_storeu_ps(y + t * ldy, keep, acc[t]);
+}
+
+static inline __attribute__((always_inline)) void clb_gemm16(int Q4, int64_t n, int64_t n_rows,
+                                                             const void *w, size_t w_row,
+                                                             const void *act, size_t act_row,
+                                                             int64_t n_tok, float *y,
+                                                             int64_t ldy) {
+    const char *wb = w;
+    for (int64_t r0 = 0; r0 < n_rows; r0 += 16) {
+        const int64_t nv = n_rows - r0 < 16 ? n_rows - r0 : 16;
+        const char *rp[16];
+        int32_t offs[16];
+        for (int r = 0; r < 16; r++) {
+            int64_t row = r < nv ? r : nv - 1;
+            rp[r] = wb + (size_t)(r0 + row) * w_row;
+            /* the matmul caller keeps 16 rows of a matrix under 2 GiB */
+            offs[r] = (int32_t)((size_t)row * w_row);
+        }
+        const __m512i roff = _mm512_loadu_si512(offs);
+        const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
+        int64_t t = 0;
+        for (; t + CLB_TT <= n_tok; t += CLB_TT)
+            clb_group(Q4, CLB_TT, n, rp, roff, (const char *)act + (size_t)t * act_row, act_row,
+                      y + t * ldy + r0, ldy, keep);
+        const char *at = (const char *)act + (size_t)t * act_row;
+        float *yt = y + t * ldy + r0;
+        switch (n_tok - t) {
+        case 7: clb_group(Q4, 7, n, rp, roff, at, act_row, yt, ldy, keep); break;
+        case 6: clb_group(Q4, 6, n, rp, roff, at, act_row, yt, ldy, keep); break;
+        case 5: clb_group(Q4, 5, n, rp, roff, at, act_row, yt, ldy, keep); break;
+        case 4: clb_group(Q4, 4, n, rp, roff, at, act_row, yt, ldy, keep); break;
+        case 3: clb_group(Q4, 3, n, rp, roff, at, act_row, yt, ldy, keep); break;
+        case 2: clb_group(Q4, 2, n, rp, roff, at, act_row, yt, ldy, keep); break;
+        case 1: clb_group(Q4, 1, n, rp, roff, at, act_row, yt, ldy, keep); break;
+        default: break;
         }
     }
 }
 
-/* R rows x T tokens; Q4 selects the weight type (a constant after inlining). Blocks go in
- * chunks of 16 (8 pairs) that share one scale gather per row. */
-static inline __attribute__((always_inline)) void clb_tile(int Q4, int R, int T, int64_t n,
-                                                           const char *w, size_t w_row,
-                                                           const char *act, size_t act_row,
-                                                           float *y, int64_t ldy) {
-    const int64_t nb = n / CLB_QK;
-    __m512 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < nb; k0 += 16) {
-        const int64_t nv = nb - k0 < 16 ? nb - k0 : 16;
-        __m512 sc[4];
-        for (int r = 0; r < R; r++) sc[r] = clb_row_scales(Q4, w + (size_t)r * w_row, k0, nv);
-        __m512i lanes = clb_pair_lanes(Q4);
-        const __m512i two = _mm512_set1_epi32(2);
-        for (int64_t j = 0; j < nv / 2; j++) {
-            clb_tile_step(Q4, R, T, 0, k0 / 2 + j, w, w_row, act, act_row, lanes, sc, acc);
-            lanes = _mm512_add_epi32(lanes, two);
-        }
-        if (nv & 1)
-            clb_tile_step(Q4, R, T, 1, k0 / 2 + nv / 2, w, w_row, act, act_row, lanes, sc, acc);
-    }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+void clb_gemm_q8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm16(0, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
-/* rows in tiles of 4, tokens in tiles of 4; the remainders get smaller tiles */
-#define CLB_TILE_ROWS(Q4, T)                                                                   \
-    do {                                                                                       \
-        int64_t r = 0;                                                                         \
-        for (; r + 4 <= n_rows; r += 4)                                                        \
-            clb_tile(Q4, 4, T, n, wb + (size_t)r * w_row, w_row, ab, act_row, yb + r, ldy); \
-        for (; r < n_rows; r++)                                                                \
-            clb_tile(Q4, 1, T, n, wb + (size_t)r * w_row, w_row, ab, act_row, yb + r, ldy); \
-    } while (0)
-
-#define CLB_GEMM_AVX512(NAME, Q4)                                                              \
-    void NAME(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,        \
-              size_t act_row, int64_t n_tok, float *y, int64_t ldy) {                          \
-        const char *wb = w;                                                                    \
-        int64_t t = 0;                                                                         \
-        for (; t + 4 <= n_tok; t += 4) {                                                       \
-            const char *ab = (const char *)act + (size_t)t * act_row;                          \
-            float *yb = y + t * ldy;                                                           \
-            CLB_TILE_ROWS(Q4, 4);                                                              \
-        }                                                                                      \
-        const char *ab = (const char *)act + (size_t)t * act_row;                              \
-        float *yb = y + t * ldy;                                                               \
-        switch (n_tok - t) {                                                                   \
-        case 3: CLB_TILE_ROWS(Q4, 3); break;                                                   \
-        case 2: CLB_TILE_ROWS(Q4, 2); break;                                                   \
-        case 1: CLB_TILE_ROWS(Q4, 1); break;                                                   \
-        default: break;                                                                        \
-        }                                                                                      \
-    }
-
-CLB_GEMM_AVX512(clb_gemm_q8_avx512, 0)
-CLB_GEMM_AVX512(clb_gemm_q4_avx512, 1)
+void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm16(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
 
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, masked tail) */
 void clb_vec_mad_f32_avx512(int64_t n, float *y, const float *x, float a) {

@@ -214,6 +214,7 @@ float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x) {
 /* ---- multi-row products on q8a rows (the packed layout of the reference) ---- */
 
 size_t clb_act_size_q8a(int64_t n) { return (size_t)(n / CLB_QK) * sizeof(clb_block_q8a); }
+size_t clb_act_size_q8c(int64_t n) { return (size_t)(n / CLB_QK) * sizeof(clb_block_q8c); }
 
 void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {

@@ -6,6 +6,7 @@
  * every y[t, 0..n_out) is written exactly once, with a result that does not depend on the
  * number of threads. Refuses: bad shapes/pointers (CLB_E_ARG); never allocates. */
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "clb_kernels.h"
@@ -13,7 +14,7 @@
 /* weight bytes of one row block: small enough to stay in L2 while every token passes */
 #define CLB_MM_BLOCK_BYTES (96 * 1024)
 /* rows are handed out in multiples of this (the SIMD kernels' row tile) */
-#define CLB_MM_ROW_ALIGN 4
+#define CLB_MM_ROW_ALIGN 16
 
 static int64_t clb_block_rows(size_t w_row) {
     int64_t r = (int64_t)(CLB_MM_BLOCK_BYTES / (w_row ? w_row : 1));
@@ -110,7 +111,9 @@ static clb_status clb_job_check(const clb_mm_job *j) {
     const clb_type_traits *tr = clb_get_type_traits(j->type);
     if (!tr || tr->vec_dot == NULL) return CLB_E_ARG;
     if (j->n_out <= 0 || j->n_in <= 0 || j->n_tok < 0 || j->ldy < j->n_out) return CLB_E_ARG;
-    if (clb_type_row_size(j->type, j->n_in) == 0 || !j->w) return CLB_E_ARG;
+    size_t w_row = clb_type_row_size(j->type, j->n_in);
+    /* the SIMD kernels address a row group of CLB_MM_ROW_ALIGN rows with 32-bit offsets */
+    if (w_row == 0 || w_row > (size_t)INT32_MAX / CLB_MM_ROW_ALIGN || !j->w) return CLB_E_ARG;
     if (j->n_tok > 0 && (!j->act || !j->y)) return CLB_E_ARG;
     if (j->w_up && (j->bias || (j->n_tok > 0 && !j->y_up))) return CLB_E_ARG;
     return CLB_OK;

@@ -8,6 +8,10 @@ cdef extern from "clb_bench.h" nogil:
     int CLB_BENCH_ERR_LEN
     clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, double *gbps,
                                    char *err)
+    clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_in,
+                                const float *x, int64_t n_tok, int n_threads, int n_reps,
+                                double *secs)
+    clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run)
 
 
 def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
@@ -27,3 +31,37 @@ def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
     if st != CLB_OK:
         raise ValueError(err.decode("utf-8", "replace") or f"bandwidth probe status {int(st)}")
     return gbps
+
+
+def matmul_bench(name: str, w, int n_out, int n_in, x, int n_threads=1, int n_reps=5) -> list:
+    """Wall seconds of n_reps clb_matmul calls (W bytes of type `name`, x float32 [T, n_in])
+    on a pool of n_threads, timed in C; the first call pays for page faults and cold caches."""
+    cdef clb_type t = _kernel_type(name)
+    cdef const float[:, ::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n_in)
+    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
+    if <size_t>wv.shape[0] != _row_bytes(t, n_in) * <size_t>n_out:
+        raise ValueError("weight bytes do not match n_out x n_in")
+    if n_reps < 1 or xv.shape[0] < 1:
+        raise ValueError("need at least one repeat and one row")
+    secs = np.zeros(n_reps, dtype=np.float64)
+    cdef double[::1] sv = secs
+    cdef clb_status st
+    cdef int64_t n_tok = xv.shape[0]
+    with nogil:
+        st = clb_matmul_bench(t, &wv[0], n_out, n_in, &xv[0, 0], n_tok, n_threads, n_reps,
+                              &sv[0])
+    if st != CLB_OK:
+        raise ValueError(f"matmul bench failed with status {int(st)}")
+    return secs.tolist()
+
+
+def threadpool_bench(int n_threads, int n_runs=10000, int gap_us=0) -> float:
+    """Mean nanoseconds of one empty thread-pool run (wake every worker, wait for all), each
+    run gap_us microseconds after the previous one."""
+    cdef double ns = 0.0
+    cdef clb_status st
+    with nogil:
+        st = clb_threadpool_bench(n_threads, n_runs, gap_us, &ns)
+    if st != CLB_OK:
+        raise ValueError(f"thread-pool bench failed with status {int(st)}")
+    return ns

@@ -22,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.convert import DEFAULT_QUANT, PRESETS
+from engine.modelcheck import check_model
+
 PROMPT_SEED = 20240601
 DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
 
@@ -71,6 +74,24 @@ def weight_bytes_per_token(model_dir: str | Path) -> dict[str, int]:
 
 
 # -- measurement ---------------------------------------------------------------------------
+
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx_vnni", "avx512_bf16", "amx_int8")
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name and the SIMD flags the kernels care about (Linux)."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == "unknown CPU":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return f"{name} [{' '.join(f for f in SIMD_FLAGS if f in flags)}]"
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far, in bytes."""
@@ -131,14 +152,15 @@ def summarize(values: list[float]) -> dict[str, Any]:
 class BenchSettings:
     """What `colibri bench` measures and how."""
 
-    model: str
+    model: str | None  # None: the bundled demo model
     prompt_tokens: int = 128
     gen_tokens: int = 128
     threads: int | None = None
     repeat: int = 3
-    quant: str = "q4"
+    quant: str = DEFAULT_QUANT
     probe_mib: int = DEFAULT_PROBE_MIB
     probe_passes: int = 3
+    profile: bool = False
 
     def check(self) -> None:
         for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes"):
@@ -155,7 +177,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     from engine.model import Model
 
     s.check()
-    path = ensure_converted(Path(s.model), s.quant, progress=False)
+    path = ensure_converted(check_model(s.model), s.quant, progress=False)
     t0 = time.perf_counter()
     model = Model.load(path, threads=s.threads, n_ctx=s.prompt_tokens + s.gen_tokens)
     load_s = time.perf_counter() - t0
@@ -173,7 +195,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     per_token = weight_bytes_per_token(path)
     gbps = _core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes)
     bound = gbps * 1e9 / per_token["total"]
-    return {
+    result = {
         "model": str(path),
         "architecture": cfg.architecture,
         "quant": cfg.quant,
@@ -195,6 +217,11 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "percent_of_bound": 100.0 * decode["median"] / bound if bound > 0 else math.nan,
         "greedy_tokens": runs[0].tokens[:16],
     }
+    if s.profile:
+        from engine.bench_profile import profile_decode
+
+        result["profile"] = profile_decode(path, n_threads, 1.0 / decode["median"])
+    return result
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -226,30 +253,40 @@ def render(r: dict[str, Any]) -> str:
         f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
         f"{r['percent_of_bound']:.1f}% of it",
     ]
+    if "profile" in r:
+        from engine.bench_profile import render_profile
+
+        lines.append(render_profile(r["profile"]))
     return "\n".join(lines)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options of `colibri bench`."""
-    p.add_argument("--model", required=True, metavar="PATH",
-                   help="Colibri folder, or a Hugging Face folder (converted once, see --quant)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="Colibri or Hugging Face folder (converted once, see --quant); "
+                        "default: the bundled demo model")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
     p.add_argument("--gen-tokens", type=int, default=128,
                    help="greedy tokens decoded per repeat (default 128)")
     p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     p.add_argument("--repeat", type=int, default=3, help="timed repeats (default 3)")
-    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q4",
-                   help="preset when PATH is a Hugging Face folder (default q4)")
+    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
+                   help=f"precision when PATH is a Hugging Face folder (default {DEFAULT_QUANT})")
     p.add_argument("--probe-mib", type=int, default=DEFAULT_PROBE_MIB,
                    help=f"bandwidth probe buffer in MiB (default {DEFAULT_PROBE_MIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--profile", action="store_true",
+                   help="also time each weight phase of a decode step (attention projections, "
+                        "router, experts, lm_head) against the measured step")
 
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run `colibri bench` with parsed arguments; prints the table or JSON."""
+    check_model(args.model)  # before anything is timed or converted
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-        threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib)
+        threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
+        profile=args.profile)
     result = run_bench(settings)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

@@ -50,7 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
+from engine.bench import (  # noqa: E402
+    bench_prompt,
+    cpu_model,
+    timed_greedy_run,
+    weight_bytes_per_token,
+)
 
 INSTALL_HINT = ("llama-cpp-python is not installed. Install the benchmark extra with\n"
                 "    pip install 'llama-cpp-python==0.3.36' sentencepiece gguf\n"
@@ -65,12 +70,12 @@ DEFAULT_LLAMA_VERSION = "0.3.36"
 class Dims:
     vocab: int = 32000
     hidden: int = 1024
-    intermediate: int = 3584
+    intermediate: int = 1536
     layers: int = 8
-    experts: int = 8
-    top_k: int = 2
+    experts: int = 16
+    top_k: int = 4
     heads: int = 16
-    kv_heads: int = 8
+    kv_heads: int = 4
     seed: int = 0
 
     def tag(self) -> str:
@@ -554,7 +559,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp
 
     return {
-        "model": asdict(d), "workdir": str(base), "threads": args.threads,
+        "model": asdict(d), "workdir": str(base), "threads": args.threads, "cpu": cpu_model(),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
         "llama_cpp_python": llama_cpp.__version__, "colibri_isa": _core.isa_active(),
@@ -571,6 +576,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 def render(res: dict[str, Any]) -> str:
     d = res["model"]
     lines = [
+        f"cpu: {res['cpu']}",
         f"random Mixtral: vocab {d['vocab']}, hidden {d['hidden']}, ffn {d['intermediate']}, "
         f"{d['layers']} layers, {d['experts']} experts top-{d['top_k']}, {d['heads']} heads / "
         f"{d['kv_heads']} kv, seed {d['seed']}",

@@ -36,6 +36,7 @@ import transformers as tf
 from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
+SERVED_CTX = 4096  # context of the saved model (positions past training go through a window)
 sys.path.insert(0, str(ROOT))
 
 from engine import demo_data  # noqa: E402
@@ -258,7 +259,7 @@ def main() -> int:
     starts = np.linspace(0, val_ids.size - a.ctx - 1, a.eval_windows).astype(np.int64)
     vx = np.stack([val_ids[s : s + a.ctx] for s in starts])
 
-    cfg = tf.Qwen3MoeConfig(
+    cfg = tf.Qwen3MoeConfig(  # the served context is set before saving (SERVED_CTX)
         vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.ff,
         moe_intermediate_size=a.ff, num_hidden_layers=a.layers, num_attention_heads=a.heads,
         num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads, num_experts=a.experts,
@@ -379,6 +380,13 @@ def main() -> int:
     save_state()
     model.config.output_router_logits = False
     model.set_experts_implementation("eager")
+    # Trained on ctx-token windows, a model like this degrades past them with full attention
+    # but not through a ctx-token sliding window, where RoPE only ever sees the relative
+    # distances of training (scripts/context_perplexity.py measures it). Serve it that way,
+    # with a chat-sized context.
+    model.config.use_sliding_window = True
+    model.config.sliding_window = a.ctx
+    model.config.max_position_embeddings = SERVED_CTX
     model.to(torch.float16).save_pretrained(out, safe_serialization=True)
     gen_cfg = tf.GenerationConfig(bos_token_id=None, eos_token_id=[im_end_id, eos_id],
                                   pad_token_id=eos_id)

@@ -1,0 +1,69 @@
+/* Kernel-side probes for the micro-benchmark (clb_bench.h): time clb_matmul on one matrix and
+ * an empty thread-pool run, from C, so the figures hold no Python overhead.
+ * Guarantees: every timed product runs the same call the forward pass makes (clb_matmul with
+ * the model's kind of pool); buffers are allocated before the clock starts and freed after.
+ * Refuses: bad shapes or counts (CLB_E_ARG); it measures, it asserts nothing about speed. */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <time.h>
+
+#include "clb_bench.h"
+#include "clb_kernels.h"
+#include "clb_threadpool.h"
+
+static double clb_kb_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_in,
+                            const float *x, int64_t n_tok, int n_threads, int n_reps,
+                            double *secs) {
+    if (!w || !x || !secs || n_out <= 0 || n_in <= 0 || n_tok <= 0 || n_reps < 1 ||
+        n_reps > 100000 || n_threads < 1 || n_threads > 1024)
+        return CLB_E_ARG;
+    size_t ssz = clb_matmul_scratch_size(t, n_in, n_tok);
+    void *scratch = malloc(ssz ? ssz : 1);
+    float *y = malloc((size_t)(n_out * n_tok) * sizeof(float));
+    clb_threadpool *tp = NULL;
+    clb_status st = scratch && y ? clb_threadpool_init(&tp, n_threads) : CLB_E_NOMEM;
+    for (int r = 0; st == CLB_OK && r < n_reps; r++) {
+        double t0 = clb_kb_now();
+        st = clb_matmul(t, w, n_out, n_in, x, n_tok, y, n_out, NULL, scratch, tp);
+        secs[r] = clb_kb_now() - t0;
+    }
+    clb_threadpool_free(tp);
+    free(y);
+    free(scratch);
+    return st;
+}
+
+static void clb_kb_empty(void *ctx, int ith, int nth) {
+    (void)ctx;
+    (void)ith;
+    (void)nth;
+}
+
+clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run) {
+    if (!ns_per_run || n_threads < 1 || n_threads > 1024 || n_runs < 1 || n_runs > 10000000 ||
+        gap_us < 0 || gap_us > 1000000)
+        return CLB_E_ARG;
+    clb_threadpool *tp = NULL;
+    clb_status st = clb_threadpool_init(&tp, n_threads);
+    if (st != CLB_OK) return st;
+    double total = 0.0;
+    for (int r = 0; st == CLB_OK && r < n_runs; r++) {
+        if (gap_us > 0) { /* idle between runs as the forward pass does between layers */
+            double until = clb_kb_now() + 1e-6 * gap_us;
+            while (clb_kb_now() < until) {
+            }
+        }
+        double t0 = clb_kb_now();
+        st = clb_threadpool_run(tp, clb_kb_empty, NULL);
+        total += clb_kb_now() - t0;
+    }
+    clb_threadpool_free(tp);
+    *ns_per_run = total / n_runs * 1e9;
+    return st;
+}
