@@ -444,7 +444,9 @@ def model_card(s: dict) -> str:
         f"{a['heads']} heads / {a['kv_heads']} KV heads (head size {a['hidden'] // a['heads']},"
         f" RMS-normed queries and keys), {a['experts']} experts of intermediate size "
         f"{a['ff']} in every layer, top-{a['top_k']} routing with the top-{a['top_k']} "
-        f"weights renormalised to sum to 1, tied embeddings, context {a['ctx']}.",
+        f"weights renormalised to sum to 1, tied embeddings; trained on {a['ctx']}-token "
+        f"windows and served with a {SERVED_CTX}-token context through a {a['ctx']}-token "
+        "sliding window.",
         f"- {s['parameters'] / 1e6:.2f}M parameters, saved as float16 safetensors "
         f"({s['checkpoint_bytes'] / 1e6:.1f} MB).",
         f"- Tokenizer: byte-level BPE, {s['vocab']} tokens, trained on the training split; "
@@ -490,7 +492,8 @@ def model_card(s: dict) -> str:
         "| model | perplexity | bits per character |",
         "|---|---|---|",
         f"| this model | {s['val_perplexity']:.2f} | {s['val_bits_per_char']:.4f} |",
-        f"| unigram baseline (training-set token frequencies) | {s['unigram_perplexity']:.2f} |",
+        f"| unigram baseline (training-set token frequencies) | {s['unigram_perplexity']:.2f} "
+        "| |",
         "",
         "With Colibri itself: `colibri eval --dataset demo-validation` (add `--quant f32`, "
         "`f16`, `q8` or `q4` to compare precisions).",
