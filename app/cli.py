@@ -1,24 +1,29 @@
 """`colibri serve`: argparse options over COLIBRI_* environment variables over `.env`.
 
 `add_serve_parser(subparsers)` registers the subcommand, `serve_main(args)` runs it and
-returns the exit code: 0 after SIGTERM/SIGINT and a drain, 1 when the model cannot load or
-the engine fails.
+returns the exit code: 0 after SIGTERM/SIGINT and a drain, 1 when the engine fails. Before
+anything is bound or loaded, the port and the model are checked: a taken port or a bad model
+folder is one line on stderr and exit code 2 (raised as ValueError / ModelError for
+engine.cli's handler), never a traceback after "Uvicorn running".
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 from types import FrameType
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from app.server import create_app
 from app.settings import Settings
 from app.state import ServerState
-from engine import cli_main
+from engine import DEFAULT_QUANT, QUANT_PRESETS, check_model, cli_main
 
 _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--model", dict(help="model folder (Colibri or Hugging Face); default: the demo model")),
@@ -26,10 +31,23 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--port", dict(type=int, help="port (default 8000)")),
     ("--api-key", dict(help="require 'Authorization: Bearer KEY' on the API")),
     ("--served-model-name", dict(help="model name clients use (default: folder name)")),
+    ("--accept-any-model", dict(action="store_true",
+                                help="answer requests whatever model name they send")),
     ("--threads", dict(type=int, help="compute threads (default: all cores)")),
     ("--n-ctx", dict(type=int, help="context length (default: the model's)")),
-    ("--quant", dict(help="precision when converting a Hugging Face folder (q8, q4, f16)")),
+    ("--quant", dict(choices=QUANT_PRESETS,
+                     help=f"precision when converting a Hugging Face folder "
+                          f"(default {DEFAULT_QUANT})")),
     ("--max-queue", dict(type=int, help="requests that may wait for the engine (default 16)")),
+    ("--max-num-seqs", dict(type=int, help="sequences generated together (default 16)")),
+    ("--max-num-batched-tokens", dict(type=int,
+                                      help="tokens per engine step, prompt chunks included "
+                                           "(default 256)")),
+    ("--kv-cache-mb", dict(type=float, help="KV cache pool in MB (default: room for "
+                                            "max-num-seqs full contexts, at most a quarter "
+                                            "of free memory)")),
+    ("--kv-cache-type", dict(choices=["f32", "f16", "q8"], help="KV element type "
+                                                                 "(default f16)")),
     ("--max-n", dict(type=int, help="largest n per request (default 8)")),
     ("--max-body-bytes", dict(type=int, help="largest request body (default 1 MiB)")),
     ("--cors-origins", dict(nargs="+", help="origins allowed by CORS (default: none)")),
@@ -49,6 +67,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--allow-client-chat-template", action="store_true",
                         default=argparse.SUPPRESS,
                         help="let requests send their own chat template (sandboxed)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        default=argparse.SUPPRESS,
+                        help="do not reuse the KV blocks of prompt prefixes across requests")
     parser.add_argument("--env-file", default=".env", help="settings file (default .env)")
     parser.set_defaults(handler=serve_main)
     return parser
@@ -58,7 +79,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings: given options first, then COLIBRI_* variables, then the .env file."""
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     env_file = getattr(args, "env_file", ".env")
-    return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]
+    try:
+        return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]
+    except ValidationError as e:  # one line for the user, like every other start-up error
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors())
+        raise ValueError(f"invalid setting ({problems}); fix the option, its COLIBRI_* "
+                         f"variable or {env_file}") from None
 
 
 class _Server(uvicorn.Server):
@@ -73,9 +101,38 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def check_port(host: str, port: int) -> None:
+    """Raise ValueError (one line, with what to do) if host:port cannot be listened on now.
+
+    Binds a throw-away socket the way uvicorn will (SO_REUSEADDR), so a port held by another
+    server is found before the model is loaded.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: unknown address ({e.strerror}); "
+                         f"pass --host an address of this machine (default 127.0.0.1)") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                why = "the port is already in use"
+            elif e.errno == errno.EACCES:
+                why = "permission denied (ports below 1024 need privileges)"
+            else:
+                why = e.strerror or str(e)
+            raise ValueError(f"cannot listen on {host}:{port}: {why}; pass --port another "
+                             f"port (or set COLIBRI_PORT)") from None
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code."""
     settings = settings_from_args(args)
+    check_port(settings.host, settings.port)
+    check_model(settings.model, n_ctx=settings.n_ctx)
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)

@@ -38,6 +38,7 @@ class Choice:
     index: int
     parts: list[str] = field(default_factory=list)
     n_tokens: int = 0
+    n_cached: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None
     logprob_outputs: list[Output] = field(default_factory=list)
 
@@ -56,18 +57,24 @@ def now() -> int:
 
 
 def max_tokens_for(state: ServerState, n_prompt: int, requested: int | None, param: str) -> int:
-    """The completion budget: requested, or what is left of the context; 400 if it cannot fit."""
+    """The completion budget: requested, or what is left of the context; 400 if it cannot fit.
+    A KV cache smaller than the context caps a request at the cache's size."""
     n_ctx = int(state.llm.n_ctx)
-    if n_prompt >= n_ctx:
-        raise APIError(400, f"This model's maximum context length is {n_ctx} tokens, and the "
-                       f"prompt has {n_prompt} tokens.", param, "context_length_exceeded")
+    cap = int(state.llm.core.max_request_tokens)
+    if cap < n_ctx:
+        limit = (f"This server's KV cache holds {cap} tokens per request (the model's context "
+                 f"is {n_ctx})")
+    else:
+        limit = f"This model's maximum context length is {n_ctx} tokens"
+    if n_prompt >= cap:
+        raise APIError(400, f"{limit}, and the prompt has {n_prompt} tokens.", param,
+                       "context_length_exceeded")
     if requested is None:
-        return n_ctx - n_prompt
-    if n_prompt + requested > n_ctx:
-        raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, "
-                       f"you requested {n_prompt + requested} tokens ({n_prompt} in the prompt, "
-                       f"{requested} for the completion). Please reduce the prompt or "
-                       "max_tokens.", param, "context_length_exceeded")
+        return cap - n_prompt
+    if n_prompt + requested > cap:
+        raise APIError(400, f"{limit}. However, you requested {n_prompt + requested} tokens "
+                       f"({n_prompt} in the prompt, {requested} for the completion). Please "
+                       "reduce the prompt or max_tokens.", param, "context_length_exceeded")
     return requested
 
 
@@ -150,6 +157,7 @@ def add_output(choice: Choice, out: Output, state: ServerState) -> None:
     step = out.step
     choice.parts.append(step.text)
     choice.n_tokens += 1
+    choice.n_cached = max(choice.n_cached, step.n_cached_tokens)
     if step.finish_reason is not None:
         choice.finish_reason = step.finish_reason
     if out.token is not None and not is_eos_stop(out, state):
@@ -162,9 +170,14 @@ def is_eos_stop(out: Output, state: ServerState) -> bool:
             and out.step.token_id in state.llm.tokenizer.eos_token_ids)
 
 
-def usage(n_prompt: int, n_completion: int) -> dict[str, int]:
+def usage(n_prompt: int, choices: list[Choice]) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache (the
+    first choice's: later choices of a prompt share its prefill)."""
+    n_completion = sum(c.n_tokens for c in choices)
+    cached = choices[0].n_cached if choices else 0
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-            "total_tokens": n_prompt + n_completion}
+            "total_tokens": n_prompt + n_completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # -- logprobs formats ------------------------------------------------------------------------

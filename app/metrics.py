@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -53,6 +56,11 @@ class Metrics:
         self.ttft = Histogram()
         self.itl = Histogram()
         self.e2e = Histogram()
+        self.batch_seqs = Histogram(_BATCH_BUCKETS)
+        self.batch_tokens = Histogram(_BATCH_BUCKETS)
+        self.model_name = ""
+        # the engine's counters, read at render time (None until the model is loaded)
+        self.engine_stats: Callable[[], dict[str, Any]] | None = None
 
     # -- recorders ---------------------------------------------------------------------
     def count_request(self, endpoint: str, status: int) -> None:
@@ -80,6 +88,12 @@ class Metrics:
         with self._lock:
             self.aborted += 1
 
+    def observe_step(self, n_seqs: int, n_tokens: int) -> None:
+        """One engine step: sequences and tokens it carried."""
+        with self._lock:
+            self.batch_seqs.observe(n_seqs)
+            self.batch_tokens.observe(n_tokens)
+
     def set_queue(self, waiting: int, running: int) -> None:
         with self._lock:
             self.waiting = waiting
@@ -105,6 +119,7 @@ class Metrics:
             head("colibri_requests_aborted_total", "counter",
                  "Requests stopped early (client gone, server draining).")
             out.append(f"colibri_requests_aborted_total {self.aborted}")
+            out += self._render_engine()
             head("colibri_requests_waiting", "gauge", "Requests waiting in the queue.")
             out.append(f"colibri_requests_waiting {self.waiting}")
             head("colibri_requests_running", "gauge", "Requests being generated.")
@@ -120,7 +135,49 @@ class Metrics:
             head("colibri_e2e_request_latency_seconds", "histogram",
                  "From arrival in the queue to the last token.")
             out += self.e2e.render("colibri_e2e_request_latency_seconds")
+            head("colibri_batch_size_sequences", "histogram", "Sequences per engine step.")
+            out += self.batch_seqs.render("colibri_batch_size_sequences")
+            head("colibri_batch_size_tokens", "histogram", "Tokens per engine step.")
+            out += self.batch_tokens.render("colibri_batch_size_tokens")
             return "\n".join(out) + "\n"
+
+    def _render_engine(self) -> list[str]:
+        """The scheduler and KV cache numbers under vLLM's names, so gateways that route on
+        them (queue depth, KV usage) work unchanged."""
+        stats = self.engine_stats() if self.engine_stats is not None else None
+        if stats is None:
+            return []
+        self.waiting, self.running = int(stats["waiting"]), int(stats["running"])
+        name = self.model_name.replace("\\", "").replace('"', "")
+        lab = f'{{model_name="{name}"}}'
+        rows = [
+            ("vllm:num_requests_running", "gauge", "Sequences in the running batch.",
+             "running"),
+            ("vllm:num_requests_waiting", "gauge", "Sequences waiting to be scheduled.",
+             "waiting"),
+            ("vllm:kv_cache_usage_perc", "gauge", "Share of KV cache blocks in use (0-1).",
+             "kv_usage"),
+            ("vllm:prefix_cache_queries_total", "counter",
+             "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+            ("vllm:prefix_cache_hits_total", "counter",
+             "Prompt tokens found in the prefix cache.", "prefix_hits"),
+            ("vllm:num_preemptions_total", "counter",
+             "Sequences preempted (blocks freed, recomputed later).", "preemptions"),
+            ("colibri_kv_cache_blocks_free", "gauge", "Free KV cache blocks.", "kv_free"),
+            ("colibri_kv_cache_blocks_total", "gauge", "KV cache blocks in the pool.",
+             "kv_total"),
+            ("colibri_engine_step_seconds_total", "counter",
+             "Time in engine steps (scheduling, forward pass, sampling, detokenizing).",
+             "step_s"),
+            ("colibri_engine_forward_seconds_total", "counter",
+             "Time in the forward pass (the C core) within engine steps.", "forward_s"),
+        ]
+        out: list[str] = []
+        for name, kind, doc, key in rows:
+            out.append(f"# HELP {name} {doc}")
+            out.append(f"# TYPE {name} {kind}")
+            out.append(f"{name}{lab if name.startswith('vllm:') else ''} {stats[key]}")
+        return out
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ from app.routes import chat, completions, health, models, tokenize
 from app.settings import Settings
 from app.state import ServerState
 from app.worker import EngineWorker
-from engine import LLM, __version__
+from engine import LLM, EngineConfig, __version__
 
 log = logging.getLogger("colibri.app")
 
@@ -30,9 +30,15 @@ log = logging.getLogger("colibri.app")
 def default_loader(settings: Settings) -> Callable[[], LLM]:
     """Load settings.model (None: the bundled demo model) the way `colibri serve` does."""
 
+    config = EngineConfig(
+        threads=settings.threads, n_ctx=settings.n_ctx, quant=settings.quant,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        kv_cache_mb=settings.kv_cache_mb, kv_cache_type=settings.kv_cache_type,
+        enable_prefix_cache=settings.prefix_cache)
+
     def load() -> LLM:
-        return LLM(settings.model, threads=settings.threads, n_ctx=settings.n_ctx,
-                   quant=settings.quant)
+        return LLM(settings.model, quant=settings.quant, config=config)
 
     return load
 

@@ -6,8 +6,12 @@ Every field here is documented in `.env.example`; the defaults are the safe ones
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine import DEFAULT_QUANT, QUANT_PRESETS
 
 
 class Settings(BaseSettings):
@@ -20,9 +24,18 @@ class Settings(BaseSettings):
     # -- model ------------------------------------------------------------------------
     model: str | None = Field(None, description="model folder; None = the bundled demo model")
     served_model_name: str | None = Field(None, description="name clients use; default: folder")
-    quant: str = Field("q8", description="precision when converting a Hugging Face folder")
+    accept_any_model: bool = Field(
+        False, description="answer requests whatever `model` they name (one model is served)")
+    quant: str = Field(DEFAULT_QUANT, description="precision when converting a HF folder")
     threads: int | None = Field(None, ge=1, description="compute threads; None = all cores")
     n_ctx: int | None = Field(None, ge=16, description="context length; None = model default")
+
+    # -- batching and KV cache --------------------------------------------------------
+    max_num_seqs: int = Field(16, ge=1, le=256, description="sequences in one batch")
+    max_num_batched_tokens: int = Field(256, ge=16, description="tokens in one step")
+    kv_cache_mb: float | None = Field(None, gt=0, description="KV pool; None = from memory")
+    kv_cache_type: Literal["f32", "f16", "q8"] = Field("f16", description="KV element type")
+    prefix_cache: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
 
     # -- network ----------------------------------------------------------------------
     host: str = "127.0.0.1"
@@ -46,6 +59,13 @@ class Settings(BaseSettings):
     # -- chat templates ---------------------------------------------------------------
     allow_client_chat_template: bool = False
     max_chat_template_chars: int = Field(32 << 10, ge=64)
+
+    @field_validator("quant")
+    @classmethod
+    def _known_quant(cls, v: str) -> str:
+        if v not in QUANT_PRESETS:
+            raise ValueError(f"quant must be one of {', '.join(QUANT_PRESETS)}")
+        return v
 
     def model_names(self, loaded_name: str) -> list[str]:
         """Names a request's `model` may use: the served name first."""

@@ -52,9 +52,11 @@ class ServerState:
         return self.model_names()[0]
 
     def check_model(self, requested: str | None) -> str:
-        """The served name; 404 (param model) when the request names another model."""
+        """The served name; 404 (param model) when the request names another model, unless
+        the server accepts any name (settings.accept_any_model)."""
         names = self.model_names()
-        if requested is not None and requested not in names:
+        if requested is not None and requested not in names \
+                and not self.settings.accept_any_model:
             raise APIError(404, f"The model `{requested}` does not exist.", "model",
                            "model_not_found")
         return names[0]

@@ -63,33 +63,66 @@ typedef struct clb_kv clb_kv;
 clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads, clb_model **out, char *err);
 void clb_model_free(clb_model *m);
 
-/* KV cache for up to n_seq sequences of hp.n_ctx positions each. */
-clb_status clb_kv_init(const clb_model *m, int n_seq, clb_kv **out);
-void clb_kv_free(clb_kv *kv);
-void clb_kv_clear_seq(clb_kv *kv, int seq_id);             /* ignores ids out of range */
-int64_t clb_kv_seq_len(const clb_kv *kv, int seq_id);      /* positions held; -1 if bad id */
-int clb_kv_n_seq(const clb_kv *kv);
+/* Paged KV cache: one pool of n_blocks blocks shared by every sequence. A block holds the K
+ * and V rows of CLB_KV_BLOCK consecutive positions of one sequence, for every layer; which
+ * block holds which positions is the caller's business (a block table per sequence, passed
+ * with each forward call). The cache keeps no per-sequence state: sequence lengths, block
+ * allocation and prefix sharing live with the caller. */
+#define CLB_KV_BLOCK 16 /* positions per block */
 
-/* One forward step over a batch of tokens. Token i belongs to sequence seq_ids[i] at position
- * positions[i]; a sequence's tokens appear in increasing position order and every position
- * before them is already in the cache. Logits are written for each token i with
- * want_logits[i] != 0 (all tokens when want_logits is NULL), in order, into
- * logits[n_out, n_vocab]. Returns CLB_E_ARG for bad ids/positions, CLB_E_RANGE past n_ctx.
- * Everything is validated before any computation, so a refused call leaves the cache as it
- * was. A sequence's first token in the call may sit at a position below what the cache holds
- * (rewinding it: later positions are dropped); it may not skip ahead. Calls longer than
+typedef enum {
+    CLB_KV_F32 = 0,
+    CLB_KV_F16 = 1, /* round to nearest even */
+    CLB_KV_Q8 = 2,  /* int8 with one f32 scale per (position, kv head) row of head_dim */
+} clb_kv_type;
+
+/* Bytes of one block (K and V, all layers); 0 if hp or type is invalid or the size overflows. */
+size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type);
+/* n_blocks in 1..INT32_MAX; the storage comes from a pool (mmap'd when large, so blocks never
+ * written cost no RAM). CLB_E_ARG for bad arguments, CLB_E_RANGE if the size overflows. */
+clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out);
+void clb_kv_free(clb_kv *kv);
+int64_t clb_kv_n_blocks(const clb_kv *kv);
+clb_kv_type clb_kv_get_type(const clb_kv *kv);
+
+/* One forward call's tokens and the block tables of its sequences. */
+typedef struct {
+    int64_t n_tokens;
+    const int32_t *tokens;       /* [n_tokens] */
+    const int32_t *seq_ids;      /* [n_tokens]: index into this call's sequences, 0..n_seq-1 */
+    const int32_t *positions;    /* [n_tokens] */
+    const uint8_t *want_logits;  /* [n_tokens], NULL: every token */
+    int32_t n_seq;               /* rows of block_tables, 1..n_blocks */
+    int32_t max_blocks;          /* row length of block_tables */
+    const int32_t *block_tables; /* [n_seq, max_blocks]: block id holding positions [16j, 16j+16)
+                                    of sequence s; -1 = none */
+} clb_batch;
+
+/* One forward step over a batch of tokens. Token i (sequence s = seq_ids[i], position
+ * p = positions[i]) writes its K/V rows into block block_tables[s][p / 16], slot p % 16, then
+ * attends over positions [lo, p] of s (lo > 0 only with a sliding window), read through s's
+ * table. The caller guarantees that every position of s below its first position in this call
+ * was written by an earlier call into the blocks the table names now (blocks may be shared
+ * read-only between sequences, e.g. a common prompt prefix).
+ * Everything is validated before any computation, so a refused call changes nothing: token ids
+ * in the vocabulary; seq ids in 0..n_seq-1; positions in 0..n_ctx-1 (CLB_E_RANGE past n_ctx);
+ * a sequence's positions consecutive and increasing within the call; every table entry a token
+ * needs (blocks 0..p/16 of its sequence) in 0..n_blocks-1; no block written by two sequences or
+ * at two table indices of one sequence. Errors are CLB_E_ARG / CLB_E_RANGE with a message in
+ * err. Logits are written for each token i with want_logits[i] != 0 (all tokens when
+ * want_logits is NULL), in order, into logits[n_out, n_vocab]. Calls longer than
  * clb_forward_max_batch() tokens are run as consecutive chunks, which gives the same result.
- * Not reentrant for one model (it uses the model's scratch); never allocates. */
-clb_status clb_forward(clb_model *m, clb_kv *kv, int64_t n_tokens, const int32_t *tokens,
-                       const int32_t *seq_ids, const int32_t *positions,
-                       const uint8_t *want_logits, float *logits, char *err);
+ * A token's result does not depend on the other tokens of the call.
+ * Not reentrant for one model or one cache (it uses their scratch); never allocates. */
+clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err);
 
 int64_t clb_forward_max_batch(void);
 const clb_hparams *clb_model_hparams(const clb_model *m);
 int clb_model_n_threads(const clb_model *m);
 
-/* The seeds' C API names, thin wrappers over the above for one sequence: each
- * colibri_forward call appends tokens to that sequence and returns the logits of the last one.
+/* The seeds' C API names, thin wrappers over the above for one sequence (f32 KV, its own block
+ * table): each colibri_forward call appends tokens to that sequence and returns the logits of
+ * the last one; colibri_reset starts the sequence again.
  * Tokenizing and detokenizing live in Python (engine, Hugging Face tokenizers), not here. */
 typedef struct colibri_model colibri_model;
 colibri_model *colibri_init(const char *dir, const clb_hparams *hp, int n_threads, char *err);

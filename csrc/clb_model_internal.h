@@ -11,9 +11,6 @@
 
 /* Tokens one internal forward chunk carries; longer calls are split (see clb_forward). */
 #define CLB_MAX_BATCH 512
-/* Positions per KV block: the cache is addressed through a per-sequence block table so a
- * paged (shared-pool) cache can replace the fixed mapping without touching forward.c. */
-#define CLB_KV_BLOCK 16
 
 typedef struct {
     const clb_tensor *w1, *w3, *w2; /* [F, D] gate, [F, D] up, [D, F] down */
@@ -67,7 +64,8 @@ struct clb_model {
     float *eo;       /* [B, D] expert output */
     float *sgate;    /* [B] shared expert gate logits */
     int32_t *out_rows; /* [B] chunk rows that want logits */
-    float *scores;   /* [n_threads, span] attention scores per worker */
+    float *scores;   /* [n_threads, H/Hkv, span] attention scores per worker and head */
+    float *head_stat; /* [n_threads, 2, H/Hkv] per head: max score, then 1 / sum of exps */
     int64_t span;    /* most keys one query sees: min(n_ctx, sliding_window) */
     void *mm_scratch;  /* [B] packed activation rows for clb_matmul (any n_in) */
     size_t mm_scratch_size;
@@ -79,21 +77,30 @@ struct clb_model {
 struct clb_kv {
     clb_pool *pool;
     const clb_model *model; /* the model this cache was made for */
-    int n_seq;
-    int64_t n_layer, n_ctx, kv_dim; /* kv_dim = n_head_kv * head_dim */
-    int64_t n_blk_seq;      /* blocks per sequence: ceil(n_ctx / CLB_KV_BLOCK) */
-    int64_t n_blk;          /* physical blocks per layer */
-    int32_t *blk_table;     /* [n_seq, n_blk_seq] -> physical block */
-    int64_t *seq_len;       /* [n_seq] positions held */
-    int64_t *seq_next;      /* [n_seq] forward's validation scratch */
-    float *data;            /* [L, n_blk, 2 (K, V), CLB_KV_BLOCK, kv_dim] */
+    clb_kv_type type;
+    int64_t n_blocks;
+    int64_t n_layer, n_head_kv, head_dim, kv_dim; /* kv_dim = n_head_kv * head_dim */
+    size_t row_bytes;       /* one position's K (or V) row of one layer, scales included */
+    size_t q8_scale_off;    /* q8: offset of the [n_head_kv] f32 scales in a row */
+    size_t block_bytes;     /* row_bytes * CLB_KV_BLOCK * 2 * n_layer */
+    unsigned char *data;    /* [n_blocks, L, 2 (K, V), CLB_KV_BLOCK, row_bytes] */
+    int32_t *writer;        /* [n_blocks] forward's validation scratch: -1 between calls */
+    int32_t *seq_next;      /* [n_blocks] forward's validation scratch (one per sequence) */
+    float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
 };
 
-/* Row of K (kind 0) or V (kind 1) of layer il for sequence seq at position pos. */
-static inline float *clb_kv_row(const clb_kv *kv, int64_t il, int seq, int64_t pos, int kind) {
-    int64_t blk = kv->blk_table[(int64_t)seq * kv->n_blk_seq + pos / CLB_KV_BLOCK];
-    int64_t base = ((il * kv->n_blk + blk) * 2 + kind) * CLB_KV_BLOCK + pos % CLB_KV_BLOCK;
-    return kv->data + base * kv->kv_dim;
+/* K (kind 0) or V (kind 1) row of layer il in block blk, slot `slot` (kv_dim values of the
+ * cache's type, then the q8 scales). Block-major so one block's bytes are contiguous. */
+static inline unsigned char *clb_kv_row(const clb_kv *kv, int64_t blk, int64_t il, int kind,
+                                        int64_t slot) {
+    size_t r = (size_t)((il * 2 + kind) * CLB_KV_BLOCK + slot);
+    return kv->data + (size_t)blk * kv->block_bytes + r * kv->row_bytes;
 }
+
+/* Stores one row of kv_dim f32 values into a cache row in the cache's format (kv.c). */
+void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x);
+/* Row widening for attention (kv.c): n values into y. */
+void clb_kv_f16_to_f32(int64_t n, const clb_f16 *restrict x, float *restrict y);
+void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y);
 
 #endif

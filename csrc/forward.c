@@ -4,7 +4,8 @@
  * clb_matmul_jobs on the model's thread pool, with matrices that read the same input in one
  * dispatch; each expert's weights are read once per chunk for all the tokens routed to it; no
  * allocation (all scratch was sized at load).
- * Refuses: token ids, sequence ids and positions outside the model and cache. */
+ * Refuses: token ids, sequence ids and positions outside the model, and block tables that name
+ * blocks outside the cache or let two sequences write one block. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -82,56 +83,125 @@ typedef struct {
     const clb_kv *kv;
     int64_t il, T;
     const int32_t *seq, *pos;
+    const int32_t *tables; /* [n_seq, max_blocks] */
+    int64_t max_blocks;
+    int64_t nh;            /* query heads per work item: H/Hkv (one kv head's group) or 1 */
 } att_task;
 
-/* Work items are (token, head) pairs split evenly over the workers; each query reads the keys
- * of its own sequence in [max(0, pos - window + 1), pos], all already in the cache. */
+/* Widens rows [0, n) of one block (row stride kv->row_bytes) of kv head kvh to f32 rows of
+ * hd in deq; q8 values stay unscaled (the scale is applied by the caller). */
+static void widen_rows(const clb_kv *kv, const unsigned char *row, int64_t n, int64_t kvh,
+                       float *deq) {
+    const int64_t hd = kv->head_dim;
+    for (int64_t r = 0; r < n; r++, row += kv->row_bytes) {
+        if (kv->type == CLB_KV_F16)
+            clb_kv_f16_to_f32(hd, (const clb_f16 *)(const void *)row + kvh * hd, deq + r * hd);
+        else
+            clb_kv_i8_to_f32(hd, (const int8_t *)row + kvh * hd, deq + r * hd);
+    }
+}
+
+static float q8_scale(const clb_kv *kv, const unsigned char *row, int64_t kvh) {
+    return ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
+}
+
+/* A work item is (token, kv head, nh query heads of its group); each query reads the keys of
+ * its own sequence in [max(0, pos - window + 1), pos], all already in the cache, through the
+ * sequence's block table, block by block (one table lookup per block). f16 and q8 rows are
+ * widened to f32 once per block for all nh heads (q8: the scale multiplies the dot product
+ * and the softmax weight) and read by the f32 dot / mad kernels. Each head's arithmetic is
+ * the same whatever nh, the split over workers or the rest of the batch, so a token's output
+ * never depends on its neighbours. */
 static void att_worker(void *vctx, int ith, int nth) {
     const att_task *a = vctx;
     const clb_model *m = a->m;
+    const clb_kv *kv = a->kv;
     const clb_hparams *hp = &m->hp;
-    const int64_t H = hp->n_head, hd = hp->head_dim, qd = H * hd;
-    const int64_t group = H / hp->n_head_kv;
+    const int64_t H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim, qd = H * hd;
+    const int64_t group = H / Hkv, nh = a->nh, per_kv = group / nh, span = m->span;
     const float scale = 1.0f / sqrtf((float)hd);
-    const int64_t n_items = a->T * H;
+    const int64_t n_items = a->T * Hkv * per_kv;
     const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
-    float *sc = m->scores + (int64_t)ith * m->span;
+    float *sc = m->scores + (int64_t)ith * group * span;        /* [nh, span] */
+    float *mx = m->head_stat + (int64_t)ith * 2 * group, *inv = mx + group;
+    float *deq = kv->deq + (int64_t)ith * CLB_KV_BLOCK * hd;    /* [CLB_KV_BLOCK, hd] */
     const clb_vec_dot_fn vdot = clb_get_type_traits(CLB_TYPE_F32)->vec_dot;
+    const clb_vec_dot_fn vdot16 = clb_get_type_traits(CLB_TYPE_F16)->vec_dot;
     const clb_vec_mad_fn vmad = clb_get_vec_mad_f32();
+    const clb_kv_type ty = kv->type;
+    const size_t rb = kv->row_bytes;
 
     for (int64_t it = i0; it < i1; it++) {
-        int64_t t = it / H, h = it % H, kvh = h / group;
-        int s = a->seq[t];
-        int64_t p = a->pos[t];
+        const int64_t t = it / (Hkv * per_kv), r = it % (Hkv * per_kv);
+        const int64_t kvh = r / per_kv, h0 = kvh * group + (r % per_kv) * nh;
+        const int32_t *tab = a->tables + (int64_t)a->seq[t] * a->max_blocks;
+        const int64_t p = a->pos[t];
         int64_t lo = 0;
         if (hp->sliding_window > 0 && p - hp->sliding_window + 1 > 0) lo = p - hp->sliding_window + 1;
-        const float *q = m->q + t * qd + h * hd;
-        float *out = m->att + t * qd + h * hd;
+        const float *q0 = m->q + t * qd + h0 * hd;
+        float *out0 = m->att + t * qd + h0 * hd;
 
-        float mx = -INFINITY;
-        for (int64_t j = lo; j <= p; j++) {
-            const float *k = clb_kv_row(a->kv, a->il, s, j, 0) + kvh * hd;
-            float dot = vdot(hd, q, k) * scale;
-            sc[j - lo] = dot;
-            if (dot > mx) mx = dot;
+        for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
+        for (int64_t j = lo; j <= p;) {
+            const int64_t slot = j % CLB_KV_BLOCK;
+            const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
+            const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 0, slot);
+            if (ty != CLB_KV_F32) widen_rows(kv, row0, n, kvh, deq);
+            for (int64_t g = 0; g < nh; g++) {
+                const float *q = q0 + g * hd;
+                float *s = sc + g * span + (j - lo);
+                const unsigned char *row = row0;
+                for (int64_t k = 0; k < n; k++, row += rb) {
+                    float dot;
+                    if (ty == CLB_KV_F32)
+                        dot = vdot(hd, q, (const float *)(const void *)row + kvh * hd);
+                    else if (ty == CLB_KV_F16)
+                        dot = vdot16(hd, (const clb_f16 *)(const void *)row + kvh * hd, q);
+                    else
+                        dot = vdot(hd, q, deq + k * hd) * q8_scale(kv, row, kvh);
+                    dot *= scale;
+                    s[k] = dot;
+                    if (dot > mx[g]) mx[g] = dot;
+                }
+            }
+            j += n;
         }
-        float sum = 0.0f;
-        for (int64_t j = lo; j <= p; j++) {
-            float e = expf(sc[j - lo] - mx);
-            sc[j - lo] = e;
-            sum += e;
+        for (int64_t g = 0; g < nh; g++) {
+            float *s = sc + g * span, sum = 0.0f;
+            for (int64_t j = 0; j <= p - lo; j++) {
+                float e = expf(s[j] - mx[g]);
+                s[j] = e;
+                sum += e;
+            }
+            inv[g] = 1.0f / sum; /* sum >= 1: the maximum contributes exp(0) */
+            for (int64_t d = 0; d < hd; d++) out0[g * hd + d] = 0.0f;
         }
-        float inv = 1.0f / sum; /* sum >= 1: the maximum contributes exp(0) */
-        for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
-        for (int64_t j = lo; j <= p; j++) {
-            const float *v = clb_kv_row(a->kv, a->il, s, j, 1) + kvh * hd;
-            vmad(hd, out, v, sc[j - lo] * inv);
+        for (int64_t j = lo; j <= p;) {
+            const int64_t slot = j % CLB_KV_BLOCK;
+            const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
+            const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 1, slot);
+            if (ty == CLB_KV_F16 || ty == CLB_KV_Q8) widen_rows(kv, row0, n, kvh, deq);
+            for (int64_t g = 0; g < nh; g++) {
+                float *out = out0 + g * hd;
+                const float *s = sc + g * span + (j - lo);
+                const unsigned char *row = row0;
+                for (int64_t k = 0; k < n; k++, row += rb) {
+                    float w = s[k] * inv[g];
+                    if (ty == CLB_KV_F32)
+                        vmad(hd, out, (const float *)(const void *)row + kvh * hd, w);
+                    else if (ty == CLB_KV_F16)
+                        vmad(hd, out, deq + k * hd, w);
+                    else
+                        vmad(hd, out, deq + k * hd, w * q8_scale(kv, row, kvh));
+                }
+            }
+            j += n;
         }
     }
 }
 
-static clb_status attention(clb_model *m, clb_kv *kv, int64_t il, int64_t T, const int32_t *seq,
-                            const int32_t *pos) {
+static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il, int64_t T,
+                            const int32_t *seq, const int32_t *pos) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *l = &m->layers[il];
     const int64_t D = hp->n_embd, H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim;
@@ -172,12 +242,17 @@ static clb_status attention(clb_model *m, clb_kv *kv, int64_t il, int64_t T, con
         const float *cs = m->rope + t * rd;
         for (int64_t h = 0; h < H; h++) rope_head(q + h * hd, cs, rd);
         for (int64_t h = 0; h < Hkv; h++) rope_head(k + h * hd, cs, rd);
-        memcpy(clb_kv_row(kv, il, seq[t], pos[t], 0), k, (size_t)kvd * sizeof(float));
-        memcpy(clb_kv_row(kv, il, seq[t], pos[t], 1), v, (size_t)kvd * sizeof(float));
+        int64_t blk = b->block_tables[(int64_t)seq[t] * b->max_blocks + pos[t] / CLB_KV_BLOCK];
+        clb_kv_store_row(kv, clb_kv_row(kv, blk, il, 0, pos[t] % CLB_KV_BLOCK), k);
+        clb_kv_store_row(kv, clb_kv_row(kv, blk, il, 1, pos[t] % CLB_KV_BLOCK), v);
     }
 
-    /* every K/V row of this chunk is stored first, so in-chunk causal attention sees them */
-    att_task task = {m, kv, il, T, seq, pos};
+    /* every K/V row of this chunk is stored first, so in-chunk causal attention sees them (and
+     * a token reads its own row back in the cache's format, as later tokens will) */
+    /* a whole kv head's group per work item (rows widened once for the group) when that
+     * still gives every worker something to do; otherwise one query head per item */
+    int64_t nh = T * Hkv >= clb_threadpool_n_threads(m->tp) ? H / Hkv : 1;
+    att_task task = {m, kv, il, T, seq, pos, b->block_tables, b->max_blocks, nh};
     TRY(clb_threadpool_run(m->tp, att_worker, &task));
 
     TRY(mm(m, l->wo, m->att, T, m->proj, D, NULL)); /* [T, D] */
@@ -342,7 +417,8 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T) {
 
 /* ---- one chunk ------------------------------------------------------------------------- */
 
-static clb_status forward_chunk(clb_model *m, clb_kv *kv, int64_t T, const int32_t *tokens,
+static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t T,
+                                const int32_t *tokens,
                                 const int32_t *seq, const int32_t *pos, const uint8_t *want,
                                 float *logits, int64_t *n_out) {
     const clb_hparams *hp = &m->hp;
@@ -359,7 +435,7 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, int64_t T, const int32
         }
     }
     for (int64_t il = 0; il < hp->n_layer; il++) {
-        TRY(attention(m, kv, il, T, seq, pos));
+        TRY(attention(m, kv, b, il, T, seq, pos));
         TRY(moe(m, il, T));
     }
 
@@ -374,87 +450,136 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, int64_t T, const int32
     return CLB_OK;
 }
 
-/* Checks every token before any work so a refused call leaves the cache untouched. Fills
- * kv->seq_next[s] with one past the last position of s in the call (-1: not in the call). */
-static clb_status validate(const clb_model *m, clb_kv *kv, int64_t n, const int32_t *tokens,
-                           const int32_t *seq, const int32_t *pos, char *err) {
+/* Checks every token of b before any work, so a refused call leaves the cache untouched.
+ * kv->seq_next[s] is one past the last position of s seen so far (-1: not yet in the call);
+ * kv->writer[blk] is the sequence that writes blk in this call (-1: none). Both are scratch
+ * of the cache; writer is back to all -1 when this returns. A sequence's table entries are
+ * range-checked when it first appears (entries 0..p/16) and when it enters a new block. */
+static clb_status validate(const clb_model *m, clb_kv *kv, const clb_batch *b, char *err) {
     const clb_hparams *hp = &m->hp;
-    for (int s = 0; s < kv->n_seq; s++) kv->seq_next[s] = -1;
-    for (int64_t i = 0; i < n; i++) {
+    const int64_t n = b->n_tokens, nb = b->max_blocks;
+    const int32_t *tokens = b->tokens, *seq = b->seq_ids, *pos = b->positions;
+    clb_status st = CLB_OK;
+    int64_t i = 0;
+    for (int32_t s = 0; s < b->n_seq; s++) kv->seq_next[s] = -1;
+    for (; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) {
             f_err(err, "token %d at index %lld is not in 0..%lld (n_vocab - 1)", tokens[i],
                   (long long)i, (long long)(hp->n_vocab - 1));
-            return CLB_E_ARG;
+            st = CLB_E_ARG;
+            break;
         }
-        if (seq[i] < 0 || seq[i] >= kv->n_seq) {
+        if (seq[i] < 0 || seq[i] >= b->n_seq) {
             f_err(err, "sequence id %d at index %lld is not in 0..%d", seq[i], (long long)i,
-                  kv->n_seq - 1);
-            return CLB_E_ARG;
+                  b->n_seq - 1);
+            st = CLB_E_ARG;
+            break;
         }
         if (pos[i] < 0) {
             f_err(err, "position %d at index %lld is negative", pos[i], (long long)i);
-            return CLB_E_ARG;
+            st = CLB_E_ARG;
+            break;
         }
         if (pos[i] >= hp->n_ctx) {
             f_err(err, "position %d at index %lld is past the context (n_ctx %lld)", pos[i],
                   (long long)i, (long long)hp->n_ctx);
-            return CLB_E_RANGE;
+            st = CLB_E_RANGE;
+            break;
         }
-        int s = seq[i];
-        int64_t next = kv->seq_next[s];
-        if (next < 0 && pos[i] > kv->seq_len[s]) {
-            f_err(err, "sequence %d: position %d at index %lld skips ahead: the cache holds %lld "
-                  "positions", s, pos[i], (long long)i, (long long)kv->seq_len[s]);
-            return CLB_E_ARG;
+        const int32_t s = seq[i];
+        const int64_t p = pos[i], jb = p / CLB_KV_BLOCK, next = kv->seq_next[s];
+        const int32_t *row = b->block_tables + (int64_t)s * nb;
+        if (next >= 0 && p != next) {
+            f_err(err, "sequence %d: position %lld at index %lld, expected %lld (positions of a "
+                  "sequence must be consecutive and increasing in a call)", s, (long long)p,
+                  (long long)i, (long long)next);
+            st = CLB_E_ARG;
+            break;
         }
-        if (next >= 0 && pos[i] != next) {
-            f_err(err, "sequence %d: position %d at index %lld, expected %lld (positions of a "
-                  "sequence must be consecutive in a call)", s, pos[i], (long long)i,
-                  (long long)next);
-            return CLB_E_ARG;
+        if (jb >= nb) {
+            f_err(err, "sequence %d: position %lld needs block table entry %lld, but the rows "
+                  "have %lld entries", s, (long long)p, (long long)jb, (long long)nb);
+            st = CLB_E_ARG;
+            break;
         }
-        kv->seq_next[s] = (int64_t)pos[i] + 1;
+        if (next < 0 || p % CLB_KV_BLOCK == 0) { /* entering a block: check the entries */
+            for (int64_t j = next < 0 ? 0 : jb; j <= jb && st == CLB_OK; j++) {
+                if (row[j] < 0 || row[j] >= kv->n_blocks) {
+                    f_err(err, "sequence %d: block table entry %lld (positions %lld..%lld) is "
+                          "%d, not a block in 0..%lld", s, (long long)j,
+                          (long long)(j * CLB_KV_BLOCK), (long long)(j * CLB_KV_BLOCK + 15),
+                          row[j], (long long)(kv->n_blocks - 1));
+                    st = CLB_E_ARG;
+                }
+            }
+            if (st != CLB_OK) break;
+            for (int64_t j = 0; j < jb; j++) {
+                if (row[j] == row[jb]) {
+                    f_err(err, "sequence %d: block %d is at table entries %lld and %lld", s,
+                          row[jb], (long long)j, (long long)jb);
+                    st = CLB_E_ARG;
+                    break;
+                }
+            }
+            if (st != CLB_OK) break;
+            if (kv->writer[row[jb]] >= 0) {
+                f_err(err, "block %d is written by sequences %d and %d in one call", row[jb],
+                      kv->writer[row[jb]], s);
+                st = CLB_E_ARG;
+                break;
+            }
+            kv->writer[row[jb]] = s;
+        }
+        kv->seq_next[s] = (int32_t)(p + 1);
     }
-    return CLB_OK;
+    /* tokens [0, i) passed every check, so their write blocks are valid ids */
+    for (int64_t t = 0; t < i; t++)
+        kv->writer[b->block_tables[(int64_t)seq[t] * nb + pos[t] / CLB_KV_BLOCK]] = -1;
+    return st;
 }
 
-clb_status clb_forward(clb_model *m, clb_kv *kv, int64_t n_tokens, const int32_t *tokens,
-                       const int32_t *seq_ids, const int32_t *positions,
-                       const uint8_t *want_logits, float *logits, char *err) {
+clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err) {
     if (err) err[0] = '\0';
     if (!m || !kv || kv->model != m) {
         f_err(err, "clb_forward: model missing or the KV cache belongs to another model");
         return CLB_E_ARG;
     }
-    if (n_tokens < 0 || (n_tokens > 0 && (!tokens || !seq_ids || !positions))) {
-        f_err(err, "clb_forward: bad token arrays (n_tokens %lld)", (long long)n_tokens);
+    if (!b || b->n_tokens < 0 ||
+        (b->n_tokens > 0 && (!b->tokens || !b->seq_ids || !b->positions))) {
+        f_err(err, "clb_forward: bad token arrays (n_tokens %lld)",
+              b ? (long long)b->n_tokens : -1LL);
         return CLB_E_ARG;
     }
-    if (n_tokens == 0) return CLB_OK;
-    clb_status st = validate(m, kv, n_tokens, tokens, seq_ids, positions, err);
+    if (b->n_tokens == 0) return CLB_OK;
+    /* every sequence of a call writes a block of its own, so n_seq <= n_blocks; that bound
+     * lets the validation scratch be sized once at init */
+    if (b->n_seq <= 0 || b->n_seq > kv->n_blocks || b->max_blocks <= 0 || !b->block_tables) {
+        f_err(err, "clb_forward: bad block tables (n_seq %d, max_blocks %d; n_seq must be in "
+              "1..%lld, the cache's block count)", b->n_seq, b->max_blocks,
+              (long long)kv->n_blocks);
+        return CLB_E_ARG;
+    }
+    clb_status st = validate(m, kv, b, err);
     if (st != CLB_OK) return st;
+    const uint8_t *want_logits = b->want_logits;
     int any_out = !want_logits;
-    for (int64_t i = 0; i < n_tokens && !any_out; i++) any_out = want_logits[i] != 0;
+    for (int64_t i = 0; i < b->n_tokens && !any_out; i++) any_out = want_logits[i] != 0;
     if (any_out && !logits) {
         f_err(err, "clb_forward: logits requested but no output buffer given");
         return CLB_E_ARG;
     }
 
+    const int64_t n_tokens = b->n_tokens;
     for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
         int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH, n_out = 0;
-        st = forward_chunk(m, kv, T, tokens + t0, seq_ids + t0, positions + t0,
+        st = forward_chunk(m, kv, b, T, b->tokens + t0, b->seq_ids + t0, b->positions + t0,
                            want_logits ? want_logits + t0 : NULL, logits, &n_out);
         if (st != CLB_OK) {
-            /* the cache of these sequences is now partly rewritten: forget them entirely */
-            for (int s = 0; s < kv->n_seq; s++)
-                if (kv->seq_next[s] >= 0) kv->seq_len[s] = 0;
-            f_err(err, "forward failed in a kernel (status %d); the sequences of this call were "
-                  "cleared", (int)st);
+            f_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "
+                  "positions may be partly written", (int)st);
             return st;
         }
         if (n_out > 0) logits += n_out * m->hp.n_vocab;
     }
-    for (int s = 0; s < kv->n_seq; s++)
-        if (kv->seq_next[s] >= 0) kv->seq_len[s] = kv->seq_next[s];
     return CLB_OK;
 }

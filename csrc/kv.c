@@ -1,29 +1,50 @@
-/* Colibri KV cache: K and V rows (f32) for n_seq sequences of n_ctx positions, every layer.
- * Guarantees: storage is addressed through a per-sequence block table of CLB_KV_BLOCK-position
- * blocks (today a fixed identity mapping), so a shared paged pool or an f16/q8 block format can
- * come later without changing the forward pass, which only uses clb_kv_row().
- * Refuses: sizes that overflow; the memory comes from a pool (large blocks are mmap'd, so
- * untouched positions cost no RAM). */
+/* Colibri paged KV cache: one pool of fixed-size blocks (CLB_KV_BLOCK positions, K and V of
+ * every layer) shared by all sequences, in f32, f16 or q8 (int8 + one f32 scale per position
+ * and kv head). Which block holds which positions is decided by the caller's block tables.
+ * Guarantees: every size is overflow-checked; storage comes from a memory pool (large blocks
+ * are mmap'd, so blocks never written cost no RAM); the row codecs below are the only code
+ * that knows the element formats.
+ * Refuses: block counts outside 1..INT32_MAX (block ids are int32). */
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "clb_model_internal.h"
 
-clb_status clb_kv_init(const clb_model *m, int n_seq, clb_kv **out) {
+/* Bytes of one K (or V) row of one layer: kv_dim values, then the q8 scales (4-aligned). */
+static size_t row_layout(const clb_hparams *hp, clb_kv_type type, size_t *scale_off) {
+    size_t kvd = (size_t)hp->n_head_kv * (size_t)hp->head_dim;
+    *scale_off = 0;
+    switch (type) {
+    case CLB_KV_F32: return kvd * sizeof(float);
+    case CLB_KV_F16: return kvd * sizeof(clb_f16);
+    case CLB_KV_Q8:
+        *scale_off = (kvd + 3) & ~(size_t)3;
+        return *scale_off + (size_t)hp->n_head_kv * sizeof(float);
+    }
+    return 0;
+}
+
+size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
+    /* limits well inside what clb_model_load accepts, so the products below cannot overflow */
+    if (!hp || hp->n_layer <= 0 || hp->n_layer > (1 << 16) || hp->n_head_kv <= 0 ||
+        hp->n_head_kv > (1 << 16) || hp->head_dim <= 0 || hp->head_dim > (1 << 16))
+        return 0;
+    if (type != CLB_KV_F32 && type != CLB_KV_F16 && type != CLB_KV_Q8) return 0;
+    size_t off;
+    size_t row = row_layout(hp, type, &off);
+    /* row <= 2^34 and 2 * 16 * n_layer <= 2^21: fits a 64-bit size_t */
+    return row * (size_t)(2 * CLB_KV_BLOCK) * (size_t)hp->n_layer;
+}
+
+clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out) {
     if (!out) return CLB_E_ARG;
     *out = NULL;
-    if (!m || n_seq <= 0 || n_seq > 65536) return CLB_E_ARG;
+    if (!m || n_blocks <= 0 || n_blocks > INT32_MAX) return CLB_E_ARG;
     const clb_hparams *hp = &m->hp;
-    int64_t n_blk_seq = (hp->n_ctx + CLB_KV_BLOCK - 1) / CLB_KV_BLOCK;
-    int64_t n_blk = n_blk_seq * n_seq;
-    int64_t kv_dim = hp->n_head_kv * hp->head_dim;
-    if (n_blk > INT32_MAX) return CLB_E_RANGE; /* block ids are int32 */
-    /* elements = L * n_blk * 2 * BLOCK * kv_dim; check it fits a size_t of bytes */
-    size_t elems = 1;
-    const int64_t factors[] = {hp->n_layer, n_blk, 2 * CLB_KV_BLOCK, kv_dim};
-    for (int i = 0; i < 4; i++) {
-        if ((size_t)factors[i] > SIZE_MAX / sizeof(float) / elems) return CLB_E_RANGE;
-        elems *= (size_t)factors[i];
-    }
+    size_t block_bytes = clb_kv_block_bytes(hp, type);
+    if (block_bytes == 0) return CLB_E_ARG;
+    if ((size_t)n_blocks > SIZE_MAX / block_bytes) return CLB_E_RANGE;
     clb_kv *kv = calloc(1, sizeof(*kv));
     if (!kv) return CLB_E_NOMEM;
     kv->pool = clb_pool_init();
@@ -32,22 +53,24 @@ clb_status clb_kv_init(const clb_model *m, int n_seq, clb_kv **out) {
         return CLB_E_NOMEM;
     }
     kv->model = m;
-    kv->n_seq = n_seq;
+    kv->type = type;
+    kv->n_blocks = n_blocks;
     kv->n_layer = hp->n_layer;
-    kv->n_ctx = hp->n_ctx;
-    kv->kv_dim = kv_dim;
-    kv->n_blk_seq = n_blk_seq;
-    kv->n_blk = n_blk;
-    kv->blk_table = clb_pool_alloc(kv->pool, (size_t)n_blk * sizeof(int32_t));
-    kv->seq_len = clb_pool_alloc(kv->pool, (size_t)n_seq * sizeof(int64_t));
-    kv->seq_next = clb_pool_alloc(kv->pool, (size_t)n_seq * sizeof(int64_t));
-    kv->data = clb_pool_alloc(kv->pool, elems * sizeof(float));
-    if (!kv->blk_table || !kv->seq_len || !kv->seq_next || !kv->data) {
+    kv->n_head_kv = hp->n_head_kv;
+    kv->head_dim = hp->head_dim;
+    kv->kv_dim = hp->n_head_kv * hp->head_dim;
+    kv->row_bytes = row_layout(hp, type, &kv->q8_scale_off);
+    kv->block_bytes = block_bytes;
+    kv->data = clb_pool_alloc(kv->pool, (size_t)n_blocks * block_bytes);
+    kv->writer = clb_pool_alloc(kv->pool, (size_t)n_blocks * sizeof(int32_t));
+    kv->seq_next = clb_pool_alloc(kv->pool, (size_t)n_blocks * sizeof(int32_t));
+    kv->deq = clb_pool_alloc(kv->pool, (size_t)clb_model_n_threads(m) * CLB_KV_BLOCK *
+                                           (size_t)hp->head_dim * sizeof(float));
+    if (!kv->data || !kv->writer || !kv->seq_next || !kv->deq) {
         clb_kv_free(kv);
         return CLB_E_NOMEM;
     }
-    for (int64_t i = 0; i < n_blk; i++) kv->blk_table[i] = (int32_t)i;
-    for (int s = 0; s < n_seq; s++) kv->seq_len[s] = 0;
+    for (int64_t i = 0; i < n_blocks; i++) kv->writer[i] = -1;
     *out = kv;
     return CLB_OK;
 }
@@ -58,14 +81,64 @@ void clb_kv_free(clb_kv *kv) {
     free(kv);
 }
 
-void clb_kv_clear_seq(clb_kv *kv, int seq_id) {
-    if (!kv || seq_id < 0 || seq_id >= kv->n_seq) return;
-    kv->seq_len[seq_id] = 0; /* rows past seq_len are never read, so no need to zero them */
+int64_t clb_kv_n_blocks(const clb_kv *kv) { return kv ? kv->n_blocks : 0; }
+
+clb_kv_type clb_kv_get_type(const clb_kv *kv) { return kv ? kv->type : CLB_KV_F32; }
+
+/* Stores one row of kv_dim f32 values (n_head_kv heads of head_dim) in the cache's format.
+ * q8: per head, scale = max|x| / 127 and q = round-half-even(x / scale), so dequantizing
+ * (q * scale) is within scale / 2 of x; an all-zero head stores scale 0. */
+void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x) {
+    const int64_t kvd = kv->kv_dim, hd = kv->head_dim;
+    switch (kv->type) {
+    case CLB_KV_F32:
+        memcpy(dst, x, (size_t)kvd * sizeof(float));
+        break;
+    case CLB_KV_F16: {
+        clb_f16 *h = (clb_f16 *)(void *)dst;
+        for (int64_t i = 0; i < kvd; i++) h[i] = clb_f32_to_f16(x[i]);
+        break;
+    }
+    case CLB_KV_Q8: {
+        int8_t *q = (int8_t *)dst;
+        float *sc = (float *)(void *)(dst + kv->q8_scale_off);
+        for (int64_t h = 0; h < kv->n_head_kv; h++) {
+            const float *xh = x + h * hd;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(xh[i]));
+            float d = amax / 127.0f;
+            float id = d > 0.0f ? 1.0f / d : 0.0f;
+            for (int64_t i = 0; i < hd; i++) {
+                float v = nearbyintf(xh[i] * id); /* |v| <= 127 up to rounding of id */
+                q[h * hd + i] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
+            }
+            sc[h] = d;
+        }
+        break;
+    }
+    }
 }
 
-int64_t clb_kv_seq_len(const clb_kv *kv, int seq_id) {
-    if (!kv || seq_id < 0 || seq_id >= kv->n_seq) return -1;
-    return kv->seq_len[seq_id];
+/* f16 -> f32 for attention's V rows, bit-identical to clb_f16_to_f32 (tested on all 65536
+ * inputs against numpy) but branch-free so the compiler vectorises it: the f16 exponent and
+ * mantissa bits, shifted into an f32, are the value times 2^-112 for normal and subnormal
+ * inputs alike (subnormals become f32 subnormals, scaled exactly); inf and NaN are patched. */
+void clb_kv_f16_to_f32(int64_t n, const clb_f16 *restrict x, float *restrict y) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t h = x[i], em = h & 0x7fffu;
+        uint32_t u = em << 13, r;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        f *= 0x1p112f;
+        memcpy(&r, &f, sizeof r);
+        uint32_t special = 0u - (uint32_t)(em >= 0x7c00u); /* all ones for inf / NaN */
+        r = (r & ~special) | ((0x7f800000u | u) & special);
+        r |= (h & 0x8000u) << 16;
+        memcpy(&y[i], &r, sizeof r);
+    }
 }
 
-int clb_kv_n_seq(const clb_kv *kv) { return kv ? kv->n_seq : 0; }
+/* int8 -> f32 (q8 rows before the scale is applied) */
+void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y) {
+    for (int64_t i = 0; i < n; i++) y[i] = (float)x[i];
+}

@@ -14,24 +14,44 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "engine.llm",
     "StepOutput": "engine.llm",
-    "ContextLengthError": "engine.llm",
+    "ContextLengthError": "engine.core.engine",
     "default_model_path": "engine.llm",
     "SamplingParams": "engine.sampling",
+    "AsyncEngine": "engine.core.async_engine",
+    "AsyncEngineConfig": "engine.core.async_engine",
+    "EngineUnavailableError": "engine.core.async_engine",
+    "QueueFullError": "engine.core.async_engine",
+    "RequestOutput": "engine.core.request",
+    "EngineConfig": "engine.core.loader",
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
     "convert": "engine.convert",
+    "DEFAULT_QUANT": "engine.convert",
+    "QUANT_PRESETS": "engine.convert",
+    "ModelError": "engine.modelcheck",
+    "check_model": "engine.modelcheck",
     "ensure_converted": "engine.convert",
     "cli_main": "engine.cli",
 }
 
 __all__ = [
+    "DEFAULT_QUANT",
     "LLM",
+    "AsyncEngine",
+    "AsyncEngineConfig",
+    "EngineConfig",
+    "EngineUnavailableError",
+    "QueueFullError",
+    "RequestOutput",
     "ContextLengthError",
+    "ModelError",
+    "QUANT_PRESETS",
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
     "Tokenizer",
     "__version__",
+    "check_model",
     "cli_main",
     "convert",
     "default_model_path",
@@ -40,8 +60,18 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
-    from engine.convert import convert, ensure_converted
-    from engine.llm import LLM, ContextLengthError, StepOutput, default_model_path
+    from engine.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
+    from engine.core.async_engine import (
+        AsyncEngine,
+        AsyncEngineConfig,
+        EngineUnavailableError,
+        QueueFullError,
+    )
+    from engine.core.engine import ContextLengthError
+    from engine.core.loader import EngineConfig
+    from engine.core.request import RequestOutput
+    from engine.llm import LLM, StepOutput, default_model_path
+    from engine.modelcheck import ModelError, check_model
     from engine.sampling import SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
 

@@ -8,6 +8,7 @@
 
 from libc.string cimport strlen
 
+import operator
 import threading
 
 from engine.errors import (
@@ -66,15 +67,28 @@ cdef extern from "clb_model.h" nogil:
     int clb_model_n_threads(const clb_model *m)
     int64_t clb_forward_max_batch()
 
-    clb_status clb_kv_init(const clb_model *m, int n_seq, clb_kv **out)
+    int CLB_KV_BLOCK
+    ctypedef enum clb_kv_type:
+        CLB_KV_F32
+        CLB_KV_F16
+        CLB_KV_Q8
+    size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type)
+    clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out)
     void clb_kv_free(clb_kv *kv)
-    void clb_kv_clear_seq(clb_kv *kv, int seq_id)
-    int64_t clb_kv_seq_len(const clb_kv *kv, int seq_id)
-    int clb_kv_n_seq(const clb_kv *kv)
+    int64_t clb_kv_n_blocks(const clb_kv *kv)
+    clb_kv_type clb_kv_get_type(const clb_kv *kv)
 
-    clb_status clb_forward(clb_model *m, clb_kv *kv, int64_t n_tokens, const int32_t *tokens,
-                           const int32_t *seq_ids, const int32_t *positions,
-                           const uint8_t *want_logits, float *logits, char *err)
+    ctypedef struct clb_batch:
+        int64_t n_tokens
+        const int32_t *tokens
+        const int32_t *seq_ids
+        const int32_t *positions
+        const uint8_t *want_logits
+        int32_t n_seq
+        int32_t max_blocks
+        const int32_t *block_tables
+
+    clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
 
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4"}
 
@@ -97,6 +111,77 @@ def _as_i32(x, str what):
     if a.size and (int(a.min()) < -2**31 or int(a.max()) >= 2**31):
         raise InputError(f"{what} has values outside the int32 range")
     return np.ascontiguousarray(a, dtype=np.int32)
+
+
+KV_TYPES = ("f32", "f16", "q8")  # index = clb_kv_type
+KV_BLOCK = CLB_KV_BLOCK  # positions per KV block
+
+
+cdef clb_kv_type _kv_type(str name) except *:
+    if name not in KV_TYPES:
+        raise ValueError(f"unknown KV cache type {name!r}; choose one of {', '.join(KV_TYPES)}")
+    cdef int i = KV_TYPES.index(name)
+    return <clb_kv_type>i
+
+
+cdef int _fill_hparams(dict hparams, clb_hparams *hp) except -1:
+    """hp from a ModelConfig.to_hparams() dict; ValueError if a key is missing."""
+    memset(hp, 0, sizeof(clb_hparams))
+    missing = [k for k in _HPARAM_INT_KEYS + _HPARAM_FLOAT_KEYS if k not in hparams]
+    if missing:
+        raise ValueError(f"hparams lack {missing}")
+    hp.arch = hparams["arch"]
+    hp.n_vocab = hparams["n_vocab"]
+    hp.n_embd = hparams["n_embd"]
+    hp.n_layer = hparams["n_layer"]
+    hp.n_head = hparams["n_head"]
+    hp.n_head_kv = hparams["n_head_kv"]
+    hp.head_dim = hparams["head_dim"]
+    hp.n_ff = hparams["n_ff"]
+    hp.n_expert = hparams["n_expert"]
+    hp.n_expert_used = hparams["n_expert_used"]
+    hp.n_ff_shared = hparams["n_ff_shared"]
+    hp.shared_gate = hparams["shared_gate"]
+    hp.norm_topk_prob = hparams["norm_topk_prob"]
+    hp.qk_norm = hparams["qk_norm"]
+    hp.qkv_bias = hparams["qkv_bias"]
+    hp.tie_embeddings = hparams["tie_embeddings"]
+    hp.clip_qkv = hparams["clip_qkv"]
+    hp.rope_theta = hparams["rope_theta"]
+    hp.rotary_dim = hparams["rotary_dim"]
+    hp.rms_eps = hparams["rms_eps"]
+    hp.sliding_window = hparams["sliding_window"]
+    hp.n_ctx = hparams["n_ctx"]
+    return 0
+
+
+def kv_block_bytes(dict hparams, str kv_type="f32") -> int:
+    """Bytes of one KV block (16 positions, K and V, every layer) for a model's hparams
+    (ModelConfig.to_hparams) and a KV type: divide a memory budget by it to size a cache."""
+    cdef clb_hparams hp
+    _fill_hparams(hparams, &hp)
+    cdef size_t n = clb_kv_block_bytes(&hp, _kv_type(kv_type))
+    if n == 0:
+        raise ValueError("hparams give no valid KV block size")
+    return n
+
+
+def _as_tables(x):
+    """block_tables as a C-contiguous int32 [n_seq, max_blocks] array, checked, never copied
+    from another dtype silently."""
+    if not isinstance(x, np.ndarray):
+        raise InputError(f"block_tables must be a numpy int32 array, got {type(x).__name__}")
+    if x.dtype != np.int32:
+        raise InputError(f"block_tables must have dtype int32, got {x.dtype}")
+    if x.ndim != 2:
+        raise InputError(f"block_tables must be 2-D [n_seq, max_blocks], got shape {x.shape}")
+    if x.shape[0] < 1 or x.shape[1] < 1:
+        raise InputError(f"block_tables must have at least one row and column, got {x.shape}")
+    if x.shape[0] >= 2**31 or x.shape[1] >= 2**31:
+        raise InputError(f"block_tables shape {x.shape} is too large")
+    if not x.flags.c_contiguous:
+        raise InputError("block_tables must be C-contiguous (np.ascontiguousarray)")
+    return x
 
 
 cdef object _model_error(clb_status st, const char *err):
@@ -161,7 +246,9 @@ def inspect_weight_file(path) -> list:
 
 
 cdef class KVCache:
-    """KV cache for n_seq sequences of the model's n_ctx positions (made by CoreModel.new_kv)."""
+    """Paged KV cache: n_blocks blocks of 16 positions (K and V, every layer) shared by all
+    sequences, element type "f32", "f16" or "q8". Which block holds which positions is given
+    by the block tables passed to CoreModel.forward; the cache keeps no sequence state."""
 
     cdef clb_kv *kv
     cdef readonly CoreModel model
@@ -169,28 +256,39 @@ cdef class KVCache:
     def __cinit__(self):
         self.kv = NULL
 
+    def __init__(self, CoreModel model not None, n_blocks, str kv_type="f32"):
+        cdef clb_kv_type ty = _kv_type(kv_type)
+        n = operator.index(n_blocks)
+        if n <= 0 or n > 2**31 - 1:
+            raise ValueError(f"n_blocks must be in 1..{2**31 - 1}, got {n}")
+        cdef clb_kv *kv = NULL
+        cdef clb_status st = clb_kv_init(model.m, n, ty, &kv)
+        if st == CLB_E_RANGE:
+            raise MemoryError(f"a KV cache of {n} blocks does not fit the address space")
+        if st != CLB_OK:
+            raise MemoryError(f"cannot allocate a KV cache of {n} {kv_type} blocks "
+                              f"(status {int(st)})")
+        if self.kv != NULL:
+            clb_kv_free(self.kv)
+        self.kv = kv
+        self.model = model
+
     def __dealloc__(self):
         if self.kv != NULL:
             clb_kv_free(self.kv)
             self.kv = NULL
 
     @property
-    def n_seq(self) -> int:
-        return clb_kv_n_seq(self.kv)
+    def n_blocks(self) -> int:
+        return clb_kv_n_blocks(self.kv)
 
-    def clear_seq(self, int seq_id) -> None:
-        """Forget every position of sequence seq_id."""
-        if seq_id < 0 or seq_id >= clb_kv_n_seq(self.kv):
-            raise InputError(f"sequence id {seq_id} not in 0..{clb_kv_n_seq(self.kv) - 1}")
-        with self.model._lock:
-            clb_kv_clear_seq(self.kv, seq_id)
+    @property
+    def kv_type(self) -> str:
+        return KV_TYPES[<int>clb_kv_get_type(self.kv)]
 
-    def seq_len(self, int seq_id) -> int:
-        """Positions sequence seq_id holds."""
-        cdef int64_t n = clb_kv_seq_len(self.kv, seq_id)
-        if n < 0:
-            raise InputError(f"sequence id {seq_id} not in 0..{clb_kv_n_seq(self.kv) - 1}")
-        return n
+    @property
+    def block_bytes(self) -> int:
+        return clb_kv_block_bytes(clb_model_hparams(self.model.m), clb_kv_get_type(self.kv))
 
 
 cdef class CoreModel:
@@ -216,33 +314,7 @@ cdef class CoreModel:
     def load(path, dict hparams, int n_threads=0) -> CoreModel:
         """Map and validate the model folder `path` against `hparams` (ModelConfig.to_hparams)."""
         cdef clb_hparams hp
-        memset(&hp, 0, sizeof(hp))
-        missing = [k for k in _HPARAM_INT_KEYS + _HPARAM_FLOAT_KEYS if k not in hparams]
-        if missing:
-            raise ValueError(f"hparams lack {missing}")
-        hp.arch = hparams["arch"]
-        hp.n_vocab = hparams["n_vocab"]
-        hp.n_embd = hparams["n_embd"]
-        hp.n_layer = hparams["n_layer"]
-        hp.n_head = hparams["n_head"]
-        hp.n_head_kv = hparams["n_head_kv"]
-        hp.head_dim = hparams["head_dim"]
-        hp.n_ff = hparams["n_ff"]
-        hp.n_expert = hparams["n_expert"]
-        hp.n_expert_used = hparams["n_expert_used"]
-        hp.n_ff_shared = hparams["n_ff_shared"]
-        hp.shared_gate = hparams["shared_gate"]
-        hp.norm_topk_prob = hparams["norm_topk_prob"]
-        hp.qk_norm = hparams["qk_norm"]
-        hp.qkv_bias = hparams["qkv_bias"]
-        hp.tie_embeddings = hparams["tie_embeddings"]
-        hp.clip_qkv = hparams["clip_qkv"]
-        hp.rope_theta = hparams["rope_theta"]
-        hp.rotary_dim = hparams["rotary_dim"]
-        hp.rms_eps = hparams["rms_eps"]
-        hp.sliding_window = hparams["sliding_window"]
-        hp.n_ctx = hparams["n_ctx"]
-
+        _fill_hparams(hparams, &hp)
         cdef bytes p = _fs_path(path)
         cdef const char *cp = p
         cdef char err[512]
@@ -276,24 +348,20 @@ cdef class CoreModel:
         """Tokens per internal chunk; longer forward calls are split, same result."""
         return clb_forward_max_batch()
 
-    def new_kv(self, int n_seq=1) -> KVCache:
-        """A fresh KV cache for n_seq sequences of n_ctx positions."""
-        cdef clb_kv *kv = NULL
-        if n_seq <= 0:
-            raise ValueError(f"n_seq must be positive, got {n_seq}")
-        cdef clb_status st = clb_kv_init(self.m, n_seq, &kv)
-        if st != CLB_OK:
-            raise MemoryError(f"cannot allocate a KV cache for {n_seq} sequences "
-                              f"(status {int(st)})")
-        cdef KVCache c = KVCache.__new__(KVCache)
-        c.kv = kv
-        c.model = self
-        return c
+    def kv_block_bytes(self, str kv_type="f32") -> int:
+        """Bytes of one KV block of this model (16 positions, K and V, every layer)."""
+        return clb_kv_block_bytes(clb_model_hparams(self.m), _kv_type(kv_type))
 
-    def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits=None):
+    def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
+                block_tables):
         """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
 
-        tokens, seq_ids, positions: int32 [T]; want_logits: bool/uint8 [T] or None (all rows).
+        tokens, seq_ids, positions: int32 [T] (other integer arrays are converted when their
+        values fit); want_logits: bool/uint8 [T] or None (all rows); block_tables: int32
+        [n_seq, max_blocks], C-contiguous: entry [s, j] is the block holding positions
+        [16j, 16j+16) of sequence s (-1: none). Token i writes its K/V into its sequence's
+        block for its position and attends over the positions before it, which earlier calls
+        must have written. A refused call (InputError / ContextOverflowError) changes nothing.
         """
         if kv.model is not self:
             raise ValueError("this KV cache belongs to another model")
@@ -304,11 +372,16 @@ cdef class CoreModel:
         if sq.shape[0] != n or ps.shape[0] != n:
             raise InputError(f"tokens ({n}), seq_ids ({sq.shape[0]}) and positions "
                              f"({ps.shape[0]}) differ in length")
+        bt = _as_tables(block_tables)
+        cdef const int32_t[:, ::1] tb = bt
         cdef uint8_t[::1] wl
         cdef const uint8_t *wp = NULL
         cdef Py_ssize_t n_out = n
         if want_logits is not None:
-            wl = np.ascontiguousarray(want_logits, dtype=bool).reshape(-1).view(np.uint8)
+            w = np.asarray(want_logits)
+            if w.dtype != np.bool_ and w.dtype != np.uint8:
+                raise InputError(f"want_logits must be bool or uint8, got dtype {w.dtype}")
+            wl = np.ascontiguousarray(w.reshape(-1)).view(np.uint8)
             if wl.shape[0] != n:
                 raise InputError(f"want_logits has {wl.shape[0]} entries for {n} tokens")
             n_out = int(np.count_nonzero(np.asarray(wl)))
@@ -317,16 +390,22 @@ cdef class CoreModel:
         cdef int64_t V = clb_model_hparams(self.m).n_vocab
         out = np.empty((n_out, V), dtype=np.float32)
         cdef float[:, ::1] lo = out
+        cdef clb_batch b
+        b.n_tokens = n
+        b.tokens = &tk[0] if n > 0 else NULL
+        b.seq_ids = &sq[0] if n > 0 else NULL
+        b.positions = &ps[0] if n > 0 else NULL
+        b.want_logits = wp
+        b.n_seq = <int32_t>tb.shape[0]
+        b.max_blocks = <int32_t>tb.shape[1]
+        b.block_tables = &tb[0, 0]
         cdef float *lp = &lo[0, 0] if n_out > 0 else NULL
-        cdef const int32_t *tp = &tk[0] if n > 0 else NULL
-        cdef const int32_t *sp = &sq[0] if n > 0 else NULL
-        cdef const int32_t *pp = &ps[0] if n > 0 else NULL
         cdef char err[512]
         cdef clb_status st
         err[0] = 0
         with self._lock:
             with nogil:
-                st = clb_forward(self.m, kv.kv, n, tp, sp, pp, wp, lp, err)
+                st = clb_forward(self.m, kv.kv, &b, lp, err)
         if st != CLB_OK:
             raise _model_error(st, err)
         return out

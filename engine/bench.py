@@ -22,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.convert import DEFAULT_QUANT, PRESETS
+from engine.modelcheck import check_model
+
 PROMPT_SEED = 20240601
 DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
 
@@ -149,12 +152,12 @@ def summarize(values: list[float]) -> dict[str, Any]:
 class BenchSettings:
     """What `colibri bench` measures and how."""
 
-    model: str
+    model: str | None  # None: the bundled demo model
     prompt_tokens: int = 128
     gen_tokens: int = 128
     threads: int | None = None
     repeat: int = 3
-    quant: str = "q4"
+    quant: str = DEFAULT_QUANT
     probe_mib: int = DEFAULT_PROBE_MIB
     probe_passes: int = 3
     profile: bool = False
@@ -174,7 +177,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     from engine.model import Model
 
     s.check()
-    path = ensure_converted(Path(s.model), s.quant, progress=False)
+    path = ensure_converted(check_model(s.model), s.quant, progress=False)
     t0 = time.perf_counter()
     model = Model.load(path, threads=s.threads, n_ctx=s.prompt_tokens + s.gen_tokens)
     load_s = time.perf_counter() - t0
@@ -259,15 +262,16 @@ def render(r: dict[str, Any]) -> str:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options of `colibri bench`."""
-    p.add_argument("--model", required=True, metavar="PATH",
-                   help="Colibri folder, or a Hugging Face folder (converted once, see --quant)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="Colibri or Hugging Face folder (converted once, see --quant); "
+                        "default: the bundled demo model")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
     p.add_argument("--gen-tokens", type=int, default=128,
                    help="greedy tokens decoded per repeat (default 128)")
     p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     p.add_argument("--repeat", type=int, default=3, help="timed repeats (default 3)")
-    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q4",
-                   help="preset when PATH is a Hugging Face folder (default q4)")
+    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
+                   help=f"precision when PATH is a Hugging Face folder (default {DEFAULT_QUANT})")
     p.add_argument("--probe-mib", type=int, default=DEFAULT_PROBE_MIB,
                    help=f"bandwidth probe buffer in MiB (default {DEFAULT_PROBE_MIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -278,6 +282,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run `colibri bench` with parsed arguments; prints the table or JSON."""
+    check_model(args.model)  # before anything is timed or converted
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,

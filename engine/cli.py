@@ -1,7 +1,9 @@
 """The `colibri` command line: one small function per subcommand, registered in a table.
 
 User mistakes (bad paths, unsupported or corrupt checkpoints) print one line
-`colibri: error: ...` and exit with status 2, never a traceback.
+`colibri: error: ...` and exit with status 2, never a traceback. Every command that takes a
+model checks it with engine.modelcheck.check_model before loading anything; every one
+defaults to the bundled demo model and to one precision (engine.convert.DEFAULT_QUANT).
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from engine import __version__
+from engine.convert import DEFAULT_QUANT, PRESETS
+from engine.modelcheck import ModelError, check_model
 
 
 @dataclass(frozen=True)
@@ -38,36 +44,53 @@ def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser],
 def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model folder (safetensors)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output Colibri model folder (new)")
-    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q4",
-                   help="weight types (default q4: experts q4, the rest q8)")
+    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
+                   help=f"weight types (default {DEFAULT_QUANT}; q4: experts q4, the rest q8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-@command("convert", "convert a Hugging Face MoE checkpoint", _convert_args)
+@command("convert", "convert a Hugging Face MoE checkpoint into a Colibri folder", _convert_args)
 def _convert(args: argparse.Namespace) -> int:
     from engine.convert import convert
 
+    check_model(args.hf_dir, flag="HF_DIR")
     out = convert(args.hf_dir, args.out_dir, quant=args.quant, progress=not args.no_progress)
     print(f"wrote {out}")
     return 0
 
 
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """--model and --quant, the same on every command that loads a model."""
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="model folder (Colibri or Hugging Face); default: the bundled demo model")
+    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
+                   help=f"precision when a Hugging Face folder is converted "
+                        f"(default {DEFAULT_QUANT})")
+
+
 def _info_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", metavar="DIR", help="Colibri model folder")
+    p.add_argument("model_dir", metavar="DIR", nargs="?", default=None,
+                   help="model folder, the same as --model")
+    _model_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-@command("info", "describe a converted model", _info_args)
+@command("info", "describe a model: architecture, parameters, bytes by type", _info_args)
 def _info(args: argparse.Namespace) -> int:
+    from engine.convert import ensure_converted
     from engine.info import describe, render
 
-    d = describe(args.model_dir)
+    if args.model_dir is not None and args.model is not None:
+        raise ValueError("give the model folder once: DIR or --model")
+    given = args.model_dir if args.model_dir is not None else args.model
+    source = check_model(given, flag="--model" if args.model_dir is None else "DIR")
+    d = describe(ensure_converted(source, args.quant, progress=True))
     print(json.dumps(d, indent=2) if args.json else render(d))
     return 0
 
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", metavar="DIR", help="Colibri model folder")
+    p.add_argument("model_dir", metavar="DIR", help="converted Colibri model folder")
     p.add_argument("--quick", action="store_true", help="check sizes only, not sha256")
 
 
@@ -75,14 +98,14 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 def _verify(args: argparse.Namespace) -> int:
     from engine.convert import verify
 
+    check_model(args.model_dir, flag="DIR")
     verify(args.model_dir, full=not args.quick)
     print(f"{args.model_dir}: ok")
     return 0
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="model folder (Colibri or Hugging Face); default: the bundled demo model")
+    _model_args(p)
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the model's chat template")
@@ -93,15 +116,15 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: cores)")
-    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q8",
-                   help="precision when converting a Hugging Face folder (default q8)")
 
 
-@command("generate", "stream a completion to stdout (the seeds' colibri-cli)", _generate_args)
+@command("generate", "write a completion of a prompt to stdout as it is generated",
+         _generate_args)
 def _generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
+    check_model(args.model)
     llm = LLM(args.model, threads=args.threads, quant=args.quant)
     if args.chat:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -149,7 +172,11 @@ AddParser = Callable[[Any], argparse.ArgumentParser]
 
 def build_parser(extra: Sequence[AddParser] = ()) -> argparse.ArgumentParser:
     """The parser of every engine subcommand, plus those `extra` registers (e.g. serve)."""
-    parser = argparse.ArgumentParser(prog="colibri", description="Colibri MoE inference engine")
+    parser = argparse.ArgumentParser(
+        prog="colibri",
+        description="Colibri: serve and run Mixture-of-Experts language models on a CPU. "
+                    "Without --model, commands use the bundled demo model.")
+    parser.add_argument("--version", action="version", version=f"colibri {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for c in COMMANDS.values():
         c.configure(sub.add_parser(c.name, help=c.help, description=c.help))
@@ -172,6 +199,9 @@ def main(argv: list[str] | None = None, extra: Sequence[AddParser] = ()) -> int:
     run = getattr(args, "handler", None) or COMMANDS[args.command].run
     try:
         return int(run(args))
+    except ModelError as e:
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2

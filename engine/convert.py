@@ -24,8 +24,14 @@ from engine.safetensors_io import Checkpoint, CheckpointError
 from engine.wfile import TensorSpec, write_wfile
 
 PRESETS = ("f32", "f16", "q8", "q4")
+DEFAULT_QUANT = "q8"  # the one default of every command, of convert() and of engine.LLM
+QUANT_PRESETS = PRESETS
+# Copied beside the weights. Chat templates live in any of three places (transformers'
+# order of precedence: chat_template.jinja and additional_chat_templates/*.jinja, then
+# chat_template.json, then tokenizer_config.json); engine.tokenizer reads them in that order.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 CONFIG_MAX_BYTES = 16 * 1024 * 1024
 
 
@@ -88,7 +94,7 @@ def _producer(ckpt: Checkpoint, t: archs.Target, type_name: str):  # noqa: ANN20
     return produce
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = "q4",
+def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
             progress: bool = True) -> Path:
     """Convert a Hugging Face checkpoint folder into a Colibri folder at out_dir."""
     preset = quant
@@ -141,6 +147,12 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = "q4",
             for name in TOKENIZER_FILES:
                 if (hf_dir / name).is_file():
                     shutil.copyfile(hf_dir / name, tmp / name)
+            extra = hf_dir / CHAT_TEMPLATE_DIR
+            if extra.is_dir():
+                for f in sorted(extra.glob("*.jinja")):
+                    if f.is_file():
+                        (tmp / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+                        shutil.copyfile(f, tmp / CHAT_TEMPLATE_DIR / f.name)
             config = dict(cfg)
             config["quant"] = preset
             config["tensor_types"] = tensor_types
@@ -241,7 +253,8 @@ def _source_key(hf_dir: Path, preset: str) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_converted(path: str | Path, quant: str = "q4", progress: bool = False) -> Path:
+def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
+                     progress: bool = False) -> Path:
     """A Colibri folder for path: path itself if it is one, else a cached conversion.
 
     The cache entry is keyed by the source's absolute path, file sizes and mtimes and the

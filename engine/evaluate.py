@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.convert import DEFAULT_QUANT, PRESETS
+from engine.modelcheck import check_model
+
 LogitsFn = Callable[[list[int]], np.ndarray]
 
 DEMO_DATASET = "demo-validation"
@@ -136,8 +139,9 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of `colibri eval`."""
     p.add_argument("--model", default=None,
                    help="model folder (Hugging Face or Colibri; default: the bundled demo model)")
-    p.add_argument("--quant", choices=("f32", "f16", "q8", "q4"), default="q8",
-                   help="precision when a Hugging Face folder is converted (default q8)")
+    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
+                   help=f"precision when a Hugging Face folder is converted "
+                        f"(default {DEFAULT_QUANT})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", metavar="FILE", help="UTF-8 text file to score")
     src.add_argument("--dataset", choices=(DEMO_DATASET,),
@@ -149,6 +153,8 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="score only the first N tokens of the text")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--kv-cache-type", choices=("f32", "f16", "q8"), default="f16",
+                   help="KV cache element type (default f16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -163,10 +169,12 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 def eval_main(args: argparse.Namespace) -> int:
     """Run `colibri eval`: print the token count and a final line `perplexity: N`."""
+    from engine.core.loader import EngineConfig
     from engine.llm import LLM
 
     if args.ctx < 2:
         raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
+    check_model(args.model)
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     if args.text is not None:
@@ -178,7 +186,8 @@ def eval_main(args: argparse.Namespace) -> int:
             raise ValueError(str(e)) from e
     if not text.strip():
         raise ValueError("the text to score is empty")
-    llm = LLM(args.model, threads=args.threads, n_ctx=args.ctx, quant=args.quant)
+    config = EngineConfig(kv_cache_type=args.kv_cache_type, max_num_seqs=1)
+    llm = LLM(args.model, threads=args.threads, n_ctx=args.ctx, quant=args.quant, config=config)
     window = min(args.ctx, llm.n_ctx)
     ids = llm.tokenizer.encode(text)
     if args.max_tokens is not None:

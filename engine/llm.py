@@ -1,60 +1,30 @@
 """The engine's Python API: load a model, score tokens, generate text.
 
-`LLM` ties the C forward pass (engine.model), the tokenizer, the sampler, incremental
-detokenization and stop strings together. It is not thread-safe: callers that serve several
-clients (the HTTP server) run every call on one engine thread.
+`LLM` is the synchronous facade over the step engine (engine.core): the same scheduler,
+paged KV cache and batched sampler the server runs, driven from the caller's thread. It is
+not thread-safe: callers that serve several clients (the HTTP server) use engine.AsyncEngine.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from engine.convert import ensure_converted
-from engine.detok import IncrementalDetokenizer, StopStringMatcher
-from engine.model import Model
-from engine.sampling import Sampler, SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import ContextLengthError, EngineCore
+from engine.core.loader import EngineConfig, load_engine
+from engine.core.request import RequestOutput
+from engine.sampling import SamplingParams
 
 DEFAULT_N_CTX = 4096
+StepOutput = RequestOutput  # one sampled token and the text it lets the caller emit
 
-
-class ContextLengthError(ValueError):
-    """The prompt (plus the requested completion) does not fit the model's context."""
-
-    def __init__(self, message: str, n_prompt: int, n_ctx: int) -> None:
-        super().__init__(message)
-        self.n_prompt = n_prompt
-        self.n_ctx = n_ctx
-
-
-@dataclass
-class StepOutput:
-    """One sampled token and the text it lets the caller emit."""
-
-    token_id: int
-    text: str
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
-
-
-@dataclass
-class _Budget:
-    max_new: int
-    stop_ids: set[int] = field(default_factory=set)
-
-
-def _drain(detok: IncrementalDetokenizer, stops: StopStringMatcher) -> tuple[str, bool]:
-    """Text still held back by the detokenizer and the stop matcher, at the end of output."""
-    emit, stopped = stops.push(detok.flush())
-    if stopped:
-        return emit, True
-    return emit + stops.flush(), False
+__all__ = ["LLM", "ContextLengthError", "StepOutput", "default_model_path"]
+_ids = itertools.count()
 
 
 def default_model_path() -> Path:
@@ -66,7 +36,8 @@ class LLM:
     """A loaded model with its tokenizer.
 
     path: a Colibri folder, or a Hugging Face folder converted once into a cache
-    (precision `quant`); None serves the bundled demo model.
+    (precision `quant`); None serves the bundled demo model. `config` sets everything else
+    (KV cache size and type, batch limits); threads/n_ctx/quant override its fields.
     """
 
     def __init__(
@@ -75,13 +46,21 @@ class LLM:
         threads: int | None = None,
         n_ctx: int | None = None,
         quant: str = "q8",
+        config: EngineConfig | None = None,
     ) -> None:
         source = Path(path) if path is not None else default_model_path()
         if not source.exists():
             raise FileNotFoundError(f"model folder not found: {source}")
-        self.path = ensure_converted(source, quant, progress=True)  # first use converts: show it
-        self.model = Model.load(self.path, threads=threads, n_ctx=n_ctx, n_seq=1)
-        self.tokenizer = Tokenizer.from_dir(self.path)
+        cfg = replace(config or EngineConfig(), quant=quant)
+        if threads is not None:
+            cfg.threads = threads
+        if n_ctx is not None:
+            cfg.n_ctx = n_ctx
+        self.config = cfg
+        self.core: EngineCore = load_engine(source, cfg)
+        self.path = self.core.model_path
+        self.model = self.core.model
+        self.tokenizer = self.core.tokenizer
         self.n_ctx: int = self.model.n_ctx
         self.vocab_size: int = self.model.n_vocab
         self.model_name: str = source.name
@@ -98,101 +77,58 @@ class LLM:
                 f"{ids.size} tokens exceed the context of {self.n_ctx}", int(ids.size), self.n_ctx
             )
         with self._lock:
-            self.model.reset(0)
-            out = self.model.forward(ids, np.zeros_like(ids), np.arange(ids.size, dtype=np.int32))
-            self.model.reset(0)
-        return out
+            return self.core.score([int(t) for t in ids])
 
     # -- generation --------------------------------------------------------------------
-    def _budget(self, n_prompt: int, params: SamplingParams) -> _Budget:
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty")
-        room = self.n_ctx - n_prompt
-        if room <= 0:
-            raise ContextLengthError(
-                f"the prompt has {n_prompt} tokens, the context holds {self.n_ctx}",
-                n_prompt,
-                self.n_ctx,
-            )
-        max_new = room if params.max_tokens is None else params.max_tokens
-        if max_new > room:
-            raise ContextLengthError(
-                f"the prompt ({n_prompt} tokens) plus max_tokens ({max_new}) exceed the "
-                f"context of {self.n_ctx} tokens",
-                n_prompt,
-                self.n_ctx,
-            )
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.tokenizer.eos_token_ids)
-        return _Budget(max_new=max_new, stop_ids=stop_ids)
-
     def generate_tokens(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
         abort: threading.Event | None = None,
     ) -> Iterator[StepOutput]:
-        """Sample tokens after prompt_ids; the last output carries finish_reason."""
-        params.validate(self.vocab_size)
+        """Sample tokens after prompt_ids; the last output carries finish_reason. Raises
+        (before the first token) for bad parameters, token ids or context overflow."""
         prompt = [int(t) for t in prompt_ids]
-        for t in prompt:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})"
-                )
-        budget = self._budget(len(prompt), params)
-        return self._generate(prompt, params, budget, abort)
+        rid = f"llm-{next(_ids)}"
+        self.core.add_request(rid, prompt, params)
+        return self._run([rid], abort)
 
-    def _generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        budget: _Budget,
-        abort: threading.Event | None,
-    ) -> Iterator[StepOutput]:
-        sampler = Sampler(params, self.vocab_size)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt)
-        stops = StopStringMatcher(list(params.stop))
-        history = list(prompt)
-        with self._lock:
-            self.model.reset(0)
-            try:
-                ids = np.asarray(prompt, dtype=np.int32)
-                want = np.zeros(ids.size, dtype=np.uint8)
-                want[-1] = 1
-                logits = self.model.forward(
-                    ids, np.zeros_like(ids), np.arange(ids.size, dtype=np.int32), want
-                )[-1]
-                for step in range(budget.max_new):
+    def generate_batch(self, prompts: list[list[int]],
+                       params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Generated token ids of several prompts run together in one batch (continuous
+        batching: each step carries every running sequence)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [f"llm-{next(_ids)}" for _ in prompts]
+        for rid, prompt, p in zip(rids, prompts, plist, strict=True):
+            self.core.add_request(rid, [int(t) for t in prompt], p)
+        out: dict[str, list[int]] = {rid: [] for rid in rids}
+        for o in self._run(rids, None):
+            if o.token_id >= 0:
+                out[o.request_id].append(o.token_id)
+        return [out[r] for r in rids]
+
+    def _run(self, rids: list[str], abort: threading.Event | None) -> Iterator[StepOutput]:
+        live = set(rids)
+        try:
+            with self._lock:
+                while live:
                     if abort is not None and abort.is_set():
-                        yield StepOutput(token_id=-1, text="", finish_reason="abort")
+                        yield StepOutput(rids[0], 0, -1, "", finish_reason="abort")
                         return
-                    res = sampler.sample(logits, history)
-                    tok = res.token_id
-                    history.append(tok)
-                    if tok in budget.stop_ids:
-                        yield StepOutput(tok, _drain(detok, stops)[0], res.logprob,
-                                         res.top_logprobs, "stop")
+                    outs = self.core.step()
+                    if not outs and not self.core.has_work():
                         return
-                    emit, stopped = stops.push(detok.push(tok))
-                    if not stopped and step == budget.max_new - 1:
-                        tail, stopped = _drain(detok, stops)
-                        yield StepOutput(tok, emit + tail, res.logprob, res.top_logprobs,
-                                         "stop" if stopped else "length")
-                        return
-                    if stopped:
-                        yield StepOutput(tok, emit, res.logprob, res.top_logprobs, "stop")
-                        return
-                    yield StepOutput(tok, emit, res.logprob, res.top_logprobs, None)
-                    pos = len(history) - 1
-                    logits = self.model.forward(
-                        np.asarray([tok], dtype=np.int32),
-                        np.zeros(1, dtype=np.int32),
-                        np.asarray([pos], dtype=np.int32),
-                    )[0]
-            finally:
-                self.model.reset(0)
+                    for o in outs:
+                        if o.request_id not in live:
+                            continue
+                        if o.error is not None:
+                            raise o.error
+                        if o.finish_reason is not None and o.request_id not in self.core.requests:
+                            live.discard(o.request_id)  # every choice of it has ended
+                        yield o
+        finally:
+            for rid in rids:
+                self.core.abort(rid)
 
     def _params(self, **kw: object) -> SamplingParams:
         stop = kw.pop("stop", None)

@@ -1,8 +1,10 @@
 """Model: a converted Colibri folder loaded into the C core, with its KV cache.
 
 `Model.load(dir)` reads config.json (engine.config), maps and validates every weight file
-(C loader), and allocates a KV cache for n_seq sequences; `forward` runs one batched step
-with the GIL released and returns float32 logits.
+(C loader), and allocates a paged KV cache (blocks of 16 positions shared by all sequences).
+`forward_paged` is the raw step: the caller owns the block tables and sequence lengths.
+`forward` / `reset` / `seq_len` keep a simple fixed layout on top of it: sequence slot s owns
+blocks [s * nb, (s + 1) * nb), nb = ceil(n_ctx / 16), and its length is tracked here.
 """
 
 from __future__ import annotations
@@ -16,26 +18,78 @@ from engine.config import ModelConfig
 from engine.errors import ContextOverflowError, InputError
 
 
+def _i32(x: object, what: str) -> np.ndarray:
+    """x as a 1-D int32 array; InputError for non-integers or values int32 cannot hold."""
+    a = np.asarray(x)
+    if a.dtype == np.int32:
+        return a.reshape(-1)
+    if a.size and a.dtype.kind not in "iu":
+        raise InputError(f"{what} must be integers, got dtype {a.dtype}")
+    a = a.reshape(-1)
+    if a.size and (int(a.min()) < -2**31 or int(a.max()) >= 2**31):
+        raise InputError(f"{what} has values outside the int32 range")
+    return a.astype(np.int32)
+
+
+def kv_block_bytes(config: ModelConfig, kv_type: str = "f32") -> int:
+    """Bytes of one KV block (16 positions, K and V, every layer) for a model's config, before
+    loading it: a memory budget divided by this is the kv_blocks to pass to Model.load."""
+    if kv_type not in _core.KV_TYPES:
+        raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
+                         f"{', '.join(_core.KV_TYPES)}")
+    return int(_core.kv_block_bytes(config.to_hparams(1), kv_type))
+
+
 class Model:
-    """A loaded model plus one KV cache of n_seq sequences x n_ctx positions."""
+    """A loaded model plus one paged KV cache, with n_seq fixed sequence slots on top."""
 
     def __init__(self, path: Path, config: ModelConfig, core: _core.CoreModel,
-                 kv: _core.KVCache) -> None:
+                 kv: _core.KVCache, n_seq: int) -> None:
         self.path = path
         self.config = config
         self.core = core
         self.kv = kv
+        nb = -(-core.n_ctx // _core.KV_BLOCK)
+        # slot s owns blocks [s * nb, (s + 1) * nb): row s of this table
+        self.slot_tables = np.arange(max(n_seq, 1) * nb, dtype=np.int32).reshape(-1, nb)[:n_seq]
+        self._len = np.zeros(n_seq, np.int64)
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
-             n_seq: int = 1) -> Model:
+             n_seq: int = 1, kv_type: str = "f32", kv_blocks: int | None = None) -> Model:
         """Load a Colibri folder. threads None: physical cores; n_ctx None:
-        min(max_position_embeddings, 4096)."""
+        min(max_position_embeddings, 4096) (the most positions one sequence may hold);
+        kv_type: "f32", "f16" or "q8"; kv_blocks None: enough for n_seq slots of n_ctx
+        positions. n_seq = 0 keeps no slots (only forward_paged is usable); otherwise
+        kv_blocks must cover the n_seq slots."""
+        if n_seq < 0:
+            raise ValueError(f"n_seq must be >= 0, got {n_seq}")
+        if kv_type not in _core.KV_TYPES:
+            raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
+                             f"{', '.join(_core.KV_TYPES)}")
         p = Path(path)
         cfg = ModelConfig.from_dir(p)
         ctx = cfg.default_n_ctx() if n_ctx is None else n_ctx
         core = _core.CoreModel.load(str(p), cfg.to_hparams(ctx), threads or 0)
-        return cls(p, cfg, core, core.new_kv(n_seq))
+        need = n_seq * -(-int(core.n_ctx) // _core.KV_BLOCK)
+        blocks = max(need, 1) if kv_blocks is None else int(kv_blocks)
+        if blocks < need:
+            raise ValueError(f"kv_blocks {blocks} cannot hold {n_seq} sequence slots of "
+                             f"{core.n_ctx} positions ({need} blocks)")
+        return cls(p, cfg, core, _core.KVCache(core, blocks, kv_type), n_seq)
+
+    @property
+    def kv_type(self) -> str:
+        return str(self.kv.kv_type)
+
+    @property
+    def n_kv_blocks(self) -> int:
+        return int(self.kv.n_blocks)
+
+    def kv_block_bytes(self, kv_type: str | None = None) -> int:
+        """Bytes of one KV block (16 positions, K and V, every layer) of kv_type (None: this
+        cache's type); a memory budget divided by it gives a block count."""
+        return int(self.core.kv_block_bytes(self.kv_type if kv_type is None else kv_type))
 
     @property
     def n_ctx(self) -> int:
@@ -47,35 +101,85 @@ class Model:
 
     @property
     def n_seq(self) -> int:
-        return int(self.kv.n_seq)
+        return int(self._len.size)
 
     @property
     def n_threads(self) -> int:
         return int(self.core.n_threads)
 
     def seq_len(self, seq_id: int) -> int:
-        """Positions the cache holds for seq_id."""
-        return int(self.kv.seq_len(seq_id))
+        """Positions the cache holds for slot seq_id."""
+        return int(self._len[self._slot(seq_id)])
+
+    def _slot(self, seq_id: int) -> int:
+        if not 0 <= seq_id < self.n_seq:
+            raise InputError(f"sequence id {seq_id} not in 0..{self.n_seq - 1}")
+        return int(seq_id)
+
+    def _check_tokens(self, tok: np.ndarray) -> None:
+        # checked here too, so the error names Python's view of the problem before C sees it
+        if tok.size and (tok.min() < 0 or tok.max() >= self.n_vocab):
+            bad = int(tok[(tok < 0) | (tok >= self.n_vocab)][0])
+            raise InputError(f"token id {bad} is not in 0..{self.n_vocab - 1}")
 
     def forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                 want_logits: np.ndarray | None = None) -> np.ndarray:
-        """One step over a batch: token i of sequence seq_ids[i] at positions[i].
+        """One step over a batch: token i of sequence slot seq_ids[i] at positions[i].
 
-        Returns float32 logits [n_out, n_vocab] for the rows with want_logits (all rows when
-        None), in order. Raises InputError / ContextOverflowError (ValueErrors) for bad ids or
-        positions; nothing is computed and the cache is unchanged in that case.
+        A slot's tokens are consecutive positions; its first may sit below what the slot
+        holds (rewinding it: later positions are dropped) but never past it. Returns float32
+        logits [n_out, n_vocab] for the rows with want_logits (all rows when None), in order.
+        Raises InputError / ContextOverflowError (ValueErrors) for bad ids or positions;
+        nothing is computed and the cache is unchanged in that case.
         """
-        tok = np.asarray(tokens)
-        pos = np.asarray(positions)
-        # checked here too, so the error names Python's view of the problem before C sees it
-        if tok.size and (tok.min() < 0 or tok.max() >= self.n_vocab):
-            bad = int(tok[(tok < 0) | (tok >= self.n_vocab)].reshape(-1)[0])
-            raise InputError(f"token id {bad} is not in 0..{self.n_vocab - 1}")
+        tok = _i32(tokens, "tokens")
+        seq = _i32(seq_ids, "seq_ids")
+        pos = _i32(positions, "positions")
+        if seq.size != tok.size or pos.size != tok.size:
+            raise InputError(f"tokens ({tok.size}), seq_ids ({seq.size}) and positions "
+                             f"({pos.size}) differ in length")
+        self._check_tokens(tok)
+        if seq.size and (seq.min() < 0 or seq.max() >= self.n_seq):
+            bad = int(seq[(seq < 0) | (seq >= self.n_seq)][0])
+            raise InputError(f"sequence id {bad} not in 0..{self.n_seq - 1}")
+        if pos.size and pos.min() < 0:
+            raise InputError(f"position {int(pos.min())} is negative")
         if pos.size and pos.max() >= self.n_ctx:
             raise ContextOverflowError(
                 f"position {int(pos.max())} is past the context (n_ctx {self.n_ctx})")
-        return self.core.forward(self.kv, tok, seq_ids, pos, want_logits)
+        ends: dict[int, int] = {}
+        for s in np.unique(seq).tolist():
+            p = pos[seq == s]
+            if p[0] > self._len[s]:
+                raise InputError(f"sequence {s}: position {int(p[0])} skips ahead: the cache "
+                                 f"holds {int(self._len[s])} positions")
+            if p.size > 1 and np.any(np.diff(p) != 1):
+                raise InputError(f"sequence {s}: positions must be consecutive and increasing "
+                                 "in a call")
+            ends[s] = int(p[-1]) + 1
+        out = self.core.forward(self.kv, tok, seq, pos, want_logits, self.slot_tables
+                                if self.n_seq else np.full((1, 1), -1, np.int32))
+        for s, e in ends.items():
+            self._len[s] = e
+        return out
+
+    def forward_paged(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
+                      block_tables: np.ndarray, want_logits: np.ndarray | None = None
+                      ) -> np.ndarray:
+        """The raw paged step for a scheduler that owns block allocation and lengths.
+
+        Token i of sequence seq_ids[i] (a row of block_tables, int32 [n_seq, max_blocks],
+        entry [s, j] = block holding positions [16j, 16j+16) of s, -1: none) at positions[i]
+        writes its K/V into its block and attends over positions [0, positions[i]] of its
+        sequence; every earlier position must have been written by an earlier call. Blocks
+        may be shared read-only between sequences; a block may be written by one sequence
+        per call. Does not touch the slots of `forward` (using both on one cache is the
+        caller's business). Refused calls (InputError / ContextOverflowError) change nothing.
+        """
+        tok = _i32(tokens, "tokens")
+        self._check_tokens(tok)
+        return self.core.forward(self.kv, tok, seq_ids, positions, want_logits, block_tables)
 
     def reset(self, seq_id: int = 0) -> None:
-        """Forget sequence seq_id's cached positions."""
-        self.kv.clear_seq(seq_id)
+        """Forget slot seq_id's cached positions."""
+        self._len[self._slot(seq_id)] = 0

@@ -295,6 +295,39 @@ def _read_json(path: Path) -> dict[str, Any]:
     return read_json_object(path, "tokenizer file") if path.is_file() else {}
 
 
+def _named_templates(raw: Any) -> dict[str, str]:
+    """A `chat_template` value (one string, or a list of {name, template}) as a dict."""
+    if isinstance(raw, str):
+        return {"default": raw}
+    out: dict[str, str] = {}
+    if isinstance(raw, list):
+        for entry in raw:
+            if isinstance(entry, Mapping) and isinstance(entry.get("template"), str):
+                out[str(entry.get("name", "default"))] = entry["template"]
+    return out
+
+
+def _chat_templates(d: Path, cfg: dict[str, Any]) -> dict[str, str]:
+    """The folder's chat templates by name, from the first place that has any, in the order
+    transformers reads them: chat_template.jinja plus additional_chat_templates/*.jinja,
+    then chat_template.json, then tokenizer_config.json's `chat_template`."""
+    files: dict[str, str] = {}
+    if (d / "chat_template.jinja").is_file():
+        files["default"] = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    extra = d / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            if f.is_file():
+                files[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+    if files:
+        return files
+    if (d / "chat_template.json").is_file():
+        found = _named_templates(_read_json(d / "chat_template.json").get("chat_template"))
+        if found:
+            return found
+    return _named_templates(cfg.get("chat_template"))
+
+
 @dataclass(frozen=True)
 class _Special:
     token_id: int
@@ -361,7 +394,10 @@ class Tokenizer:
         tj = d / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"{tj} not found (only fast tokenizers are supported)")
-        hf = HFTokenizer.from_file(str(tj))
+        try:
+            hf = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # the Rust parser raises a bare Exception ("EOF while parsing")
+            raise ValueError(f"{tj}: not a valid tokenizer.json ({e})") from None
         cfg = _read_json(d / "tokenizer_config.json")
         smap = _read_json(d / "special_tokens_map.json")
         gen = _read_json(d / "generation_config.json")
@@ -370,18 +406,7 @@ class Tokenizer:
             tok = _token_content(cfg.get(name))
             return tok if tok is not None else _token_content(smap.get(name))
 
-        templates: dict[str, str] = {}
-        raw = cfg.get("chat_template")
-        if (d / "chat_template.jinja").is_file():
-            raw = (d / "chat_template.jinja").read_text(encoding="utf-8")
-        elif (d / "chat_template.json").is_file():
-            raw = _read_json(d / "chat_template.json").get("chat_template", raw)
-        if isinstance(raw, str):
-            templates["default"] = raw
-        elif isinstance(raw, list):
-            for entry in raw:
-                if isinstance(entry, Mapping) and isinstance(entry.get("template"), str):
-                    templates[str(entry.get("name", "default"))] = entry["template"]
+        templates = _chat_templates(d, cfg)
         for name, text in templates.items():
             if len(text) > MAX_TEMPLATE_CHARS:
                 raise ValueError(f"chat template {name!r} is over {MAX_TEMPLATE_CHARS} characters")
@@ -424,6 +449,11 @@ class Tokenizer:
                 if not ids or ids[-1] != self.eos_token_id:
                     ids.append(self.eos_token_id)
         return ids
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled exactly `text`, else None."""
+        special = self._specials.get(text)
+        return None if special is None else special.token_id
 
     def check_ids(self, ids: Any, param: str = "prompt") -> list[int]:
         """Return ids as a list of ints, raising TokenizerError if any is outside the vocab."""

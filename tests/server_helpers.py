@@ -4,8 +4,8 @@ in this process, metrics.
 Subprocess servers run `python -m app serve` (what `colibri serve` runs) on 127.0.0.1 with
 a free port, in a temporary working folder (so no stray .env applies) and a temporary
 conversion cache. In-process servers run the real app and the real LLM in a uvicorn thread;
-`PacedLLM` wraps the real LLM so a test decides when each token may come (deterministic
-queueing and disconnect tests), `fail_next` makes the next generation raise.
+`PacedLLM` wraps the real LLM so a test decides when each engine step may run
+(deterministic queueing and disconnect tests), `fail_next` makes the next step fail.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,16 +114,58 @@ class SubprocessServer:
         return int(self.proc.returncode)
 
 
+class _FailingModel:
+    """A model whose forward pass raises, for one step."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward_paged(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("secret internal detail /opt/colibri/kernel.c:42")
+
+
+def _paced_core(real: Any, paced: PacedLLM) -> Any:
+    """The real EngineCore (same state), but each step waits for a permit from the test.
+
+    Without a permit the step does nothing and returns at once, so the engine thread keeps
+    applying aborts and new requests between the steps the test allows."""
+    from engine.core.engine import EngineCore
+
+    class PacedCore(EngineCore):
+        def step(self) -> list[Any]:
+            if not paced.permits.acquire(timeout=0.01):
+                return []
+            paced.started.set()
+            model = self.model
+            if paced.fail_next:
+                paced.fail_next = False
+                self.model = _FailingModel(model)
+            try:
+                outs = super().step()
+            finally:
+                self.model = model
+            paced.produced += sum(1 for o in outs if o.token_id >= 0)
+            return outs
+
+    core = object.__new__(PacedCore)
+    core.__dict__ = real.__dict__  # one state: the real core's
+    return core
+
+
 class PacedLLM:
-    """The real LLM, but each token waits for a permit from the test (or for abort)."""
+    """The real LLM, but each engine step waits for a permit from the test; `fail_next`
+    makes the next step's forward pass raise (its requests fail, the engine goes on)."""
 
     def __init__(self, llm: Any) -> None:
         self._llm = llm
         self.permits = threading.Semaphore(0)
         self.produced = 0
-        self.produced_after_abort = 0
         self.started = threading.Event()
         self.fail_next = False
+        self.core = _paced_core(llm.core, self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
@@ -137,30 +178,6 @@ class PacedLLM:
     def release(self, n: int) -> None:
         for _ in range(n):
             self.permits.release()
-
-    def generate_tokens(self, prompt_ids: list[int], params: Any,
-                        abort: threading.Event | None = None) -> Iterator[Any]:
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("secret internal detail /opt/colibri/kernel.c:42")
-        inner = self._llm.generate_tokens(prompt_ids, params, abort)
-
-        def paced() -> Iterator[Any]:
-            self.started.set()
-            try:
-                for step in inner:
-                    while not self.permits.acquire(timeout=0.01):
-                        if abort is not None and abort.is_set():
-                            break
-                    if step.token_id >= 0:
-                        self.produced += 1
-                        if abort is not None and abort.is_set():
-                            self.produced_after_abort += 1
-                    yield step
-            finally:
-                inner.close()
-
-        return paced()
 
 
 class InProcessServer:

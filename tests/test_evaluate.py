@@ -154,7 +154,8 @@ def test_eval_command_matches_transformers(tiny_hf, cache, tmp_path, capsys) -> 
     path = tmp_path / "text.txt"
     path.write_text(text)
     assert run_eval(["--model", str(tiny_hf), "--quant", "f32", "--text", str(path),
-                     "--ctx", "64", "--threads", "1", "--no-progress"]) == 0
+                     "--ctx", "64", "--threads", "1", "--kv-cache-type", "f32",
+                     "--no-progress"]) == 0
     ours = printed_perplexity(capsys.readouterr().out)
 
     ids = Tokenizer.from_file(str(tiny_hf / "tokenizer.json")).encode(text).ids

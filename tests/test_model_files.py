@@ -362,9 +362,11 @@ def test_bad_inputs_at_forward_time(tiny_model: Path) -> None:
         assert m.seq_len(0) == 2 and m.seq_len(1) == 0  # refused calls change nothing
     # C checks again when Python is bypassed
     with pytest.raises(InputError, match="not in 0..319"):
-        m.core.forward(m.kv, np.array([320], np.int32), z, np.array([2], np.int32))
+        m.core.forward(m.kv, np.array([320], np.int32), z, np.array([2], np.int32), None,
+                       m.slot_tables)
     with pytest.raises(ContextOverflowError, match="past the context"):
-        m.core.forward(m.kv, np.array([1], np.int32), z, np.array([99], np.int32))
+        m.core.forward(m.kv, np.array([1], np.int32), z, np.array([99], np.int32), None,
+                       m.slot_tables)
     with pytest.raises(InputError, match="want_logits"):
         m.forward(np.array([1], np.int32), z, np.array([2], np.int32), np.ones(2, bool))
     # the model still works and agrees with itself after all the refusals

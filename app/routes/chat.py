@@ -70,7 +70,7 @@ def _response(meta: dict[str, Any], choices: list[Choice], n_prompt: int,
                          if logprobs else None),
             "finish_reason": c.finish_reason or "stop",
         } for c in choices],
-        "usage": usage(n_prompt, sum(c.n_tokens for c in choices)),
+        "usage": usage(n_prompt, choices),
     }
 
 
@@ -113,7 +113,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, meta: dict[st
                 yield chunk(out.index, {}, step.finish_reason)
         if include_usage:
             yield json.dumps({**base, "choices": [],
-                              "usage": usage(n_prompt, sum(c.n_tokens for c in choices))})
+                              "usage": usage(n_prompt, choices)})
         yield "[DONE]"
     finally:
         await outputs.aclose()

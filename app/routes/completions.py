@@ -82,7 +82,7 @@ def _response(meta: dict[str, Any], choices: list[Choice], n_prompt: int,
         out.append({"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason or "stop"})
     return {**meta, "object": "text_completion", "system_fingerprint": None, "choices": out,
-            "usage": usage(n_prompt, sum(c.n_tokens for c in choices))}
+            "usage": usage(n_prompt, choices)}
 
 
 async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, Any],
@@ -127,7 +127,7 @@ async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, A
                 yield chunk(out.index, "", step.finish_reason)
         if body.include_usage:
             yield json.dumps({**base, "choices": [],
-                              "usage": usage(n_prompt, sum(c.n_tokens for c in choices))})
+                              "usage": usage(n_prompt, choices)})
         yield "[DONE]"
     finally:
         await outputs.aclose()

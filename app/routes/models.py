@@ -31,6 +31,6 @@ async def get_model(model: str, request: Request) -> dict[str, Any]:
     """One model by name; 404 for any other."""
     state = get_state(request)
     llm = state.llm
-    if model not in state.model_names():
+    if model not in state.model_names() and not state.settings.accept_any_model:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
     return _card(state.served_name(), state.started, int(llm.n_ctx))

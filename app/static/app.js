@@ -1,11 +1,18 @@
 // Colibri's chat page: plain JavaScript, no build step. Streams tokens from
 // /v1/chat/completions (server-sent events read with fetch) and shows them as they come.
+// The conversation always fits the model's context: before each request the prompt is
+// counted with /tokenize, the oldest turns are left out until prompt + max tokens fit, and
+// when the newest message alone leaves less room, max_tokens is capped to what is left.
+// A turn that fails is shown but never sent again; "New chat" starts over.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const history = [];
+let history = []; // [{role, content, el}] turns that went well, oldest first
 let controller = null;
+let chatId = 0; // bumped by "New chat", so a reply still streaming is not kept
 let modelName = null;
+let contextSize = null; // tokens, from /v1/models
+window.lastRequest = null; // the last request sent (the browser test reads it)
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -29,11 +36,157 @@ async function loadModel() {
     const body = await r.json();
     if (!r.ok) throw new Error(body.error ? body.error.message : r.statusText);
     modelName = body.data[0].id;
+    contextSize = body.data[0].max_model_len || null;
     $("model").textContent = modelName;
+    $("ctx").textContent = contextSize ? "context " + contextSize + " tokens" : "";
   } catch (e) {
     $("model").textContent = "model unavailable: " + e.message;
     setTimeout(loadModel, 2000);
   }
+}
+
+async function errorMessage(r) {
+  const body = await r.json().catch(() => ({}));
+  return body.error ? body.error.message : r.status + " " + r.statusText;
+}
+
+function systemMessages() {
+  const system = $("system").value.trim();
+  return system ? [{ role: "system", content: system }] : [];
+}
+
+// Tokens the chat prompt of these messages takes (with the assistant's opening).
+async function countTokens(messages) {
+  const r = await fetch("/tokenize", {
+    method: "POST", headers: headers(),
+    body: JSON.stringify({ model: modelName || undefined, messages }),
+  });
+  if (!r.ok) throw new Error(await errorMessage(r));
+  return (await r.json()).count;
+}
+
+// The turns to send and max_tokens for them: oldest turns left out until it fits.
+async function fitToContext(user, wanted) {
+  const plain = (turns) => systemMessages().concat(turns.map(({ role, content }) => ({ role, content })));
+  let turns = history.concat([user]);
+  let count = await countTokens(plain(turns));
+  if (!contextSize) return { turns, maxTokens: wanted, count, dropped: 0 };
+  let dropped = 0;
+  while (count + wanted > contextSize && turns.length > 1) {
+    // leave out the oldest exchange (a user turn and the reply that follows it)
+    const cut = turns.length > 2 && turns[1].role === "assistant" ? 2 : 1;
+    dropped += cut;
+    turns = turns.slice(cut);
+    count = await countTokens(plain(turns));
+  }
+  const room = contextSize - count;
+  if (room < 1) {
+    throw new Error("this message takes " + count + " tokens; the model's context holds " +
+                    contextSize + " in all. Send a shorter one.");
+  }
+  return { turns, maxTokens: Math.min(wanted, room), count, dropped };
+}
+
+async function send(text) {
+  const chat = chatId;
+  const user = { role: "user", content: text, el: addMessage("user", text) };
+  const out = addMessage("assistant", "");
+  out.dataset.chunks = "0";
+  out.dataset.done = "false";
+  controller = new AbortController();
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  $("status").textContent = "generating…";
+  let reply = "";
+  let finish = null;
+  let usage = null;
+  let failed = false;
+  let note = "";
+  let firstAt = null;
+  let lastAt = null;
+  try {
+    const wanted = Number($("max-tokens").value) || 256;
+    const fit = await fitToContext(user, wanted);
+    const kept = new Set(fit.turns);
+    for (const turn of history) {
+      if (!kept.has(turn)) turn.el.classList.add("trimmed");
+    }
+    if (fit.dropped) note += "; left out " + fit.dropped + " older turn" + (fit.dropped > 1 ? "s" : "");
+    if (fit.maxTokens < wanted) note += "; reply limited to " + fit.maxTokens + " tokens (context full)";
+    const request = {
+      model: modelName || undefined,
+      messages: systemMessages().concat(fit.turns.map(({ role, content }) => ({ role, content }))),
+      stream: true,
+      stream_options: { include_usage: true },
+      temperature: Number($("temperature").value),
+      max_tokens: fit.maxTokens,
+    };
+    if ($("seed").value !== "") request.seed = Number($("seed").value);
+    window.lastRequest = request;
+    const r = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(request),
+      signal: controller.signal,
+    });
+    if (!r.ok) throw new Error(await errorMessage(r));
+    await readEvents(r.body, (data) => {
+      if (data === "[DONE]") return false;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      for (const choice of chunk.choices) {
+        if (choice.delta && choice.delta.content) {
+          const now = performance.now();
+          if (firstAt === null) firstAt = now;
+          lastAt = now;
+          reply += choice.delta.content;
+          out.textContent = reply;
+          out.dataset.chunks = String(Number(out.dataset.chunks) + 1);
+          $("log").scrollTop = $("log").scrollHeight;
+        }
+        if (choice.finish_reason) finish = choice.finish_reason;
+      }
+      return true;
+    });
+    $("status").textContent = "done" + (finish ? " (" + finish + ")" : "") + speed(usage, firstAt, lastAt) + note;
+  } catch (e) {
+    if (e.name === "AbortError") {
+      $("status").textContent = "stopped" + speed(usage, firstAt, lastAt);
+    } else {
+      failed = true;
+      out.className = "msg error";
+      out.textContent = (reply ? reply + "\n" : "") + "Error: " + e.message;
+      user.el.classList.add("failed");
+      $("status").textContent = "error";
+    }
+  } finally {
+    if (!failed && chat === chatId) {
+      history.push(user);
+      history.push({ role: "assistant", content: reply, el: out });
+    }
+    out.dataset.done = "true";
+    out.dataset.finish = finish || "";
+    controller = null;
+    $("send").disabled = false;
+    $("stop").disabled = true;
+  }
+}
+
+// ", N tokens, X tok/s": tokens after the first over the time they took to stream.
+function speed(usage, firstAt, lastAt) {
+  if (!usage || !usage.completion_tokens) return "";
+  const n = usage.completion_tokens;
+  let text = ", " + n + " token" + (n > 1 ? "s" : "");
+  if (n > 1 && lastAt > firstAt) text += ", " + ((n - 1) / ((lastAt - firstAt) / 1000)).toFixed(1) + " tok/s";
+  return text;
+}
+
+function newChat() {
+  if (controller) controller.abort();
+  history = [];
+  chatId += 1;
+  window.lastRequest = null;
+  $("log").replaceChildren();
+  $("status").textContent = "new chat";
 }
 
 // Parse server-sent events out of a byte stream; calls onData for every `data:` payload.
@@ -58,70 +211,6 @@ async function readEvents(body, onData) {
   }
 }
 
-async function send(text) {
-  const system = $("system").value.trim();
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
-  const out = addMessage("assistant", "");
-  out.dataset.chunks = "0";
-  out.dataset.done = "false";
-  const request = {
-    model: modelName || undefined,
-    messages: (system ? [{ role: "system", content: system }] : []).concat(history),
-    stream: true,
-    temperature: Number($("temperature").value),
-    max_tokens: Number($("max-tokens").value) || undefined,
-  };
-  if ($("seed").value !== "") request.seed = Number($("seed").value);
-  controller = new AbortController();
-  $("send").disabled = true;
-  $("stop").disabled = false;
-  $("status").textContent = "generating…";
-  let reply = "";
-  let finish = null;
-  try {
-    const r = await fetch("/v1/chat/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(request),
-      signal: controller.signal,
-    });
-    if (!r.ok) {
-      const body = await r.json().catch(() => ({}));
-      throw new Error(body.error ? body.error.message : r.status + " " + r.statusText);
-    }
-    await readEvents(r.body, (data) => {
-      if (data === "[DONE]") return false;
-      const chunk = JSON.parse(data);
-      if (chunk.error) throw new Error(chunk.error.message);
-      for (const choice of chunk.choices) {
-        if (choice.delta && choice.delta.content) {
-          reply += choice.delta.content;
-          out.textContent = reply;
-          out.dataset.chunks = String(Number(out.dataset.chunks) + 1);
-          $("log").scrollTop = $("log").scrollHeight;
-        }
-        if (choice.finish_reason) finish = choice.finish_reason;
-      }
-      return true;
-    });
-    $("status").textContent = "done" + (finish ? " (" + finish + ")" : "");
-  } catch (e) {
-    if (e.name === "AbortError") {
-      $("status").textContent = "stopped";
-    } else {
-      out.className = "msg error";
-      out.textContent = (reply ? reply + "\n" : "") + "Error: " + e.message;
-      $("status").textContent = "error";
-    }
-  } finally {
-    history.push({ role: "assistant", content: reply });
-    out.dataset.done = "true";
-    out.dataset.finish = finish || "";
-    controller = null;
-    $("send").disabled = false;
-    $("stop").disabled = true;
-  }
-}
-
 $("form").addEventListener("submit", (ev) => {
   ev.preventDefault();
   const text = $("input").value.trim();
@@ -136,5 +225,6 @@ $("input").addEventListener("keydown", (ev) => {
   }
 });
 $("stop").addEventListener("click", () => controller && controller.abort());
+$("new-chat").addEventListener("click", newChat);
 $("api-key").addEventListener("change", loadModel);
 loadModel();

@@ -1,0 +1,1 @@
+"""The step engine: requests, scheduler, KV block manager and the step loop."""

@@ -1,0 +1,306 @@
+"""EngineCore: the synchronous step loop over one model, one shared paged KV cache and one
+scheduler. Each `step()` runs one forward pass over every scheduled token of every running
+request, samples the requests whose known tokens are all computed, and returns their outputs.
+
+Guarantees: one request's failure (bad sampling input, a constraint error) fails that request
+only; a failed forward pass fails the requests of that step and the engine goes on; blocks are
+freed the moment a request finishes or is aborted. Not thread-safe: one thread drives it
+(engine.core.async_engine runs it on the engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.core.block_manager import BLOCK_SIZE, BlockManager
+from engine.core.request import Request, RequestOutput, Status, new_request
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.sample.batch import prompt_logprobs, sample_rows
+from engine.sampling import SamplingParams
+
+log = logging.getLogger("colibri.engine")
+
+
+class ContextLengthError(ValueError):
+    """The prompt (plus the requested completion) does not fit the model's context."""
+
+    def __init__(self, message: str, n_prompt: int, n_ctx: int) -> None:
+        super().__init__(message)
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
+
+
+@dataclass
+class StepStats:
+    """Counters the server exports (vLLM's names where one exists)."""
+
+    n_steps: int = 0
+    n_step_tokens: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+
+
+def _drain(req: Request) -> tuple[str, bool]:
+    """Text still held back by the detokenizer and the stop matcher, at the end of output."""
+    emit, stopped = req.stops.push(req.detok.flush())
+    if stopped:
+        return emit, True
+    return emit + req.stops.flush(), False
+
+
+class EngineCore:
+    """Requests in, outputs out, one step at a time."""
+
+    def __init__(self, model: Any, tokenizer: Any, scheduler_config: SchedulerConfig,
+                 n_blocks: int, enable_prefix_cache: bool = True) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = int(model.n_vocab)
+        self.n_ctx = int(model.n_ctx)
+        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache)
+        self.scheduler = Scheduler(scheduler_config, self.blocks)
+        self.requests: dict[str, list[Request]] = {}
+        self.stats = StepStats()
+        self.eos_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.on_step: Callable[[int, int], None] | None = None  # (sequences, tokens) per step
+        self.model_path: Any = None
+
+    # -- admission -------------------------------------------------------------------------
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + completion) one request may hold: the context, or the
+        whole KV pool when that is smaller, so a request alone always fits."""
+        return min(self.n_ctx, self.blocks.n_blocks * BLOCK_SIZE)
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Validate a request; return its completion budget (max new tokens). Raises
+        SamplingParamError, ValueError (bad token ids, empty prompt) or ContextLengthError."""
+        params.validate(self.vocab_size)
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        for t in prompt:
+            if isinstance(t, bool) or not 0 <= int(t) < self.vocab_size:
+                raise ValueError(f"token id {t} is outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
+        cap = self.max_request_tokens
+        where = "context" if cap == self.n_ctx else "KV cache"
+        if n >= cap:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens, the {where} holds {cap}", n, cap)
+        room = cap - n
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ContextLengthError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceed the "
+                f"{where} of {cap} tokens", n, cap)
+        return int(params.max_tokens)
+
+    def add_request(self, request_id: str, prompt: list[int],
+                    params: SamplingParams | list[SamplingParams]) -> None:
+        """Queue one prompt with one SamplingParams per choice (a list: n choices, which share
+        the prompt's prefill). Validates everything before queueing anything."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        choices = params if isinstance(params, list) else [params]
+        if not choices:
+            raise ValueError("no choices requested")
+        budgets = [self.check_request(prompt, p) for p in choices]
+        prompt = [int(t) for t in prompt]
+        reqs: list[Request] = []
+        for i, (p, max_new) in enumerate(zip(choices, budgets, strict=True)):
+            reqs.append(new_request(request_id, i, prompt, p, self.vocab_size, self.tokenizer,
+                                    max_new, self.eos_ids, parent=reqs[0] if i else None))
+        self.requests[request_id] = reqs
+        for r in reqs:
+            self.scheduler.add(r)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop every choice of request_id and free its blocks; False if unknown."""
+        reqs = self.requests.pop(request_id, None)
+        if reqs is None:
+            return False
+        for r in reqs:
+            if r.status != Status.FINISHED:
+                self.scheduler.remove(r)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def snapshot(self) -> dict[str, float]:
+        """Counters for /metrics (safe to read from another thread: plain reads)."""
+        b = self.blocks
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_usage": b.usage, "prefix_queries": b.prefix_queries,
+                "prefix_hits": b.prefix_hits, "preemptions": self.scheduler.n_preemptions,
+                "kv_free": b.n_free, "kv_total": b.n_blocks,
+                "step_s": self.stats.step_time_s, "forward_s": self.stats.forward_time_s}
+
+    @property
+    def n_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.items:
+            return []
+        n_seq = len(sched.items)
+        n_tok = sched.n_tokens
+        tokens = np.empty(n_tok, dtype=np.int32)
+        seq_ids = np.empty(n_tok, dtype=np.int32)
+        positions = np.empty(n_tok, dtype=np.int32)
+        want = np.zeros(n_tok, dtype=np.uint8)
+        max_blocks = max(len(self.blocks.table(r.rid)) for r, _ in sched.items)
+        tables = np.full((n_seq, max_blocks), -1, dtype=np.int32)
+        at = 0
+        for i, (req, n) in enumerate(sched.items):
+            c = req.num_computed
+            tokens[at:at + n] = req.tokens[c:c + n]
+            seq_ids[at:at + n] = i
+            positions[at:at + n] = np.arange(c, c + n, dtype=np.int32)
+            if getattr(req.params, "prompt_logprobs", None) is not None and c < len(req.prompt):
+                want[at:at + min(n, len(req.prompt) - c)] = 1  # every prompt position scored
+            if c + n == req.num_tokens:
+                want[at + n - 1] = 1  # the last known token: its logits give the next token
+            table = self.blocks.table(req.rid)
+            tables[i, :len(table)] = table
+            at += n
+        tf = time.perf_counter()
+        try:
+            logits = self.model.forward_paged(tokens, seq_ids, positions, tables, want)
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            log.error("forward pass failed for %d requests: %s", n_seq, exc)
+            return [self._fail(req, exc) for req, _ in sched.items]
+        self.stats.forward_time_s += time.perf_counter() - tf
+
+        outputs: list[RequestOutput] = []
+        failed: list[RequestOutput] = []
+        to_sample: list[tuple[Request, np.ndarray]] = []
+        row = at = 0
+        for req, n in sched.items:
+            n_rows = int(want[at:at + n].sum())
+            rows = logits[row:row + n_rows]
+            row += n_rows
+            c = req.num_computed
+            if getattr(req.params, "prompt_logprobs", None) is not None and c < len(req.prompt):
+                try:
+                    self._gather_prompt_logprobs(req, c, min(n, len(req.prompt) - c), rows)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed.append(self._fail(req, exc))
+                    at += n
+                    continue
+            req.num_computed = c + n
+            at += n
+            self.blocks.commit(req.rid, req.tokens, req.num_computed)
+            if req.num_computed == req.num_tokens:
+                to_sample.append((req, rows[-1]))
+        if to_sample:
+            stacked = np.stack([r for _, r in to_sample])
+            results = sample_rows(stacked, [q.sampler for q, _ in to_sample],
+                                  [q.tokens for q, _ in to_sample])
+            for (req, _), res in zip(to_sample, results, strict=True):
+                if res.error is not None:
+                    outputs.append(self._fail(req, res.error))
+                    continue
+                assert res.result is not None
+                try:
+                    outputs.append(self._advance(req, res.result))
+                except Exception as exc:  # noqa: BLE001 - detokenizing or a constraint failed
+                    outputs.append(self._fail(req, exc))
+        outputs += failed
+        self.stats.n_steps += 1
+        self.stats.n_step_tokens += n_tok
+        self.stats.step_time_s += time.perf_counter() - t0
+        if self.on_step is not None:
+            self.on_step(n_seq, n_tok)
+        return outputs
+
+    def _gather_prompt_logprobs(self, req: Request, c: int, n: int, rows: np.ndarray) -> None:
+        """Logprobs of prompt tokens c+1 .. c+n (each scored by the logits before it)."""
+        if req.prompt_lp is None:
+            req.prompt_lp = [None]  # the first token has no logprob
+        k = int(getattr(req.params, "prompt_logprobs", 0) or 0)
+        n_score = min(n, len(req.prompt) - 1 - c)  # the last prompt token's logits sample
+        if n_score > 0:
+            targets = np.asarray(req.prompt[c + 1:c + 1 + n_score])
+            req.prompt_lp.extend(prompt_logprobs(rows[:n_score], targets, k))
+
+    def _advance(self, req: Request, res: Any) -> RequestOutput:
+        tok = res.token_id
+        now = time.perf_counter()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output.append(tok)
+        constraint = getattr(req.params, "constraint", None)
+        if constraint is not None:
+            constraint.accept(tok)
+        finish: str | None = None
+        if tok in req.stop_ids:
+            text, _ = _drain(req)
+            finish = "stop"
+        else:
+            text, stopped = req.stops.push(req.detok.push(tok))
+            if stopped:
+                finish = "stop"
+            elif len(req.output) >= req.max_new or (
+                    constraint is not None and constraint.is_finished()):
+                tail, stopped = _drain(req)
+                text += tail
+                finish = "stop" if stopped or len(req.output) < req.max_new else "length"
+        out = RequestOutput(req.request_id, req.index, tok, text, res.logprob, res.top_logprobs,
+                            finish, len(req.prompt), req.n_cached)
+        if not req.sent_prompt_lp:
+            out.prompt_logprobs = req.prompt_lp
+            req.sent_prompt_lp = True
+        if finish is not None:
+            self._finish(req)
+        return out
+
+    def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
+        self._finish(req)
+        return RequestOutput(req.request_id, req.index, -1, "", finish_reason="error",
+                             n_prompt_tokens=len(req.prompt), error=exc)
+
+    def _finish(self, req: Request) -> None:
+        if req.status != Status.FINISHED:
+            self.scheduler.remove(req)
+        siblings = self.requests.get(req.request_id)
+        if siblings is not None and all(r.status == Status.FINISHED for r in siblings):
+            del self.requests[req.request_id]
+
+    # -- scoring ---------------------------------------------------------------------------
+    def score(self, tokens: list[int]) -> np.ndarray:
+        """Logits [len(tokens), vocab] of a fresh sequence (float32). Runs outside the
+        scheduler, on blocks borrowed from the pool for the call."""
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("token_ids is empty")
+        if n > self.n_ctx:
+            raise ContextLengthError(f"{n} tokens exceed the context of {self.n_ctx}", n,
+                                     self.n_ctx)
+        rid = f"__score_{id(tokens)}"
+        if self.blocks.allocate_prompt(rid, [], [], []) is None or not self.blocks.grow(rid, n):
+            self.blocks.free(rid)
+            raise ContextLengthError(f"{n} tokens do not fit the free KV cache", n, self.n_ctx)
+        try:
+            table = np.asarray([self.blocks.table(rid)], dtype=np.int32)
+            ids = np.asarray(tokens, dtype=np.int32)
+            return self.model.forward_paged(ids, np.zeros(n, dtype=np.int32),
+                                            np.arange(n, dtype=np.int32), table, None)
+        finally:
+            self.blocks.free(rid)
+

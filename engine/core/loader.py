@@ -1,0 +1,95 @@
+"""Building an engine from a model path: convert on first use, load the weights into the C
+core, size the shared KV pool, and wire the scheduler.
+
+`EngineConfig` is the one settings object for all of it (the server, the CLI and the Python
+API fill it from their own options). The KV pool defaults to room for `max_num_seqs` full
+contexts, capped at a quarter of the memory available now and never below one full context.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import _core
+from engine.convert import ensure_converted
+from engine.core.block_manager import BLOCK_SIZE
+from engine.core.engine import EngineCore
+from engine.core.scheduler import SchedulerConfig
+from engine.model import Model
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("colibri.engine")
+
+KV_TYPES = ("f32", "f16", "q8")
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+
+
+@dataclass
+class EngineConfig:
+    """How to load and run a model."""
+
+    threads: int | None = None  # None: physical cores
+    n_ctx: int | None = None  # None: the model's own, capped at 4096
+    quant: str = "q8"  # precision a Hugging Face folder is converted to
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    kv_cache_mb: float | None = None  # None: sized from max_num_seqs and available memory
+    kv_cache_type: str = "f16"
+    enable_prefix_cache: bool = True
+    progress: bool = True  # show the conversion progress bar
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def kv_pool_blocks(block_bytes: int, n_ctx: int, config: EngineConfig) -> int:
+    """Blocks of the KV pool for config; ValueError when an explicit size cannot hold one
+    block."""
+    per_ctx = -(-n_ctx // BLOCK_SIZE)
+    if config.kv_cache_mb is not None:
+        n = int(config.kv_cache_mb * 1024 * 1024) // block_bytes
+        if n < 1:
+            raise ValueError(f"--kv-cache-mb {config.kv_cache_mb:g} is below one KV block "
+                             f"({block_bytes / 1024 / 1024:.3f} MB)")
+        return n
+    n = per_ctx * config.max_num_seqs
+    avail = available_memory_bytes()
+    if avail is not None:
+        n = min(n, max(per_ctx, avail // 4 // block_bytes))
+    return max(n, per_ctx)
+
+
+def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
+    """An EngineCore over the model at path (a Colibri or Hugging Face folder)."""
+    if config.kv_cache_type not in KV_TYPES:
+        raise ValueError(f"kv cache type must be one of {', '.join(KV_TYPES)}, "
+                         f"got {config.kv_cache_type!r}")
+    folder = ensure_converted(Path(path), config.quant, progress=config.progress)
+    # the pool's size depends on the model's block size: load with one block, then size it
+    model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
+                       kv_type=config.kv_cache_type, kv_blocks=1)
+    block_bytes = model.kv_block_bytes()
+    n_blocks = kv_pool_blocks(block_bytes, model.n_ctx, config)
+    model.kv = _core.KVCache(model.core, n_blocks, config.kv_cache_type)
+    tokenizer = Tokenizer.from_dir(folder)
+    mb = n_blocks * block_bytes / 1024 / 1024
+    log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
+             "of %d)", n_blocks, BLOCK_SIZE, config.kv_cache_type, mb, n_blocks * BLOCK_SIZE,
+             n_blocks * BLOCK_SIZE // model.n_ctx, model.n_ctx)
+    sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens)
+    core = EngineCore(model, tokenizer, sched, n_blocks, config.enable_prefix_cache)
+    core.model_path = folder
+    return core

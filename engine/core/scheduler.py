@@ -1,0 +1,128 @@
+"""The scheduler: which requests run in the next step, and how many of their tokens.
+
+Every step takes each running request's next tokens (one for a decode, a chunk for a prompt
+still being computed) and then admits waiting requests first come first served, under a token
+budget (`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`). When KV
+blocks run out, the newest running request is preempted: its blocks are freed and it goes back
+to the front of the queue, to be recomputed later (never dropped).
+Guarantees: a request is running or waiting, never both; a scheduled request's block table
+covers every position the step writes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, Status
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+
+
+@dataclass
+class ScheduledStep:
+    """The work of one step: (request, number of its tokens to compute), in batch order."""
+
+    items: list[tuple[Request, int]]
+    preempted: list[Request]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    """Waiting queue, running list and the block manager they share."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.n_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take req out (finished or aborted) and free its blocks."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.blocks.free(req.rid)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.rid)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.n_preempted += 1
+        self.n_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        items: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        scheduled: set[int] = set()
+
+        # running requests first, oldest first: a newer one is preempted before an older one
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n_new = min(req.num_tokens - req.num_computed, budget)
+            while not self.blocks.grow(req.rid, req.num_computed + n_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break  # req itself was the newest: everything after it is preempted too
+            items.append((req, n_new))
+            scheduled.add(id(req))
+            budget -= n_new
+            i += 1
+
+        # then waiting requests, first come first served, while budget, seats and blocks last
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if preempted and req is preempted[-1]:
+                break  # freed blocks were not enough for it just now: try again next step
+            if req.parent is not None and req.parent.status != Status.FINISHED and (
+                    req.parent.status != Status.RUNNING or not req.parent.prefill_done):
+                break  # n > 1: wait for choice 0's prompt, then share its blocks
+            if req.parent is not None and req.parent.status == Status.RUNNING:
+                done = self.blocks.fork(req.parent.rid, req.rid, len(req.prompt))
+            else:
+                done = self.blocks.allocate_prompt(req.rid, req.tokens)
+            if done is None:
+                break
+            n_new = min(req.num_tokens - done, budget)
+            if not self.blocks.grow(req.rid, done + n_new):
+                self.blocks.free(req.rid)
+                break
+            self.waiting.popleft()
+            if req.n_preempted == 0:
+                req.n_cached = done
+            req.num_computed = done
+            req.status = Status.RUNNING
+            self.running.append(req)
+            items.append((req, n_new))
+            budget -= n_new
+        return ScheduledStep(items, preempted)

@@ -1,0 +1,396 @@
+"""Serving benchmark in the manner of `vllm bench serve`: N concurrent streaming clients over
+real HTTP against Colibri and its peers, on the same weights, in one run.
+
+    python scripts/bench_serving.py [--concurrency 1,2,4,8,16] [--prompt-tokens 256]
+        [--gen-tokens 128] [--requests-per-client 2] [--threads 2]
+        [--engines colibri,llama-server,llama-cpp-python] [--llama-server PATH]
+        [--json OUT] [model shape flags as in compare_llamacpp.py]
+
+Model: the random benchmark Mixtral of scripts/compare_llamacpp.py (same shape flags), as
+Colibri q8 and GGUF Q8_0 (llama.cpp's own converter and quantizer). Peers: llama.cpp's
+`llama-server` (pass --llama-server: built with cmake from the llama.cpp that the
+llama-cpp-python source distribution vendors, GGML_NATIVE on; run with -np N and continuous
+batching) and llama-cpp-python's own server (`python -m llama_cpp.server`). Every request
+streams /v1/completions with a fixed prompt of about --prompt-tokens tokens and
+--gen-tokens greedy tokens (EOS ignored). Reported per engine and concurrency: aggregate
+output tokens/s, TTFT, inter-token latency and TPOT at p50/p90/p99, failed requests; then the
+TTFT of a request that arrives while 7 streams decode, against its TTFT on an idle server.
+Beside the measured throughput it prints the model's physical ceiling at each concurrency:
+a step of B sequences touches E*(1-(1-k/E)^B) distinct experts per layer, which turns into
+weight bytes per token and a tokens/s bound at the measured read bandwidth.
+A benchmark, not a test: it asserts nothing. Servers listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from compare_llamacpp import Dims, _words, build_checkpoint, build_gguf, llama_source  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- servers ----------------------------------------------------------------------------------
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    port: int
+    ready_path: str
+    model_name: str
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, workdir: Path, timeout: float = 300.0) -> None:
+        self.log = workdir / f"{self.name}.log"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "wb"),  # noqa: SIM115
+                                     stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} not ready after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def colibri_server(model: Path, threads: int, max_seqs: int, n_ctx: int) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port),
+           "--threads", str(threads), "--max-num-seqs", str(max_seqs), "--n-ctx", str(n_ctx),
+           "--max-queue", "64", "--served-model-name", "bench", "--log-level", "warning"]
+    return Server("colibri", cmd, port, "/ready", "bench")
+
+
+def llama_server(binary: str, gguf: Path, threads: int, n_par: int, n_ctx: int) -> Server:
+    port = free_port()
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t",
+           str(threads), "-tb", str(threads), "-np", str(n_par), "-c", str(n_ctx * n_par),
+           "-cb", "--no-webui", "-a", "bench"]
+    return Server("llama-server", cmd, port, "/health", "bench")
+
+
+def llama_cpp_python_server(gguf: Path, threads: int, n_ctx: int) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host",
+           "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_ctx",
+           str(n_ctx), "--model_alias", "bench"]
+    return Server("llama-cpp-python", cmd, port, "/v1/models", "bench")
+
+
+# -- clients ----------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    n_out: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, srv: Server, prompt: str,
+                      n_gen: int) -> Result:
+    body = {"model": srv.model_name, "prompt": prompt, "max_tokens": n_gen, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    last = None
+    res = Result(ok=False)
+    chunks = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    usage_tokens = data["usage"].get("completion_tokens")
+                if not data.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+    except httpx.HTTPError as exc:
+        res.error = repr(exc)
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.n_out = int(usage_tokens) if usage_tokens else chunks
+    res.ok = res.n_out > 0
+    return res
+
+
+async def run_level(srv: Server, prompts: list[str], n_gen: int, conc: int,
+                    per_client: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=conc + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker(w: int) -> list[Result]:
+            out = []
+            for r in range(per_client):
+                out.append(await one_request(client, srv, prompts[(w * per_client + r)
+                                                                  % len(prompts)], n_gen))
+            return out
+
+        t0 = time.perf_counter()
+        groups = await asyncio.gather(*(worker(w) for w in range(conc)))
+        wall = time.perf_counter() - t0
+    results = [r for g in groups for r in g]
+    good = [r for r in results if r.ok]
+    itl = [x for r in good for x in r.itl]
+    tpot = [(r.e2e - r.ttft) / (r.n_out - 1) for r in good if r.n_out > 1]
+    ttft = [r.ttft for r in good]
+    return {"concurrency": conc, "requests": len(results), "failed": len(results) - len(good),
+            "errors": sorted({r.error for r in results if not r.ok})[:3],
+            "wall_s": wall, "output_tokens": sum(r.n_out for r in good),
+            "output_tok_s": sum(r.n_out for r in good) / wall,
+            **{f"ttft_p{q}_ms": 1e3 * pct(ttft, q / 100) for q in (50, 90, 99)},
+            **{f"itl_p{q}_ms": 1e3 * pct(itl, q / 100) for q in (50, 90, 99)},
+            **{f"tpot_p{q}_ms": 1e3 * pct(tpot, q / 100) for q in (50, 90, 99)}}
+
+
+async def ttft_under_load(srv: Server, prompts: list[str], n_gen: int, probes: int,
+                          background: int) -> dict[str, float]:
+    """TTFT of a new request on an idle server, then while `background` streams decode."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        idle = [(await one_request(client, srv, prompts[i % len(prompts)], 2)).ttft
+                for i in range(probes)]
+        stop = asyncio.Event()
+
+        async def decoder(i: int) -> None:
+            while not stop.is_set():
+                await one_request(client, srv, prompts[(i + 3) % len(prompts)], n_gen * 4)
+
+        tasks = [asyncio.create_task(decoder(i)) for i in range(background)]
+        await asyncio.sleep(2.0)  # let every background stream get past its prompt
+        busy = [(await one_request(client, srv, prompts[i % len(prompts)], 2)).ttft
+                for i in range(probes)]
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {"idle_ttft_p50_ms": 1e3 * pct(idle, 0.5), "idle_ttft_p99_ms": 1e3 * pct(idle, 0.99),
+            "busy_ttft_p50_ms": 1e3 * pct(busy, 0.5), "busy_ttft_p99_ms": 1e3 * pct(busy, 0.99),
+            "ratio_p99": pct(busy, 0.99) / pct(idle, 0.99)}
+
+
+# -- the physical ceiling ---------------------------------------------------------------------
+
+def ceiling(model_dir: Path, dims: Dims, threads: int, levels: list[int]) -> dict[str, Any]:
+    """Weight bytes per token at each concurrency B and the bound at the measured bandwidth."""
+    from engine import _core
+    from engine.bench import weight_bytes_per_token
+
+    parts = weight_bytes_per_token(model_dir)
+    expert_one = parts["experts"] / (dims.layers * dims.top_k)  # one expert's bytes
+    fixed = parts["total"] - parts["experts"]
+    gbps = float(_core.bandwidth_probe(1024 << 20, threads, 3))
+    out = {"bandwidth_gb_s": gbps, "levels": {}}
+    e, k = dims.experts, dims.top_k
+    for b in levels:
+        distinct = e * (1 - (1 - k / e) ** b)
+        per_token = (fixed + dims.layers * distinct * expert_one) / b
+        out["levels"][b] = {"distinct_experts_per_layer": distinct,
+                            "bytes_per_token": per_token,
+                            "bound_tok_s": gbps * 1e9 / per_token}
+    return out
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def make_prompts(tokenizer_dir: Path, n_tokens: int, count: int, seed: int) -> list[str]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        words: list[str] = []
+        while len(tok.encode(" ".join(words)).ids) < n_tokens:
+            words += _words(rng, 16)
+        while len(tok.encode(" ".join(words)).ids) > n_tokens:
+            words.pop()
+        prompts.append(" ".join(words))
+    return prompts
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = [f"CPU: {res['cpu']}  threads: {res['threads']}  model: {res['model']}",
+             f"prompt ~{res['prompt_tokens']} tokens, {res['gen_tokens']} output tokens, "
+             f"greedy, EOS ignored; read bandwidth {res['ceiling']['bandwidth_gb_s']:.1f} GB/s",
+             "", "| engine | conc | out tok/s | x vs 1 | ceiling tok/s | TTFT p50/p90/p99 ms | "
+             "ITL p50/p90/p99 ms | TPOT p50/p90/p99 ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for eng, levels in res["engines"].items():
+        base = levels[0]["output_tok_s"] if levels else float("nan")
+        for lv in levels:
+            c = lv["concurrency"]
+            ceil = res["ceiling"]["levels"].get(str(c), res["ceiling"]["levels"].get(c, {}))
+            lines.append(
+                f"| {eng} | {c} | {lv['output_tok_s']:.1f} | {lv['output_tok_s'] / base:.2f} | "
+                f"{ceil.get('bound_tok_s', float('nan')):.0f} | "
+                f"{lv['ttft_p50_ms']:.0f}/{lv['ttft_p90_ms']:.0f}/{lv['ttft_p99_ms']:.0f} | "
+                f"{lv['itl_p50_ms']:.1f}/{lv['itl_p90_ms']:.1f}/{lv['itl_p99_ms']:.1f} | "
+                f"{lv['tpot_p50_ms']:.1f}/{lv['tpot_p90_ms']:.1f}/{lv['tpot_p99_ms']:.1f} | "
+                f"{lv['failed']} |")
+    lines.append("")
+    for eng, t in res.get("ttft_under_load", {}).items():
+        lines.append(f"{eng}: TTFT idle p50/p99 {t['idle_ttft_p50_ms']:.0f}/"
+                     f"{t['idle_ttft_p99_ms']:.0f} ms, with 7 streams decoding "
+                     f"{t['busy_ttft_p50_ms']:.0f}/{t['busy_ttft_p99_ms']:.0f} ms "
+                     f"(p99 x{t['ratio_p99']:.2f})")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    dflt = Dims(hidden=1024, intermediate=1536, layers=8, experts=16, top_k=4, heads=16,
+                kv_heads=4)
+    for name in ("vocab", "hidden", "intermediate", "layers", "experts", "heads", "seed"):
+        p.add_argument(f"--{name}", type=int, default=getattr(dflt, name))
+    p.add_argument("--top-k", type=int, default=dflt.top_k)
+    p.add_argument("--kv-heads", type=int, default=dflt.kv_heads)
+    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--engines", default="colibri,llama-server,llama-cpp-python")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama-server binary (llama.cpp built with cmake, GGML_NATIVE=ON)")
+    p.add_argument("--no-ttft-load", action="store_true", help="skip the TTFT-under-load run")
+    p.add_argument("--workdir", default="/tmp/colibri_compare")
+    p.add_argument("--llama-src", default=None)
+    p.add_argument("--json", default=None, metavar="OUT")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dims = Dims(vocab=args.vocab, hidden=args.hidden, intermediate=args.intermediate,
+                layers=args.layers, experts=args.experts, top_k=args.top_k, heads=args.heads,
+                kv_heads=args.kv_heads, seed=args.seed)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    engines = [e for e in args.engines.split(",") if e]
+    work = Path(args.workdir) / dims.tag()
+    work.mkdir(parents=True, exist_ok=True)
+    hf = build_checkpoint(work / "hf", dims)
+    from engine.convert import convert
+
+    col = work / "colibri-q8"
+    if not (col / "config.json").is_file():
+        convert(hf, col, "q8", progress=True)
+    n_ctx = args.prompt_tokens + args.gen_tokens * 4 + 64
+    gguf = None
+    if any(e != "colibri" for e in engines):
+        gguf = build_gguf(hf, work / "gguf", llama_source(work, args.llama_src))["Q8_0"]
+    prompts = make_prompts(hf, args.prompt_tokens, 64, dims.seed)
+    res: dict[str, Any] = {"cpu": cpu_model(), "threads": args.threads, "model": dims.tag(),
+                           "dims": asdict(dims), "prompt_tokens": args.prompt_tokens,
+                           "gen_tokens": args.gen_tokens, "engines": {},
+                           "ttft_under_load": {},
+                           "ceiling": ceiling(col, dims, args.threads, levels)}
+    for eng in engines:
+        if eng == "colibri":
+            srv = colibri_server(col, args.threads, max(levels), n_ctx)
+        elif eng == "llama-server":
+            if not args.llama_server:
+                print("llama-server: skipped (no --llama-server binary given)", flush=True)
+                continue
+            assert gguf is not None
+            srv = llama_server(args.llama_server, gguf, args.threads, max(levels), n_ctx)
+        elif eng == "llama-cpp-python":
+            assert gguf is not None
+            srv = llama_cpp_python_server(gguf, args.threads, n_ctx)
+        else:
+            raise SystemExit(f"unknown engine {eng}")
+        print(f"starting {eng} ...", flush=True)
+        try:
+            srv.start(work)
+            asyncio.run(run_level(srv, prompts, 8, 1, 1))  # warm-up
+            out = []
+            for c in levels:
+                lv = asyncio.run(run_level(srv, prompts, args.gen_tokens, c,
+                                           args.requests_per_client))
+                print(f"  {eng} c={c}: {lv['output_tok_s']:.1f} tok/s, failed {lv['failed']}",
+                      flush=True)
+                out.append(lv)
+            res["engines"][eng] = out
+            if not args.no_ttft_load:
+                res["ttft_under_load"][eng] = asyncio.run(
+                    ttft_under_load(srv, prompts, args.gen_tokens, 8, 7))
+        finally:
+            srv.stop()
+    print(render(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""The single-sequence C API (colibri_init / colibri_forward / colibri_reset / colibri_free),
+called through ctypes on the built extension, against the Python Model over the same files."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import _core
+from engine.config import ModelConfig
+from engine.model import Model
+
+N_CTX = 80
+_I64 = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
+        "n_expert", "n_expert_used", "n_ff_shared")
+_I32 = ("shared_gate", "norm_topk_prob", "qk_norm", "qkv_bias", "tie_embeddings")
+
+
+class _HParams(ctypes.Structure):
+    """clb_hparams, field for field (csrc/clb_model.h)."""
+
+    _fields_ = ([("arch", ctypes.c_int32)] + [(k, ctypes.c_int64) for k in _I64]
+                + [(k, ctypes.c_int32) for k in _I32]
+                + [("clip_qkv", ctypes.c_float), ("rope_theta", ctypes.c_float),
+                   ("rotary_dim", ctypes.c_int64), ("rms_eps", ctypes.c_float),
+                   ("sliding_window", ctypes.c_int64), ("n_ctx", ctypes.c_int64)])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from engine.convert import convert
+    from tests.tiny_models import make_checkpoint
+
+    root = tmp_path_factory.mktemp("capi")
+    hf = make_checkpoint("qwen3_moe", root / "hf", seed=5)
+    return convert(hf, root / "f32", quant="f32", progress=False)
+
+
+def test_colibri_wrappers_match_model(model_dir: Path) -> None:
+    lib = ctypes.CDLL(_core.__file__)
+    lib.colibri_init.restype = ctypes.c_void_p
+    lib.colibri_init.argtypes = [ctypes.c_char_p, ctypes.POINTER(_HParams), ctypes.c_int,
+                                 ctypes.c_char_p]
+    lib.colibri_forward.restype = ctypes.c_int
+    lib.colibri_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_char_p]
+    lib.colibri_reset.argtypes = [ctypes.c_void_p]
+    lib.colibri_free.argtypes = [ctypes.c_void_p]
+
+    hp = _HParams(**ModelConfig.from_dir(model_dir).to_hparams(N_CTX))
+    err = ctypes.create_string_buffer(512)
+    cm = lib.colibri_init(str(model_dir).encode(), ctypes.byref(hp), 1, err)
+    assert cm, err.value
+    m = Model.load(model_dir, threads=1, n_ctx=N_CTX)
+    ids = np.random.default_rng(3).integers(0, m.n_vocab, 71).astype(np.int32)
+    logits = np.full(m.n_vocab, np.nan, np.float32)
+    try:
+        def step(part: np.ndarray) -> np.ndarray:
+            st = lib.colibri_forward(cm, part.ctypes.data, part.size, logits.ctypes.data, err)
+            assert st == 0, err.value
+            return logits.copy()
+
+        ref = m.forward(ids, np.zeros(71, np.int32), np.arange(71, dtype=np.int32))
+        # 70 tokens (more than one internal step of the wrapper), then one more
+        np.testing.assert_array_equal(step(ids[:70]), ref[69])
+        np.testing.assert_array_equal(step(ids[70:]), ref[70])
+        # past n_ctx: refused with CLB_E_RANGE
+        assert lib.colibri_forward(cm, ids.ctypes.data, 10, logits.ctypes.data, err) == -6
+        assert b"exceed n_ctx" in err.value
+        lib.colibri_reset(cm)
+        np.testing.assert_array_equal(step(ids[:5]), ref[4])
+    finally:
+        lib.colibri_free(cm)
+
+
+def test_kv_f16_widening_matches_numpy_on_every_value() -> None:
+    """Attention's branch-free f16 -> f32 (clb_kv_f16_to_f32) equals numpy's conversion for
+    all 65536 bit patterns (NaN payloads included)."""
+    lib = ctypes.CDLL(_core.__file__)
+    lib.clb_kv_f16_to_f32.restype = None
+    lib.clb_kv_f16_to_f32.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    out = np.full(65536, np.nan, np.float32)
+    lib.clb_kv_f16_to_f32(bits.size, bits.ctypes.data, out.ctypes.data)
+    np.testing.assert_array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32)
+                                  .view(np.uint32))

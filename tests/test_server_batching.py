@@ -1,0 +1,187 @@
+"""Many clients at once against `python -m app serve`: the official openai SDK driving 8
+concurrent streams (each text equal to the same request run alone), prefix reuse reported
+in usage, KV blocks freed on disconnect (queued, in prefill, mid-stream), a prompt larger
+than the KV pool refused, and SIGTERM under 8 streams draining cleanly."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server_helpers import SubprocessServer, tiny_model, wait_for
+
+MODEL = "tiny-mixtral"
+N_CTX = 512
+TOPICS = ["the river", "the old stone mill", "the stars", "the garden", "the school road",
+          "the hummingbird", "the weather", "the numbers"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
+    tmp = tmp_path_factory.mktemp("batching")
+    model = tiny_model(tmp / "model", max_position_embeddings=N_CTX)
+    srv = SubprocessServer(model, tmp / "run", "--served-model-name", MODEL, "--n-ctx",
+                           str(N_CTX), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                           "--threads", "2").wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _client(server: SubprocessServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                              timeout=120)
+
+
+def _kv_free(server: SubprocessServer) -> tuple[float, float]:
+    m = server.metrics()
+    return m["colibri_kv_cache_blocks_free"], m["colibri_kv_cache_blocks_total"]
+
+
+def _messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Tell me a story about {TOPICS[i]}." + " Please" * i}]
+
+
+def test_eight_concurrent_streams_each_equal_their_solo_run(server: SubprocessServer) -> None:
+    import asyncio
+
+    params: list[dict[str, Any]] = [
+        dict(max_tokens=24 + 4 * i, temperature=0.0 if i % 2 else 0.9, seed=40 + i,
+             extra_body={"ignore_eos": True}) for i in range(8)]
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> str:
+        stream = await client.chat.completions.create(model=MODEL, messages=_messages(i),
+                                                      stream=True, **params[i])
+        text = ""
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+        return text
+
+    async def together() -> list[str]:
+        client = _client(server)
+        try:
+            return list(await asyncio.gather(*(one(client, i) for i in range(8))))
+        finally:
+            await client.close()
+
+    async def alone() -> list[str]:
+        client = _client(server)
+        try:
+            return [await one(client, i) for i in range(8)]
+        finally:
+            await client.close()
+
+    batch = asyncio.run(together())
+    m = server.metrics()
+    assert m["colibri_batch_size_sequences_bucket{le=\"8\"}"] > m[
+        "colibri_batch_size_sequences_bucket{le=\"1\"}"]  # steps really carried several
+    solo = asyncio.run(alone())
+    assert batch == solo
+    assert all(batch)
+    wait_for(lambda: _kv_free(server)[0] == _kv_free(server)[1], 10, "blocks back")
+
+
+def test_shared_system_prompt_is_reused(server: SubprocessServer) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    system = {"role": "system", "content": "You are a careful storyteller. " * 12}
+    answers = []
+    for q in ("Tell me about the river.", "Tell me about the stars."):
+        r = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user",
+                                           "content": q}], max_tokens=8, temperature=0)
+        answers.append(r)
+    first, second = answers
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    # the reused blocks give exactly the answer a fresh computation gives
+    again = client.chat.completions.create(
+        model=MODEL, messages=[system, {"role": "user", "content": "Tell me about the stars."}],
+        max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == second.choices[0].message.content
+    m = server.metrics()
+    hits = [v for k, v in m.items() if k.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and hits[0] >= 64
+
+
+def _raw(port: int, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+              b"application/json\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n"
+              + data)
+    return s
+
+
+def test_disconnects_free_their_blocks(server: SubprocessServer) -> None:
+    long_prompt = [{"role": "user", "content": "Tell me everything. " * 20}]
+    body = {"model": MODEL, "messages": long_prompt, "max_tokens": 150, "stream": True,
+            "ignore_eos": True}
+    # eight running streams fill the batch, two more wait in the queue
+    socks = [_raw(server.port, body) for _ in range(10)]
+    wait_for(lambda: server.metrics()["colibri_requests_running"] >= 8, 30, "8 running")
+    wait_for(lambda: server.metrics()["colibri_requests_waiting"] >= 2, 30, "2 waiting")
+    free, total = _kv_free(server)
+    assert free < total
+    for s in socks:  # queued, in prefill, and mid-stream clients all leave at once
+        s.close()
+    wait_for(lambda: server.metrics()["colibri_requests_running"] == 0
+             and server.metrics()["colibri_requests_waiting"] == 0, 15, "all aborted")
+    free, total = _kv_free(server)
+    assert free == total
+
+
+def test_prompt_larger_than_the_kv_pool_is_a_400(tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    tmp = tmp_path_factory.mktemp("smallpool")
+    model = tiny_model(tmp / "model", max_position_embeddings=N_CTX)
+    srv = SubprocessServer(model, tmp / "run", "--served-model-name", MODEL, "--n-ctx",
+                           str(N_CTX), "--kv-cache-mb", "0.05").wait_ready()
+    try:
+        text = "word " * 150
+        n = len(httpx.post(srv.url + "/tokenize", json={"prompt": text}).json()["tokens"])
+        assert 200 < n < N_CTX  # fits the context, not the 0.05 MB pool (192 positions)
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": text}],
+            "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded"
+        assert "KV cache holds 192 tokens" in err["message"]
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_sigterm_under_eight_streams_drains_and_exits_0(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp = tmp_path_factory.mktemp("drain")
+    model = tiny_model(tmp / "model", max_position_embeddings=N_CTX)
+    srv = SubprocessServer(model, tmp / "run", "--served-model-name", MODEL, "--n-ctx",
+                           str(N_CTX), "--max-num-seqs", "8").wait_ready()
+    ends: list[str] = []
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": _messages(i), "max_tokens": 40, "stream": True,
+                "ignore_eos": True}) as r:
+            lines = [x for x in r.iter_lines() if x]
+        ends.append(lines[-1] if lines else "")
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: srv.metrics()["colibri_requests_running"] >= 8, 30, "8 running")
+    time.sleep(0.2)
+    assert srv.stop() == 0, srv.log()
+    for t in threads:
+        t.join(60)
+    assert ends == ["data: [DONE]"] * 8  # every stream was allowed to finish
