@@ -76,7 +76,8 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
         if p.logprobs is not None:
             k = min(p.logprobs, row.shape[0])
             idx = _top_indices(row, k) if k > 0 else np.empty(0, dtype=np.int64)
-            top = [(int(j), float(row[j])) for j in idx]
+            # a constraint's masked tokens (-inf) have no logprob to report
+            top = [(int(j), float(row[j])) for j in idx if row[j] > -np.inf]
         out.append(RowResult(SampleResult(token, float(row[token]), top)))
     return out
 
