@@ -102,13 +102,39 @@ def forced_calls_schema(tools: list[dict[str, Any]], name: str | None,
 
 
 def forced_calls(text: str, name: str | None) -> list[ToolCall]:
-    """The calls in a reply constrained by forced_calls_schema (ValueError if it is not)."""
-    value = json.loads(text)
+    """The calls in a reply constrained by forced_calls_schema (ValueError if it is not).
+    A list cut short by the token limit keeps the calls that were complete."""
     if name is not None:
+        value = json.loads(text)
         if not isinstance(value, dict):
             raise ValueError("the arguments are not a JSON object")
         return [ToolCall(name, text.strip())]
-    return [ToolCall(str(c["name"]), _dumps(c["arguments"])) for c in value]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        items = _complete_items(text)
+    return [ToolCall(str(c["name"]), _dumps(c["arguments"])) for c in items]
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete elements at the start of a JSON array whose end was cut off."""
+    decoder = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise ValueError("not a JSON array")
+    i += 1
+    items: list[Any] = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            break
+        items.append(value)
+    if not items:
+        raise ValueError("no complete call before the reply was cut off")
+    return items
 
 
 def _dumps(value: Any) -> str:

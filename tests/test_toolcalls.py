@@ -119,3 +119,15 @@ def test_template_inspection() -> None:
     info = template_tools(hermes)
     assert info.renders_tools and info.family == "hermes"
     assert template_tools("{{ tools }}[TOOL_CALLS]").family == "mistral"
+
+
+def test_forced_calls_cut_by_the_token_limit_keep_the_complete_ones() -> None:
+    from engine.toolcalls import forced_calls
+
+    cut = ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+           '{"name": "get_weather", "argu')
+    calls = forced_calls(cut, None)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+    with pytest.raises(ValueError):
+        forced_calls('[{"name": "get_wea', None)
