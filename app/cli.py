@@ -4,7 +4,7 @@
 returns the exit code: 0 after SIGTERM/SIGINT and a drain, 1 when the engine fails. Before
 anything is bound or loaded, the port and the model are checked: a taken port or a bad model
 folder is one line on stderr and exit code 2 (raised as ValueError / ModelError for
-engine.cli's handler), never a traceback after "Uvicorn running".
+engine.tools.cli's handler), never a traceback after "Uvicorn running".
 """
 
 from __future__ import annotations

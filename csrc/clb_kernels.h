@@ -22,7 +22,7 @@ const clb_type_traits *clb_get_type_traits(clb_type t);
 /* traits of a given ISA (NULL if this CPU or build does not support it) */
 const clb_type_traits *clb_get_type_traits_isa(clb_isa isa, clb_type t);
 
-/* reference quantizers (bit-exact with engine/quant.py); n multiple of 32 */
+/* reference quantizers (bit-exact with engine/format/quant.py); n multiple of 32 */
 void clb_quantize_q8_ref(int64_t n, const float *x, clb_block_q8 *y);
 void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y);
 void clb_quantize_q8a_ref(int64_t n, const float *x, clb_block_q8a *y);

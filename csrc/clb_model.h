@@ -14,7 +14,7 @@
 typedef enum { CLB_ARCH_MIXTRAL = 0, CLB_ARCH_QWEN2_MOE = 1, CLB_ARCH_QWEN3_MOE = 2, CLB_ARCH_OLMOE = 3 } clb_arch;
 typedef enum { CLB_QK_NORM_NONE = 0, CLB_QK_NORM_HEAD = 1, CLB_QK_NORM_FULL = 2 } clb_qk_norm;
 
-/* Hyper-parameters, filled by Python from config.json (engine/config.py). */
+/* Hyper-parameters, filled by Python from config.json (engine/models/config.py). */
 typedef struct {
     int32_t arch;          /* clb_arch */
     int64_t n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim;

@@ -1,5 +1,5 @@
 /* Colibri reference kernels: plain C quantizers, to-float and dot products for every type.
- * Guarantees: quantizers are bit-exact with engine/quant.py (float32 arithmetic, rint =
+ * Guarantees: quantizers are bit-exact with engine/format/quant.py (float32 arithmetic, rint =
  * nearbyintf half-to-even, f16 scales rounded to nearest even); dot products compute integer
  * sums per block, then scale. These are the twins every SIMD kernel is tested against.
  * Refuses: n that is not a multiple of 32 for block types (caller's contract, asserted). */
@@ -22,7 +22,7 @@ static const int8_t clb_q4_lut[256][2] = {CLB_Q4R64(0), CLB_Q4R64(64), CLB_Q4R64
  * the SIMD max/min instructions behave the same way with the value as first operand. */
 static float clb_clampf(float v, float lo, float hi) { return fminf(fmaxf(v, lo), hi); }
 
-/* ---- quantizers (spec: engine/quant.py quantize_q8 / quantize_q4; q8a = q8 with f32 d) ---- */
+/* ---- quantizers (spec: engine/format/quant.py quantize_q8 / quantize_q4; q8a = q8 with f32 d) ---- */
 
 static float clb_q8_scale(const float *x, float *inv) {
     float amax = 0.0f;
@@ -104,7 +104,7 @@ void clb_from_float_q8_ref(int64_t n, const float *x, void *y) { clb_quantize_q8
 void clb_from_float_q4_ref(int64_t n, const float *x, void *y) { clb_quantize_q4_ref(n, x, y); }
 void clb_from_float_q8a_ref(int64_t n, const float *x, void *y) { clb_quantize_q8a_ref(n, x, y); }
 
-/* ---- to float (spec: engine/quant.py decode) ---- */
+/* ---- to float (spec: engine/format/quant.py decode) ---- */
 
 void clb_to_float_f32_ref(int64_t n, const void *x, float *y) {
     memcpy(y, x, (size_t)n * sizeof(float));

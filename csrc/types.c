@@ -1,6 +1,6 @@
 /* Colibri scalar type helpers: f16/bf16 <-> f32 conversion and row sizes.
  * Guarantees: f32 -> f16 rounds to nearest even exactly like numpy's astype(float16)
- * (overflow to inf, subnormals, NaN kept quiet); f32 -> bf16 matches engine/quant.py.
+ * (overflow to inf, subnormals, NaN kept quiet); f32 -> bf16 matches engine/format/quant.py.
  * Refuses: row sizes for lengths that do not fill whole blocks (returns 0). */
 #include <string.h>
 

@@ -1,7 +1,7 @@
 """Colibri engine: model format, converter, C forward pass, tokenizer and sampler.
 
 The server (app/) uses only what this module exports. Exports resolve lazily, so importing
-a light submodule (engine.quant, engine.convert) never loads the C extension.
+a light submodule (engine.format.quant, engine.format.convert) never loads the C extension.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ _EXPORTS = {
     "StepOutput": "engine.llm",
     "ContextLengthError": "engine.core.engine",
     "default_model_path": "engine.llm",
-    "SamplingParams": "engine.sampling",
+    "SamplingParams": "engine.sample.sampler",
     "AsyncEngine": "engine.core.async_engine",
     "AsyncEngineConfig": "engine.core.async_engine",
     "EngineUnavailableError": "engine.core.async_engine",
@@ -24,26 +24,26 @@ _EXPORTS = {
     "RequestOutput": "engine.core.request",
     "EngineConfig": "engine.core.loader",
     "ModelFaultError": "engine.errors",
-    "MIN_REPETITION_PENALTY": "engine.sampling",
-    "SamplingParamError": "engine.sampling",
-    "Tokenizer": "engine.tokenizer",
-    "ConstraintCompiler": "engine.constraints",
-    "ConstraintError": "engine.constraints",
-    "ConstraintSpec": "engine.constraints",
-    "ToolCall": "engine.toolcalls",
-    "ToolCallParser": "engine.toolcalls",
-    "template_tools": "engine.toolcalls",
-    "forced_calls_schema": "engine.toolcalls",
-    "forced_calls": "engine.toolcalls",
-    "generic_preamble": "engine.toolcalls",
-    "history_call_text": "engine.toolcalls",
-    "convert": "engine.convert",
-    "DEFAULT_QUANT": "engine.convert",
-    "QUANT_PRESETS": "engine.convert",
-    "ModelError": "engine.modelcheck",
-    "check_model": "engine.modelcheck",
-    "ensure_converted": "engine.convert",
-    "cli_main": "engine.cli",
+    "MIN_REPETITION_PENALTY": "engine.sample.sampler",
+    "SamplingParamError": "engine.sample.sampler",
+    "Tokenizer": "engine.text.tokenizer",
+    "ConstraintCompiler": "engine.sample.constraints",
+    "ConstraintError": "engine.sample.constraints",
+    "ConstraintSpec": "engine.sample.constraints",
+    "ToolCall": "engine.text.toolcalls",
+    "ToolCallParser": "engine.text.toolcalls",
+    "template_tools": "engine.text.toolcalls",
+    "forced_calls_schema": "engine.text.toolcalls",
+    "forced_calls": "engine.text.toolcalls",
+    "generic_preamble": "engine.text.toolcalls",
+    "history_call_text": "engine.text.toolcalls",
+    "convert": "engine.format.convert",
+    "DEFAULT_QUANT": "engine.format.convert",
+    "QUANT_PRESETS": "engine.format.convert",
+    "ModelError": "engine.format.modelcheck",
+    "check_model": "engine.format.modelcheck",
+    "ensure_converted": "engine.format.convert",
+    "cli_main": "engine.tools.cli",
 }
 
 __all__ = [
@@ -83,9 +83,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.cli import main as cli_main
-    from engine.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
-    from engine.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.core.async_engine import (
         AsyncEngine,
         AsyncEngineConfig,
@@ -96,11 +93,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.core.loader import EngineConfig
     from engine.core.request import RequestOutput
     from engine.errors import ModelFaultError
+    from engine.format.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
+    from engine.format.modelcheck import ModelError, check_model
     from engine.llm import LLM, StepOutput, default_model_path
-    from engine.modelcheck import ModelError, check_model
-    from engine.sampling import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
-    from engine.tokenizer import Tokenizer
-    from engine.toolcalls import (
+    from engine.sample.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
+    from engine.sample.sampler import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
+    from engine.text.tokenizer import Tokenizer
+    from engine.text.toolcalls import (
         ToolCall,
         ToolCallParser,
         forced_calls,
@@ -109,6 +108,7 @@ if TYPE_CHECKING:  # pragma: no cover
         history_call_text,
         template_tools,
     )
+    from engine.tools.cli import main as cli_main
 
 
 def __getattr__(name: str) -> Any:

@@ -18,18 +18,14 @@ import numpy as np
 from engine.core.engine import ContextLengthError, EngineCore
 from engine.core.loader import EngineConfig, load_engine
 from engine.core.request import RequestOutput
-from engine.sampling import SamplingParams
+from engine.demo import default_model_path
+from engine.sample.sampler import SamplingParams
 
 DEFAULT_N_CTX = 4096
 StepOutput = RequestOutput  # one sampled token and the text it lets the caller emit
 
 __all__ = ["LLM", "ContextLengthError", "StepOutput", "default_model_path"]
 _ids = itertools.count()
-
-
-def default_model_path() -> Path:
-    """The bundled demo model (a Hugging Face folder shipped inside the package)."""
-    return Path(__file__).resolve().parent / "demo_model"
 
 
 class LLM:

@@ -1,14 +1,14 @@
 """Per-token cost of JSON Schema constraints at batch 8, as a share of the decode step.
 
-Eight sequences decode in lockstep through one batched forward step (engine.model.Model with
-n_seq 8); each carries its own compiled constraint, applied to its row of logits and advanced
-by its sampled token, as a batched sampler does. Timed separately: the forward step, and the
-constraint work of the step (apply + accept for the 8 rows) in three ways: the masks computed
-when apply() needs them (no overlap), computed in the background right after accept() so
-they overlap the next forward pass (what Colibri does), and llguidance's parallel batch fill
-(LLExecutor) for comparison. Sampling is greedy so every variant follows the same tokens.
-Then the same through the step engine itself (LLM.generate_batch: scheduler, paged KV,
-batched sampler): per step, the time outside the forward pass with and without constraints.
+Eight sequences decode in lockstep through one batched forward step (engine.executor.model.Model
+with n_seq 8); each carries its own compiled constraint, applied to its row of logits and
+advanced by its sampled token, as a batched sampler does. Timed separately: the forward step,
+and the constraint work of the step (apply + accept for the 8 rows) in three ways: the masks
+computed when apply() needs them (no overlap), computed in the background right after accept()
+so they overlap the next forward pass (what Colibri does), and llguidance's parallel batch fill
+(LLExecutor) for comparison. Sampling is greedy so every variant follows the same tokens. Then
+the same through the step engine itself (LLM.generate_batch: scheduler, paged KV, batched
+sampler): per step, the time outside the forward pass with and without constraints.
 
     python scripts/bench_constraints.py [--model DIR] [--steps 64] [--threads N] [--json out]
 """
@@ -28,11 +28,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.constraints import ConstraintCompiler, ConstraintSpec  # noqa: E402
-from engine.convert import ensure_converted  # noqa: E402
+from engine.executor.model import Model  # noqa: E402
+from engine.format.convert import ensure_converted  # noqa: E402
 from engine.llm import default_model_path  # noqa: E402
-from engine.model import Model  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.sample.constraints import ConstraintCompiler, ConstraintSpec  # noqa: E402
+from engine.text.tokenizer import Tokenizer  # noqa: E402
 
 BATCH = 8
 SCHEMA = {"type": "object", "properties": {

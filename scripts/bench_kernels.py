@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine import _core  # noqa: E402
-from engine.bench import cpu_model  # noqa: E402
+from engine.tools.bench import cpu_model  # noqa: E402
 
 
 def ints(s: str) -> list[int]:

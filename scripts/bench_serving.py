@@ -244,7 +244,7 @@ async def ttft_under_load(srv: Server, prompts: list[str], n_gen: int, probes: i
 def ceiling(model_dir: Path, dims: Dims, threads: int, levels: list[int]) -> dict[str, Any]:
     """Weight bytes per token at each concurrency B and the bound at the measured bandwidth."""
     from engine import _core
-    from engine.bench import weight_bytes_per_token
+    from engine.tools.bench import weight_bytes_per_token
 
     parts = weight_bytes_per_token(model_dir)
     expert_one = parts["experts"] / (dims.layers * dims.top_k)  # one expert's bytes
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir) / dims.tag()
     work.mkdir(parents=True, exist_ok=True)
     hf = build_checkpoint(work / "hf", dims)
-    from engine.convert import convert
+    from engine.format.convert import convert
 
     col = work / "colibri-q8"
     if not (col / "config.json").is_file():

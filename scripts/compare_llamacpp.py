@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.bench import (  # noqa: E402
+from engine.tools.bench import (  # noqa: E402
     bench_prompt,
     cpu_model,
     timed_greedy_run,
@@ -307,7 +307,7 @@ def llama_preflight(path: Path, threads: int) -> None:
 
 
 def gguf_bytes_per_token(path: Path, n_used: int) -> dict[str, Any]:
-    """Weight bytes one decoded token reads in llama.cpp, counted as engine.bench counts."""
+    """Weight bytes one decoded token reads in llama.cpp, counted as engine.tools.bench counts."""
     from gguf import GGUFReader
 
     r = GGUFReader(str(path))
@@ -343,7 +343,7 @@ def llama_load(path: Path, threads: int, n_ctx: int) -> Any:
 
 
 def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> tuple[float, float, list[int]]:
-    """Same protocol as engine.bench.timed_greedy_run, through llama-cpp-python's eval.
+    """Same protocol as engine.tools.bench.timed_greedy_run, through llama-cpp-python's eval.
 
     Llama.eval leaves `scores` empty without logits_all, so the last row is read with
     llama_get_logits_ith.
@@ -441,7 +441,7 @@ def child_run(args: argparse.Namespace) -> int:
         llama_greedy_run(lm, prompt, 8)  # warm-up: page weights in, start threads
         run = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
-        from engine.model import Model
+        from engine.executor.model import Model
 
         cm = Model.load(path, threads=args.threads, n_ctx=n_ctx)
         timed_greedy_run(cm, prompt, 8)
@@ -464,7 +464,7 @@ def _spawn(args: argparse.Namespace, engine: str, path: Path) -> tuple[float, fl
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     from engine import _core
-    from engine.convert import convert
+    from engine.format.convert import convert
 
     d = Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts, args.top_k,
              args.heads, args.kv_heads, args.seed)

@@ -45,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.evaluate import demo_validation_text, perplexity  # noqa: E402
+from engine.tools.evaluate import demo_validation_text, perplexity  # noqa: E402
 
 WINDOW, STRIDE = 512, 256
 TEXT_PROMPTS = ["ROMEO. What light through yonder", "ROMEO.\n", "KING HENRY.\nNow, lords, ",
@@ -62,7 +62,7 @@ def words_of(text: str) -> list[str]:
 
 def training_word_list() -> set[str]:
     """Every word of the training plays (the held-out plays are not in it)."""
-    from engine import demo_data
+    from engine.demo import data as demo_data
 
     corpus = demo_data.load_corpus()
     return {w for text in corpus.train.values() for w in words_of(text)}

@@ -3,7 +3,7 @@
 # AddressSanitizer + UBSan, for a fixed number of runs per target:
 #   wfile-c   libFuzzer on csrc/wfile.c itself (scripts/fuzz/wfile_fuzzer.c, needs clang)
 #   wfile     the same parser through engine._core (atheris; an ASan build made in a copy)
-#   config    config.json reading and checking (engine.jsonfile + engine.config, atheris)
+#   config    config.json reading and checking (engine.format.jsonfile + engine.models.config, atheris)
 # Usage: scripts/fuzz.sh [RUNS per target, default 20000]. Needs atheris and Cython (pip) and
 # gcc; clang for wfile-c (skipped with a note without it). Exit status is non-zero on a
 # finding; libFuzzer leaves the input that crashed as crash-* in the current folder.
@@ -32,7 +32,7 @@ mkdir -p "$work/corpus-wfile"
 PYTHONPATH="$work" python - "$work/corpus-wfile" <<'PY'
 import shutil, sys
 from pathlib import Path
-from engine.convert import ensure_converted
+from engine.format.convert import ensure_converted
 from engine.llm import default_model_path
 out = Path(sys.argv[1])
 sys.argv = ["fuzz_loader"]

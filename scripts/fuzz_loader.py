@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Coverage-guided fuzzing (atheris) of the two parsers a model folder reaches first: the C
 weight-file loader (csrc/wfile.c, through engine._core.inspect_weight_file) and the
-config.json reader (engine.jsonfile + engine.config.ModelConfig.from_dict).
+config.json reader (engine.format.jsonfile + engine.models.config.ModelConfig.from_dict).
 
 A finding is a crash (ASan/UBSan report, signal) or an exception other than the documented
 ones (FormatError / ValueError for a bad file). Run it through scripts/fuzz.sh, which builds
@@ -20,11 +20,11 @@ import atheris
 import numpy as np
 
 with atheris.instrument_imports():
-    from engine import quant
-    from engine.config import ModelConfig
     from engine.errors import FormatError
-    from engine.jsonfile import read_json_object
-    from engine.wfile import TensorSpec, write_wfile
+    from engine.format import quant
+    from engine.format.jsonfile import read_json_object
+    from engine.format.wfile import TensorSpec, write_wfile
+    from engine.models.config import ModelConfig
 
 _TMP = Path(tempfile.mkdtemp(prefix="colibri-fuzz-"))
 _PATH = _TMP / "input.bin"
@@ -66,7 +66,7 @@ def fuzz_config(data: bytes) -> None:
 
 def _seed_config() -> bytes:
     """The bundled demo model's converted config.json (converted once into the cache)."""
-    from engine.convert import ensure_converted
+    from engine.format.convert import ensure_converted
     from engine.llm import default_model_path
 
     return (ensure_converted(default_model_path(), "q8") / "config.json").read_bytes()

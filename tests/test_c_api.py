@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from engine import _core
-from engine.config import ModelConfig
-from engine.model import Model
+from engine.executor.model import Model
+from engine.models.config import ModelConfig
 
 N_CTX = 80
 _I64 = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
@@ -33,7 +33,7 @@ class _HParams(ctypes.Structure):
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from engine.convert import convert
+    from engine.format.convert import convert
     from tests.tiny_models import make_checkpoint
 
     root = tmp_path_factory.mktemp("capi")

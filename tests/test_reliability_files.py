@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from engine import _core
-from engine.convert import convert
 from engine.errors import ModelFaultError, WeightFileChangedError
-from engine.model import Model
+from engine.executor.model import Model
+from engine.format.convert import convert
 from tests.server_helpers import SubprocessServer, tiny_model
 
 
@@ -97,7 +97,7 @@ def test_fifo_in_place_of_a_weight_file_is_refused(model_copy: Path) -> None:
 
 
 def test_fifo_in_place_of_config_json_is_refused(model_copy: Path) -> None:
-    from engine.jsonfile import read_json_object
+    from engine.format.jsonfile import read_json_object
 
     (model_copy / "config.json").unlink()
     os.mkfifo(model_copy / "config.json")

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engine.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams
+from engine.sample.sampler import GREEDY_TEMPERATURE, Sampler, SamplingParams
 from tests.server_helpers import SubprocessServer, tiny_model
 from tests.test_server_errors import assert_error
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.template_sandbox import TemplateStoppedError
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.text.template_sandbox import TemplateStoppedError
+from engine.text.tokenizer import ChatTemplateError, Tokenizer
 from tests.server_helpers import SubprocessServer, tiny_model, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -71,7 +71,7 @@ def _render_children(pid: int) -> set[int]:
                 cmd = Path(f"/proc/{child}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"engine.template_sandbox" in cmd:
+            if b"engine.text.template_sandbox" in cmd:
                 out.add(int(child))
     return out
 

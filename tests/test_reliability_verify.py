@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.convert import convert, verify
 from engine.errors import FormatError, ModelFaultError
-from engine.model import Model
-from engine.wfile import read_wfile
+from engine.executor.model import Model
+from engine.format.convert import convert, verify
+from engine.format.wfile import read_wfile
 from tests.server_helpers import ROOT, tiny_model
 
 
@@ -121,7 +121,7 @@ def _poison(folder: Path, file: str, tensor: str) -> None:
     with open(path, "r+b") as f:
         f.seek(info.offset + 4)
         f.write(struct.pack("<f", float("nan")))
-    from engine.convert import _sha256
+    from engine.format.convert import _sha256
 
     cfg = json.loads((folder / "config.json").read_text())
     cfg["files"][file]["sha256"] = _sha256(path)

@@ -1,4 +1,4 @@
-"""engine.sampling: parameter validation and the sampler against plain numpy references."""
+"""engine.sample.sampler: parameter validation and the sampler against plain numpy references."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.sampling import (
+from engine.sample.sampler import (
     MAX_STOP_STRINGS,
     Sampler,
     SamplingParamError,

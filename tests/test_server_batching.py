@@ -179,9 +179,12 @@ def test_sigterm_under_eight_streams_drains_and_exits_0(
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    wait_for(lambda: srv.metrics()["colibri_requests_running"] >= 8, 30, "8 running")
-    time.sleep(0.2)
-    assert srv.stop() == 0, srv.log()
+    try:
+        wait_for(lambda: srv.metrics()["colibri_requests_running"] >= 8, 30, "8 running")
+        time.sleep(0.2)
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
     for t in threads:
         t.join(60)
     assert ends == ["data: [DONE]"] * 8  # every stream was allowed to finish

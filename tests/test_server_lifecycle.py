@@ -257,7 +257,7 @@ def test_cors_when_configured(paced: tuple[InProcessServer, PacedLLM]) -> None:
 
 
 def test_client_chat_template_when_enabled(real_llm: Any) -> None:
-    from engine.bpe import CHATML_TEMPLATE
+    from engine.text.bpe import CHATML_TEMPLATE
 
     srv = InProcessServer(_app(lambda: real_llm, allow_client_chat_template=True)).start()
     try:
@@ -319,7 +319,7 @@ def _refused(port: int) -> bool:
 def test_failed_load_exits_1(tmp_path: Path) -> None:
     # a missing folder is refused before start (exit 2, tests/test_cli_models.py); a folder
     # whose weight file is garbage of the right size passes those checks and fails to load
-    from engine.convert import convert
+    from engine.format.convert import convert
 
     model = convert(tiny_model(tmp_path / "hf"), tmp_path / "broken", progress=False)
     victim = model / "embeddings.bin"

@@ -1,4 +1,4 @@
-"""engine.tokenizer against transformers' AutoTokenizer on a real byte-level BPE tokenizer."""
+"""engine.text.tokenizer against transformers' AutoTokenizer on a real byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
-from engine.tokenizer import (
+from engine.text.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
+from engine.text.tokenizer import (
     ChatTemplateError,
     ChatTemplateRefused,
     Tokenizer,

@@ -122,7 +122,7 @@ def test_template_inspection() -> None:
 
 
 def test_forced_calls_cut_by_the_token_limit_keep_the_complete_ones() -> None:
-    from engine.toolcalls import forced_calls
+    from engine.text.toolcalls import forced_calls
 
     cut = ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
            '{"name": "get_weather", "argu')

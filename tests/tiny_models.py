@@ -17,7 +17,7 @@ from typing import Any
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 VOCAB_SIZE = 320
-EOS_ID = 2  # <|im_end|> in engine.bpe.SPECIAL_TOKENS
+EOS_ID = 2  # <|im_end|> in engine.text.bpe.SPECIAL_TOKENS
 PAD_ID = 0  # <|endoftext|>
 
 _TEXT = """\
@@ -119,7 +119,7 @@ def make_checkpoint(
     """
     import torch
 
-    from engine.bpe import train_bpe_tokenizer
+    from engine.text.bpe import train_bpe_tokenizer
 
     config_cls, model_cls = _classes(arch)
     out = Path(out_dir)

@@ -27,8 +27,8 @@ from typing import Any
 
 from engine.core.engine import EngineCore
 from engine.core.request import RequestOutput
-from engine.sampling import SamplingParams
-from engine.token_text import TokenTexts
+from engine.sample.sampler import SamplingParams
+from engine.text.token_text import TokenTexts
 
 log = logging.getLogger("colibri.engine")
 

@@ -22,7 +22,7 @@ from engine.core.block_manager import BLOCK_SIZE, BlockManager
 from engine.core.request import Request, RequestOutput, Status, new_request
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.sample.batch import prompt_logprobs, sample_rows
-from engine.sampling import SamplingParams
+from engine.sample.sampler import SamplingParams
 
 log = logging.getLogger("colibri.engine")
 

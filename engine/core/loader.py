@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import _core
-from engine.convert import ensure_converted
 from engine.core.block_manager import BLOCK_SIZE
 from engine.core.engine import EngineCore
 from engine.core.scheduler import SchedulerConfig
-from engine.model import Model
-from engine.tokenizer import Tokenizer
+from engine.executor.model import Model
+from engine.format.convert import ensure_converted
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri.engine")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sampling import Sampler, SampleResult, _top_indices
+from engine.sample.sampler import Sampler, SampleResult, _top_indices
 
 
 @dataclass

@@ -5,7 +5,7 @@ of address space beyond what the render process needs to start; it is killed (an
 when it runs out of either or when `cancel` is set (its client left). The server process
 never holds the template's intermediate values. Requests and results cross the pipe as JSON,
 never pickle, so even an escaped sandbox could not hand the server code to run.
-Refuses: nothing itself; the jinja2 sandbox and output cap of engine.tokenizer still apply
+Refuses: nothing itself; the jinja2 sandbox and output cap of engine.text.tokenizer still apply
 inside the render process.
 """
 
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from engine.tokenizer import ChatTemplateError
+from engine.text.tokenizer import ChatTemplateError
 
 RENDER_MEMORY_BYTES = 192 << 20
 RENDER_TIMEOUT_S = 2.0
@@ -53,12 +53,12 @@ def _recv(f: Any) -> Any:
 
 
 class _Renderer:
-    """One render process (python -m engine.template_sandbox)."""
+    """One render process (python -m engine.text.template_sandbox)."""
 
     def __init__(self) -> None:
         env = dict(os.environ, COLIBRI_RENDER_MEMORY=str(RENDER_MEMORY_BYTES))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.template_sandbox"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "engine.text.template_sandbox"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0,
             start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -83,7 +83,7 @@ class TemplateSandbox:
     def render(self, template: str, context: dict[str, Any], cap: int,
                timeout_s: float = RENDER_TIMEOUT_S,
                cancel: threading.Event | None = None) -> str:
-        """What engine.tokenizer's in-process render would return, or ChatTemplateError."""
+        """What engine.text.tokenizer's in-process render would return, or ChatTemplateError."""
         with self._lock:
             r = self._idle.pop() if self._idle else None
         if r is None or r.proc.poll() is not None:
@@ -130,7 +130,7 @@ def _child() -> None:
     """The render process: limit memory, then render requests until stdin closes."""
     import resource
 
-    from engine.tokenizer import _render
+    from engine.text.tokenizer import _render
 
     extra = int(os.environ.get("COLIBRI_RENDER_MEMORY", RENDER_MEMORY_BYTES))
     if os.path.exists("/proc/self/statm"):  # Linux: the address space in use now

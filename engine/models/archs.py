@@ -53,7 +53,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   rope_theta=10000.0),
 }
 
-# tensor kinds decide the stored type (see engine/convert.py)
+# tensor kinds decide the stored type (see engine/format/convert.py)
 NORM, BIAS, ROUTER, DENSE, EXPERT, SHARED = "norm", "bias", "router", "dense", "expert", "shared"
 
 

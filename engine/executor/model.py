@@ -1,6 +1,6 @@
 """Model: a converted Colibri folder loaded into the C core, with its KV cache.
 
-`Model.load(dir)` reads config.json (engine.config), maps and validates every weight file
+`Model.load(dir)` reads config.json (engine.models.config), maps and validates every weight file
 (C loader), and allocates a paged KV cache (blocks of 16 positions shared by all sequences).
 `forward_paged` is the raw step: the caller owns the block tables and sequence lengths.
 `forward` / `reset` / `seq_len` keep a simple fixed layout on top of it: sequence slot s owns
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from engine import _core
-from engine.config import ModelConfig
 from engine.errors import ContextOverflowError, InputError, ModelFaultError, WeightFileChangedError
-from engine.verify import check_tensor_types
+from engine.format.verify import check_tensor_types
+from engine.models.config import ModelConfig
 
 log = logging.getLogger("colibri.engine")
 

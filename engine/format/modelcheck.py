@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.demo import default_model_path
 from engine.errors import ColibriError
 
 
@@ -20,7 +21,7 @@ class ModelError(ColibriError, ValueError):
 
 def bundled_model_path() -> Path:
     """The demo model shipped inside the package (a Hugging Face folder)."""
-    return Path(__file__).resolve().parent / "demo_model"
+    return default_model_path()  # one definition, in engine.demo
 
 
 def _hint(flag: str) -> str:
@@ -69,20 +70,20 @@ def check_model(path: str | Path | None, flag: str = "--model",
 
 def _check_files(source: Path) -> int:
     """Check the files a load reads first; returns the model's max_position_embeddings."""
-    from engine.convert import CONFIG_MAX_BYTES, _check_sources, verify
-    from engine.jsonfile import read_json_object
-    from engine.tokenizer import Tokenizer
+    from engine.format.convert import CONFIG_MAX_BYTES, _check_sources, verify
+    from engine.format.jsonfile import read_json_object
+    from engine.text.tokenizer import Tokenizer
 
     raw = read_json_object(source / "config.json", "config.json", CONFIG_MAX_BYTES)
     if raw.get("format") == "colibri":
-        from engine.config import ModelConfig
+        from engine.models.config import ModelConfig
 
         max_positions = ModelConfig.from_dict(
             raw, source=str(source / "config.json")).max_position_embeddings
         verify(source, full=False)  # sizes only: a truncated file is refused before mapping
     else:
-        from engine import archs
-        from engine.safetensors_io import Checkpoint
+        from engine.format.safetensors_io import Checkpoint
+        from engine.models import archs
 
         gen_path = source / "generation_config.json"
         gen = (read_json_object(gen_path, "generation_config.json", CONFIG_MAX_BYTES)

@@ -4,7 +4,8 @@ Guarantees: every source tensor's presence and shape is checked before anything 
 written; output goes to a hidden sibling folder that is renamed into place only when all
 files, config.json (with each file's size and sha256) and the tokenizer files are written,
 so an interrupted conversion never leaves a folder that looks complete. Refuses what
-engine.archs and engine.safetensors_io refuse, and an output folder that already exists.
+engine.models.archs and engine.format.safetensors_io refuse, and an output folder that
+already exists.
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from engine import archs, quant
-from engine.jsonfile import read_json_object
-from engine.safetensors_io import Checkpoint, CheckpointError
-from engine.verify import check_finite, converted_hparams, member, verify_problems
-from engine.wfile import TensorSpec, write_wfile
+from engine.format import quant
+from engine.format.jsonfile import read_json_object
+from engine.format.safetensors_io import Checkpoint, CheckpointError
+from engine.format.verify import check_finite, converted_hparams, member, verify_problems
+from engine.format.wfile import TensorSpec, write_wfile
+from engine.models import archs
 
 PRESETS = ("f32", "f16", "q8", "q4")
 DEFAULT_QUANT = "q8"  # the one default of every command, of convert() and of engine.LLM
 QUANT_PRESETS = PRESETS
 # Copied beside the weights. Chat templates live in any of three places (transformers'
 # order of precedence: chat_template.jinja and additional_chat_templates/*.jinja, then
-# chat_template.json, then tokenizer_config.json); engine.tokenizer reads them in that order.
+# chat_template.json, then tokenizer_config.json); engine.text.tokenizer reads them in that order.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
@@ -212,7 +214,7 @@ def verify(model_dir: str | Path, full: bool = False, deep: bool = False) -> Non
     """Check every file listed in config.json (sizes always, sha256 too when full); with
     deep (what `colibri verify` does), also config.json against the weights, the recorded
     hyper-parameters and tensor_types, the tokenizer and, with full, finite weights
-    (engine.verify). Without deep nothing is mapped or parsed: a cheap check before loading.
+    (engine.format.verify). Without deep nothing is mapped or parsed: a cheap check before loading.
 
     Raises ValueError listing every problem: files missing, resized, altered or outside the
     folder, hyper-parameters changed since conversion, shapes or dtypes that disagree.

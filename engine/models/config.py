@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import FormatError
-from engine.jsonfile import read_json_object
+from engine.format.jsonfile import read_json_object
 
 ARCH_IDS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3}
 QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}

@@ -23,7 +23,7 @@ Matrix = tuple[str, bytes, int, int]  # type name, bytes, n_out, n_in
 
 
 def _matrices(path: Path, names: tuple[str, ...] | None = None) -> list[Matrix]:
-    from engine.wfile import read_wfile
+    from engine.format.wfile import read_wfile
 
     wf = read_wfile(path)
     out = []
@@ -36,7 +36,7 @@ def _matrices(path: Path, names: tuple[str, ...] | None = None) -> list[Matrix]:
 
 def decode_phases(model_dir: str | Path) -> dict[str, list[Matrix]]:
     """The weight matrices one decoded token multiplies, grouped by phase, in layer order."""
-    from engine.config import ModelConfig
+    from engine.models.config import ModelConfig
 
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)

@@ -26,7 +26,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.jsonfile import read_json_object
+from engine.format.jsonfile import read_json_object
 
 MAX_TEMPLATE_CHARS = 200_000
 # The rendering is capped at a fixed allowance plus a multiple of the text the caller passed in,
@@ -552,7 +552,7 @@ class Tokenizer:
         message content (and every other string the client sent) is tokenized as plain text.
 
         chat_template: a caller-supplied template, refused (ChatTemplateRefused) unless
-        allow_custom_template; it renders in a separate process (engine.template_sandbox),
+        allow_custom_template; it renders in a separate process (engine.text.template_sandbox),
         stopped after render_timeout_s or as soon as `cancel` is set. Raises TokenizerError /
         ChatTemplateError on bad input.
         """
@@ -596,7 +596,7 @@ class Tokenizer:
         cap = RENDER_BASE_CHARS + RENDER_INPUT_FACTOR * sum(len(s) for s in client_strings)
         render = _render
         if chat_template is not None:  # a client's template: in a process that can be stopped
-            from engine.template_sandbox import SANDBOX
+            from engine.text.template_sandbox import SANDBOX
 
             def render(t: str, ctx: dict[str, Any], c: int) -> str:
                 return SANDBOX.render(t, ctx, c, render_timeout_s, cancel)

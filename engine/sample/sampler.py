@@ -6,7 +6,7 @@ temperature < GREEDY_TEMPERATURE (0 included), else temperature -> top_k -> top_
 draw. Logprobs are the log-softmax of the logits after bias and penalties, before temperature
 and filtering: they describe the model's (adjusted) distribution, not the truncated one that
 was sampled from, so they are comparable across temperatures and finite for every token. A request's
-`constraint` (engine.constraints) is applied by the batched sampler (engine.sample.batch) to
+`constraint` (engine.sample.constraints) is applied by the batched sampler (engine.sample.batch) to
 the adjusted logits before anything else looks at them: disallowed tokens get -inf, so the
 logprobs reported are those of the masked distribution (tokens the grammar forbids have none
 and never appear among the top logprobs); the engine calls its accept() after each token.
@@ -65,7 +65,7 @@ class SamplingParams:
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus top k
-    # A compiled per-request constraint (engine.constraints.Constraint) or None: apply()
+    # A compiled per-request constraint (engine.sample.constraints.Constraint) or None: apply()
     # masks each step's logits, accept() follows every sampled token.
     constraint: Any = None
     # None: none; k >= 0: each prompt token's logprob plus the top k (max_tokens may be 0)

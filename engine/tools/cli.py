@@ -2,8 +2,8 @@
 
 User mistakes (bad paths, unsupported or corrupt checkpoints) print one line
 `colibri: error: ...` and exit with status 2, never a traceback. Every command that takes a
-model checks it with engine.modelcheck.check_model before loading anything; every one
-defaults to the bundled demo model and to one precision (engine.convert.DEFAULT_QUANT).
+model checks it with engine.format.modelcheck.check_model before loading anything; every one
+defaults to the bundled demo model and to one precision (engine.format.convert.DEFAULT_QUANT).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import __version__
-from engine.convert import DEFAULT_QUANT, PRESETS
-from engine.modelcheck import ModelError, check_model
+from engine.format.convert import DEFAULT_QUANT, PRESETS
+from engine.format.modelcheck import ModelError, check_model
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
 
 @command("convert", "convert a Hugging Face MoE checkpoint into a Colibri folder", _convert_args)
 def _convert(args: argparse.Namespace) -> int:
-    from engine.convert import convert
+    from engine.format.convert import convert
 
     check_model(args.hf_dir, flag="HF_DIR")
     out = convert(args.hf_dir, args.out_dir, quant=args.quant, progress=not args.no_progress)
@@ -77,8 +77,8 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 
 @command("info", "describe a model: architecture, parameters, bytes by type", _info_args)
 def _info(args: argparse.Namespace) -> int:
-    from engine.convert import ensure_converted
-    from engine.info import describe, render
+    from engine.format.convert import ensure_converted
+    from engine.tools.info import describe, render
 
     if args.model_dir is not None and args.model is not None:
         raise ValueError("give the model folder once: DIR or --model")
@@ -96,7 +96,7 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 
 @command("verify", "check a converted model's files against config.json", _verify_args)
 def _verify(args: argparse.Namespace) -> int:
-    from engine.convert import verify
+    from engine.format.convert import verify
 
     check_model(args.model_dir, flag="DIR")
     verify(args.model_dir, full=not args.quick, deep=True)
@@ -122,7 +122,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
          _generate_args)
 def _generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from engine.sample.sampler import SamplingParams
 
     check_model(args.model)
     llm = LLM(args.model, threads=args.threads, quant=args.quant)
@@ -141,20 +141,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    from engine.evaluate import configure_eval_parser
+    from engine.tools.evaluate import configure_eval_parser
 
     configure_eval_parser(p)
 
 
 @command("eval", "perplexity of a model over a text (quantization quality check)", _eval_args)
 def _eval(args: argparse.Namespace) -> int:
-    from engine.evaluate import eval_main
+    from engine.tools.evaluate import eval_main
 
     return eval_main(args)
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from engine.bench import add_bench_args
+    from engine.tools.bench import add_bench_args
 
     add_bench_args(p)
 
@@ -162,7 +162,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 @command("bench", "measure prefill and decode tokens/s against the memory-bandwidth bound",
          _bench_args)
 def _bench(args: argparse.Namespace) -> int:
-    from engine.bench import bench_main
+    from engine.tools.bench import bench_main
 
     return bench_main(args)
 

@@ -86,7 +86,7 @@ def check_tensor_types(model_dir: Path, tensor_types: dict[str, str]) -> None:
 
 
 def _non_finite(path: Path) -> list[str]:
-    from engine.wfile import read_wfile
+    from engine.format.wfile import read_wfile
 
     wf = read_wfile(path)
     bad = []
@@ -100,8 +100,8 @@ def _non_finite(path: Path) -> list[str]:
 def verify_problems(model_dir: Path, raw: dict[str, Any], full: bool) -> list[str]:
     """Everything wrong with a converted folder whose config.json is raw; [] when sound."""
     from engine import _core
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from engine.models.config import ModelConfig
+    from engine.text.tokenizer import Tokenizer
 
     problems: list[str] = []
     try:

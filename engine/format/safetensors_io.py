@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.jsonfile import read_json_object
-from engine.quant import bf16_bits_to_f32
+from engine.format.jsonfile import read_json_object
+from engine.format.quant import bf16_bits_to_f32
 
 HEADER_MAX_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 INDEX_NAME = "model.safetensors.index.json"

@@ -1,0 +1,1 @@
+"""Executors: the C core (CPU) behind one Model interface."""

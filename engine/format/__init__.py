@@ -1,0 +1,1 @@
+"""The model format: weight files, quantization, safetensors reading, conversion, checks."""

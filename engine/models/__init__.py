@@ -1,0 +1,1 @@
+"""Model descriptions: config mapping and tensor plans per architecture family."""

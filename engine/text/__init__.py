@@ -1,0 +1,1 @@
+"""Text: tokenizer, chat templates, incremental detokenizer, stop strings."""
