@@ -1,11 +1,18 @@
 """The batched sampler: one call samples every row of a step's logits [B, V], each row with its
 own request's parameters, penalties, constraint and random generator.
 
+It follows engine.sampling.Sampler exactly (the same tokens, logprobs and random draws), but
+does the vocabulary-wide work as [B, V] array operations: bias and penalties, log-softmax,
+greedy argmax, temperature scaling, one argpartition that finds every sampled row's top-k or
+nucleus candidates, a full sort only for the rows whose candidates fall short of top_p, then
+top_p / min_p cuts and the draws over candidate arrays.
+
 Guarantees: a row's token and logprobs depend only on that row's logits and its request's
-state, never on the other rows (batch invariance: per-row generators, per-row reductions);
-the work is vectorised over [B, V] where rows share it (bias/penalties applied as arrays,
-log-softmax and greedy argmax for all rows at once) and no Python loop runs over the
-vocabulary. Refuses: NaN logits (that row's request fails, the others go on).
+state, never on the other rows (batch invariance): every reduction runs along one row over the
+same elements in the same order as Sampler does (numpy's per-row sums and cumulative sums of a
+contiguous row match the 1-D ones), rows whose candidate set is ambiguous (ties at its edge)
+are resolved with the per-row rule, and each row draws from its own generator, once. No Python
+loop runs over the vocabulary. Refuses: NaN logits (that row's request fails, the others go on).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sampling import Sampler, SampleResult, _top_indices
+from engine.sampling import _TOP_P_CANDIDATES, Sampler, SampleResult, _top_indices
 
 
 @dataclass
@@ -37,47 +44,235 @@ def _log_softmax_rows(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _adjust_rows(logits: np.ndarray, samplers: list[Sampler], histories: list,
+                 errors: list[BaseException | None]) -> np.ndarray:
+    """Sampler.adjusted_logits for every row at once: float32 copy, NaN check, count update,
+    logit_bias, then repetition and presence/frequency penalties as [rows, V] operations (the
+    same float32 operations per element as the per-row code)."""
+    n_rows, vocab = logits.shape
+    x = logits.astype(np.float32, copy=True)
+    nan_rows = np.isnan(x).any(axis=1)
+    ok: list[int] = []
+    for i, s in enumerate(samplers):
+        try:
+            if s.vocab_size != vocab:
+                raise ValueError(f"logits shape ({vocab},) != ({s.vocab_size},)")
+            if nan_rows[i]:
+                raise ValueError("logits contain NaN")
+            s._ingest(histories[i])
+            if s._bias_ids is not None:
+                x[i, s._bias_ids] += s._bias_vals
+            ok.append(i)
+        except Exception as exc:  # noqa: BLE001 - this row's request fails alone
+            errors[i] = exc
+    rep = [i for i in ok if samplers[i]._seen is not None]
+    if rep:
+        seen = np.stack([samplers[i]._seen for i in rep])
+        r = np.array([samplers[i].params.repetition_penalty for i in rep],
+                     dtype=np.float32)[:, None]
+        xs = x[rep]
+        x[rep] = np.where(seen, np.where(xs > 0, xs / r, xs * r), xs)
+    pf = [i for i in ok if samplers[i]._counts is not None]
+    if pf:
+        counts = np.stack([samplers[i]._counts for i in pf])
+        fp = np.array([samplers[i].params.frequency_penalty for i in pf], np.float32)[:, None]
+        pp = np.array([samplers[i].params.presence_penalty for i in pf], np.float32)[:, None]
+        xs = x[pf]
+        xs -= fp * counts.astype(np.float32)
+        xs -= pp * (counts > 0).astype(np.float32)
+        x[pf] = xs
+    return x
+
+
+def _top_sets(z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k best ids, best first, ties broken by the lower id (as _top_indices), and
+    their values; one argpartition for all rows, a stable full sort for rows with ties at the
+    edge of the set (where argpartition's choice among equal values is arbitrary)."""
+    n, vocab = z.shape
+    part = np.sort(np.argpartition(z, vocab - k, axis=1)[:, vocab - k:], axis=1)
+    vals = np.take_along_axis(z, part, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    best = np.take_along_axis(part, order, axis=1)
+    bvals = np.take_along_axis(vals, order, axis=1)
+    edge = bvals[:, -1:]
+    tied = np.count_nonzero(z == edge, axis=1) != np.count_nonzero(bvals == edge, axis=1)
+    for r in np.flatnonzero(tied):
+        best[r] = np.argsort(-z[r], kind="stable")[:k]
+        bvals[r] = z[r, best[r]]
+    return best, bvals
+
+
+@dataclass
+class _Group:
+    """Rows that finish alike: candidates [n, L] in the order Sampler scans them."""
+
+    rows: np.ndarray  # positions in the sampled-row arrays
+    cand: np.ndarray  # token ids
+    vals: np.ndarray  # scaled logits of cand
+    first_is_max: bool  # best-first order (else index order over the whole vocabulary)
+    nucleus_total: np.ndarray | None  # top_p normaliser over the full vocabulary (no top_k)
+
+
+def _draw_rows(x: np.ndarray, samplers: list[Sampler]) -> list[int | BaseException]:
+    """Sampler._draw for every row of x [n, V] (adjusted float32 logits, temperature > 0)."""
+    n, vocab = x.shape
+    params = [s.params for s in samplers]
+    temp = np.array([p.temperature for p in params], dtype=np.float64)
+    z = x.astype(np.float64) / temp[:, None]
+    m = np.max(z, axis=1)
+    out: list[int | BaseException | None] = [None] * n
+    fine = np.isfinite(m)
+    # rows the vectorised path does not model (a scaled logit overflowed) take the per-row rule
+    for r in np.flatnonzero(~fine):
+        try:
+            out[r] = samplers[r]._draw(x[r])
+        except Exception as exc:  # noqa: BLE001
+            out[r] = exc
+    top_k = np.array([s._top_k if 0 < s._top_k < vocab else 0 for s in samplers])
+    top_p = np.array([p.top_p for p in params], dtype=np.float64)
+    min_p = np.array([p.min_p for p in params], dtype=np.float64)
+    nucleus_only = fine & (top_k == 0) & (top_p < 1.0)
+    plain = fine & (top_k == 0) & (top_p >= 1.0)
+    n_first = min(_TOP_P_CANDIDATES, vocab)
+    groups: list[_Group] = []
+    need = np.flatnonzero(fine & ((top_k > 0) | nucleus_only))
+    if need.size:
+        k_set = int(max(np.max(top_k[need]), n_first if nucleus_only.any() else 0))
+        best, bvals = _top_sets(z[need], k_set)
+        pos = {int(r): j for j, r in enumerate(need)}
+        for k in np.unique(top_k[need][top_k[need] > 0]):
+            rows = need[top_k[need] == k]
+            sel = [pos[int(r)] for r in rows]
+            groups.append(_Group(rows, best[sel, :k], bvals[sel, :k], True, None))
+        rows = np.flatnonzero(nucleus_only)
+        if rows.size:
+            sel = [pos[int(r)] for r in rows]
+            groups.extend(_nucleus_groups(z, m, rows, best[sel, :n_first],
+                                          bvals[sel, :n_first], top_p))
+    rows = np.flatnonzero(plain)
+    if rows.size:
+        groups.append(_Group(rows, np.broadcast_to(np.arange(vocab), (rows.size, vocab)),
+                             z[rows], False, None))
+    finals = [_finish(g, m[g.rows], top_p[g.rows], min_p[g.rows]) for g in groups]
+    # every array is ready: now each row draws once from its own generator
+    for g, (cdf, keep) in zip(groups, finals, strict=True):
+        u = np.array([samplers[r]._rng.random() for r in g.rows]) * cdf[:, -1]
+        j = np.count_nonzero(cdf <= u[:, None], axis=1)  # searchsorted(side="right")
+        last = keep.shape[1] - 1 - np.argmax(keep[:, ::-1], axis=1)
+        j = np.where(j < keep.shape[1], j, last)
+        for r, tok in zip(g.rows, g.cand[np.arange(j.shape[0]), j], strict=True):
+            out[r] = int(tok)
+    assert all(o is not None for o in out)
+    return out  # type: ignore[return-value]
+
+
+def _nucleus_groups(z: np.ndarray, m: np.ndarray, rows: np.ndarray, best: np.ndarray,
+                    bvals: np.ndarray, top_p: np.ndarray) -> list[_Group]:
+    """Sampler._nucleus's widening for top_p rows without top_k: the first candidate set when it
+    holds top_p of the mass, else (one stable full sort of those rows) x16 steps up to all."""
+    vocab = z.shape[1]
+    total = np.sum(np.exp(z[rows] - m[rows, None]), axis=1)
+    n_first = best.shape[1]
+    held = np.sum(np.exp(bvals - m[rows, None]), axis=1) / total >= top_p[rows]
+    if n_first == vocab:
+        held[:] = True
+    groups = [_Group(rows[held], best[held], bvals[held], True, total[held])] if held.any() \
+        else []
+    short = np.flatnonzero(~held)
+    if short.size:
+        zs = z[rows[short]]
+        order = np.argsort(-zs, axis=1, kind="stable")
+        ovals = np.take_along_axis(zs, order, axis=1)
+        k = n_first
+        left = np.arange(short.size)
+        while left.size:
+            k = min(k * 16, vocab)
+            if k == vocab:
+                ok = np.ones(left.size, dtype=bool)
+            else:
+                mm = m[rows[short[left]], None]
+                ok = (np.sum(np.exp(ovals[left, :k] - mm), axis=1) / total[short[left]]
+                      >= top_p[rows[short[left]]])
+            done = left[ok]
+            if done.size:
+                groups.append(_Group(rows[short[done]], order[done, :k], ovals[done, :k], True,
+                                     total[short[done]]))
+            left = left[~ok]
+    return groups
+
+
+def _finish(g: _Group, m: np.ndarray, top_p: np.ndarray,
+            min_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cumulative weights each row draws from and which candidates it keeps: the top_p
+    cut (Sampler._nucleus), then min_p, as masks over the candidates (a zero weight adds
+    nothing to a cumulative sum, so the kept entries' sums equal Sampler's)."""
+    n, width = g.vals.shape
+    # the scan's maximum: its first entry when best first, the row's maximum otherwise
+    mx = g.vals[:, 0] if g.first_is_max else m
+    e = np.exp(g.vals - mx[:, None])
+    keep = np.ones((n, width), dtype=bool)
+    cut = top_p < 1.0
+    if cut.any():
+        total = g.nucleus_total if g.nucleus_total is not None else np.sum(e, axis=1)
+        probs = e / total[:, None]
+        before = np.cumsum(probs, axis=1) - probs  # mass of the strictly better tokens
+        n_keep = np.maximum(1, np.count_nonzero(before < top_p[:, None], axis=1))
+        n_keep = np.where(cut, n_keep, width)
+        keep = np.arange(width)[None, :] < n_keep[:, None]
+    floor = min_p > 0.0
+    if floor.any():
+        top = np.max(e, axis=1, where=keep, initial=0.0)
+        keep &= ~floor[:, None] | (e >= (min_p * top)[:, None])
+    cdf = np.cumsum(np.where(keep, e, 0.0), axis=1)
+    return cdf, keep
+
+
 def sample_rows(logits: np.ndarray, samplers: list[Sampler],
                 histories: list[list[int]]) -> list[RowResult]:
     """Sample one token per row. logits: float32 [B, V]; samplers[i] and histories[i] (prompt +
     generated ids) belong to row i. The samplers' penalty counts advance as in Sampler."""
     n_rows = logits.shape[0]
-    adjusted = np.empty_like(logits, dtype=np.float32)
     errors: list[BaseException | None] = [None] * n_rows
+    adjusted = _adjust_rows(logits, samplers, histories, errors)
     for i, s in enumerate(samplers):
-        try:
-            # bias and penalties touch a few entries or one vectorised pass per row; a row's
-            # constraint masks its row in place (disallowed tokens -> -inf)
-            adjusted[i] = s.adjusted_logits(logits[i], histories[i])
-            constraint = getattr(s.params, "constraint", None)
-            if constraint is not None:
+        constraint = getattr(s.params, "constraint", None)
+        if errors[i] is None and constraint is not None:
+            try:
+                # the row's constraint masks its row in place (disallowed tokens -> -inf)
                 constraint.apply(adjusted[i])
-        except Exception as exc:  # noqa: BLE001 - this row's request fails alone
-            errors[i] = exc
+            except Exception as exc:  # noqa: BLE001 - this row's request fails alone
+                errors[i] = exc
+    for i in range(n_rows):
+        if errors[i] is not None:
             adjusted[i] = 0.0
     logp = _log_softmax_rows(adjusted)
     greedy = np.argmax(adjusted, axis=1)  # first maximum: ties go to the lowest id
+    for i in range(n_rows):
+        if errors[i] is None and np.isnan(logp[i, 0]):
+            errors[i] = ValueError("logits have no finite maximum")
+    drawn = [i for i, s in enumerate(samplers)
+             if errors[i] is None and s.params.temperature != 0.0]
+    tokens: dict[int, int | BaseException] = {}
+    if drawn:
+        tokens = dict(zip(drawn, _draw_rows(adjusted[drawn], [samplers[i] for i in drawn]),
+                          strict=True))
     out: list[RowResult] = []
     for i, s in enumerate(samplers):
-        if errors[i] is not None:
-            out.append(RowResult(None, errors[i]))
+        err = errors[i]
+        tok = tokens.get(i, int(greedy[i]))
+        if isinstance(tok, BaseException):
+            err = tok
+        if err is not None:
+            out.append(RowResult(None, err))
             continue
+        assert isinstance(tok, int)
         row = logp[i]
-        if np.isnan(row[0]):
-            out.append(RowResult(None, ValueError("logits have no finite maximum")))
-            continue
-        p = s.params
-        try:
-            token = int(greedy[i]) if p.temperature == 0.0 else s._draw(adjusted[i])
-        except Exception as exc:  # noqa: BLE001
-            out.append(RowResult(None, exc))
-            continue
         top = None
-        if p.logprobs is not None:
-            k = min(p.logprobs, row.shape[0])
+        if s.params.logprobs is not None:
+            k = min(s.params.logprobs, row.shape[0])
             idx = _top_indices(row, k) if k > 0 else np.empty(0, dtype=np.int64)
             top = [(int(j), float(row[j])) for j in idx]
-        out.append(RowResult(SampleResult(token, float(row[token]), top)))
+        out.append(RowResult(SampleResult(tok, float(row[tok]), top)))
     return out
 
 
