@@ -86,20 +86,36 @@ def _adjust_rows(logits: np.ndarray, samplers: list[Sampler], histories: list,
 
 def _top_sets(z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each row's k best ids, best first, ties broken by the lower id (as _top_indices), and
-    their values; one argpartition for all rows, a stable full sort for rows with ties at the
-    edge of the set (where argpartition's choice among equal values is arbitrary)."""
+    their values. A threshold from a strided sample of the row (exact partition for the rows it
+    leaves short) gives a superset of the k best that holds every token tied with them, so a
+    stable sort of that small set orders it exactly like the per-row rule."""
     n, vocab = z.shape
-    part = np.sort(np.argpartition(z, vocab - k, axis=1)[:, vocab - k:], axis=1)
-    vals = np.take_along_axis(z, part, axis=1)
-    order = np.argsort(-vals, axis=1, kind="stable")
-    best = np.take_along_axis(part, order, axis=1)
-    bvals = np.take_along_axis(vals, order, axis=1)
-    edge = bvals[:, -1:]
-    tied = np.count_nonzero(z == edge, axis=1) != np.count_nonzero(bvals == edge, axis=1)
-    for r in np.flatnonzero(tied):
-        best[r] = np.argsort(-z[r], kind="stable")[:k]
-        bvals[r] = z[r, best[r]]
-    return best, bvals
+    step = 8
+    sub = z[:, ::step]
+    rank = 2 * k // step + 8  # aim at about twice k tokens above the threshold
+    if rank < sub.shape[1]:
+        thr = np.partition(sub, sub.shape[1] - rank, axis=1)[:, sub.shape[1] - rank]
+        above = z >= thr[:, None]
+        short = np.flatnonzero(np.count_nonzero(above, axis=1) < k)
+    else:
+        thr = np.empty(n)
+        above = np.zeros(z.shape, dtype=bool)
+        short = np.arange(n)
+    if short.size:
+        thr[short] = np.partition(z[short], vocab - k, axis=1)[:, vocab - k]
+        above[short] = z[short] >= thr[short, None]
+    rows, ids = np.nonzero(above)  # row-major: each row's ids ascending
+    counts = np.bincount(rows, minlength=n)
+    width = int(counts.max())
+    start = np.cumsum(counts) - counts
+    col = np.arange(rows.shape[0]) - start[rows]
+    cand = np.zeros((n, width), dtype=np.int64)
+    vals = np.full((n, width), -np.inf)
+    cand[rows, col] = ids
+    vals[rows, col] = z[rows, ids]
+    # padding sits after each row's real entries, so the stable sort keeps it behind them
+    order = np.argsort(-vals, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(cand, order, axis=1), np.take_along_axis(vals, order, axis=1)
 
 
 @dataclass
@@ -113,13 +129,16 @@ class _Group:
     nucleus_total: np.ndarray | None  # top_p normaliser over the full vocabulary (no top_k)
 
 
-def _draw_rows(x: np.ndarray, samplers: list[Sampler]) -> list[int | BaseException]:
-    """Sampler._draw for every row of x [n, V] (adjusted float32 logits, temperature > 0)."""
+def _draw_rows(x: np.ndarray, x_max: np.ndarray,
+               samplers: list[Sampler]) -> list[int | BaseException]:
+    """Sampler._draw for every row of x [n, V] (adjusted float32 logits, temperature > 0;
+    x_max: each row's maximum as float64)."""
     n, vocab = x.shape
     params = [s.params for s in samplers]
     temp = np.array([p.temperature for p in params], dtype=np.float64)
-    z = x.astype(np.float64) / temp[:, None]
-    m = np.max(z, axis=1)
+    z = np.divide(x, temp[:, None], dtype=np.float64)  # x.astype(float64) / temperature
+    # dividing by a positive number keeps the order, so the scaled maximum is the maximum
+    m = x_max / temp
     out: list[int | BaseException | None] = [None] * n
     fine = np.isfinite(m)
     # rows the vectorised path does not model (a scaled logit overflowed) take the per-row rule
@@ -171,7 +190,9 @@ def _nucleus_groups(z: np.ndarray, m: np.ndarray, rows: np.ndarray, best: np.nda
     """Sampler._nucleus's widening for top_p rows without top_k: the first candidate set when it
     holds top_p of the mass, else (one stable full sort of those rows) x16 steps up to all."""
     vocab = z.shape[1]
-    total = np.sum(np.exp(z[rows] - m[rows, None]), axis=1)
+    e = (z if rows.size == z.shape[0] else z[rows]) - m[rows, None]
+    np.exp(e, out=e)
+    total = np.sum(e, axis=1)
     n_first = best.shape[1]
     held = np.sum(np.exp(bvals - m[rows, None]), axis=1) / total >= top_p[rows]
     if n_first == vocab:
@@ -179,6 +200,16 @@ def _nucleus_groups(z: np.ndarray, m: np.ndarray, rows: np.ndarray, best: np.nda
     groups = [_Group(rows[held], best[held], bvals[held], True, total[held])] if held.any() \
         else []
     short = np.flatnonzero(~held)
+    exact: list[int] = []
+    for j in short:
+        r = rows[j]
+        found = _mass_prefix(z[r], e[j], total[j], float(top_p[r]), n_first)
+        if found is None:
+            exact.append(int(j))
+            continue
+        ids = found[np.argsort(-z[r, found], kind="stable")]
+        groups.append(_Group(rows[j:j + 1], ids[None], z[r, ids][None], True, total[j:j + 1]))
+    short = np.asarray(exact, dtype=np.int64)
     if short.size:
         zs = z[rows[short]]
         order = np.argsort(-zs, axis=1, kind="stable")
@@ -199,6 +230,30 @@ def _nucleus_groups(z: np.ndarray, m: np.ndarray, rows: np.ndarray, best: np.nda
                                      total[short[done]]))
             left = left[~ok]
     return groups
+
+
+# A prefix holding top_p plus this much of the mass ends the nucleus for certain: the sums in
+# any order differ from Sampler's by far less (~1e-12), so every later token's mass-before
+# is at least top_p and Sampler keeps none of them.
+_MASS_MARGIN = 1e-9
+
+
+def _mass_prefix(z: np.ndarray, e: np.ndarray, total: float, top_p: float,
+                 n_first: int) -> np.ndarray | None:
+    """Ids (ascending) of the best tokens down to a value threshold, when they hold more than
+    top_p of the mass and fit in Sampler's next candidate set (x16); None otherwise."""
+    vocab = z.shape[0]
+    limit = min(n_first * 16, vocab)
+    ranks = [r for r in (2 * n_first, 4 * n_first, 8 * n_first, 16 * n_first) if r <= limit]
+    if not ranks or limit == vocab and ranks[-1] == vocab:
+        return None
+    kth = np.partition(z, [vocab - r for r in ranks])
+    for r in ranks:
+        mask = z >= kth[vocab - r]
+        if np.count_nonzero(mask) <= limit and \
+                np.sum(e, where=mask) / total >= top_p + _MASS_MARGIN:
+            return np.flatnonzero(mask)
+    return None
 
 
 def _finish(g: _Group, m: np.ndarray, top_p: np.ndarray,
@@ -245,34 +300,40 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
     for i in range(n_rows):
         if errors[i] is not None:
             adjusted[i] = 0.0
-    logp = _log_softmax_rows(adjusted)
-    greedy = np.argmax(adjusted, axis=1)  # first maximum: ties go to the lowest id
+    # Sampler's log-softmax, keeping only what is returned: shifted[token] - log(sum(exp))
+    mx = np.max(adjusted, axis=1).astype(np.float64)
+    bad = ~np.isfinite(mx)
+    mx[bad] = 0.0
+    shifted = np.subtract(adjusted, mx[:, None], dtype=np.float64)
+    lse = np.log(np.sum(np.exp(shifted), axis=1))
     for i in range(n_rows):
-        if errors[i] is None and np.isnan(logp[i, 0]):
+        if errors[i] is None and bad[i]:
             errors[i] = ValueError("logits have no finite maximum")
     drawn = [i for i, s in enumerate(samplers)
              if errors[i] is None and s.params.temperature != 0.0]
     tokens: dict[int, int | BaseException] = {}
     if drawn:
-        tokens = dict(zip(drawn, _draw_rows(adjusted[drawn], [samplers[i] for i in drawn]),
+        sub = adjusted if len(drawn) == n_rows else adjusted[drawn]
+        tokens = dict(zip(drawn, _draw_rows(sub, mx[drawn], [samplers[i] for i in drawn]),
                           strict=True))
     out: list[RowResult] = []
     for i, s in enumerate(samplers):
         err = errors[i]
-        tok = tokens.get(i, int(greedy[i]))
+        # greedy: the first maximum, so ties go to the lowest id
+        tok = tokens[i] if i in tokens else int(np.argmax(adjusted[i]))
         if isinstance(tok, BaseException):
             err = tok
         if err is not None:
             out.append(RowResult(None, err))
             continue
         assert isinstance(tok, int)
-        row = logp[i]
         top = None
         if s.params.logprobs is not None:
+            row = shifted[i] - lse[i]
             k = min(s.params.logprobs, row.shape[0])
             idx = _top_indices(row, k) if k > 0 else np.empty(0, dtype=np.int64)
             top = [(int(j), float(row[j])) for j in idx]
-        out.append(RowResult(SampleResult(tok, float(row[tok]), top)))
+        out.append(RowResult(SampleResult(tok, float(shifted[i, tok] - lse[i]), top)))
     return out
 
 
