@@ -20,7 +20,14 @@ from fastapi import Request
 
 from app.errors import APIError
 from app.state import ServerState, unavailable
-from app.worker import EngineUnavailableError, Job, Output, QueueFullError, Sequence
+from app.worker import (
+    EngineUnavailableError,
+    Job,
+    Output,
+    PromptToken,
+    QueueFullError,
+    Sequence,
+)
 from engine import ContextLengthError, SamplingParamError
 
 log = logging.getLogger("colibri.app")
@@ -41,6 +48,7 @@ class Choice:
     n_cached: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None
     logprob_outputs: list[Output] = field(default_factory=list)
+    prompt: list[PromptToken] | None = None  # echo with logprobs: the prompt's tokens
 
     @property
     def text(self) -> str:
@@ -56,9 +64,11 @@ def now() -> int:
     return int(time.time())
 
 
-def max_tokens_for(state: ServerState, n_prompt: int, requested: int | None, param: str) -> int:
+def max_tokens_for(state: ServerState, n_prompt: int, requested: int | None, param: str,
+                   note: str = "") -> int:
     """The completion budget: requested, or what is left of the context; 400 if it cannot fit.
-    A KV cache smaller than the context caps a request at the cache's size."""
+    A KV cache smaller than the context caps a request at the cache's size. note: appended to
+    the error (e.g. that tool definitions are part of the prompt)."""
     n_ctx = int(state.llm.n_ctx)
     cap = int(state.llm.core.max_request_tokens)
     if cap < n_ctx:
@@ -66,15 +76,17 @@ def max_tokens_for(state: ServerState, n_prompt: int, requested: int | None, par
                  f"is {n_ctx})")
     else:
         limit = f"This model's maximum context length is {n_ctx} tokens"
+    if requested == 0 and n_prompt < cap:
+        return 0  # scoring the prompt only
     if n_prompt >= cap:
-        raise APIError(400, f"{limit}, and the prompt has {n_prompt} tokens.", param,
+        raise APIError(400, f"{limit}, and the prompt has {n_prompt} tokens.{note}", param,
                        "context_length_exceeded")
     if requested is None:
         return cap - n_prompt
     if n_prompt + requested > cap:
         raise APIError(400, f"{limit}. However, you requested {n_prompt + requested} tokens "
                        f"({n_prompt} in the prompt, {requested} for the completion). Please "
-                       "reduce the prompt or max_tokens.", param, "context_length_exceeded")
+                       f"reduce the prompt or max_tokens.{note}", param, "context_length_exceeded")
     return requested
 
 
@@ -129,7 +141,7 @@ async def race_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
 
 
 async def collect(state: ServerState, request: Request, job: Job, n_choices: int,
-                  param: str) -> list[Choice]:
+                  param: str, keep_eos: bool = False) -> list[Choice]:
     """Run the job to the end (non-streaming); the job is cancelled if the client leaves."""
     choices = [Choice(i) for i in range(n_choices)]
 
@@ -137,7 +149,7 @@ async def collect(state: ServerState, request: Request, job: Job, n_choices: int
         outputs = state.worker.outputs(job)
         try:
             async for out in outputs:
-                add_output(choices[out.index], out, state)
+                add_output(choices[out.index], out, state, keep_eos)
         finally:
             await outputs.aclose()
 
@@ -152,15 +164,19 @@ async def collect(state: ServerState, request: Request, job: Job, n_choices: int
     return choices
 
 
-def add_output(choice: Choice, out: Output, state: ServerState) -> None:
-    """Fold one engine step into its choice."""
+def add_output(choice: Choice, out: Output, state: ServerState, keep_eos: bool = False) -> None:
+    """Fold one engine step into its choice. keep_eos: the end-of-sequence token that ended
+    it gets a logprobs entry too (echoed completions: scorers count one entry per token)."""
     step = out.step
     choice.parts.append(step.text)
-    choice.n_tokens += 1
+    if step.token_id >= 0:
+        choice.n_tokens += 1
     choice.n_cached = max(choice.n_cached, step.n_cached_tokens)
+    if out.prompt is not None:
+        choice.prompt = out.prompt
     if step.finish_reason is not None:
         choice.finish_reason = step.finish_reason
-    if out.token is not None and not is_eos_stop(out, state):
+    if out.token is not None and step.token_id >= 0 and (keep_eos or not is_eos_stop(out, state)):
         choice.logprob_outputs.append(out)
 
 
@@ -192,9 +208,23 @@ def chat_logprob_entries(outputs: list[Output]) -> list[dict[str, Any]]:
     return entries
 
 
-def completion_logprobs(outputs: list[Output], k: int, offset: int) -> dict[str, Any]:
-    """Legacy completions format: parallel lists tokens / token_logprobs / top / offsets."""
-    tokens, lps, tops, offsets = [], [], [], []
+def completion_logprobs(outputs: list[Output], k: int, offset: int,
+                        prompt: list[PromptToken] | None = None) -> dict[str, Any]:
+    """Legacy completions format: parallel lists tokens / token_logprobs / top / offsets;
+    with prompt (echo), the prompt's tokens come first (the first has no logprob)."""
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for p in prompt or []:
+        tokens.append(p.token.text)
+        lps.append(p.logprob)
+        offsets.append(offset)
+        offset += len(p.token.text)
+        if p.logprob is None:
+            tops.append(None)
+        else:
+            tops.append({t.text: lp for t, lp in p.top} if k > 0 else None)
     for out in outputs:
         assert out.token is not None
         tokens.append(out.token.text)

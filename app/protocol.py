@@ -11,9 +11,25 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from app.errors import APIError
+from app.protocol_tools import (
+    ResponseFormat,
+    Tool,
+    ToolCallIn,
+    ToolChoice,
+    check_hosted_fields,
+    check_tools,
+)
 from app.settings import Settings
 from engine import SamplingParams
 
@@ -46,17 +62,47 @@ class TextPart(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # declared before content, which is checked against them
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, value: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if value is None and not (role == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (only assistant messages with tool_calls "
+                             "may leave it out)")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_call_id_needed(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool messages need the tool_call_id they answer")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
 
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template wants it: developer -> system, text parts joined
         into one string (so parts tokenize exactly like the same text sent as a string)."""
         role = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, str):
-            return {"role": role, "content": self.content}
-        return {"role": role, "content": "".join(p.text for p in self.content)}
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
 
 class _Sampling(_Model):
@@ -86,7 +132,8 @@ class _Sampling(_Model):
         # OpenAI's SDK and front ends send `"temperature": null` for "not set"
         if isinstance(data, dict):
             for key in ("temperature", "top_p", "n", "frequency_penalty", "presence_penalty",
-                        "stream", "top_k", "min_p", "repetition_penalty", "ignore_eos"):
+                        "stream", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+                        "parallel_tool_calls"):
                 if key in data and data[key] is None:
                     del data[key]
         return data
@@ -137,7 +184,8 @@ class _Sampling(_Model):
         return out
 
     def sampling_params(
-        self, max_tokens: int | None, choice: int, vocab_size: int, logprobs: int | None
+        self, max_tokens: int | None, choice: int, vocab_size: int, logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's parameters for choice number `choice` (seeds differ per choice)."""
         seed = None if self.seed is None else (self.seed + choice) % SEED_MOD
@@ -157,6 +205,7 @@ class _Sampling(_Model):
             seed=seed,
             logit_bias=self.bias_map(vocab_size),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -167,9 +216,18 @@ class ChatCompletionRequest(_Sampling):
     model: str | None = None
     logprobs: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    tool_choice: ToolChoice | None = None
+    tools: list[Tool] | None = None
     top_logprobs: int | None = Field(None, ge=0)
+    # refused when set (check_hosted_fields); the hosted-only fields are simply ignored
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
     # extras
     chat_template: str | None = None
     add_generation_prompt: bool = True
@@ -185,11 +243,8 @@ class ChatCompletionRequest(_Sampling):
             if self.top_logprobs > settings.max_logprobs:
                 raise APIError(400, f"top_logprobs must be at most {settings.max_logprobs}",
                                "top_logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported by this server", "tools")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(400, f"response_format {fmt!r} is not supported", "response_format")
+        check_hosted_fields(self.model_dump(include=_REFUSED))
+        check_tools(self.tools, self.tool_choice)
         if self.chat_template is not None:
             if not settings.allow_client_chat_template:
                 raise APIError(400, "chat templates sent by clients are disabled on this "
@@ -209,6 +264,9 @@ class ChatCompletionRequest(_Sampling):
         return [m.to_template() for m in self.messages]
 
 
+_REFUSED = {"audio", "modalities", "prediction", "web_search_options", "functions",
+            "function_call"}
+
 Prompt = Text | list[Text] | list[int] | list[list[int]]
 
 
@@ -220,9 +278,11 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
-    # omitted: OpenAI's default of 16; an explicit null: what is left of the context
-    max_tokens: int | None = Field(16, ge=1)
+    # omitted: OpenAI's default of 16; an explicit null: what is left of the context;
+    # 0 (with echo) scores the prompt without generating
+    max_tokens: int | None = Field(16, ge=0)
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
     def check(self, settings: Settings, vocab_size: int) -> None:
         """Everything pydantic cannot know; raises APIError (400)."""
@@ -233,8 +293,8 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "suffix is not supported", "suffix")
         if self.logprobs is not None and self.logprobs > settings.max_logprobs:
             raise APIError(400, f"logprobs must be at most {settings.max_logprobs}", "logprobs")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 is only allowed with echo: true", "max_tokens")
         prompts = self.prompt_list()
         if not prompts:
             raise APIError(400, "prompt must not be empty", "prompt")

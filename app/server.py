@@ -18,7 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.middleware import GuardMiddleware
-from app.routes import chat, completions, health, models, tokenize
+from app.routes import chat, completions, health, models, responses, tokenize
 from app.settings import Settings
 from app.state import ServerState
 from app.worker import EngineWorker
@@ -74,7 +74,7 @@ def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> F
     app.state.colibri = state
     install_error_handlers(app)
     paths: set[str] = set()
-    for module in (models, chat, completions, tokenize, health):
+    for module in (models, chat, completions, responses, tokenize, health):
         app.include_router(module.router)
         paths |= {getattr(r, "path", "") for r in module.router.routes}
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics,

@@ -28,8 +28,8 @@ from engine import (
 
 log = logging.getLogger("colibri.app")
 
-__all__ = ["EngineUnavailableError", "EngineWorker", "Job", "Output", "QueueFullError",
-           "Sequence"]
+__all__ = ["EngineUnavailableError", "EngineWorker", "Job", "Output", "PromptToken",
+           "QueueFullError", "Sequence"]
 
 
 @dataclass
@@ -41,11 +41,22 @@ class Sequence:
 
 
 @dataclass
+class PromptToken:
+    """A prompt token's text forms with its logprob (None for the first) and the top
+    alternatives (TokenInfo, logprob)."""
+
+    token: Any
+    logprob: float | None
+    top: list[tuple[Any, float]]
+
+
+@dataclass
 class Output:
     """One engine step of one sequence, as the routes receive it."""
 
     index: int
     step: RequestOutput
+    prompt: list[PromptToken] | None = None  # with prompt logprobs and token text: the first
 
     @property
     def token(self) -> Any:
@@ -62,6 +73,8 @@ class Job:
 
     streams: list[Any] = field(default_factory=list)
     offsets: dict[str, int] = field(default_factory=dict)  # engine request id -> first index
+    prompts: dict[str, list[int]] = field(default_factory=dict)  # engine request id -> prompt
+    want_token_text: bool = False
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     last: dict[int, float] = field(default_factory=dict)  # index -> time of its last token
@@ -130,7 +143,7 @@ class EngineWorker:
         """Queue the request's sequences; raises QueueFullError, EngineUnavailableError or
         the engine's validation errors before anything runs. Consecutive sequences with the
         same prompt are one engine request."""
-        job = Job()
+        job = Job(want_token_text=want_token_text)
         groups: list[tuple[int, list[int], list[SamplingParams]]] = []
         for i, seq in enumerate(sequences):
             if groups and groups[-1][1] == seq.prompt_ids:
@@ -141,6 +154,7 @@ class EngineWorker:
             for first, prompt, params in groups:
                 rid = self.engine.new_request_id("http")
                 job.offsets[rid] = first
+                job.prompts[rid] = prompt
                 job.streams.append(self.engine.submit(rid, prompt, params, want_token_text,
                                                       sink=job.queue))
                 self._metrics.add_prompt_tokens(len(prompt))
@@ -167,11 +181,23 @@ class EngineWorker:
                     continue
                 base = job.offsets[stream.request_id]
                 for out in item:
-                    yield self._record(job, Output(base + out.index, out))
+                    o = Output(base + out.index, out)
+                    if job.want_token_text and out.prompt_logprobs is not None:
+                        o.prompt = await asyncio.to_thread(  # token texts: off the loop
+                            self._prompt_tokens, job.prompts[stream.request_id],
+                            out.prompt_logprobs)
+                    yield self._record(job, o)
             job.ended = True
             self._metrics.add_e2e(time.perf_counter() - job.arrival)
         finally:
             self.cancel(job)
+
+    def _prompt_tokens(self, prompt: list[int], entries: list[Any]) -> list[PromptToken]:
+        tt = self.engine.token_text
+        assert tt is not None
+        return [PromptToken(tt(t), None if e is None else e[0],
+                            [] if e is None else [(tt(a), lp) for a, lp in e[1]])
+                for t, e in zip(prompt, entries, strict=True)]
 
     def _record(self, job: Job, out: Output) -> Output:
         if out.step.token_id >= 0:

@@ -64,7 +64,8 @@ struct clb_model {
     float *eo;       /* [B, D] expert output */
     float *sgate;    /* [B] shared expert gate logits */
     int32_t *out_rows; /* [B] chunk rows that want logits */
-    float *scores;   /* [n_threads, span] attention scores per worker */
+    float *scores;   /* [n_threads, H/Hkv, span] attention scores per worker and head */
+    float *head_stat; /* [n_threads, 2, H/Hkv] per head: max score, then 1 / sum of exps */
     int64_t span;    /* most keys one query sees: min(n_ctx, sliding_window) */
     void *mm_scratch;  /* [B] packed activation rows for clb_matmul (any n_in) */
     size_t mm_scratch_size;
@@ -85,7 +86,7 @@ struct clb_kv {
     unsigned char *data;    /* [n_blocks, L, 2 (K, V), CLB_KV_BLOCK, row_bytes] */
     int32_t *writer;        /* [n_blocks] forward's validation scratch: -1 between calls */
     int32_t *seq_next;      /* [n_blocks] forward's validation scratch (one per sequence) */
-    float *deq;             /* [n_threads, head_dim] attention's dequantized V row per worker */
+    float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
 };
 
 /* K (kind 0) or V (kind 1) row of layer il in block blk, slot `slot` (kv_dim values of the
@@ -98,5 +99,8 @@ static inline unsigned char *clb_kv_row(const clb_kv *kv, int64_t blk, int64_t i
 
 /* Stores one row of kv_dim f32 values into a cache row in the cache's format (kv.c). */
 void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x);
+/* Row widening for attention (kv.c): n values into y. */
+void clb_kv_f16_to_f32(int64_t n, const clb_f16 *restrict x, float *restrict y);
+void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y);
 
 #endif

@@ -4,7 +4,8 @@
  * clb_matmul_jobs on the model's thread pool, with matrices that read the same input in one
  * dispatch; each expert's weights are read once per chunk for all the tokens routed to it; no
  * allocation (all scratch was sized at load).
- * Refuses: token ids, sequence ids and positions outside the model and cache. */
+ * Refuses: token ids, sequence ids and positions outside the model, and block tables that name
+ * blocks outside the cache or let two sequences write one block. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -84,83 +85,117 @@ typedef struct {
     const int32_t *seq, *pos;
     const int32_t *tables; /* [n_seq, max_blocks] */
     int64_t max_blocks;
+    int64_t nh;            /* query heads per work item: H/Hkv (one kv head's group) or 1 */
 } att_task;
 
-/* Work items are (token, head) pairs split evenly over the workers; each query reads the keys
- * of its own sequence in [max(0, pos - window + 1), pos], all already in the cache, through
- * the sequence's block table. Every item runs the same arithmetic whatever else is in the
- * batch, so a token's output never depends on its neighbours. f16 and q8 rows are widened to
- * f32 (q8: the int8 values, the scale applied to the dot product and to the softmax weight)
- * and go through the same f32 dot / mad kernels as f32 rows. */
+/* Widens rows [0, n) of one block (row stride kv->row_bytes) of kv head kvh to f32 rows of
+ * hd in deq; q8 values stay unscaled (the scale is applied by the caller). */
+static void widen_rows(const clb_kv *kv, const unsigned char *row, int64_t n, int64_t kvh,
+                       float *deq) {
+    const int64_t hd = kv->head_dim;
+    for (int64_t r = 0; r < n; r++, row += kv->row_bytes) {
+        if (kv->type == CLB_KV_F16)
+            clb_kv_f16_to_f32(hd, (const clb_f16 *)(const void *)row + kvh * hd, deq + r * hd);
+        else
+            clb_kv_i8_to_f32(hd, (const int8_t *)row + kvh * hd, deq + r * hd);
+    }
+}
+
+static float q8_scale(const clb_kv *kv, const unsigned char *row, int64_t kvh) {
+    return ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
+}
+
+/* A work item is (token, kv head, nh query heads of its group); each query reads the keys of
+ * its own sequence in [max(0, pos - window + 1), pos], all already in the cache, through the
+ * sequence's block table, block by block (one table lookup per block). f16 and q8 rows are
+ * widened to f32 once per block for all nh heads (q8: the scale multiplies the dot product
+ * and the softmax weight) and read by the f32 dot / mad kernels. Each head's arithmetic is
+ * the same whatever nh, the split over workers or the rest of the batch, so a token's output
+ * never depends on its neighbours. */
 static void att_worker(void *vctx, int ith, int nth) {
     const att_task *a = vctx;
     const clb_model *m = a->m;
     const clb_kv *kv = a->kv;
     const clb_hparams *hp = &m->hp;
-    const int64_t H = hp->n_head, hd = hp->head_dim, qd = H * hd;
-    const int64_t group = H / hp->n_head_kv;
+    const int64_t H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim, qd = H * hd;
+    const int64_t group = H / Hkv, nh = a->nh, per_kv = group / nh, span = m->span;
     const float scale = 1.0f / sqrtf((float)hd);
-    const int64_t n_items = a->T * H;
+    const int64_t n_items = a->T * Hkv * per_kv;
     const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
-    float *sc = m->scores + (int64_t)ith * m->span;
-    float *deq = kv->deq + (int64_t)ith * hd;
+    float *sc = m->scores + (int64_t)ith * group * span;        /* [nh, span] */
+    float *mx = m->head_stat + (int64_t)ith * 2 * group, *inv = mx + group;
+    float *deq = kv->deq + (int64_t)ith * CLB_KV_BLOCK * hd;    /* [CLB_KV_BLOCK, hd] */
     const clb_vec_dot_fn vdot = clb_get_type_traits(CLB_TYPE_F32)->vec_dot;
     const clb_vec_dot_fn vdot16 = clb_get_type_traits(CLB_TYPE_F16)->vec_dot;
     const clb_vec_mad_fn vmad = clb_get_vec_mad_f32();
     const clb_kv_type ty = kv->type;
+    const size_t rb = kv->row_bytes;
 
     for (int64_t it = i0; it < i1; it++) {
-        int64_t t = it / H, h = it % H, kvh = h / group;
+        const int64_t t = it / (Hkv * per_kv), r = it % (Hkv * per_kv);
+        const int64_t kvh = r / per_kv, h0 = kvh * group + (r % per_kv) * nh;
         const int32_t *tab = a->tables + (int64_t)a->seq[t] * a->max_blocks;
-        int64_t p = a->pos[t];
+        const int64_t p = a->pos[t];
         int64_t lo = 0;
         if (hp->sliding_window > 0 && p - hp->sliding_window + 1 > 0) lo = p - hp->sliding_window + 1;
-        const float *q = m->q + t * qd + h * hd;
-        float *out = m->att + t * qd + h * hd;
+        const float *q0 = m->q + t * qd + h0 * hd;
+        float *out0 = m->att + t * qd + h0 * hd;
 
-        float mx = -INFINITY;
-        for (int64_t j = lo; j <= p; j++) {
-            const unsigned char *row = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 0,
-                                                  j % CLB_KV_BLOCK);
-            float dot;
-            if (ty == CLB_KV_F32) {
-                dot = vdot(hd, q, (const float *)(const void *)row + kvh * hd);
-            } else if (ty == CLB_KV_F16) {
-                dot = vdot16(hd, (const clb_f16 *)(const void *)row + kvh * hd, q);
-            } else {
-                const int8_t *k8 = (const int8_t *)row + kvh * hd;
-                const float d = ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
-                for (int64_t i = 0; i < hd; i++) deq[i] = (float)k8[i];
-                dot = vdot(hd, q, deq) * d;
+        for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
+        for (int64_t j = lo; j <= p;) {
+            const int64_t slot = j % CLB_KV_BLOCK;
+            const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
+            const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 0, slot);
+            if (ty != CLB_KV_F32) widen_rows(kv, row0, n, kvh, deq);
+            for (int64_t g = 0; g < nh; g++) {
+                const float *q = q0 + g * hd;
+                float *s = sc + g * span + (j - lo);
+                const unsigned char *row = row0;
+                for (int64_t k = 0; k < n; k++, row += rb) {
+                    float dot;
+                    if (ty == CLB_KV_F32)
+                        dot = vdot(hd, q, (const float *)(const void *)row + kvh * hd);
+                    else if (ty == CLB_KV_F16)
+                        dot = vdot16(hd, (const clb_f16 *)(const void *)row + kvh * hd, q);
+                    else
+                        dot = vdot(hd, q, deq + k * hd) * q8_scale(kv, row, kvh);
+                    dot *= scale;
+                    s[k] = dot;
+                    if (dot > mx[g]) mx[g] = dot;
+                }
             }
-            dot *= scale;
-            sc[j - lo] = dot;
-            if (dot > mx) mx = dot;
+            j += n;
         }
-        float sum = 0.0f;
-        for (int64_t j = lo; j <= p; j++) {
-            float e = expf(sc[j - lo] - mx);
-            sc[j - lo] = e;
-            sum += e;
-        }
-        float inv = 1.0f / sum; /* sum >= 1: the maximum contributes exp(0) */
-        for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
-        for (int64_t j = lo; j <= p; j++) {
-            const unsigned char *row = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 1,
-                                                  j % CLB_KV_BLOCK);
-            float w = sc[j - lo] * inv;
-            if (ty == CLB_KV_F32) {
-                vmad(hd, out, (const float *)(const void *)row + kvh * hd, w);
-            } else if (ty == CLB_KV_F16) {
-                const clb_f16 *v16 = (const clb_f16 *)(const void *)row + kvh * hd;
-                for (int64_t i = 0; i < hd; i++) deq[i] = clb_f16_to_f32(v16[i]);
-                vmad(hd, out, deq, w);
-            } else {
-                const int8_t *v8 = (const int8_t *)row + kvh * hd;
-                const float d = ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
-                for (int64_t i = 0; i < hd; i++) deq[i] = (float)v8[i];
-                vmad(hd, out, deq, w * d);
+        for (int64_t g = 0; g < nh; g++) {
+            float *s = sc + g * span, sum = 0.0f;
+            for (int64_t j = 0; j <= p - lo; j++) {
+                float e = expf(s[j] - mx[g]);
+                s[j] = e;
+                sum += e;
             }
+            inv[g] = 1.0f / sum; /* sum >= 1: the maximum contributes exp(0) */
+            for (int64_t d = 0; d < hd; d++) out0[g * hd + d] = 0.0f;
+        }
+        for (int64_t j = lo; j <= p;) {
+            const int64_t slot = j % CLB_KV_BLOCK;
+            const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
+            const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 1, slot);
+            if (ty == CLB_KV_F16 || ty == CLB_KV_Q8) widen_rows(kv, row0, n, kvh, deq);
+            for (int64_t g = 0; g < nh; g++) {
+                float *out = out0 + g * hd;
+                const float *s = sc + g * span + (j - lo);
+                const unsigned char *row = row0;
+                for (int64_t k = 0; k < n; k++, row += rb) {
+                    float w = s[k] * inv[g];
+                    if (ty == CLB_KV_F32)
+                        vmad(hd, out, (const float *)(const void *)row + kvh * hd, w);
+                    else if (ty == CLB_KV_F16)
+                        vmad(hd, out, deq + k * hd, w);
+                    else
+                        vmad(hd, out, deq + k * hd, w * q8_scale(kv, row, kvh));
+                }
+            }
+            j += n;
         }
     }
 }
@@ -214,7 +249,10 @@ static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
 
     /* every K/V row of this chunk is stored first, so in-chunk causal attention sees them (and
      * a token reads its own row back in the cache's format, as later tokens will) */
-    att_task task = {m, kv, il, T, seq, pos, b->block_tables, b->max_blocks};
+    /* a whole kv head's group per work item (rows widened once for the group) when that
+     * still gives every worker something to do; otherwise one query head per item */
+    int64_t nh = T * Hkv >= clb_threadpool_n_threads(m->tp) ? H / Hkv : 1;
+    att_task task = {m, kv, il, T, seq, pos, b->block_tables, b->max_blocks, nh};
     TRY(clb_threadpool_run(m->tp, att_worker, &task));
 
     TRY(mm(m, l->wo, m->att, T, m->proj, D, NULL)); /* [T, D] */

@@ -269,7 +269,9 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->eo = palloc(m, B * d * F, &fail);
     m->sgate = palloc(m, B * F, &fail);
     m->out_rows = palloc(m, B * sizeof(int32_t), &fail);
-    m->scores = palloc(m, (size_t)m->n_threads * (size_t)m->span * F, &fail);
+    size_t group = (size_t)(hp->n_head / hp->n_head_kv);
+    m->scores = palloc(m, (size_t)m->n_threads * group * (size_t)m->span * F, &fail);
+    m->head_stat = palloc(m, (size_t)m->n_threads * 2 * group * F, &fail);
     m->mm_scratch_size = mm;
     m->mm_scratch = palloc(m, mm, &fail);
     m->act = palloc(m, mm, &fail);

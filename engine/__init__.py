@@ -25,6 +25,16 @@ _EXPORTS = {
     "EngineConfig": "engine.core.loader",
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
+    "ConstraintCompiler": "engine.constraints",
+    "ConstraintError": "engine.constraints",
+    "ConstraintSpec": "engine.constraints",
+    "ToolCall": "engine.toolcalls",
+    "ToolCallParser": "engine.toolcalls",
+    "template_tools": "engine.toolcalls",
+    "forced_calls_schema": "engine.toolcalls",
+    "forced_calls": "engine.toolcalls",
+    "generic_preamble": "engine.toolcalls",
+    "history_call_text": "engine.toolcalls",
     "convert": "engine.convert",
     "DEFAULT_QUANT": "engine.convert",
     "QUANT_PRESETS": "engine.convert",
@@ -37,6 +47,16 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_QUANT",
     "LLM",
+    "ConstraintCompiler",
+    "ConstraintError",
+    "ConstraintSpec",
+    "ToolCall",
+    "ToolCallParser",
+    "forced_calls",
+    "forced_calls_schema",
+    "generic_preamble",
+    "history_call_text",
+    "template_tools",
     "AsyncEngine",
     "AsyncEngineConfig",
     "EngineConfig",
@@ -60,6 +80,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.cli import main as cli_main
+    from engine.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
     from engine.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.core.async_engine import (
         AsyncEngine,
@@ -74,6 +95,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.modelcheck import ModelError, check_model
     from engine.sampling import SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
+    from engine.toolcalls import (
+        ToolCall,
+        ToolCallParser,
+        forced_calls,
+        forced_calls_schema,
+        generic_preamble,
+        history_call_text,
+        template_tools,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -31,6 +31,15 @@ def _i32(x: object, what: str) -> np.ndarray:
     return a.astype(np.int32)
 
 
+def kv_block_bytes(config: ModelConfig, kv_type: str = "f32") -> int:
+    """Bytes of one KV block (16 positions, K and V, every layer) for a model's config, before
+    loading it: a memory budget divided by this is the kv_blocks to pass to Model.load."""
+    if kv_type not in _core.KV_TYPES:
+        raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
+                         f"{', '.join(_core.KV_TYPES)}")
+    return int(_core.kv_block_bytes(config.to_hparams(1), kv_type))
+
+
 class Model:
     """A loaded model plus one paged KV cache, with n_seq fixed sequence slots on top."""
 

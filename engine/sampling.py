@@ -5,7 +5,11 @@ presence/frequency penalties (OpenAI style, over generated tokens only) -> greed
 temperature == 0, else temperature -> top_k -> top_p -> min_p -> draw. Logprobs are the
 log-softmax of the logits after bias and penalties, before temperature and filtering: they
 describe the model's (adjusted) distribution, not the truncated one that was sampled from, so
-they are comparable across temperatures and finite for every token.
+they are comparable across temperatures and finite for every token. A request's
+`constraint` (engine.constraints) is applied by the batched sampler (engine.sample.batch) to
+the adjusted logits before anything else looks at them: disallowed tokens get -inf, so the
+logprobs reported are those of the masked distribution (tokens the grammar forbids have none
+and never appear among the top logprobs); the engine calls its accept() after each token.
 Guarantees: the same seed and logits give the same tokens; no Python loop over the vocabulary;
 penalty counts are kept incrementally. Refuses: parameters outside the documented ranges.
 """
@@ -54,12 +58,17 @@ class SamplingParams:
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus top k
+    # A compiled per-request constraint (engine.constraints.Constraint) or None: apply()
+    # masks each step's logits, accept() follows every sampled token.
+    constraint: Any = None
+    # None: none; k >= 0: each prompt token's logprob plus the top k (max_tokens may be 0)
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise SamplingParamError naming the first field that is out of range."""
         if self.max_tokens is not None:
             _int(self.max_tokens, "max_tokens")
-            if self.max_tokens < 1:
+            if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
                 raise SamplingParamError("max_tokens", "must be at least 1")
         _real_in(self.temperature, "temperature", 0.0, 2.0)
         _real(self.top_p, "top_p")
@@ -100,6 +109,12 @@ class SamplingParams:
             _int(self.logprobs, "logprobs")
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise SamplingParamError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            _int(self.prompt_logprobs, "prompt_logprobs")
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise SamplingParamError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.constraint is not None and not callable(getattr(self.constraint, "apply", None)):
+            raise SamplingParamError("constraint", "must be a compiled constraint")
 
 
 def _real(x: Any, name: str) -> None:

@@ -427,6 +427,10 @@ class Tokenizer:
             extra_bos_token_id=gen_bos if type(gen_bos) is int else None,
         )
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (for libraries that build their own view of the vocabulary)."""
+        return str(self._tok.to_str())
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask  # noq
 from engine import _core  # noqa: E402
 from engine.convert import convert  # noqa: E402
 from engine.errors import ContextOverflowError, InputError  # noqa: E402
-from engine.model import Model  # noqa: E402
+from engine.model import Model, kv_block_bytes  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 N_CTX = 96
@@ -105,8 +105,9 @@ def _rel_max(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
 
 
-def _load(path: Path, kv_type: str = "f32", kv_blocks: int = 64) -> Model:
-    return Model.load(path, threads=THREADS, n_ctx=N_CTX, n_seq=0, kv_type=kv_type,
+def _load(path: Path, kv_type: str = "f32", kv_blocks: int = 64, threads: int = THREADS
+          ) -> Model:
+    return Model.load(path, threads=threads, n_ctx=N_CTX, n_seq=0, kv_type=kv_type,
                       kv_blocks=kv_blocks)
 
 
@@ -166,7 +167,8 @@ def test_shared_prefix_blocks(model_dir: tuple[Path, Any]) -> None:
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8"])
 def test_batch_invariance(model_dir: tuple[Path, Any], kv_type: str) -> None:
     """Five sequences of different lengths in one call (then one joint decode step) give,
-    bit for bit, what each gives alone."""
+    bit for bit, what each gives alone, also with another thread count (3 workers and one
+    token split attention by query head instead of by kv head group)."""
     path, _ = model_dir
     lens = [5, 33, 16, 1, 47]
     prompts = [_prompt(10 + i, n + 1) for i, n in enumerate(lens)]
@@ -175,7 +177,7 @@ def test_batch_invariance(model_dir: tuple[Path, Any], kv_type: str) -> None:
     joint = _run(m, tables, [(p[:-1], 0) for p in prompts])
     step = _run(m, tables, [(p[-1:], p.size - 1) for p in prompts])
     for i, p in enumerate(prompts):
-        alone = _load(path, kv_type)
+        alone = _load(path, kv_type, threads=3)
         t = [[7, 2, 5, 11]]
         np.testing.assert_array_equal(_run(alone, t, [(p[:-1], 0)])[0], joint[i])
         np.testing.assert_array_equal(_run(alone, t, [(p[-1:], p.size - 1)])[0], step[i])
@@ -288,7 +290,7 @@ def test_slot_api_and_sizes(model_dir: tuple[Path, Any]) -> None:
     expect = {"f32": rows * kvd * 4, "f16": rows * kvd * 2,
               "q8": rows * (-(-kvd // 4) * 4 + 4 * hkv)}
     for t, n in expect.items():
-        assert m.kv_block_bytes(t) == n == _core.kv_block_bytes(hp, t)
+        assert m.kv_block_bytes(t) == n == _core.kv_block_bytes(hp, t) == kv_block_bytes(cfg, t)
     assert m.kv_block_bytes() == expect["q8"]
     with pytest.raises(ValueError, match="KV cache type"):
         m.kv_block_bytes("q4")

@@ -120,21 +120,24 @@ def _readme_fields(lead: str) -> list[str]:
 CHAT = [{"role": "user", "content": "Good morrow!"}]
 FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
-    "tools": ("chat", {"tools": [FUNCTION]}),
-    "response_format": ("chat", {"response_format": {"type": "json_object"}}),
     "chat_template": ("chat", {"chat_template": "{{ messages[0].content }}"}),
     "suffix": ("completions", {"suffix": " The end."}),
     "best_of": ("completions", {"best_of": 2}),
-    "echo": ("completions", {"echo": True, "logprobs": 1}),
+    "audio": ("chat", {"audio": {"voice": "alloy", "format": "wav"}}),
+    "modalities": ("chat", {"modalities": ["text", "audio"]}),
+    "prediction": ("chat", {"prediction": {"type": "content", "content": "x"}}),
+    "web_search_options": ("chat", {"web_search_options": {}}),
+    "functions": ("chat", {"functions": [FUNCTION["function"]]}),
+    "function_call": ("chat", {"function_call": "auto"}),
 }
 IGNORED: dict[str, dict[str, Any]] = {
     "user": {"user": "user-1"},
     "name": {"messages": [{"role": "user", "content": "Good morrow!", "name": "juliet"}]},
-    "tool_choice": {"tool_choice": "none"},
-    "parallel_tool_calls": {"parallel_tool_calls": False},
     "store": {"store": False},
     "metadata": {"metadata": {"k": "v"}},
     "service_tier": {"service_tier": "auto"},
+    "prompt_cache_key": {"prompt_cache_key": "k1"},
+    "safety_identifier": {"safety_identifier": "s1"},
 }
 
 

@@ -15,9 +15,11 @@ from engine.sampling import Sampler, SampleResult, SamplingParams
 
 
 def _same(a: SampleResult, b: SampleResult) -> bool:
-    """Bit-identical token, logprob and top logprobs."""
-    return (a.token_id == b.token_id and a.logprob == b.logprob
-            and a.top_logprobs == b.top_logprobs)
+    """Bit-identical token, logprob and top logprobs; b is Sampler's, whose top logprobs may
+    list masked (-inf) tokens, which the batched sampler leaves out by design."""
+    top = None if b.top_logprobs is None else [(t, lp) for t, lp in b.top_logprobs
+                                               if lp > -np.inf]
+    return a.token_id == b.token_id and a.logprob == b.logprob and a.top_logprobs == top
 
 
 @st.composite

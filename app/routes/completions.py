@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from app.chat_plan import compile_constraints
 from app.errors import APIError
 from app.generation import (
     Choice,
@@ -53,18 +54,26 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     body.check(state.settings, vocab)
     prompts = await state.off_loop(_tokenize_prompts, llm, body.prompt_list(), body.echo)
     sequences = []
+    # echo with logprobs scores the prompt too; max_tokens 0 only scores it
+    prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+    if body.max_tokens == 0 and prompt_lp is None:
+        prompt_lp = 0
+    spec = body.response_format.spec() if body.response_format is not None else None
     for ids, _ in prompts:
         if not ids:
             raise APIError(400, "prompt must not be empty", "prompt")
         budget = max_tokens_for(state, len(ids), body.max_tokens, "prompt")
-        sequences += [Sequence(ids, body.sampling_params(budget, j, vocab, body.logprobs))
-                      for j in range(body.n)]
+        constraints = await state.off_loop(compile_constraints, llm, spec, [budget] * body.n)
+        for j in range(body.n):
+            params = body.sampling_params(budget, j, vocab, body.logprobs, prompt_lp)
+            params.constraint = constraints[j]
+            sequences.append(Sequence(ids, params))
     job = submit(state, sequences, want_token_text=body.logprobs is not None)
     echoes = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
     n_prompt = sum(len(ids) for ids, _ in prompts)
     meta = {"id": new_id("cmpl"), "created": now(), "model": model}
     if not body.stream:
-        choices = await collect(state, request, job, len(sequences), "prompt")
+        choices = await collect(state, request, job, len(sequences), "prompt", body.echo)
         return _response(meta, choices, n_prompt, body, echoes)
     first, outputs = await first_output(state, request, job, "prompt")
     return sse_response(state, _stream(state, body, meta, n_prompt, len(sequences), echoes,
@@ -78,7 +87,8 @@ def _response(meta: dict[str, Any], choices: list[Choice], n_prompt: int,
         prefix = echoes[c.index] if echoes else ""
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(c.logprob_outputs, body.logprobs, len(prefix))
+            offset = 0 if c.prompt is not None else len(prefix)
+            logprobs = completion_logprobs(c.logprob_outputs, body.logprobs, offset, c.prompt)
         out.append({"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason or "stop"})
     return {**meta, "object": "text_completion", "system_fingerprint": None, "choices": out,
@@ -99,8 +109,10 @@ async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, A
 
     choices = [Choice(i) for i in range(n_choices)]
     offsets = [len(e) for e in echoes] if echoes else [0] * n_choices
+    # with logprobs, a choice's echo goes out with its prompt's logprobs (its first output)
+    echo_late = bool(echoes) and body.logprobs is not None
     try:
-        if echoes:
+        if echoes and not echo_late:
             for i, text in enumerate(echoes):
                 yield chunk(i, text)
         pending = [first] if first is not None else []
@@ -114,7 +126,12 @@ async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, A
                     break
             choice = choices[out.index]
             before = len(choice.logprob_outputs)
-            add_output(choice, out, state)
+            add_output(choice, out, state, body.echo)
+            if echo_late and echoes and out.prompt is not None:
+                assert body.logprobs is not None
+                lp_prompt = completion_logprobs([], body.logprobs, 0, out.prompt)
+                offsets[out.index] = sum(len(t) for t in lp_prompt["tokens"])
+                yield chunk(out.index, echoes[out.index], None, lp_prompt)
             lp = None
             if body.logprobs is not None and len(choice.logprob_outputs) > before:
                 lp = completion_logprobs(choice.logprob_outputs[before:], body.logprobs,

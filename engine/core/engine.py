@@ -188,6 +188,7 @@ class EngineCore:
         self.stats.forward_time_s += time.perf_counter() - tf
 
         outputs: list[RequestOutput] = []
+        failed: list[RequestOutput] = []
         to_sample: list[tuple[Request, np.ndarray]] = []
         row = at = 0
         for req, n in sched.items:
@@ -196,11 +197,19 @@ class EngineCore:
             row += n_rows
             c = req.num_computed
             if getattr(req.params, "prompt_logprobs", None) is not None and c < len(req.prompt):
-                self._gather_prompt_logprobs(req, c, min(n, len(req.prompt) - c), rows)
+                try:
+                    self._gather_prompt_logprobs(req, c, min(n, len(req.prompt) - c), rows)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed.append(self._fail(req, exc))
+                    at += n
+                    continue
             req.num_computed = c + n
             at += n
             self.blocks.commit(req.rid, req.tokens, req.num_computed)
             if req.num_computed == req.num_tokens:
+                if req.max_new == 0:  # max_tokens 0: the prompt is scored, nothing sampled
+                    outputs.append(self._scored_only(req))
+                    continue
                 to_sample.append((req, rows[-1]))
         if to_sample:
             stacked = np.stack([r for _, r in to_sample])
@@ -211,7 +220,11 @@ class EngineCore:
                     outputs.append(self._fail(req, res.error))
                     continue
                 assert res.result is not None
-                outputs.append(self._advance(req, res.result))
+                try:
+                    outputs.append(self._advance(req, res.result))
+                except Exception as exc:  # noqa: BLE001 - detokenizing or a constraint failed
+                    outputs.append(self._fail(req, exc))
+        outputs += failed
         self.stats.n_steps += 1
         self.stats.n_step_tokens += n_tok
         self.stats.step_time_s += time.perf_counter() - t0
@@ -225,9 +238,10 @@ class EngineCore:
             req.prompt_lp = [None]  # the first token has no logprob
         k = int(getattr(req.params, "prompt_logprobs", 0) or 0)
         n_score = min(n, len(req.prompt) - 1 - c)  # the last prompt token's logits sample
-        if n_score > 0:
-            targets = np.asarray(req.prompt[c + 1:c + 1 + n_score])
-            req.prompt_lp.extend(prompt_logprobs(rows[:n_score], targets, k))
+        skip = max(0, len(req.prompt_lp) - (c + 1))  # recomputed after a preemption: kept
+        if n_score > skip:
+            targets = np.asarray(req.prompt[c + 1 + skip:c + 1 + n_score])
+            req.prompt_lp.extend(prompt_logprobs(rows[skip:n_score], targets, k))
 
     def _advance(self, req: Request, res: Any) -> RequestOutput:
         tok = res.token_id
@@ -254,10 +268,25 @@ class EngineCore:
         out = RequestOutput(req.request_id, req.index, tok, text, res.logprob, res.top_logprobs,
                             finish, len(req.prompt), req.n_cached)
         if not req.sent_prompt_lp:
-            out.prompt_logprobs = req.prompt_lp
+            out.prompt_logprobs = self._prompt_lp_of(req)
             req.sent_prompt_lp = True
         if finish is not None:
             self._finish(req)
+        return out
+
+    @staticmethod
+    def _prompt_lp_of(req: Request) -> list[Any] | None:
+        # n > 1: later choices share choice 0's prefill, and so its prompt logprobs
+        if req.prompt_lp is None and req.parent is not None:
+            return req.parent.prompt_lp
+        return req.prompt_lp
+
+    def _scored_only(self, req: Request) -> RequestOutput:
+        out = RequestOutput(req.request_id, req.index, -1, "", finish_reason="length",
+                            n_prompt_tokens=len(req.prompt), n_cached_tokens=req.n_cached,
+                            prompt_logprobs=self._prompt_lp_of(req))
+        req.sent_prompt_lp = True
+        self._finish(req)
         return out
 
     def _fail(self, req: Request, exc: BaseException) -> RequestOutput:

@@ -109,6 +109,9 @@ class Scheduler:
                 break  # n > 1: wait for choice 0's prompt, then share its blocks
             if req.parent is not None and req.parent.status == Status.RUNNING:
                 done = self.blocks.fork(req.parent.rid, req.rid, len(req.prompt))
+            elif getattr(req.params, "prompt_logprobs", None) is not None:
+                # every prompt position must be computed to score it: no cached prefix
+                done = self.blocks.allocate_prompt(req.rid, req.tokens, [], [])
             else:
                 done = self.blocks.allocate_prompt(req.rid, req.tokens)
             if done is None:

@@ -357,7 +357,8 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
             row = (adjusted[i].astype(np.float64) - mx[i]) - lse[i]
             k = min(s.params.logprobs, row.shape[0])
             idx = _top_indices(row, k) if k > 0 else np.empty(0, dtype=np.int64)
-            top = [(int(j), float(row[j])) for j in idx]
+            # a constraint's masked tokens (-inf) have no logprob to report
+            top = [(int(j), float(row[j])) for j in idx if row[j] > -np.inf]
         shifted = np.float64(adjusted[i, tok]) - mx[i]
         out.append(RowResult(SampleResult(tok, float(shifted - lse[i]), top)))
     return out

@@ -1,0 +1,359 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless.
+
+A request becomes a chat request (instructions -> a system message, input items -> messages,
+function tools, text.format -> response_format) and runs through the chat path; the answer
+comes back as a Response object, or as the Responses stream events (response.created,
+response.output_item.added, response.output_text.delta, ..., response.completed). Nothing is
+stored: previous_response_id, conversation, background and stored prompts are refused (400).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field, ValidationError
+
+from app.chat_plan import ChatPlan
+from app.errors import APIError
+from app.generation import Choice, add_output, collect, first_output, new_id, now, submit
+from app.protocol import ChatCompletionRequest, Finite, _Model
+from app.routes.chat import _ChoiceStream, prepare_chat, reply_of
+from app.state import ServerState, get_state
+from app.streaming import sse_response
+from app.worker import Output
+from engine import ToolCall
+
+router = APIRouter()
+
+
+class ResponsesRequest(_Model):
+    """The fields of POST /v1/responses that Colibri reads."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    temperature: Finite | None = Field(None, ge=0.0, le=2.0)
+    text: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_p: Finite | None = Field(None, gt=0.0, le=1.0)
+    # stateful or hosted features: refused when set
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    prompt: Any = None
+    truncation: str | None = None
+    # accepted and ignored (see the README): store, metadata, service_tier, user,
+    # prompt_cache_key, safety_identifier, include, reasoning
+
+
+def _refuse_stateful(body: ResponsesRequest) -> None:
+    if body.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: this server stores no "
+                       "responses; send the whole conversation in input",
+                       "previous_response_id")
+    if body.conversation is not None:
+        raise APIError(400, "conversations are not supported: this server stores no state; "
+                       "send the whole conversation in input", "conversation")
+    if body.background:
+        raise APIError(400, "background responses are not supported", "background")
+    if body.prompt is not None:
+        raise APIError(400, "stored prompts are not supported", "prompt")
+    if body.truncation not in (None, "disabled"):
+        raise APIError(400, "only truncation 'disabled' is supported", "truncation")
+
+
+def _text_of(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise APIError(400, f"only text input is supported (got {kind!r})",
+                           f"{param}.{j}.type")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    if body.instructions:
+        msgs.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*msgs, {"role": "user", "content": body.input}]
+    for i, item in enumerate(body.input):
+        param = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"unsupported role {role!r}", f"{param}.role")
+            msgs.append({"role": role, "content": _text_of(item.get("content"), param +
+                                                           ".content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"),
+                                 "arguments": item.get("arguments", "")}}
+            last = msgs[-1] if msgs else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "item_reference":
+            raise APIError(400, "item references need stored responses, which this server "
+                           "does not keep", f"{param}.type")
+        else:
+            raise APIError(400, f"input items of type {kind!r} are not supported",
+                           f"{param}.type")
+    return msgs
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise APIError(400, f"only function tools are supported (got {tool.get('type')!r})",
+                           f"tools.{i}.type")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise APIError(400, f"tool_choice of type {choice.get('type')!r} is not supported",
+                   "tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not fmt:
+        return None
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name", "response"), "schema": fmt.get("schema"),
+            "strict": fmt.get("strict")}}
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    raise APIError(400, f"text.format type {kind!r} is not supported", "text.format.type")
+
+
+def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses request stands for."""
+    _refuse_stateful(body)
+    data: dict[str, Any] = {
+        "model": body.model,
+        "messages": _messages(body),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "tools": _chat_tools(body.tools),
+        "tool_choice": _chat_tool_choice(body.tool_choice),
+        "response_format": _response_format(body.text),
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+    }
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in data.items()
+                                                     if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{loc}: {first.get('msg')}", "input") from None
+
+
+@router.post("/v1/responses", response_model=None)
+async def responses(body: ResponsesRequest, request: Request) -> Any:
+    """OpenAI's Responses API without stored state."""
+    state = get_state(request)
+    model = state.check_model(body.model)
+    chat = to_chat(body)
+    plan, sequences = await prepare_chat(state, chat, "text.format")
+    job = submit(state, sequences, want_token_text=False)
+    meta = _meta(body, model)
+    if not body.stream:
+        choices = await collect(state, request, job, 1, "input")
+        c = choices[0]
+        content, calls, finish = reply_of(plan, c.text, c.finish_reason)
+        return _final(meta, _items(content, calls), finish, len(plan.prompt), c.n_tokens)
+    first, outputs = await first_output(state, request, job, "input")
+    return sse_response(state, _stream(state, plan, meta, first, outputs))
+
+
+def _meta(body: ResponsesRequest, model: str) -> dict[str, Any]:
+    return {
+        "id": new_id("resp"), "object": "response", "created_at": now(), "model": model,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+        "text": body.text or {"format": {"type": "text"}},
+        "previous_response_id": None, "store": False, "metadata": {}, "truncation": "disabled",
+        "reasoning": None, "error": None, "user": None,
+    }
+
+
+def _message_item(text: str, status: str = "completed", item_id: str | None = None
+                  ) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or new_id("msg"), "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
+            "call_id": call.id, "name": call.name, "arguments": call.arguments,
+            "status": status}
+
+
+def _items(content: str | None, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    items = [_message_item(content)] if content or not calls else []
+    return items + [_call_item(c) for c in calls]
+
+
+def _final(meta: dict[str, Any], items: list[dict[str, Any]], finish: str, n_in: int,
+           n_out: int) -> dict[str, Any]:
+    incomplete = finish == "length"
+    return {**meta, "status": "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "output": items,
+            "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": n_in + n_out}}
+
+
+async def _stream(state: ServerState, plan: ChatPlan, meta: dict[str, Any],
+                  first: Output | None, outputs: AsyncIterator[Output]
+                  ) -> AsyncIterator[dict[str, str]]:
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> dict[str, str]:
+        nonlocal seq
+        seq += 1
+        return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": seq - 1,
+                                                   **fields}, ensure_ascii=False)}
+
+    choice = Choice(0)
+    stream = _ChoiceStream(plan)
+    items: list[dict[str, Any]] = []  # finished output items
+    text_item: dict[str, Any] | None = None  # the message being streamed
+    call_item: dict[str, Any] | None = None  # the function call being streamed
+
+    def open_text() -> list[dict[str, str]]:
+        nonlocal text_item
+        text_item = _message_item("", "in_progress")
+        text_item["content"] = []
+        part = {"type": "output_text", "text": "", "annotations": []}
+        idx = len(items)
+        return [event("response.output_item.added", output_index=idx, item=text_item),
+                event("response.content_part.added", item_id=text_item["id"],
+                      output_index=idx, content_index=0, part=part)]
+
+    def close_text() -> list[dict[str, str]]:
+        nonlocal text_item
+        if text_item is None:
+            return []
+        text = text_item.pop("_text", "")
+        done = _message_item(text, "completed", text_item["id"])
+        idx = len(items)
+        items.append(done)
+        text_item = None
+        return [event("response.output_text.done", item_id=done["id"], output_index=idx,
+                      content_index=0, text=text, logprobs=[]),
+                event("response.content_part.done", item_id=done["id"], output_index=idx,
+                      content_index=0, part=done["content"][0]),
+                event("response.output_item.done", output_index=idx, item=done)]
+
+    def close_call() -> list[dict[str, str]]:
+        nonlocal call_item
+        if call_item is None:
+            return []
+        done = {**call_item, "status": "completed"}
+        idx = len(items)
+        items.append(done)
+        call_item = None
+        return [event("response.function_call_arguments.done", item_id=done["id"],
+                      output_index=idx, name=done["name"], arguments=done["arguments"]),
+                event("response.output_item.done", output_index=idx, item=done)]
+
+    def on_delta(delta: dict[str, Any]) -> list[dict[str, str]]:
+        nonlocal call_item
+        evs: list[dict[str, str]] = []
+        if "content" in delta and delta["content"]:
+            evs += close_call()
+            if text_item is None:
+                evs += open_text()
+            assert text_item is not None
+            text_item["_text"] = text_item.get("_text", "") + delta["content"]
+            evs.append(event("response.output_text.delta", item_id=text_item["id"],
+                             output_index=len(items), content_index=0,
+                             delta=delta["content"], logprobs=[]))
+        for tc in delta.get("tool_calls") or []:
+            fn = tc.get("function") or {}
+            if "id" in tc:  # a new call starts
+                evs += close_text() + close_call()
+                call = ToolCall(fn.get("name", ""), "", tc["id"])
+                call_item = _call_item(call, "in_progress")
+                evs.append(event("response.output_item.added", output_index=len(items),
+                                 item=call_item))
+            elif call_item is not None and fn.get("arguments"):
+                call_item["arguments"] += fn["arguments"]
+                evs.append(event("response.function_call_arguments.delta",
+                                 item_id=call_item["id"], output_index=len(items),
+                                 delta=fn["arguments"]))
+        return evs
+
+    try:
+        yield event("response.created", response={**meta, "status": "in_progress",
+                                                  "output": [], "usage": None})
+        yield event("response.in_progress", response={**meta, "status": "in_progress",
+                                                      "output": [], "usage": None})
+        pending = [first] if first is not None else []
+        finish = "stop"
+        while True:
+            if pending:
+                out = pending.pop()
+            else:
+                try:
+                    out = await outputs.__anext__()
+                except StopAsyncIteration:
+                    break
+            add_output(choice, out, state)
+            if out.step.text:
+                for delta in stream.push(out.step.text):
+                    for ev in on_delta(delta):
+                        yield ev
+            if out.step.finish_reason is not None:
+                tail, finish = stream.finish(out.step.finish_reason)
+                for delta in tail:
+                    for ev in on_delta(delta):
+                        yield ev
+        for ev in close_text() + close_call():
+            yield ev
+        if not items:
+            for ev in open_text() + close_text():
+                yield ev
+        final = _final(meta, items, finish, len(plan.prompt), choice.n_tokens)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield event(kind, response=final)
+    finally:
+        await outputs.aclose()
