@@ -2,10 +2,12 @@
 own request's parameters, penalties, constraint and random generator.
 
 It follows engine.sampling.Sampler exactly (the same tokens, logprobs and random draws), but
-does the vocabulary-wide work as [B, V] array operations: bias and penalties, log-softmax,
-greedy argmax, temperature scaling, one argpartition that finds every sampled row's top-k or
-nucleus candidates, a full sort only for the rows whose candidates fall short of top_p, then
-top_p / min_p cuts and the draws over candidate arrays.
+does the vocabulary-wide work as [B, V] array operations: the float32 copy and NaN check,
+log-softmax normalisers, temperature scaling, one value threshold (from a strided sample of
+each row) that finds every sampled row's top-k or first nucleus candidates, a sort of only the
+tokens holding top_p for rows whose candidates fall short of it (all of them for flat rows),
+then top_p / min_p cuts and the draws over candidate arrays. Bias and penalties stay per row,
+in place (a few entries, or one pass over that row's own counts).
 
 Guarantees: a row's token and logprobs depend only on that row's logits and its request's
 state, never on the other rows (batch invariance): every reduction runs along one row over the
