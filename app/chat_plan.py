@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -104,6 +105,8 @@ def plan_chat(
     add_generation_prompt: bool = True,
     client_template: str | None = None,
     format_param: str = "response_format",
+    template_timeout_s: float = 2.0,
+    cancel: threading.Event | None = None,
 ) -> ChatPlan:
     """Render the prompt and choose the output mode; APIError(400) for what cannot be done."""
     tok = llm.tokenizer
@@ -134,7 +137,8 @@ def plan_chat(
     plan.tool_names = {t.function.name for t in tools or []}
     kwargs: dict[str, Any] = {}
     if client_template is not None:
-        kwargs = {"chat_template": client_template, "allow_custom_template": True}
+        kwargs = {"chat_template": client_template, "allow_custom_template": True,
+                  "render_timeout_s": template_timeout_s, "cancel": cancel}
     try:
         plan.prompt = list(tok.apply_chat_template(
             msgs, add_generation_prompt=add_generation_prompt, tools=render_tools, **kwargs))

@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
+from app.http import uvicorn_options
 from app.server import create_app
 from app.settings import Settings
 from app.state import ServerState
@@ -139,10 +140,7 @@ def serve_main(args: argparse.Namespace) -> int:
     state: ServerState = app.state.colibri
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        http="h11", loop="asyncio", lifespan="on",
-        timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1),
-        # our guard answers 431 at max_header_bytes; h11 must let such heads through to it
-        h11_max_incomplete_event_size=settings.max_header_bytes + (64 << 10),
+        loop="asyncio", lifespan="on", **uvicorn_options(settings),
     )
     server = _Server(config, state)
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from app.errors import APIError
-from app.state import ServerState, unavailable
+from app.state import DrainExpiredError, ServerState, get_state, shutting_down, unavailable
 from app.worker import (
     EngineUnavailableError,
     Job,
@@ -28,7 +28,7 @@ from app.worker import (
     QueueFullError,
     Sequence,
 )
-from engine import ContextLengthError, SamplingParamError
+from engine import ContextLengthError, ModelFaultError, SamplingParamError
 
 log = logging.getLogger("colibri.app")
 T = TypeVar("T")
@@ -112,6 +112,10 @@ def engine_error(exc: BaseException, param: str) -> APIError:
         return APIError(400, str(exc), param, "context_length_exceeded")
     if isinstance(exc, SamplingParamError):
         return APIError(400, str(exc), getattr(exc, "param", None))
+    if isinstance(exc, ModelFaultError):  # the engine logged which file or why, once
+        return APIError(500, "The model can no longer serve requests (its weight files "
+                        "changed or it produced non-finite values); the server needs a restart.",
+                        code="model_fault")
     log.error("generation failed: %s", exc, exc_info=exc)
     return APIError(500, "The server had an error while processing the request.")
 
@@ -124,16 +128,20 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def race_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await awaitable unless the client disconnects first (then ClientGoneError)."""
+    """Await awaitable unless the client disconnects first (then ClientGoneError) or the
+    drain timeout runs out (then DrainExpiredError)."""
     main = asyncio.ensure_future(awaitable)
     watch = asyncio.ensure_future(_wait_disconnect(request))
+    drain = asyncio.ensure_future(get_state(request).drain_expired.wait())
     try:
-        done, _ = await asyncio.wait({main, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({main, watch, drain}, return_when=asyncio.FIRST_COMPLETED)
         if main in done:
             return main.result()
+        if drain in done:
+            raise DrainExpiredError()
         raise ClientGoneError()
     finally:
-        for task in (main, watch):
+        for task in (main, watch, drain):
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -157,6 +165,8 @@ async def collect(state: ServerState, request: Request, job: Job, n_choices: int
         await race_disconnect(request, consume())
     except ClientGoneError:
         raise APIError(499, "client closed the request") from None
+    except DrainExpiredError:
+        raise shutting_down(state) from None
     except Exception as exc:  # noqa: BLE001 - mapped to the client's error
         raise engine_error(exc, param) from None
     finally:
@@ -249,6 +259,10 @@ async def first_output(state: ServerState, request: Request, job: Job,
         await outputs.aclose()
         state.worker.cancel(job)
         raise APIError(499, "client closed the request") from None
+    except DrainExpiredError:
+        await outputs.aclose()
+        state.worker.cancel(job)
+        raise shutting_down(state) from None
     except BaseException as exc:
         await outputs.aclose()
         state.worker.cancel(job)

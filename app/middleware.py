@@ -1,13 +1,14 @@
 """The guard in front of every route: header and body size limits, API key, request counts.
 
 Pure ASGI (no BaseHTTPMiddleware) so streaming responses and disconnect messages pass
-through untouched. Order of checks: headers (431), API key (401), body size (413). The body
-is read here once, bounded, and replayed to the app; after it, `receive` is the server's
-own, so the app still sees `http.disconnect`.
+through untouched. Order of checks: request line + headers (431), API key (401), body size
+(413) and body deadline (408). The body is read here once, bounded, and replayed to the app;
+after it, `receive` is the server's own, so the app still sees `http.disconnect`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -23,7 +24,8 @@ from app.settings import Settings
 log = logging.getLogger("colibri.app")
 
 # Paths that need the API key when one is set; /health, /ready, /metrics and the page do not.
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+# The API description is protected too: it tells a stranger what the server can be made to do.
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/openapi.json", "/docs")
 
 
 class GuardMiddleware:
@@ -65,12 +67,15 @@ class GuardMiddleware:
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        if sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes:
+        # the request line counts too: a 70 KB query string is as large a head as a header
+        head = (len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+                + sum(len(k) + len(v) + 4 for k, v in headers))
+        if head > self.settings.max_header_bytes:
             await _reply(send, 431, "Request header fields too large.")
             return
         path: str = scope["path"]
         if (self._key is not None and scope["method"] != "OPTIONS"
-                and path.startswith(_PROTECTED) and not self._authorized(headers)):
+                and path.startswith(PROTECTED) and not self._authorized(headers)):
             await _reply(send, 401, "Incorrect API key provided. Send it as "
                          "'Authorization: Bearer <key>'.", code="invalid_api_key",
                          extra=[(b"www-authenticate", b"Bearer")])
@@ -81,7 +86,14 @@ class GuardMiddleware:
             if length is not None and length > limit:
                 await _reply(send, 413, f"The request body exceeds {limit} bytes.")
                 return
-            body = await _read_body(receive, limit)
+            try:
+                async with asyncio.timeout(self.settings.body_timeout_s):
+                    body = await _read_body(receive, limit)
+            except TimeoutError:
+                await _reply(send, 408, "The request body did not arrive within "
+                             f"{self.settings.body_timeout_s:g} s.",
+                             extra=[(b"connection", b"close")])
+                return
             if body is None:
                 await _reply(send, 413, f"The request body exceeds {limit} bytes.")
                 return

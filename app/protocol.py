@@ -31,7 +31,7 @@ from app.protocol_tools import (
     check_tools,
 )
 from app.settings import Settings
-from engine import SamplingParams
+from engine import MIN_REPETITION_PENALTY, SamplingParams
 
 SEED_MOD = 1 << 63  # seeds reach the engine as non-negative 63-bit integers
 
@@ -49,7 +49,9 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # strict: OpenAI's schema types booleans, integers and token ids strictly, and a client
+    # sending `"stream": "yes"` or `true` as a token id has a bug it should hear about
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
 
 class StreamOptions(_Model):
@@ -123,7 +125,7 @@ class _Sampling(_Model):
     # extras beyond OpenAI's API
     top_k: int = Field(-1, ge=-1)
     min_p: Finite = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: Finite = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: Finite = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0)
     ignore_eos: bool = False
 
     @model_validator(mode="before")
@@ -170,11 +172,11 @@ class _Sampling(_Model):
         """logit_bias with integer keys, each checked against the vocabulary."""
         out: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                tok = int(key)
-            except ValueError:
+            # ASCII digits only: int() would also take " 5 ", "+5", "5_0" and "\u0665"
+            if not (key.isascii() and key.isdigit()):
                 raise APIError(400, f"logit_bias key {key!r} is not a token id",
-                               "logit_bias") from None
+                               "logit_bias")
+            tok = int(key)
             if not 0 <= tok < vocab_size:
                 raise APIError(400, f"logit_bias token {tok} is outside the vocabulary "
                                f"(0..{vocab_size - 1})", "logit_bias")
@@ -213,7 +215,7 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    model: str | None = None
+    model: Text | None = None
     logprobs: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
     parallel_tool_calls: bool = True
@@ -273,7 +275,7 @@ Prompt = Text | list[Text] | list[int] | list[list[int]]
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    model: str | None = None
+    model: Text | None = None
     prompt: Prompt
     best_of: int | None = Field(None, ge=1)
     echo: bool = False
@@ -332,7 +334,7 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 class TokenizeRequest(_Model):
     """POST /tokenize: either `prompt` or `messages`."""
 
-    model: str | None = None
+    model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -350,5 +352,5 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     """POST /detokenize."""
 
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]

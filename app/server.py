@@ -17,8 +17,9 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from app.errors import install_error_handlers
 from app.metrics import Metrics
-from app.middleware import GuardMiddleware
+from app.middleware import PROTECTED, GuardMiddleware
 from app.routes import chat, completions, health, models, responses, tokenize
+from app.schemas import install_schema
 from app.settings import Settings
 from app.state import ServerState
 from app.worker import EngineWorker
@@ -59,18 +60,34 @@ def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> F
     state = ServerState(settings, metrics, worker)
     holder.append(state)
 
+    async def drain_watch() -> None:
+        # `draining` is set by the signal handler (app.cli); polling it keeps that handler
+        # trivial. Once drain_timeout_s has passed, waiting and streaming requests are
+        # answered by the app itself, before uvicorn's own (later) deadline cancels them.
+        while not state.draining:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(settings.drain_timeout_s)
+        log.warning("drain timeout (%gs) reached: refusing what is still waiting",
+                    settings.drain_timeout_s)
+        state.drain_expired.set()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         worker.start()
+        watch = asyncio.create_task(drain_watch())
         try:
             yield
         finally:
+            watch.cancel()
             state.draining = True
             await asyncio.to_thread(worker.stop, settings.drain_timeout_s)
             state.tok_pool.shutdown(wait=False, cancel_futures=True)
 
+    docs = settings.docs
     app = FastAPI(title="Colibri", version=__version__, lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None)
+                  docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    install_schema(app, settings, PROTECTED)
     app.state.colibri = state
     install_error_handlers(app)
     paths: set[str] = set()

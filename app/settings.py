@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     cors_origins: list[str] = Field(default_factory=list)
     log_level: str = "info"
+    docs: bool = Field(True, description="serve /docs and /openapi.json (behind the API key "
+                       "when one is set)")
 
     # -- limits -----------------------------------------------------------------------
     max_queue: int = Field(16, ge=0, description="requests that may wait for the engine")
@@ -55,10 +57,15 @@ class Settings(BaseSettings):
     max_logprobs: int = Field(20, ge=0, description="largest top_logprobs / logprobs")
     send_timeout_s: float = Field(30.0, gt=0, description="give up on a client that stalls")
     drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: wait this long for work")
+    header_timeout_s: float = Field(10.0, gt=0, description="request line + headers deadline")
+    body_timeout_s: float = Field(30.0, gt=0, description="request body deadline")
+    max_connections: int = Field(256, ge=1, description="open client connections at most")
 
     # -- chat templates ---------------------------------------------------------------
     allow_client_chat_template: bool = False
     max_chat_template_chars: int = Field(32 << 10, ge=64)
+    client_template_timeout_s: float = Field(2.0, gt=0, description="render time of a client "
+                                             "chat template (separate process)")
 
     @field_validator("quant")
     @classmethod

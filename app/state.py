@@ -35,13 +35,16 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="colibri-tok"))
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    # set drain_timeout_s after draining began: what is still queued gets 503, what still
+    # streams ends with an error event and [DONE] (see app.server's drain watch)
+    drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0
     request_exit: Callable[[int], None] | None = None
 
     @property
     def llm(self) -> Any:
         llm = self.worker.llm
-        if llm is None or not self.worker.ready:
+        if llm is None or not self.worker.ready or model_fault(self) is not None:
             raise unavailable(self)
         return llm
 
@@ -67,10 +70,29 @@ class ServerState:
         return await loop.run_in_executor(self.tok_pool, functools.partial(fn, *args, **kwargs))
 
 
+class DrainExpiredError(Exception):
+    """The drain timeout ran out while this request was still waiting or running."""
+
+
+def shutting_down(state: ServerState) -> APIError:
+    """503 + Retry-After for a request the drain timeout cut off."""
+    return APIError(503, "Service unavailable: the server is shutting down.",
+                    code="server_shutting_down",
+                    headers={"Retry-After": str(state.settings.retry_after_s)})
+
+
+def model_fault(state: ServerState) -> str | None:
+    """Why the loaded model can no longer serve (weights changed, non-finite outputs)."""
+    llm = state.worker.llm
+    return None if llm is None else getattr(llm, "fault", None)
+
+
 def unavailable(state: ServerState) -> APIError:
-    """503 while loading, draining or after a failed load."""
+    """503 while loading, draining, after a failed load or once the model is faulty."""
     if state.worker.error is not None:
         why = "the model failed to load"
+    elif model_fault(state) is not None:
+        why = "the model's weights changed or went bad; the server needs a restart"
     elif state.draining or state.worker.stopping:
         why = "the server is shutting down"
     else:

@@ -2,11 +2,14 @@
 
 A stream that fails after its 200 went out ends with one OpenAI-shaped error event and
 `[DONE]` instead of a cut connection. A client that stops reading is dropped after
-`send_timeout_s`; on SIGTERM a stream may run `drain_timeout_s` more before it is cut.
+`send_timeout_s`; on SIGTERM a stream may run `drain_timeout_s` more, then ends with an
+error event (503, server_shutting_down) and `[DONE]`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -14,13 +17,42 @@ from sse_starlette import EventSourceResponse
 
 from app.errors import error_body
 from app.generation import engine_error
-from app.state import ServerState
+from app.http import DRAIN_GRACE_S
+from app.state import DrainExpiredError, ServerState, shutting_down
 
 
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _next_or_drain(state: ServerState, it: AsyncIterator[str]) -> str:
+    """The next event, unless the drain timeout runs out first (DrainExpiredError)."""
+    nxt = asyncio.ensure_future(it.__anext__())
+    drain = asyncio.ensure_future(state.drain_expired.wait())
     try:
-        async for event in events:
+        done, _ = await asyncio.wait({nxt, drain}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt in done:
+            return nxt.result()
+        raise DrainExpiredError()
+    finally:
+        for task in (nxt, drain):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
+async def _guarded(state: ServerState, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    it = events.__aiter__()
+    try:
+        while True:
+            try:
+                # racing the drain costs a task per event: only once draining has begun
+                event = await (_next_or_drain(state, it) if state.draining
+                               else it.__anext__())
+            except StopAsyncIteration:
+                return
             yield event
+    except DrainExpiredError:
+        err = shutting_down(state)
+        yield json.dumps(error_body(err.status, err.message, err.param, err.code))
+        yield "[DONE]"
     except Exception as exc:  # noqa: BLE001 - becomes an error event for this stream only
         err = engine_error(exc, "messages")
         yield json.dumps(error_body(err.status, err.message, err.param, err.code))
@@ -28,16 +60,19 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
-            await aclose()
+            with contextlib.suppress(RuntimeError):  # already closed by a cancelled __anext__
+                await aclose()
 
 
 def sse_response(state: ServerState, events: AsyncIterator[str]) -> EventSourceResponse:
     """An SSE response sending each string of events as one `data:` event."""
     settings = state.settings
     return EventSourceResponse(
-        _guarded(events),
+        _guarded(state, events),
         ping=15,
         send_timeout=settings.send_timeout_s,
-        shutdown_grace_period=settings.drain_timeout_s,
+        # our own drain (error event + [DONE]) ends streams at drain_timeout_s; sse-starlette
+        # force-cancels only after that has had time to go out
+        shutdown_grace_period=settings.drain_timeout_s + DRAIN_GRACE_S / 2,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -53,6 +53,9 @@ void clb_wfile_close(clb_wfile *f);
 int clb_wfile_n_tensors(const clb_wfile *f);
 const clb_tensor *clb_wfile_tensor(const clb_wfile *f, int i);
 const clb_tensor *clb_wfile_find(const clb_wfile *f, const char *name);
+/* The file's path when it was truncated under its mapping since it was opened (its data now
+ * reads as zeros, see csrc/wfault.c), else NULL. */
+const char *clb_wfile_changed(const clb_wfile *f);
 
 typedef struct clb_model clb_model;
 typedef struct clb_kv clb_kv;
@@ -113,7 +116,9 @@ typedef struct {
  * want_logits is NULL), in order, into logits[n_out, n_vocab]. Calls longer than
  * clb_forward_max_batch() tokens are run as consecutive chunks, which gives the same result.
  * A token's result does not depend on the other tokens of the call.
- * Not reentrant for one model or one cache (it uses their scratch); never allocates. */
+ * Not reentrant for one model or one cache (it uses their scratch); never allocates.
+ * A weight file truncated under the running model fails the call with CLB_E_IO and a message
+ * starting "weight file changed: " that names the file; so do all later calls. */
 clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err);
 
 int64_t clb_forward_max_batch(void);

@@ -8,6 +8,7 @@
 #include "clb_model.h"
 #include "clb_kernels.h"
 #include "clb_pool.h"
+#include "clb_wfault.h"
 
 /* Tokens one internal forward chunk carries; longer calls are split (see clb_forward). */
 #define CLB_MAX_BATCH 512
@@ -88,6 +89,11 @@ struct clb_kv {
     int32_t *seq_next;      /* [n_blocks] forward's validation scratch (one per sequence) */
     float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
 };
+
+/* After a step during which some mapping faulted (clb_wfault_any()): CLB_E_IO naming the
+ * first of m's files that changed (the step's K/V rows and logits are void: they were
+ * computed from zeros); CLB_OK when the fault was in another model's files. */
+clb_status clb_model_weight_fault(const clb_model *m, char *err);
 
 /* K (kind 0) or V (kind 1) row of layer il in block blk, slot `slot` (kv_dim values of the
  * cache's type, then the q8 scales). Block-major so one block's bytes are contiguous. */

@@ -581,5 +581,6 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
         }
         if (n_out > 0) logits += n_out * m->hp.n_vocab;
     }
+    if (clb_wfault_any() && (st = clb_model_weight_fault(m, err)) != CLB_OK) return st;
     return CLB_OK;
 }

@@ -268,12 +268,90 @@ static inline __attribute__((always_inline)) void clb_group8(int Q4, int TT, int
     }
 }
 
+/* One token: each weight row streams on its own (one sequential read per row, which the
+ * memory system serves faster than eight interleaved rows when no weight load is shared). The
+ * same exact integer block sums, four blocks at a time, then the reference's scalar order:
+ * s += (d_w * d_a) * sum. Bit-identical to the reference and so to the row-group kernel. */
+static inline __attribute__((always_inline)) __m256i clb_isum_block(int Q4, const char *wblk,
+                                                                    const clb_block_q8c *a) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i qa = _mm256_loadu_si256((const __m256i *)a->qs);
+    if (Q4) {
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        __m128i raw = _mm_loadu_si128((const __m128i *)(wblk + 2));
+        __m256i qw = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_and_si128(raw, low4)),
+            _mm_and_si128(_mm_srli_epi16(raw, 4), low4), 1);
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), ones);
+    }
+    __m256i qw = _mm256_loadu_si256((const __m256i *)(wblk + 2));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(qw), _mm256_sign_epi8(qa, qw)),
+                             ones);
+}
+
+static inline __attribute__((always_inline)) float clb_dot_row(int Q4, int64_t n, const char *w,
+                                                              const clb_block_q8c *a) {
+    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+    const int64_t nb = n / CLB_QK;
+    float s = 0.0f;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        __m256i i0 = clb_isum_block(Q4, w + (size_t)b * bs, a + b);
+        __m256i i1 = clb_isum_block(Q4, w + (size_t)(b + 1) * bs, a + b + 1);
+        __m256i i2 = clb_isum_block(Q4, w + (size_t)(b + 2) * bs, a + b + 2);
+        __m256i i3 = clb_isum_block(Q4, w + (size_t)(b + 3) * bs, a + b + 3);
+        /* lane sums of the four blocks: hadd pairs, then fold the 128-bit halves */
+        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(i0, i1), _mm256_hadd_epi32(i2, i3));
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        if (Q4)
+            sum = _mm_add_epi32(sum, _mm_setr_epi32(a[b].corr, a[b + 1].corr, a[b + 2].corr,
+                                                    a[b + 3].corr));
+        float f[4];
+        _mm_storeu_ps(f, _mm_cvtepi32_ps(sum));
+        for (int k = 0; k < 4; k++) {
+            clb_f16 d;
+            memcpy(&d, w + (size_t)(b + k) * bs, sizeof d);
+            s += _cvtsh_ss(d) * a[b + k].d * f[k];
+        }
+    }
+    for (; b < nb; b++) {
+        __m256i i0 = clb_isum_block(Q4, w + (size_t)b * bs, a + b);
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(i0), _mm256_extracti128_si256(i0, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+        int32_t isum = _mm_cvtsi128_si32(h) + (Q4 ? a[b].corr : 0);
+        clb_f16 d;
+        memcpy(&d, w + (size_t)b * bs, sizeof d);
+        s += _cvtsh_ss(d) * a[b].d * (float)isum;
+    }
+    return s;
+}
+
+void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       float *y) {
+    for (int64_t r = 0; r < n_rows; r++)
+        y[r] = clb_dot_row(0, n, (const char *)w + (size_t)r * w_row, act);
+}
+
+void clb_rows1_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       float *y) {
+    for (int64_t r = 0; r < n_rows; r++)
+        y[r] = clb_dot_row(1, n, (const char *)w + (size_t)r * w_row, act);
+}
+
 static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int64_t n, int64_t n_rows,
                                                             const void *w, size_t w_row,
                                                             const void *act, size_t act_row,
                                                             int64_t n_tok, float *y,
                                                             int64_t ldy) {
     const char *wb = w;
+    if (n_tok == 1) {
+        if (Q4)
+            clb_rows1_q4_avx2(n, n_rows, w, w_row, act, y);
+        else
+            clb_rows1_q8_avx2(n, n_rows, w, w_row, act, y);
+        return;
+    }
     for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
         const int nv = n_rows - r0 < 8 ? (int)(n_rows - r0) : 8;
         const char *rp[8];

@@ -274,6 +274,12 @@ static inline __attribute__((always_inline)) void clb_gemm16(int Q4, int64_t n, 
                                                              int64_t n_tok, float *y,
                                                              int64_t ldy) {
     const char *wb = w;
+    if (n_tok == 1 && !Q4) {
+        /* nothing to share: one sequential read per row (kernels_avx2.c) measured faster for q8;
+         * for q4 the row group stays ahead (its nibble unpacking is shared by 16 rows) */
+        clb_rows1_q8_avx2(n, n_rows, w, w_row, act, y);
+        return;
+    }
     for (int64_t r0 = 0; r0 < n_rows; r0 += 16) {
         const int64_t nv = n_rows - r0 < 16 ? n_rows - r0 : 16;
         const char *rp[16];

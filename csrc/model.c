@@ -379,3 +379,14 @@ const clb_hparams *clb_model_hparams(const clb_model *m) { return &m->hp; }
 int clb_model_n_threads(const clb_model *m) { return m->n_threads; }
 
 int64_t clb_forward_max_batch(void) { return CLB_MAX_BATCH; }
+
+clb_status clb_model_weight_fault(const clb_model *m, char *err) {
+    for (int i = 0; i < m->n_files; i++) {
+        const char *path = clb_wfile_changed(m->files[i]);
+        if (!path) continue;
+        m_err(err, "weight file changed: %s was truncated or overwritten while the model was "
+              "loaded; restart to load it again", path);
+        return CLB_E_IO;
+    }
+    return CLB_OK;
+}

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "clb_model.h"
+#include "clb_wfault.h"
 
 #define CLB_WF_MAGIC "CLBWGT1"
 #define CLB_WF_VERSION 1u
@@ -27,6 +28,8 @@
 struct clb_wfile {
     void *map;          /* whole file, PROT_READ */
     size_t size;
+    char *path;         /* for messages after load (a fault names the file) */
+    int fault_slot;     /* clb_wfault slot guarding map, -1 if unguarded */
     int n_tensors;
     clb_tensor *tensors; /* [n_tensors] */
 };
@@ -281,7 +284,9 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
         wf_err(err, "%s: weight files are little-endian; this host is not", path);
         return CLB_E_FORMAT;
     }
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO put in place of a weight file must not wait for a writer;
+     * the fstat below then refuses it (and devices) before anything is read or mapped */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) {
         if (errno == ENOENT)
             wf_err(err, "missing file: %s", path);
@@ -318,6 +323,14 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
         return CLB_E_NOMEM;
     }
     f->size = (size_t)stt.st_size;
+    f->fault_slot = -1;
+    f->path = strdup(path);
+    if (!f->path) {
+        close(fd);
+        clb_wfile_close(f);
+        wf_err(err, "%s: out of memory", path);
+        return CLB_E_NOMEM;
+    }
     f->map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
     int map_errno = errno;
     close(fd); /* the mapping keeps the file; thousands of expert files must not hold fds */
@@ -327,7 +340,14 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
         wf_err(err, "%s: mmap failed: %s", path, strerror(map_errno));
         return CLB_E_IO;
     }
+    /* guarded before the first byte is read: a file cut short from here on reads as zeros
+     * and is reported, instead of killing the process (csrc/wfault.c) */
+    f->fault_slot = clb_wfault_register(f->map, f->size);
     clb_status st = validate(path, f, err);
+    if (clb_wfile_changed(f)) {
+        wf_err(err, "weight file changed: %s was truncated while it was being read", path);
+        st = CLB_E_IO;
+    }
     if (st != CLB_OK) {
         clb_wfile_close(f);
         return st;
@@ -338,7 +358,9 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
 
 void clb_wfile_close(clb_wfile *f) {
     if (!f) return;
+    clb_wfault_unregister(f->fault_slot);
     if (f->map) munmap(f->map, f->size);
+    free(f->path);
     free(f->tensors);
     free(f);
 }
@@ -355,4 +377,8 @@ const clb_tensor *clb_wfile_find(const clb_wfile *f, const char *name) {
     for (int i = 0; i < f->n_tensors; i++)
         if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
     return NULL;
+}
+
+const char *clb_wfile_changed(const clb_wfile *f) {
+    return f && clb_wfault_faulted(f->fault_slot) ? f->path : NULL;
 }

@@ -23,6 +23,8 @@ _EXPORTS = {
     "QueueFullError": "engine.core.async_engine",
     "RequestOutput": "engine.core.request",
     "EngineConfig": "engine.core.loader",
+    "ModelFaultError": "engine.errors",
+    "MIN_REPETITION_PENALTY": "engine.sampling",
     "SamplingParamError": "engine.sampling",
     "Tokenizer": "engine.tokenizer",
     "ConstraintCompiler": "engine.constraints",
@@ -47,6 +49,7 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_QUANT",
     "LLM",
+    "MIN_REPETITION_PENALTY",
     "ConstraintCompiler",
     "ConstraintError",
     "ConstraintSpec",
@@ -66,6 +69,7 @@ __all__ = [
     "ContextLengthError",
     "ModelError",
     "QUANT_PRESETS",
+    "ModelFaultError",
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
@@ -91,9 +95,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.core.engine import ContextLengthError
     from engine.core.loader import EngineConfig
     from engine.core.request import RequestOutput
+    from engine.errors import ModelFaultError
     from engine.llm import LLM, StepOutput, default_model_path
     from engine.modelcheck import ModelError, check_model
-    from engine.sampling import SamplingParamError, SamplingParams
+    from engine.sampling import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
     from engine.tokenizer import Tokenizer
     from engine.toolcalls import (
         ToolCall,

@@ -17,6 +17,7 @@ from engine.errors import (
     FormatError,
     InputError,
     ModelFileNotFoundError,
+    WeightFileChangedError,
     ShapeError,
 )
 
@@ -192,6 +193,8 @@ cdef object _model_error(clb_status st, const char *err):
     if st == CLB_E_IO:
         if msg.startswith("missing file: "):
             return ModelFileNotFoundError(msg)
+        if msg.startswith("weight file changed: "):
+            return WeightFileChangedError(msg)
         return OSError(msg)
     if st == CLB_E_FORMAT:
         return FormatError(msg)

@@ -99,7 +99,7 @@ def _verify(args: argparse.Namespace) -> int:
     from engine.convert import verify
 
     check_model(args.model_dir, flag="DIR")
-    verify(args.model_dir, full=not args.quick)
+    verify(args.model_dir, full=not args.quick, deep=True)
     print(f"{args.model_dir}: ok")
     return 0
 

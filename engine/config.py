@@ -111,6 +111,10 @@ class ModelConfig:
         eos = get("eos_token_ids", list, [])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
             raise FormatError(f"{source}: eos_token_ids must be a list of integers")
+        for t in eos:
+            if not 0 <= t < ints["n_vocab"]:
+                raise FormatError(f"{source}: eos token id {t} is outside the vocabulary "
+                                  f"(n_vocab {ints['n_vocab']})")
         cfg = cls(
             architecture=arch,
             quant=quant,

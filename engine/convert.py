@@ -21,6 +21,7 @@ from typing import Any
 from engine import archs, quant
 from engine.jsonfile import read_json_object
 from engine.safetensors_io import Checkpoint, CheckpointError
+from engine.verify import check_finite, converted_hparams, member, verify_problems
 from engine.wfile import TensorSpec, write_wfile
 
 PRESETS = ("f32", "f16", "q8", "q4")
@@ -89,6 +90,7 @@ def _producer(ckpt: Checkpoint, t: archs.Target, type_name: str):  # noqa: ANN20
         a = ckpt.get(t.source.hf_name, t.source.index)
         if t.source.rows is not None:
             a = a[t.source.rows[0] : t.source.rows[1]]
+        check_finite(a, f"{t.source.hf_name} (for {t.file}: {t.name})")
         return quant.encode(a, type_name)
 
     return produce
@@ -144,9 +146,13 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
                     bar.update(1)
             finally:
                 bar.close()
+            text_files: dict[str, dict[str, Any]] = {}
             for name in TOKENIZER_FILES:
                 if (hf_dir / name).is_file():
                     shutil.copyfile(hf_dir / name, tmp / name)
+                    # recorded so that verify notices a truncated or edited tokenizer too
+                    text_files[name] = {"size": (tmp / name).stat().st_size,
+                                        "sha256": _sha256(tmp / name)}
             extra = hf_dir / CHAT_TEMPLATE_DIR
             if extra.is_dir():
                 for f in sorted(extra.glob("*.jinja")):
@@ -154,6 +160,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
                         (tmp / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
                         shutil.copyfile(f, tmp / CHAT_TEMPLATE_DIR / f.name)
             config = dict(cfg)
+            config["tokenizer_files"] = text_files
+            config["converted_hparams"] = converted_hparams(config)
             config["quant"] = preset
             config["tensor_types"] = tensor_types
             config["files"] = files
@@ -200,10 +208,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def verify(model_dir: str | Path, full: bool = False) -> None:
-    """Check every file listed in config.json: sizes always, sha256 too when full.
+def verify(model_dir: str | Path, full: bool = False, deep: bool = False) -> None:
+    """Check every file listed in config.json (sizes always, sha256 too when full); with
+    deep (what `colibri verify` does), also config.json against the weights, the recorded
+    hyper-parameters and tensor_types, the tokenizer and, with full, finite weights
+    (engine.verify). Without deep nothing is mapped or parsed: a cheap check before loading.
 
-    Raises ValueError listing every file that is missing, resized or (full) altered.
+    Raises ValueError listing every problem: files missing, resized, altered or outside the
+    folder, hyper-parameters changed since conversion, shapes or dtypes that disagree.
     """
     model_dir = Path(model_dir)
     cfg = _read_json(model_dir / "config.json", "config.json")
@@ -213,19 +225,49 @@ def verify(model_dir: str | Path, full: bool = False) -> None:
     if not isinstance(files, dict) or not files:
         raise ValueError(f"{model_dir}/config.json: no 'files' table")
     problems: list[str] = []
+    text_files = cfg.get("tokenizer_files", {})
+    if not isinstance(text_files, dict):
+        text_files = {}
+    files = {**files, **text_files}
     for name, meta in files.items():
-        path = model_dir / name
+        path = member(model_dir, name)
+        if path is None:
+            problems.append(f"{name!r}: not a file name inside the model folder")
+            continue
+        if not isinstance(meta, dict):
+            problems.append(f"{name}: no size and sha256 recorded")
+            continue
         if not path.is_file():
             problems.append(f"{name}: missing")
             continue
         size = path.stat().st_size
         if size != meta.get("size"):
-            problems.append(f"{name}: {size} bytes, expected {meta.get('size')}")
+            problem = f"{name}: {size} bytes, expected {meta.get('size')}"
+            if name in text_files and name.endswith(".json"):
+                problem += _parse_problem(path)
+            problems.append(problem)
             continue
         if full and _sha256(path) != meta.get("sha256"):
             problems.append(f"{name}: sha256 mismatch (file altered or corrupt)")
+    if deep and not problems:  # the files are what was written: do they still fit together?
+        problems = verify_problems(model_dir, cfg, full)
     if problems:
         raise ValueError(f"{model_dir}: " + "; ".join(problems))
+
+
+def _parse_problem(path: Path) -> str:
+    """What a reader of a resized tokenizer file runs into (with its parser's words), or ""."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.name == "tokenizer.json":
+            from tokenizers import Tokenizer as HFTokenizer
+
+            HFTokenizer.from_str(text)
+        else:
+            json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parser complaint is the detail we report
+        return f" (does not load: {e})"
+    return ""
 
 
 def _sha256(path: Path) -> str:

@@ -29,3 +29,12 @@ class InputError(ColibriError, ValueError):
 
 class ContextOverflowError(InputError):
     """A position lies past the context the model was loaded with (n_ctx)."""
+
+
+class ModelFaultError(ColibriError, RuntimeError):
+    """The loaded model can no longer compute correctly (a weight file changed under it, or
+    its outputs are not finite); every later step fails the same way until it is reloaded."""
+
+
+class WeightFileChangedError(ModelFaultError, OSError):
+    """A mapped weight file was truncated or overwritten while the model was loaded."""

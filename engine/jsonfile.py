@@ -9,6 +9,8 @@ missing file is an error is the caller's call.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +22,39 @@ def read_json_object(
     error: type[ValueError] = ValueError,
 ) -> dict[str, Any]:
     """The JSON object in path; raises `error` if it is too large, invalid or not an object."""
-    if path.stat().st_size > max_bytes:
-        raise error(f"{path}: too large for a {what}")
+    raw = read_regular_file(path, what, max_bytes, error)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from None
     except RecursionError:  # json's parser recurses once per nesting level
         raise error(f"{path}: not a {what} (JSON nested too deeply)") from None
     if not isinstance(data, dict):
         raise error(f"{path}: not a JSON object")
+    return data
+
+
+def read_regular_file(path: Path, what: str = "file", max_bytes: int = JSON_MAX_BYTES,
+                      error: type[ValueError] = ValueError) -> bytes:
+    """The bytes of path, which must be a regular file of at most max_bytes.
+
+    Opened with O_NONBLOCK and checked with fstat before reading, so a FIFO or device in its
+    place is refused at once instead of blocking the loader (and no stat/open race applies).
+    A missing file raises FileNotFoundError as usual.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file")
+        if st.st_size > max_bytes:
+            raise error(f"{path}: too large for a {what}")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise error(f"{path}: too large for a {what}")
     return data

@@ -66,6 +66,11 @@ class LLM:
         self.model_name: str = source.name
         self._lock = threading.Lock()
 
+    @property
+    def fault(self) -> str | None:
+        """Why the model can no longer serve (logged once when it happened); None if healthy."""
+        return self.model.fault
+
     # -- scoring -----------------------------------------------------------------------
     def logits(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Logits [len(token_ids), vocab] (float32) of a fresh sequence."""

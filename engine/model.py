@@ -9,13 +9,19 @@ blocks [s * nb, (s + 1) * nb), nb = ceil(n_ctx / 16), and its length is tracked 
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from engine import _core
 from engine.config import ModelConfig
-from engine.errors import ContextOverflowError, InputError
+from engine.errors import ContextOverflowError, InputError, ModelFaultError, WeightFileChangedError
+from engine.verify import check_tensor_types
+
+log = logging.getLogger("colibri.engine")
 
 
 def _i32(x: object, what: str) -> np.ndarray:
@@ -49,6 +55,9 @@ class Model:
         self.config = config
         self.core = core
         self.kv = kv
+        # why the model can no longer be trusted (a weight file changed under it, non-finite
+        # outputs); None while it is healthy. Once set, every forward raises ModelFaultError.
+        self.fault: str | None = None
         nb = -(-core.n_ctx // _core.KV_BLOCK)
         # slot s owns blocks [s * nb, (s + 1) * nb): row s of this table
         self.slot_tables = np.arange(max(n_seq, 1) * nb, dtype=np.int32).reshape(-1, nb)[:n_seq]
@@ -71,6 +80,7 @@ class Model:
         cfg = ModelConfig.from_dir(p)
         ctx = cfg.default_n_ctx() if n_ctx is None else n_ctx
         core = _core.CoreModel.load(str(p), cfg.to_hparams(ctx), threads or 0)
+        check_tensor_types(p, cfg.tensor_types)
         need = n_seq * -(-int(core.n_ctx) // _core.KV_BLOCK)
         blocks = max(need, 1) if kv_blocks is None else int(kv_blocks)
         if blocks < need:
@@ -157,7 +167,7 @@ class Model:
                 raise InputError(f"sequence {s}: positions must be consecutive and increasing "
                                  "in a call")
             ends[s] = int(p[-1]) + 1
-        out = self.core.forward(self.kv, tok, seq, pos, want_logits, self.slot_tables
+        out = self._core_forward(self.kv, tok, seq, pos, want_logits, self.slot_tables
                                 if self.n_seq else np.full((1, 1), -1, np.int32))
         for s, e in ends.items():
             self._len[s] = e
@@ -178,7 +188,29 @@ class Model:
         """
         tok = _i32(tokens, "tokens")
         self._check_tokens(tok)
-        return self.core.forward(self.kv, tok, seq_ids, positions, want_logits, block_tables)
+        return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables)
+
+    def _core_forward(self, *args: Any) -> np.ndarray:
+        """core.forward, refusing a faulty model and marking one that turns faulty."""
+        if self.fault is not None:
+            raise ModelFaultError(self.fault)
+        try:
+            out = self.core.forward(*args)
+        except WeightFileChangedError as e:
+            self._mark_faulty(str(e))
+            raise
+        # one vectorised sum finds NaN and inf; the exact test runs only when it is not finite
+        if out.size and not math.isfinite(float(out.sum(dtype=np.float64))):
+            if not np.isfinite(out).all():
+                self._mark_faulty(f"{self.path}: the model produced non-finite logits (NaN or "
+                                  "inf weights?); check it with `colibri verify`")
+                raise ModelFaultError(self.fault)
+        return out
+
+    def _mark_faulty(self, why: str) -> None:
+        if self.fault is None:
+            self.fault = why
+            log.error("model marked unhealthy: %s", why)
 
     def reset(self, seq_id: int = 0) -> None:
         """Forget slot seq_id's cached positions."""

@@ -2,10 +2,10 @@
 
 Order of operations: logit_bias -> repetition penalty (HF style, over prompt + generated) ->
 presence/frequency penalties (OpenAI style, over generated tokens only) -> greedy argmax when
-temperature == 0, else temperature -> top_k -> top_p -> min_p -> draw. Logprobs are the
-log-softmax of the logits after bias and penalties, before temperature and filtering: they
-describe the model's (adjusted) distribution, not the truncated one that was sampled from, so
-they are comparable across temperatures and finite for every token. A request's
+temperature < GREEDY_TEMPERATURE (0 included), else temperature -> top_k -> top_p -> min_p ->
+draw. Logprobs are the log-softmax of the logits after bias and penalties, before temperature
+and filtering: they describe the model's (adjusted) distribution, not the truncated one that
+was sampled from, so they are comparable across temperatures and finite for every token. A request's
 `constraint` (engine.constraints) is applied by the batched sampler (engine.sample.batch) to
 the adjusted logits before anything else looks at them: disallowed tokens get -inf, so the
 logprobs reported are those of the masked distribution (tokens the grammar forbids have none
@@ -26,6 +26,13 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+# Below this a repetition penalty divides positive logits by more than 100: float32 logits
+# would overflow to inf for large values, so such penalties are refused, not clamped.
+MIN_REPETITION_PENALTY = 0.01
+# Temperatures this small are greedy: dividing logits by a subnormal temperature overflows
+# (every logit becomes inf and the draw degenerates to one fixed token), and anything below
+# it is already indistinguishable from argmax for real logit gaps.
+GREEDY_TEMPERATURE = 1e-5
 # top_p first looks for the nucleus among this many best tokens, widening the set (x16) only
 # when their mass falls short of top_p.
 _TOP_P_CANDIDATES = 1024
@@ -81,8 +88,9 @@ class SamplingParams:
         _real_in(self.presence_penalty, "presence_penalty", -2.0, 2.0)
         _real_in(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
         _real(self.repetition_penalty, "repetition_penalty")
-        if not self.repetition_penalty > 0.0:
-            raise SamplingParamError("repetition_penalty", "must be greater than 0")
+        if not self.repetition_penalty >= MIN_REPETITION_PENALTY:
+            raise SamplingParamError(
+                "repetition_penalty", f"must be at least {MIN_REPETITION_PENALTY:g}")
         if not isinstance(self.stop, (list, tuple)):
             raise SamplingParamError("stop", "must be a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -245,7 +253,7 @@ class Sampler:
         p = self.params
         x = self.adjusted_logits(logits, history)
         logp = _log_softmax(x)
-        if p.temperature == 0.0:
+        if p.temperature < GREEDY_TEMPERATURE:
             token = int(np.argmax(x))  # first maximum: ties go to the lowest id
         else:
             token = self._draw(x)
@@ -258,7 +266,9 @@ class Sampler:
 
     def _draw(self, x: np.ndarray) -> int:
         p = self.params
-        z = x.astype(np.float64) / p.temperature
+        # shift before dividing: the largest z is 0 and none can overflow
+        x64 = x.astype(np.float64)
+        z = (x64 - np.max(x64)) / p.temperature
         if self._top_k and self._top_k < z.shape[0]:
             cand = _top_indices(z, self._top_k)  # best first
         else:

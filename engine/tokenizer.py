@@ -13,6 +13,7 @@ import json
 import math
 import re
 import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -544,16 +545,21 @@ class Tokenizer:
         allow_custom_template: bool = False,
         tools: Any = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        render_timeout_s: float = 2.0,
+        cancel: threading.Event | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat. Special tokens come only from the template's text;
         message content (and every other string the client sent) is tokenized as plain text.
 
         chat_template: a caller-supplied template, refused (ChatTemplateRefused) unless
-        allow_custom_template. Raises TokenizerError / ChatTemplateError on bad input.
+        allow_custom_template; it renders in a separate process (engine.template_sandbox),
+        stopped after render_timeout_s or as soon as `cancel` is set. Raises TokenizerError /
+        ChatTemplateError on bad input.
         """
         real, pieces = self._render_both(
             messages, add_generation_prompt, chat_template, allow_custom_template, tools,
-            template_kwargs, with_sentinels=True,
+            template_kwargs, with_sentinels=True, render_timeout_s=render_timeout_s,
+            cancel=cancel,
         )
         if pieces is None:
             # The template transformed the client's strings (e.g. escaped or split them), so
@@ -571,6 +577,8 @@ class Tokenizer:
         tools: Any,
         template_kwargs: Mapping[str, Any] | None,
         with_sentinels: bool,
+        render_timeout_s: float = 2.0,
+        cancel: threading.Event | None = None,
     ) -> tuple[str, list[tuple[str, bool]] | None]:
         template = self._template(chat_template, allow_custom_template)
         msgs = normalize_messages(messages)
@@ -586,7 +594,14 @@ class Tokenizer:
             if any(self.contains_special_text(k) for k in _keys(value)):
                 raise TokenizerError(f"{param} has a key containing special-token text", param)
         cap = RENDER_BASE_CHARS + RENDER_INPUT_FACTOR * sum(len(s) for s in client_strings)
-        real = _render(template, self._context(msgs, tools, add_generation_prompt, kwargs), cap)
+        render = _render
+        if chat_template is not None:  # a client's template: in a process that can be stopped
+            from engine.template_sandbox import SANDBOX
+
+            def render(t: str, ctx: dict[str, Any], c: int) -> str:
+                return SANDBOX.render(t, ctx, c, render_timeout_s, cancel)
+
+        real = render(template, self._context(msgs, tools, add_generation_prompt, kwargs), cap)
         if not with_sentinels:
             return real, None
 
@@ -608,8 +623,8 @@ class Tokenizer:
         s_msgs = _map_message_strings(msgs, to_marker)
         s_tools = _map_strings(tools, to_marker)
         s_kwargs = _map_strings(kwargs, to_marker)
-        marked = _render(template, self._context(s_msgs, s_tools, add_generation_prompt,
-                                                 s_kwargs), cap + 64 * len(table))
+        marked = render(template, self._context(s_msgs, s_tools, add_generation_prompt,
+                                                s_kwargs), cap + 64 * len(table))
         parts = marker_re.split(marked)
         # parts alternates template text and marker indices: [t0, i0, t1, i1, ..., tn]
         pieces: list[tuple[str, bool]] = []

@@ -168,3 +168,23 @@ def test_greedy_tokens_same_on_reference_and_best_isa(tiny: dict[str, Path]) -> 
     assert len(runs["ref"]) == 25
     assert runs["ref"] == runs[_core.isa_best()]
     assert len(set(runs["ref"])) > 1  # a model stuck on one token would prove little
+
+
+@pytest.mark.parametrize("name", ["q4", "q4_tied"])
+def test_profile_replays_every_matrix_of_a_decode_step(tiny: dict[str, Path], name: str) -> None:
+    from engine.bench_profile import decode_phases, profile_decode
+
+    phases = decode_phases(tiny[name])
+    parts = weight_bytes_per_token(tiny[name])
+    got = {k: sum(len(w) for _, w, _, _ in v) for k, v in phases.items()}
+    # the matrices replayed are the 2-D tensors the byte count reads (norms are 1-D, f32)
+    assert got["experts gate+up"] + got["experts down"] == parts["experts"]
+    assert got["lm_head"] == parts["lm_head"]
+    assert got["attention projections"] == parts["attention"] - LAYERS * 4 * D
+    assert got["router"] == LAYERS * 4 * E * D
+    assert len(phases["experts down"]) == LAYERS * K
+    p = profile_decode(tiny[name], 2, step_s=1.0, repeat=2)
+    assert set(p["phases"]) == set(phases)
+    assert all(r["s"] > 0 and r["bytes"] == got[k] for k, r in p["phases"].items())
+    assert math.isclose(p["matmul_s"] + p["other_s"], 1.0)
+    assert p["pool_run_us"] > 0

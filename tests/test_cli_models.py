@@ -181,7 +181,7 @@ def test_info_defaults_to_the_bundled_model_and_takes_hf_folders(
     assert code == 0, err
     d = json.loads(out)
     demo = json.loads((bundled_model_path() / "config.json").read_text())
-    assert d["architecture"] == "mixtral" and d["quant"] == DEFAULT_QUANT
+    assert d["architecture"] == "qwen3_moe" and d["quant"] == DEFAULT_QUANT
     assert d["dims"]["n_layer"] == demo["num_hidden_layers"]
     assert d["features"]["max_position_embeddings"] == demo["max_position_embeddings"]
     hf = tiny_model(tmp_path / "hf")

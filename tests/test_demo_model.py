@@ -35,6 +35,21 @@ def test_bundled_model_is_package_data() -> None:
     assert (root / "model.safetensors").stat().st_size <= 25 * 2**20
 
 
+def test_bundled_model_routes_like_a_many_expert_moe() -> None:
+    """Many small experts, top-k renormalised: the routing the expert cache is tuned on."""
+    import json
+
+    from engine import default_model_path
+
+    cfg = json.loads((default_model_path() / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    # transformers writes num_experts under its alias num_local_experts
+    n_expert = cfg.get("num_experts", cfg.get("num_local_experts"))
+    assert 32 <= n_expert <= 64 and 4 <= cfg["num_experts_per_tok"] <= 8
+    assert cfg["norm_topk_prob"] is True
+    assert cfg["moe_intermediate_size"] < cfg["hidden_size"]
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_f32_matches_transformers(cache_dir: Path, prompt: str) -> None:
     import torch

@@ -171,7 +171,7 @@ def test_sigterm_under_eight_streams_drains_and_exits_0(
 
     def stream(i: int) -> None:
         with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
-                "model": MODEL, "messages": _messages(i), "max_tokens": 40, "stream": True,
+                "model": MODEL, "messages": _messages(i), "max_tokens": 400, "stream": True,
                 "ignore_eos": True}) as r:
             lines = [x for x in r.iter_lines() if x]
         ends.append(lines[-1] if lines else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ from app.chat_plan import ChatPlan, compile_constraints, context_note, plan_chat
 from app.errors import APIError
 from app.generation import (
     Choice,
+    ClientGoneError,
     add_output,
     chat_logprob_entries,
     collect,
@@ -20,10 +22,12 @@ from app.generation import (
     max_tokens_for,
     new_id,
     now,
+    race_disconnect,
     submit,
     usage,
 )
 from app.protocol import ChatCompletionRequest
+from app.schemas import ChatCompletion, error_responses, sse_200
 from app.state import ServerState, get_state
 from app.streaming import sse_response
 from app.worker import Output, Sequence
@@ -33,16 +37,24 @@ router = APIRouter()
 
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest,
-                       format_param: str = "response_format"
+                       format_param: str = "response_format", request: Request | None = None
                        ) -> tuple[ChatPlan, list[Sequence]]:
-    """The plan and the engine's sequences of a chat request (shared with /v1/responses)."""
+    """The plan and the engine's sequences of a chat request (shared with /v1/responses).
+    With request, a client template's render stops as soon as that client disconnects."""
     llm = state.llm
     vocab = int(llm.tokenizer.vocab_size)
     body.check(state.settings, vocab)
-    plan = await state.off_loop(
+    cancel = threading.Event()
+    planning = state.off_loop(
         plan_chat, llm, body.template_messages(), body.tools, body.tool_choice,
         body.parallel_tool_calls, body.response_format, body.add_generation_prompt,
-        body.chat_template, format_param)
+        body.chat_template, format_param, state.settings.client_template_timeout_s, cancel)
+    try:
+        plan = await (planning if request is None else race_disconnect(request, planning))
+    except ClientGoneError:
+        raise APIError(499, "client closed the request") from None
+    finally:
+        cancel.set()  # a render still running in the pool stops now
     if not plan.prompt:
         raise APIError(400, "the chat prompt is empty", "messages")
     budget = max_tokens_for(state, len(plan.prompt), body.requested_max_tokens(), "messages",
@@ -57,12 +69,14 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest,
     return plan, sequences
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None,
+             responses={**sse_200(ChatCompletion, "The completion, or its event stream."),
+                        **error_responses(400, 404, 500, 503)})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """OpenAI's chat completions."""
     state = get_state(request)
     model = state.check_model(body.model)
-    plan, sequences = await prepare_chat(state, body)
+    plan, sequences = await prepare_chat(state, body, request=request)
     k = body.engine_logprobs()
     job = submit(state, sequences, want_token_text=k is not None)
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": model}

@@ -23,6 +23,7 @@ from app.generation import (
     usage,
 )
 from app.protocol import CompletionRequest
+from app.schemas import Completion, error_responses, sse_200
 from app.state import ServerState, get_state
 from app.streaming import sse_response
 from app.worker import Output, Sequence
@@ -44,7 +45,9 @@ def _tokenize_prompts(llm: Any, prompts: list[str | list[int]],
     return out
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None,
+             responses={**sse_200(Completion, "The completion, or its event stream."),
+                        **error_responses(400, 404, 500, 503)})
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """OpenAI's (legacy) text completions."""
     state = get_state(request)

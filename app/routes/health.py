@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
-from app.state import get_state
+from app.schemas import HealthStatus, ReadyStatus
+from app.state import get_state, model_fault
 
 router = APIRouter()
+_READY: dict[int | str, dict[str, Any]] = {
+    200: {"model": ReadyStatus},
+    503: {"model": ReadyStatus, "description": "Loading, draining or failed."}}
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
 
-@router.get("/health")
+@router.get("/health", response_model=None, responses={
+    200: {"model": HealthStatus}, 503: {"model": HealthStatus, "description": "Engine fault."}})
 async def health(request: Request) -> JSONResponse:
-    """Liveness: 200 while the process works (also while loading); 503 after an engine fault."""
+    """Liveness: 200 while the process works (also while loading); 503 after an engine fault
+    or once the model is faulty (a weight file changed, non-finite outputs)."""
     state = get_state(request)
-    if state.worker.error is not None:
+    if state.worker.error is not None or model_fault(state) is not None:
         return JSONResponse({"status": "error"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
-@router.get("/health/ready")
+@router.get("/ready", response_model=None, responses=_READY)
+@router.get("/health/ready", response_model=None, responses=_READY)
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once the model is loaded; 503 while loading, draining or failed."""
     state = get_state(request)
@@ -31,6 +38,8 @@ async def ready(request: Request) -> JSONResponse:
     retry = {"Retry-After": str(state.settings.retry_after_s)}
     if worker.error is not None:
         return JSONResponse({"status": "failed", "model_loaded": False}, 503, retry)
+    if model_fault(state) is not None:
+        return JSONResponse({"status": "failed", "model_loaded": True}, 503, retry)
     if state.draining or worker.stopping:
         return JSONResponse({"status": "draining", "model_loaded": True}, 503, retry)
     if not worker.ready:
@@ -39,7 +48,8 @@ async def ready(request: Request) -> JSONResponse:
                          "model": state.served_name()})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses={
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> PlainTextResponse:
     """Prometheus text exposition."""
     text = get_state(request).metrics.render()

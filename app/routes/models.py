@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from app.errors import APIError
+from app.schemas import ModelCard, ModelList, error_responses
 from app.state import get_state
 
 router = APIRouter()
@@ -17,7 +18,8 @@ def _card(name: str, created: int, n_ctx: int) -> dict[str, Any]:
             "max_model_len": n_ctx}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None,
+            responses={200: {"model": ModelList}, **error_responses(503)})
 async def list_models(request: Request) -> dict[str, Any]:
     """The served model (one per server)."""
     state = get_state(request)
@@ -26,7 +28,8 @@ async def list_models(request: Request) -> dict[str, Any]:
             "data": [_card(state.served_name(), state.started, int(llm.n_ctx))]}
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", response_model=None,
+            responses={200: {"model": ModelCard}, **error_responses(404, 503)})
 async def get_model(model: str, request: Request) -> dict[str, Any]:
     """One model by name; 404 for any other."""
     state = get_state(request)

@@ -21,6 +21,7 @@ from app.errors import APIError
 from app.generation import Choice, add_output, collect, first_output, new_id, now, submit
 from app.protocol import ChatCompletionRequest, Finite, _Model
 from app.routes.chat import _ChoiceStream, prepare_chat, reply_of
+from app.schemas import ResponseObject, error_responses, sse_200
 from app.state import ServerState, get_state
 from app.streaming import sse_response
 from app.worker import Output
@@ -180,7 +181,9 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, f"{loc}: {first.get('msg')}", "input") from None
 
 
-@router.post("/v1/responses", response_model=None)
+@router.post("/v1/responses", response_model=None,
+             responses={**sse_200(ResponseObject, "The response, or its event stream."),
+                        **error_responses(400, 404, 500, 503)})
 async def responses(body: ResponsesRequest, request: Request) -> Any:
     """OpenAI's Responses API without stored state."""
     state = get_state(request)

@@ -15,13 +15,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from app.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
+from app.schemas import DetokenizeResponse, TokenizeResponse, TokenizerInfo, error_responses
 from app.state import get_state
 from app.templates import chat_prompt_ids
 
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=None,
+             responses={200: {"model": TokenizeResponse}, **error_responses(400, 404, 503)})
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     """Token ids of a prompt, or of chat messages rendered with the model's template."""
     state = get_state(request)
@@ -40,7 +42,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return {"tokens": list(ids), "count": len(ids), "max_model_len": int(llm.n_ctx)}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=None,
+             responses={200: {"model": DetokenizeResponse},
+                        **error_responses(400, 404, 503)})
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     """Text of token ids (special tokens kept, so round trips are exact)."""
     state = get_state(request)
@@ -51,7 +55,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     return {"prompt": text}
 
 
-@router.get("/tokenizer_info")
+@router.get("/tokenizer_info", response_model=None,
+            responses={200: {"model": TokenizerInfo}, **error_responses(503)})
 async def tokenizer_info(request: Request) -> dict[str, Any]:
     """The tokenizer's special tokens, chat template and limits (vLLM's shape)."""
     state = get_state(request)

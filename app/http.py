@@ -1,0 +1,139 @@
+"""uvicorn's h11 protocol with the guards a public HTTP/1.1 server needs.
+
+- the request line and headers must arrive within `header_timeout_s` of the connection (or
+  of the previous response): else 408 and close, so a client trickling a header line every
+  few seconds cannot hold a connection forever;
+- at most `max_connections` open connections: one more is answered 503 + Retry-After;
+- malformed HTTP (negative Content-Length, bad chunk sizes, NUL in a header) gets a 400 and
+  a head too large for the parser a 431, both in OpenAI's JSON error shape, not plain text.
+The body deadline (`body_timeout_s`, 408) is enforced by the guard middleware that reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from app.errors import error_bytes
+from app.settings import Settings
+
+# Room above max_header_bytes so the guard middleware (not the parser) answers ordinary
+# oversized heads; heads past this are refused by the parser itself, as 431.
+PARSER_HEAD_SLACK = 64 << 10
+# After SIGTERM, how long uvicorn waits beyond drain_timeout_s before it cancels what is
+# left: the app's own drain answers (503s, error events + [DONE]) go out in this window.
+DRAIN_GRACE_S = 5.0
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
+
+
+def _raw_response(status: int, message: str, extra: list[tuple[bytes, bytes]] = ()) -> bytes:
+    """A complete HTTP/1.1 response that closes the connection (written without h11)."""
+    body = error_bytes(status, message)
+    head = [b"HTTP/1.1 %d %s" % (status, _REASONS[status]),
+            b"content-type: application/json", b"content-length: %d" % len(body),
+            b"connection: close", *(k + b": " + v for k, v in extra)]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """H11Protocol plus head deadline, connection cap and JSON protocol errors."""
+
+    header_timeout_s = 10.0
+    max_connections = 256
+    retry_after_s = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self.logger.warning("refused a connection: %d open (max_connections)",
+                                len(self.connections) - 1)
+            transport.write(_raw_response(
+                503, "The server has too many open connections. Retry later.",
+                [(b"retry-after", str(self.retry_after_s).encode())]))
+            transport.close()
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # the head is in: the body has its own deadline
+            self._disarm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()  # the next request's head has the same deadline
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a response is still going out (pipelining): its end re-arms the timer
+        received, _ = self.conn.trailing_data
+        if received:  # a client that sent nothing at all just loses the connection
+            self.transport.write(_raw_response(
+                408, f"The request head did not arrive within {self.header_timeout_s:g} s."))
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """Called by uvicorn when h11 refuses what the client sent."""
+        self._disarm_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete:
+            # the head was fine, the body is not (a bad chunk): the app sees a disconnect
+            # and, unless it has begun its own answer, the client gets the 400
+            started = self.cycle.response_started
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+            if not started:
+                self.transport.write(_raw_response(400, "The request is not valid HTTP/1.1."))
+            self.transport.close()
+            return
+        received, _ = self.conn.trailing_data
+        limit = getattr(self.conn, "_max_incomplete_event_size", None)
+        if limit is not None and len(received) > limit:  # the head outgrew the parser
+            out = _raw_response(431, "Request header fields too large.")
+        else:
+            out = _raw_response(400, "The request is not valid HTTP/1.1.")
+        self.transport.write(out)
+        self.transport.close()
+
+
+def protocol_for(settings: Settings) -> type[GuardedH11Protocol]:
+    """The protocol class with settings' limits (uvicorn instantiates it per connection)."""
+    return type("ColibriH11Protocol", (GuardedH11Protocol,), {
+        "header_timeout_s": settings.header_timeout_s,
+        "max_connections": settings.max_connections,
+        "retry_after_s": settings.retry_after_s,
+    })
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """The uvicorn.Config arguments that carry Colibri's HTTP limits."""
+    return {
+        "http": protocol_for(settings),
+        "h11_max_incomplete_event_size": settings.max_header_bytes + PARSER_HEAD_SLACK,
+        "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_GRACE_S,
+    }

@@ -1,0 +1,234 @@
+"""Response models: what the server really answers, published in /openapi.json.
+
+The routes build plain dicts (no validation cost per response); these models only describe
+them, so clients and fuzzers can check every answer against the schema. `document_errors`
+replaces FastAPI's invented 422 with the errors the server does send, in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+
+from app.settings import Settings
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body: `{"error": {...}}`."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    """The non-streamed answer of POST /v1/chat/completions (`stream: true` sends
+    `text/event-stream` of chat.completion.chunk objects, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class Completion(BaseModel):
+    """The non-streamed answer of POST /v1/completions (`stream: true`: text/event-stream)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ResponseObject(BaseModel):
+    """The non-streamed answer of POST /v1/responses (OpenAI's Responses API object; its
+    output items are described by OpenAI's reference)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    output: list[dict[str, Any]]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    eos_token_id: int | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool | None
+    add_eos_token: bool | None
+    chat_template: str | None
+    vocab_size: int
+    model_max_length: int
+    max_model_len: int
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "error"]
+
+
+class ReadyStatus(BaseModel):
+    status: Literal["ready", "loading", "draining", "failed"]
+    model_loaded: bool
+    model: str | None = None
+
+
+_MESSAGES = {
+    400: "The request is malformed or a field is out of range (`param` names it).",
+    401: "Missing or wrong API key.",
+    404: "Unknown model (or URL).",
+    408: "The client sent the request body too slowly.",
+    413: "The request body is too large.",
+    431: "The request line or headers are too large.",
+    500: "The server failed this request (details are in the server log).",
+    503: "Loading, draining, queue full or the model is unhealthy; retry after Retry-After.",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: each code answers an ErrorResponse."""
+    return {c: {"model": ErrorResponse, "description": _MESSAGES[c]} for c in codes}
+
+
+def sse_200(model: type[BaseModel], what: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is JSON (model) or, with `stream: true`, an event stream."""
+    # one server-sent event (`data:` a JSON chunk or `[DONE]`, `event:` where the API names it)
+    event = {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
+    return {200: {"model": model, "description": what, "content": {
+        "text/event-stream": {"schema": event}}}}
+
+
+def _error_ref() -> dict[str, Any]:
+    return {"content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+
+def install_schema(app: FastAPI, settings: Settings, protected: tuple[str, ...]) -> None:
+    """Publish the real responses: drop FastAPI's 422, add what the guard middleware answers
+    on any route (431, and 413/408 on bodies; 401 where a key is required)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps.pop("HTTPValidationError", None)
+        comps.pop("ValidationError", None)
+        for path, item in schema.get("paths", {}).items():
+            for method, op in item.items():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                extra = [431]
+                if method in ("post", "put", "patch"):
+                    extra += [400, 408, 413]
+                if settings.api_key is not None and path.startswith(protected):
+                    extra.append(401)
+                for code in extra:
+                    responses.setdefault(str(code), {"description": _MESSAGES[code],
+                                                     **_error_ref()})
+        if "ErrorResponse" not in comps:
+            comps.update(ErrorResponse.model_json_schema(
+                ref_template="#/components/schemas/{model}")["$defs"])
+            comps["ErrorResponse"] = {k: v for k, v in ErrorResponse.model_json_schema(
+                ref_template="#/components/schemas/{model}").items() if k != "$defs"}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+

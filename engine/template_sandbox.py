@@ -1,0 +1,165 @@
+"""Chat templates sent by clients render in a separate process that can be stopped.
+
+Guarantees: a client template gets at most `timeout_s` of wall time and RENDER_MEMORY_BYTES
+of address space beyond what the render process needs to start; it is killed (and replaced)
+when it runs out of either or when `cancel` is set (its client left). The server process
+never holds the template's intermediate values. Requests and results cross the pipe as JSON,
+never pickle, so even an escaped sandbox could not hand the server code to run.
+Refuses: nothing itself; the jinja2 sandbox and output cap of engine.tokenizer still apply
+inside the render process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from engine.tokenizer import ChatTemplateError
+
+RENDER_MEMORY_BYTES = 192 << 20
+RENDER_TIMEOUT_S = 2.0
+_POLL_S = 0.02
+_MAX_MESSAGE = 64 << 20
+
+
+class TemplateStoppedError(ChatTemplateError):
+    """The render was stopped: out of time or memory, or its client went away."""
+
+
+def _send(f: Any, obj: Any) -> None:
+    data = json.dumps(obj).encode("utf-8", "surrogatepass")
+    f.write(struct.pack("<I", len(data)) + data)
+    f.flush()
+
+
+def _recv(f: Any) -> Any:
+    head = f.read(4)
+    if len(head) < 4:
+        raise EOFError
+    (n,) = struct.unpack("<I", head)
+    if n > _MAX_MESSAGE:
+        raise EOFError
+    data = f.read(n)
+    if len(data) < n:
+        raise EOFError
+    return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+class _Renderer:
+    """One render process (python -m engine.template_sandbox)."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, COLIBRI_RENDER_MEMORY=str(RENDER_MEMORY_BYTES))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.template_sandbox"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0,
+            start_new_session=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        os.set_blocking(self.stdout.fileno(), True)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.stdin, self.stdout):
+            f.close()
+
+
+class TemplateSandbox:
+    """A small pool of render processes, started on first use."""
+
+    def __init__(self) -> None:
+        self._idle: list[_Renderer] = []
+        self._lock = threading.Lock()
+
+    def render(self, template: str, context: dict[str, Any], cap: int,
+               timeout_s: float = RENDER_TIMEOUT_S,
+               cancel: threading.Event | None = None) -> str:
+        """What engine.tokenizer's in-process render would return, or ChatTemplateError."""
+        with self._lock:
+            r = self._idle.pop() if self._idle else None
+        if r is None or r.proc.poll() is not None:
+            r = _Renderer()
+        try:
+            _send(r.stdin, {"template": template, "context": context, "cap": cap})
+            deadline = time.monotonic() + timeout_s
+            while not select.select([r.stdout], [], [], _POLL_S)[0]:
+                if cancel is not None and cancel.is_set():
+                    raise TemplateStoppedError("chat template render stopped: the client left",
+                                               "chat_template")
+                if time.monotonic() > deadline:
+                    raise TemplateStoppedError(
+                        f"chat template did not render within {timeout_s:g} s", "chat_template")
+            try:
+                reply = _recv(r.stdout)
+            except EOFError:
+                raise TemplateStoppedError("chat template render failed (out of memory?)",
+                                           "chat_template") from None
+        except BaseException:
+            r.kill()  # stopped mid-render: the process and whatever it built go away
+            raise
+        with self._lock:
+            keep = len(self._idle) < 2
+            if keep:
+                self._idle.append(r)
+        if not keep:
+            r.kill()
+        if reply.get("error") is not None:
+            raise ChatTemplateError(reply["error"], reply.get("param") or "messages")
+        return str(reply["text"])
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for r in idle:
+            r.kill()
+
+
+SANDBOX = TemplateSandbox()
+
+
+def _child() -> None:
+    """The render process: limit memory, then render requests until stdin closes."""
+    import resource
+
+    from engine.tokenizer import _render
+
+    extra = int(os.environ.get("COLIBRI_RENDER_MEMORY", RENDER_MEMORY_BYTES))
+    if os.path.exists("/proc/self/statm"):  # Linux: the address space in use now
+        with open("/proc/self/statm") as f:
+            vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (vm + extra, vm + extra))
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            req = _recv(stdin)
+        except EOFError:
+            return
+        try:
+            reply: dict[str, Any] = {"text": _render(req["template"], req["context"], req["cap"])}
+        except ChatTemplateError as e:
+            reply = {"error": str(e), "param": e.param}
+            if isinstance(e.__cause__, MemoryError):
+                reply = {"error": "chat template needs too much memory to render",
+                         "param": "chat_template"}
+        except MemoryError:
+            reply = {"error": "chat template needs too much memory to render",
+                     "param": "chat_template"}
+        except Exception as e:  # noqa: BLE001 - a template is data: any failure is a 400
+            reply = {"error": f"chat template failed to render: {e}", "param": "messages"}
+        try:
+            _send(stdout, reply)
+        except MemoryError:
+            _send(stdout, {"error": "chat template output too large", "param": "chat_template"})
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,154 @@
+"""Weight files that change under a running model, and files that are not files.
+
+A weight file truncated (or overwritten by a shorter one) while the server runs must not
+kill it with SIGBUS: the step that touched it fails with a clear 500, /ready and /health turn
+503 and the log names the file. A FIFO in place of a weight file is refused, not waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from engine import _core
+from engine.convert import convert
+from engine.errors import ModelFaultError, WeightFileChangedError
+from engine.model import Model
+from tests.server_helpers import SubprocessServer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("faults")
+    hf = tiny_model(root / "hf")
+    return convert(hf, root / "q8", quant="q8", progress=False)
+
+
+@pytest.fixture()
+def model_copy(converted: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(converted, tmp_path / "copy"))
+
+
+def _truncate_experts(folder: Path) -> list[Path]:
+    files = sorted((folder / "experts").glob("*.bin"))
+    for f in files:
+        os.truncate(f, 64)
+    return files
+
+
+def test_truncated_under_a_loaded_model_is_an_error(model_copy: Path) -> None:
+    m = Model.load(model_copy, threads=2, n_ctx=64)
+    ids = np.array([1, 2, 3], dtype=np.int32)
+    before = m.forward(ids, np.zeros(3, np.int32), np.arange(3, dtype=np.int32))
+    assert np.isfinite(before).all()
+    m.reset(0)
+    files = _truncate_experts(model_copy)
+    with pytest.raises(WeightFileChangedError) as exc:
+        m.forward(ids, np.zeros(3, np.int32), np.arange(3, dtype=np.int32))
+    assert "weight file changed: " in str(exc.value)
+    assert any(str(f) in str(exc.value) for f in files), exc.value
+    assert m.fault is not None and "experts" in m.fault
+    assert m.seq_len(0) == 0  # the void step left nothing in the cache
+    with pytest.raises(ModelFaultError):  # and the model stays refused
+        m.forward(ids[:1], np.zeros(1, np.int32), np.zeros(1, np.int32))
+    del m  # closing a faulted model is clean, and other models still load
+    assert _core.CoreModel is not None
+
+
+def test_a_fault_in_one_model_leaves_another_alone(converted: Path, model_copy: Path) -> None:
+    healthy = Model.load(converted, threads=1, n_ctx=64)
+    broken = Model.load(model_copy, threads=1, n_ctx=64)
+    ids = np.array([5, 6], dtype=np.int32)
+    _truncate_experts(model_copy)
+    with pytest.raises(WeightFileChangedError):
+        broken.forward(ids, np.zeros(2, np.int32), np.arange(2, dtype=np.int32))
+    out = healthy.forward(ids, np.zeros(2, np.int32), np.arange(2, dtype=np.int32))
+    assert np.isfinite(out).all() and healthy.fault is None
+
+
+def test_fifo_in_place_of_a_weight_file_is_refused(model_copy: Path) -> None:
+    target = model_copy / "experts" / "layer_0_expert_0.bin"
+    target.unlink()
+    os.mkfifo(target)
+    result: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            Model.load(model_copy, threads=1, n_ctx=64)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            result.append(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # let the stuck loader go before failing
+        os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK))
+    assert not t.is_alive(), "loading blocked on a FIFO"
+    assert result and "not a regular file" in str(result[0]), result
+    with pytest.raises(OSError, match="not a regular file"):
+        _core.inspect_weight_file(target)
+
+
+def test_fifo_in_place_of_config_json_is_refused(model_copy: Path) -> None:
+    from engine.jsonfile import read_json_object
+
+    (model_copy / "config.json").unlink()
+    os.mkfifo(model_copy / "config.json")
+    result: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(result, read_json_object,
+                                               model_copy / "config.json"), daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # let the stuck reader go before failing
+        os.close(os.open(model_copy / "config.json", os.O_WRONLY | os.O_NONBLOCK))
+    assert not t.is_alive(), "reading config.json blocked on a FIFO"
+    assert result and "not a regular file" in str(result[0]), result
+
+
+def _catch(out: list[BaseException], fn: object, *args: object) -> None:
+    try:
+        fn(*args)  # type: ignore[operator]
+    except BaseException as e:  # noqa: BLE001 - handed to the test thread
+        out.append(e)
+
+
+@pytest.mark.parametrize("how", ["truncate", "cp"])
+def test_server_survives_weights_changed_under_it(model_copy: Path, tmp_path: Path,
+                                                  how: str) -> None:
+    srv = SubprocessServer(model_copy, tmp_path / "run").wait_ready()
+    try:
+        body = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        if how == "truncate":
+            _truncate_experts(model_copy)
+        else:  # cp of a shorter file over every live expert file
+            short = tmp_path / "short.bin"
+            short.write_bytes(b"\0" * 100)
+            for f in sorted((model_copy / "experts").glob("*.bin")):
+                shutil.copyfile(short, f)
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_fault" and "restart" in err["message"]
+        assert srv.proc.poll() is None, "the server died"
+        ready = httpx.get(srv.url + "/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["status"] == "failed"
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+        # later requests are refused up front, with the reason and Retry-After
+        r2 = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r2.status_code == 503 and "Retry-After" in r2.headers
+        stream = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert stream.status_code == 503
+    finally:
+        code = srv.stop(signal.SIGTERM)
+    log = srv.log()
+    assert "weight file changed: " in log and str(model_copy / "experts") in log, log
+    assert "Bus error" not in log and code == 0, (code, log)

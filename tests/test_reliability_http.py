@@ -1,0 +1,244 @@
+"""Slow and malformed HTTP clients, the published schema, and the drain timeout.
+
+All on 127.0.0.1 with short limits (1 s head/body deadlines), every wait bounded; nothing
+here asserts how fast anything is, only that a stalled client is let go with a JSON 408,
+that parser errors are JSON 400/431, and that a drain that runs out answers in OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from tests.server_helpers import SubprocessServer, tiny_model, wait_for
+
+KEY = "sk-reliability"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ENV = {"COLIBRI_HEADER_TIMEOUT_S": "1", "COLIBRI_BODY_TIMEOUT_S": "1",
+       "COLIBRI_MAX_CONNECTIONS": "8"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("http") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[SubprocessServer]:
+    srv = SubprocessServer(model_dir, tmp_path_factory.mktemp("run"), "--api-key", KEY,
+                           env=ENV).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _connect(srv: SubprocessServer) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
+    return s
+
+
+def _read_all(s: socket.socket) -> bytes:
+    """Everything until the server closes (bounded by the socket timeout)."""
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            break
+        if not chunk:
+            break
+        out += chunk
+    s.close()
+    return out
+
+
+def _status_and_error(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"application/json" in head.lower(), raw
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return status, err
+
+
+# -- defect: slow clients held connections forever ----------------------------------------------
+def test_slow_header_lines_get_408(server: SubprocessServer) -> None:
+    s = _connect(server)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    raw = b""
+    for i in range(30):  # a header line every 0.3 s, never the blank line
+        try:
+            s.sendall(b"X-Slow-%d: 1\r\n" % i)
+        except OSError:
+            break
+        time.sleep(0.3)
+        s.settimeout(0.01)
+        try:
+            raw = s.recv(65536)
+        except TimeoutError:
+            continue
+        break
+    s.settimeout(15)
+    raw += _read_all(s)
+    assert raw, "the server kept a trickling client for 9 s"
+    status, _ = _status_and_error(raw)
+    assert status == 408
+
+
+def test_silent_client_is_dropped(server: SubprocessServer) -> None:
+    s = _connect(server)
+    assert _read_all(s) == b""  # closed by the server (the socket timeout is 15 s)
+
+
+def test_stalled_body_gets_408(server: SubprocessServer) -> None:
+    s = _connect(server)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+              KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    status, err = _status_and_error(_read_all(s))
+    assert status == 408 and "body" in err["message"]
+
+
+def test_connections_are_capped(server: SubprocessServer) -> None:
+    held = [_connect(server) for _ in range(8)]
+    try:
+        extra = _connect(server)
+        raw = _read_all(extra)
+        status, _ = _status_and_error(raw)
+        assert status == 503 and b"retry-after" in raw.lower()
+    finally:
+        for s in held:
+            s.close()
+    # the cap frees up as connections close
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+            break
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+# -- defect: plain-text parser errors and guard gaps ------------------------------------------
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+])
+def test_malformed_http_gets_json_400(server: SubprocessServer, raw: bytes) -> None:
+    s = _connect(server)
+    s.sendall(raw)
+    status, _ = _status_and_error(_read_all(s))
+    assert status == 400
+
+
+def test_huge_head_in_pieces_gets_431(server: SubprocessServer) -> None:
+    s = _connect(server)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    try:
+        for i in range(120):  # 120 KiB of headers, 1 KiB at a time
+            s.sendall(b"X-Pad-%03d: " % i + b"a" * 1000 + b"\r\n")
+    except OSError:
+        pass  # the server answered and closed mid-way
+    status, _ = _status_and_error(_read_all(s))
+    assert status == 431
+
+
+def test_long_url_counts_against_the_head_limit(server: SubprocessServer) -> None:
+    s = _connect(server)  # 70 KB: past max_header_bytes, within what the parser buffers
+    s.sendall(b"GET /health?q=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _ = _status_and_error(_read_all(s))
+    assert status == 431
+
+
+# -- defect: the published schema -------------------------------------------------------------
+def test_openapi_needs_the_key_and_documents_real_responses(server: SubprocessServer) -> None:
+    assert httpx.get(server.url + "/openapi.json", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/docs", timeout=10).status_code == 401
+    r = httpx.get(server.url + "/openapi.json", headers=AUTH, timeout=10)
+    assert r.status_code == 200
+    spec = r.json()
+    assert "422" not in json.dumps(spec) and "HTTPValidationError" not in json.dumps(spec)
+    paths = spec["paths"]
+    chat = paths["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "503", "500"} <= set(chat)
+    assert "text/event-stream" in chat["200"]["content"]
+    for path, item in paths.items():
+        for method, op in item.items():
+            ok = op["responses"]["200"]["content"]
+            schema = next(iter(ok.values()))["schema"]
+            assert schema, (method, path)
+            if path != "/metrics":
+                assert "$ref" in json.dumps(ok), (method, path)
+            for code, resp in op["responses"].items():
+                if code.startswith(("4", "5")) and path not in ("/health", "/ready",
+                                                                "/health/ready"):
+                    assert "ErrorResponse" in json.dumps(resp), (method, path, code)
+
+
+def test_docs_can_be_switched_off() -> None:
+    app = create_app(Settings(docs=False))
+    paths = {getattr(r, "path", "") for r in app.routes}
+    assert "/openapi.json" not in paths and "/docs" not in paths
+
+
+# -- defect: the drain timeout answered plain text and cut streams ----------------------------
+def test_drain_timeout_answers_in_openai_shape(tmp_path: Path) -> None:
+    # a long context, so that generations outlast the drain timeout even when batched
+    model = tiny_model(tmp_path / "long", max_position_embeddings=4096)
+    srv = SubprocessServer(model, tmp_path / "run", "--drain-timeout-s", "0.5", "--max-n", "4",
+                           "--max-queue", "8").wait_ready()
+    lines: list[str] = []
+    started = threading.Event()
+    queued: list[httpx.Response] = []
+
+    def stream() -> None:
+        body = {"prompt": ["Once", "The", "A", "In"], "n": 2, "max_tokens": 4000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+
+    def waiting() -> None:
+        body = {"prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}
+        queued.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=60))
+
+    threads = [threading.Thread(target=stream)]
+    try:
+        threads[0].start()
+        assert started.wait(30)
+        threads += [threading.Thread(target=waiting) for _ in range(2)]
+        for t in threads[1:]:
+            t.start()
+        # both are in the queue behind the stream (or, with a batching engine, running)
+        wait_for(lambda: srv.metrics()["colibri_requests_waiting"]
+                 + srv.metrics()["colibri_requests_running"] >= 3, 30, "queued requests")
+        assert threads[0].is_alive(), "the stream ended before SIGTERM"
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+    finally:
+        rc = srv.stop()
+    log = srv.log()
+    assert rc == 0, log
+    data = [x for x in lines if x.startswith("data: ")]
+    assert data[-1] == "data: [DONE]", data[-3:]
+    last = json.loads(data[-2][6:])
+    assert "error" in last and last["error"]["code"] == "server_shutting_down", (data[-4:], log)
+    assert len(queued) == 2
+    for r in queued:
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "server_shutting_down"
+        assert r.headers.get("retry-after")
+    assert "CancelledError" not in log and "Traceback" not in log, log
