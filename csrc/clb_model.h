@@ -125,8 +125,8 @@ int64_t clb_forward_max_batch(void);
 const clb_hparams *clb_model_hparams(const clb_model *m);
 int clb_model_n_threads(const clb_model *m);
 
-/* The seeds' C API names, thin wrappers over the above for one sequence (f32 KV, its own block
- * table): each colibri_forward call appends tokens to that sequence and returns the logits of
+/* The embedding C API, for programs that link the core directly: thin wrappers over the
+ * above for one sequence (f32 KV, its own block table): each colibri_forward call appends tokens to that sequence and returns the logits of
  * the last one; colibri_reset starts the sequence again.
  * Tokenizing and detokenizing live in Python (engine, Hugging Face tokenizers), not here. */
 typedef struct colibri_model colibri_model;

@@ -1,4 +1,4 @@
-/* Colibri memory pool, as the seeds describe: small (< 4 KiB), medium (< 1 MiB) and large
+/* Colibri memory pool: small (< 4 KiB), medium (< 1 MiB) and large
  * (mmap) classes, every block 64-byte aligned, one lock per class, total/peak statistics.
  * Guarantees: clb_pool_free accepts exactly what clb_pool_alloc returned; statistics are exact.
  * Refuses: zero-size allocations (returns NULL). */
