@@ -1,6 +1,6 @@
 /* Colibri's embedding C API (colibri_init / colibri_forward / colibri_free): a thin
- * single-sequence wrapper over clb_model_load, clb_kv_init and clb_forward, with its own identity block table
- * (block j holds positions [16j, 16j+16)) and its own sequence length.
+ * single-sequence wrapper over clb_model_load, clb_kv_init and clb_forward, with its own
+ * identity block table (block j holds positions [16j, 16j+16)) and its own sequence length.
  * Guarantees: each colibri_forward appends its tokens to the one sequence and returns the logits
  * of the last token; errors come back as a status and a message, as in the clb_ API.
  * Refuses: tokenizing and detokenizing: they live in Python (engine, with Hugging Face

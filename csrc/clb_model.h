@@ -126,8 +126,9 @@ const clb_hparams *clb_model_hparams(const clb_model *m);
 int clb_model_n_threads(const clb_model *m);
 
 /* The embedding C API, for programs that link the core directly: thin wrappers over the
- * above for one sequence (f32 KV, its own block table): each colibri_forward call appends tokens to that sequence and returns the logits of
- * the last one; colibri_reset starts the sequence again.
+ * above for one sequence (f32 KV, its own block table): each colibri_forward call appends
+ * tokens to that sequence and returns the logits of the last one; colibri_reset starts the
+ * sequence again.
  * Tokenizing and detokenizing live in Python (engine, Hugging Face tokenizers), not here. */
 typedef struct colibri_model colibri_model;
 colibri_model *colibri_init(const char *dir, const clb_hparams *hp, int n_threads, char *err);
