@@ -246,6 +246,15 @@ def completion_logprobs(outputs: list[Output], k: int, offset: int,
             "top_logprobs": tops if k > 0 else None, "text_offset": offsets}
 
 
+async def with_first(first: Output | None,
+                     outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
+    """The output first_output already took (if any), then the rest of the stream."""
+    if first is not None:
+        yield first
+    async for out in outputs:
+        yield out
+
+
 async def first_output(state: ServerState, request: Request, job: Job,
                        param: str) -> tuple[Output | None, AsyncIterator[Output]]:
     """Wait for a stream's first output before answering 200, so that early failures

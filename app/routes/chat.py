@@ -25,6 +25,7 @@ from app.generation import (
     race_disconnect,
     submit,
     usage,
+    with_first,
 )
 from app.protocol import ChatCompletionRequest
 from app.schemas import ChatCompletion, error_responses, sse_200
@@ -210,15 +211,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, plan: ChatPla
     try:
         for i in range(body.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        pending = [first] if first is not None else []
-        while True:
-            if pending:
-                out = pending.pop()
-            else:
-                try:
-                    out = await outputs.__anext__()
-                except StopAsyncIteration:
-                    break
+        async for out in with_first(first, outputs):
             choice = choices[out.index]
             add_output(choice, out, state)
             step = out.step

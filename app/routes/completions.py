@@ -21,6 +21,7 @@ from app.generation import (
     now,
     submit,
     usage,
+    with_first,
 )
 from app.protocol import CompletionRequest
 from app.schemas import Completion, error_responses, sse_200
@@ -118,15 +119,7 @@ async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, A
         if echoes and not echo_late:
             for i, text in enumerate(echoes):
                 yield chunk(i, text)
-        pending = [first] if first is not None else []
-        while True:
-            if pending:
-                out = pending.pop()
-            else:
-                try:
-                    out = await outputs.__anext__()
-                except StopAsyncIteration:
-                    break
+        async for out in with_first(first, outputs):
             choice = choices[out.index]
             before = len(choice.logprob_outputs)
             add_output(choice, out, state, body.echo)

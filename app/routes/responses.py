@@ -18,7 +18,16 @@ from pydantic import Field, ValidationError
 
 from app.chat_plan import ChatPlan
 from app.errors import APIError
-from app.generation import Choice, add_output, collect, first_output, new_id, now, submit
+from app.generation import (
+    Choice,
+    add_output,
+    collect,
+    first_output,
+    new_id,
+    now,
+    submit,
+    with_first,
+)
 from app.protocol import ChatCompletionRequest, Finite, _Model
 from app.routes.chat import _ChoiceStream, prepare_chat, reply_of
 from app.schemas import ResponseObject, error_responses, sse_200
@@ -330,16 +339,8 @@ async def _stream(state: ServerState, plan: ChatPlan, meta: dict[str, Any],
                                                   "output": [], "usage": None})
         yield event("response.in_progress", response={**meta, "status": "in_progress",
                                                       "output": [], "usage": None})
-        pending = [first] if first is not None else []
         finish = "stop"
-        while True:
-            if pending:
-                out = pending.pop()
-            else:
-                try:
-                    out = await outputs.__anext__()
-                except StopAsyncIteration:
-                    break
+        async for out in with_first(first, outputs):
             add_output(choice, out, state)
             if out.step.text:
                 for delta in stream.push(out.step.text):
