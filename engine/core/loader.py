@@ -12,17 +12,16 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import _core
 from engine.core.block_manager import BLOCK_SIZE
 from engine.core.engine import EngineCore
 from engine.core.scheduler import SchedulerConfig
-from engine.executor.model import Model
+from engine.executor.model import Model, kv_block_bytes
 from engine.format.convert import ensure_converted
+from engine.models.config import ModelConfig
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri.engine")
 
-KV_TYPES = ("f32", "f16", "q8")
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
@@ -73,16 +72,13 @@ def kv_pool_blocks(block_bytes: int, n_ctx: int, config: EngineConfig) -> int:
 
 def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     """An EngineCore over the model at path (a Colibri or Hugging Face folder)."""
-    if config.kv_cache_type not in KV_TYPES:
-        raise ValueError(f"kv cache type must be one of {', '.join(KV_TYPES)}, "
-                         f"got {config.kv_cache_type!r}")
     folder = ensure_converted(Path(path), config.quant, progress=config.progress)
-    # the pool's size depends on the model's block size: load with one block, then size it
+    cfg = ModelConfig.from_dir(folder)
+    n_ctx = cfg.default_n_ctx() if config.n_ctx is None else config.n_ctx
+    block_bytes = kv_block_bytes(cfg, config.kv_cache_type)  # refuses unknown KV types
+    n_blocks = kv_pool_blocks(block_bytes, n_ctx, config)
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
-                       kv_type=config.kv_cache_type, kv_blocks=1)
-    block_bytes = model.kv_block_bytes()
-    n_blocks = kv_pool_blocks(block_bytes, model.n_ctx, config)
-    model.kv = _core.KVCache(model.core, n_blocks, config.kv_cache_type)
+                       kv_type=config.kv_cache_type, kv_blocks=n_blocks)
     tokenizer = Tokenizer.from_dir(folder)
     mb = n_blocks * block_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
