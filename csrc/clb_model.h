@@ -56,6 +56,10 @@ const clb_tensor *clb_wfile_find(const clb_wfile *f, const char *name);
 /* The file's path when it was truncated under its mapping since it was opened (its data now
  * reads as zeros, see csrc/wfault.c), else NULL. */
 const char *clb_wfile_changed(const clb_wfile *f);
+/* The file's path as opened, and the file offset of a byte of its mapping (p must point into
+ * one of its tensors). */
+const char *clb_wfile_path(const clb_wfile *f);
+size_t clb_wfile_offset(const clb_wfile *f, const void *p);
 
 typedef struct clb_model clb_model;
 typedef struct clb_kv clb_kv;
@@ -99,6 +103,8 @@ typedef struct {
     int32_t max_blocks;          /* row length of block_tables */
     const int32_t *block_tables; /* [n_seq, max_blocks]: block id holding positions [16j, 16j+16)
                                     of sequence s; -1 = none */
+    int32_t *routes;             /* [n_tokens, n_layer, n_expert_used] or NULL: receives the
+                                    experts each token chose in each layer, in rank order */
 } clb_batch;
 
 /* One forward step over a batch of tokens. Token i (sequence s = seq_ids[i], position
@@ -124,6 +130,54 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
 int64_t clb_forward_max_batch(void);
 const clb_hparams *clb_model_hparams(const clb_model *m);
 int clb_model_n_threads(const clb_model *m);
+
+/* Expert cache: with it enabled, routed experts are no longer read through their mappings but
+ * kept in a fixed number of slots per layer and loaded on demand (csrc/xcache.c). Every other
+ * weight stays mapped. A step that routes several tokens to one expert loads it once; an
+ * expert the running step still uses is never evicted; when a step needs more experts in a
+ * layer than fit, the layer runs in waves, in expert order, so results are bit-identical to the
+ * all-resident model whatever the budget. Victims: an empty slot, else the unpinned expert with
+ * the least heat (selections over the last heat_window tokens, decayed), oldest use first on
+ * ties. With prefetch, a thread reads ahead the experts that layer L+1's router picks for
+ * layer L's input while layer L computes. */
+typedef enum {
+    CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
+    CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */
+    CLB_XC_MMAP = 2,   /* the mappings themselves: madvise(WILLNEED) + touch to load,
+                          madvise(DONTNEED) + fadvise(DONTNEED) to evict */
+} clb_xc_load;
+
+typedef struct {
+    int64_t per_layer;   /* slots per layer, 1..n_expert */
+    int32_t load;        /* clb_xc_load */
+    int32_t prefetch;    /* 1: pre-gating prefetch thread */
+    int32_t huge_pages;  /* 1: ask for 2 MiB transparent huge pages on the slots */
+    int64_t heat_window; /* tokens, >= 1 */
+} clb_xc_config;
+
+typedef struct {
+    int64_t hits, misses;         /* expert acquisitions found resident / loaded on demand */
+    int64_t loads, evictions;     /* all loads (prefetch included), evictions */
+    int64_t prefetch_issued;      /* prefetch loads started */
+    int64_t prefetch_used;        /* prefetched experts used before eviction */
+    int64_t prefetch_wasted;      /* prefetched experts evicted unused */
+    int64_t prefetch_late;        /* acquisitions that waited for a prefetch in flight */
+    int64_t bytes_read;           /* bytes loaded from the files */
+    int64_t stall_ns;             /* forward time spent waiting for loads */
+} clb_xc_stats;
+
+/* Bytes one expert occupies in a slot (its three matrices as laid out in its file). */
+size_t clb_expert_bytes(const clb_model *m);
+/* Turns the cache on (once, before the first forward); pinned: [n_layer * n_expert] flags or
+ * NULL; pinned experts are loaded now and never evicted (at most per_layer - 1 per layer).
+ * CLB_E_ARG for a bad config, CLB_E_IO when a load fails (message names the file). */
+clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8_t *pinned,
+                             char *err);
+/* 0 when no cache is enabled; else fills per_layer [n_layer] counters, state [n_layer *
+ * n_expert] (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections [n_layer *
+ * n_expert] (each may be NULL) and returns 1. Safe to call while a forward runs. */
+int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
+                     int64_t *selections);
 
 /* The embedding C API, for programs that link the core directly: thin wrappers over the
  * above for one sequence (f32 KV, its own block table): each colibri_forward call appends

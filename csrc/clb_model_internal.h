@@ -43,6 +43,8 @@ struct clb_model {
     const clb_tensor *output;      /* [V, D]; tok_embd when tied */
     clb_layer_w *layers;           /* [L] */
     clb_ffn_w *experts;            /* [L * E] */
+    clb_wfile **expert_files;      /* [L * E] the file of each expert */
+    struct clb_xcache *xc;         /* expert cache, NULL: every expert read through its mapping */
 
     /* scratch, B = CLB_MAX_BATCH rows each */
     float *x;        /* [B, D] residual stream */
@@ -73,6 +75,7 @@ struct clb_model {
     void *act;         /* [B] packed activation rows shared by the jobs of one dispatch */
     clb_mm_job *jobs;  /* [E + 3] jobs of one dispatch */
     const clb_ffn_w **ffn_list; /* [E] the experts of one dispatch */
+    int32_t *pf_ids;   /* [E + K] predicted experts of the next layer, then one token's */
 };
 
 struct clb_kv {

@@ -13,6 +13,7 @@
 
 #include "clb_kernels.h"
 #include "clb_model_internal.h"
+#include "clb_xcache.h"
 
 /* Shape legend: T tokens in the chunk, D n_embd, H/Hkv heads, hd head_dim, E experts, K used,
  * F expert ff, Fs shared ff, V vocab, qd = H*hd, kvd = Hkv*hd. */
@@ -303,6 +304,7 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
     if (w[0]->w3->type != w1->type) { /* gate and up of different types: one at a time */
         for (int64_t g = 0; g < n_g; g++) {
             int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
+            if (c == 0) continue; /* an expert no row chose: it may not even be resident */
             for (int64_t r = 0; r < c; r++)
                 memcpy(m->xg + r * D, src + (idx ? idx[off[g] + r] : off[g] + r) * D,
                        (size_t)D * sizeof(float));
@@ -349,7 +351,38 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
     return clb_matmul_jobs(m->jobs, (int)nj, m->tp);
 }
 
-static clb_status moe(clb_model *m, int64_t il, int64_t T) {
+/* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
+ * il+1 will route to; the prefetch thread reads those ahead while il computes. Uses probs as
+ * scratch (its routing is already in top_id). */
+static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
+    const clb_hparams *hp = &m->hp;
+    const clb_layer_w *nl = &m->layers[il + 1];
+    const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
+    TRY(clb_matmul(nl->gate_inp->type, nl->gate_inp->data, E, D, m->xn, T, m->probs, E, NULL,
+                   m->mm_scratch, NULL));
+    /* votes per expert in e_fill (free until the grouping below) */
+    int64_t *votes = m->e_fill;
+    for (int64_t e = 0; e < E; e++) votes[e] = 0;
+    int32_t *ids = m->pf_ids, *tok_ids = m->pf_ids + E;
+    float *w = m->route_w;
+    for (int64_t t = 0; t < T; t++) {
+        route_token(hp, m->probs + t * E, tok_ids, w);
+        for (int64_t k = 0; k < K; k++) votes[tok_ids[k]]++;
+    }
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (votes[e] > 0) ids[n++] = (int32_t)e;
+    for (int64_t a = 1; a < n; a++) { /* most votes first (insertion sort, n <= E) */
+        int32_t v = ids[a];
+        int64_t b = a;
+        for (; b > 0 && votes[ids[b - 1]] < votes[v]; b--) ids[b] = ids[b - 1];
+        ids[b] = v;
+    }
+    clb_xc_prefetch(m->xc, il + 1, ids, n);
+    return CLB_OK;
+}
+
+static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *l = &m->layers[il];
     const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
@@ -362,6 +395,12 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T) {
                    m->mm_scratch, NULL));
     for (int64_t t = 0; t < T; t++)
         route_token(hp, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
+    if (routes)
+        for (int64_t t = 0; t < T; t++)
+            memcpy(routes + (t * hp->n_layer + il) * K, m->top_id + t * K,
+                   (size_t)K * sizeof(int32_t));
+    clb_xcache *xc = m->xc;
+    if (clb_xc_prefetching(xc) && il + 1 < hp->n_layer) TRY(prefetch_next(m, il, T));
 
     /* group: counting sort by expert, tokens ascending within a group */
     for (int64_t e = 0; e <= E; e++) m->e_start[e] = 0;
@@ -377,19 +416,33 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T) {
     }
 
     /* run each chosen expert once over its gathered rows, as many experts per dispatch as
-     * fit in one batch of rows; combine in expert order, as HF does */
+     * fit in one batch of rows (and, with the expert cache, in the layer's slots); combine in
+     * expert order, as HF does, so waves change no bit of the result */
+    if (xc) clb_xc_begin_layer(xc, il, m->e_start);
     memset(m->proj, 0, (size_t)(T * D) * sizeof(float));
     const clb_ffn_w **ws = m->ffn_list;
     for (int64_t e = 0; e < E;) {
         int64_t e0 = e, s0 = m->e_start[e];
-        /* an expert holds at most T <= CLB_MAX_BATCH rows, so each batch takes at least one */
+        /* an expert holds at most T <= CLB_MAX_BATCH rows, so each batch takes at least one;
+         * the cache never refuses the first expert of a wave */
         while (e < E && m->e_start[e + 1] - s0 <= CLB_MAX_BATCH) {
+            if (xc && m->e_start[e + 1] > m->e_start[e]) {
+                clb_status st = CLB_OK;
+                int r = clb_xc_acquire(xc, il, e, &st, NULL);
+                if (r < 0) {
+                    clb_xc_release(xc, il);
+                    return st;
+                }
+                if (r == 0) break;
+            }
             ws[e - e0] = &l->experts[e];
             e++;
         }
         int64_t s1 = m->e_start[e];
         if (s1 == s0) continue;
-        TRY(ffn_groups(m, e - e0, ws, m->e_start + e0, m->xn, m->route_tok, m->eo));
+        clb_status fst = ffn_groups(m, e - e0, ws, m->e_start + e0, m->xn, m->route_tok, m->eo);
+        if (xc) clb_xc_release(xc, il);
+        TRY(fst);
         for (int64_t r = s0; r < s1; r++) {
             float *dst = m->proj + (int64_t)m->route_tok[r] * D;
             const float *src = m->eo + (r - s0) * D;
@@ -420,7 +473,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T) {
 static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t T,
                                 const int32_t *tokens,
                                 const int32_t *seq, const int32_t *pos, const uint8_t *want,
-                                float *logits, int64_t *n_out) {
+                                int32_t *routes, float *logits, int64_t *n_out) {
     const clb_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, rd = hp->rotary_dim, half = rd / 2;
 
@@ -436,7 +489,7 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
     }
     for (int64_t il = 0; il < hp->n_layer; il++) {
         TRY(attention(m, kv, b, il, T, seq, pos));
-        TRY(moe(m, il, T));
+        TRY(moe(m, il, T, routes));
     }
 
     int64_t n = 0;
@@ -561,6 +614,7 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
     }
     clb_status st = validate(m, kv, b, err);
     if (st != CLB_OK) return st;
+    if ((st = clb_xc_failed(m->xc, err)) != CLB_OK) return st; /* a weight file changed */
     const uint8_t *want_logits = b->want_logits;
     int any_out = !want_logits;
     for (int64_t i = 0; i < b->n_tokens && !any_out; i++) any_out = want_logits[i] != 0;
@@ -572,9 +626,12 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
     const int64_t n_tokens = b->n_tokens;
     for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
         int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH, n_out = 0;
+        int32_t *routes = b->routes ? b->routes + t0 * m->hp.n_layer * m->hp.n_expert_used
+                                    : NULL;
         st = forward_chunk(m, kv, b, T, b->tokens + t0, b->seq_ids + t0, b->positions + t0,
-                           want_logits ? want_logits + t0 : NULL, logits, &n_out);
+                           want_logits ? want_logits + t0 : NULL, routes, logits, &n_out);
         if (st != CLB_OK) {
+            if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
             f_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "
                   "positions may be partly written", (int)st);
             return st;

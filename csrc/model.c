@@ -12,6 +12,7 @@
 
 #include "clb_kernels.h"
 #include "clb_model_internal.h"
+#include "clb_xcache.h"
 
 #define CLB_PATH_MAX 4096
 
@@ -198,6 +199,7 @@ static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
         snprintf(rel, sizeof rel, "experts/layer_%lld_expert_%lld.bin", (long long)il,
                  (long long)e);
         TRY(open_file(ld, dir, rel, &f));
+        m->expert_files[il * hp->n_expert + e] = f;
         TRY(load_ffn(ld, f, rel, hp->n_ff, "n_ff / n_embd", &l->experts[e]));
     }
     return CLB_OK;
@@ -277,6 +279,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->act = palloc(m, mm, &fail);
     m->jobs = palloc(m, (e + 3) * sizeof(clb_mm_job), &fail);
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
+    m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);
     if (fail) {
         m_err(err, "out of memory allocating forward scratch");
         return CLB_E_NOMEM;
@@ -296,7 +299,8 @@ static clb_status load_all(clb_model *m, const char *dir, char *err) {
     m->files = calloc((size_t)n_files, sizeof(clb_wfile *));
     m->layers = calloc((size_t)hp->n_layer, sizeof(clb_layer_w));
     m->experts = calloc((size_t)(hp->n_layer * hp->n_expert), sizeof(clb_ffn_w));
-    if (!m->files || !m->layers || !m->experts) {
+    m->expert_files = calloc((size_t)(hp->n_layer * hp->n_expert), sizeof(clb_wfile *));
+    if (!m->files || !m->layers || !m->experts || !m->expert_files) {
         m_err(err, "out of memory for the model tables");
         return CLB_E_NOMEM;
     }
@@ -364,12 +368,14 @@ clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads,
 
 void clb_model_free(clb_model *m) {
     if (!m) return;
+    clb_xc_free(m->xc); /* joins the prefetch thread before the files it reads are closed */
     if (m->tp) clb_threadpool_free(m->tp);
     if (m->files)
         for (int i = 0; i < m->n_files; i++) clb_wfile_close(m->files[i]);
     free(m->files);
     free(m->layers);
     free(m->experts);
+    free(m->expert_files);
     if (m->pool) clb_pool_free_all(m->pool); /* releases every scratch buffer at once */
     free(m);
 }

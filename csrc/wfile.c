@@ -382,3 +382,9 @@ const clb_tensor *clb_wfile_find(const clb_wfile *f, const char *name) {
 const char *clb_wfile_changed(const clb_wfile *f) {
     return f && clb_wfault_faulted(f->fault_slot) ? f->path : NULL;
 }
+
+const char *clb_wfile_path(const clb_wfile *f) { return f ? f->path : NULL; }
+
+size_t clb_wfile_offset(const clb_wfile *f, const void *p) {
+    return (size_t)((const char *)p - (const char *)f->map);
+}

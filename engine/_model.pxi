@@ -88,8 +88,31 @@ cdef extern from "clb_model.h" nogil:
         int32_t n_seq
         int32_t max_blocks
         const int32_t *block_tables
+        int32_t *routes
+
+    ctypedef struct clb_xc_config:
+        int64_t per_layer
+        int32_t load
+        int32_t prefetch
+        int32_t huge_pages
+        int64_t heat_window
+
+    ctypedef struct clb_xc_stats:
+        int64_t hits, misses, loads, evictions
+        int64_t prefetch_issued, prefetch_used, prefetch_wasted, prefetch_late
+        int64_t bytes_read, stall_ns
+
+    size_t clb_expert_bytes(const clb_model *m)
+    clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8_t *pinned,
+                                 char *err)
+    int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
+                         int64_t *selections)
 
     clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
+
+XC_LOADS = ("pread", "direct", "mmap")
+XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
+               "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns")
 
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4"}
 
@@ -355,8 +378,75 @@ cdef class CoreModel:
         """Bytes of one KV block of this model (16 positions, K and V, every layer)."""
         return clb_kv_block_bytes(clb_model_hparams(self.m), _kv_type(kv_type))
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes one routed expert takes in the expert cache (its three matrices)."""
+        return clb_expert_bytes(self.m)
+
+    def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
+                            bint huge_pages=False, int heat_window=16, pinned=None) -> None:
+        """Keep at most per_layer routed experts of each layer resident, loaded on demand.
+
+        load: "pread", "direct" (O_DIRECT) or "mmap" (madvise on the mappings); pinned: bool
+        [n_layer, n_expert] experts loaded now and never evicted, or None. Call once, before
+        the first forward. Outputs do not change; only speed and memory do.
+        """
+        cdef clb_xc_config cfg
+        if load not in XC_LOADS:
+            raise ValueError(f"expert load mode must be one of {', '.join(XC_LOADS)}, got {load!r}")
+        cfg.per_layer = per_layer
+        cfg.load = XC_LOADS.index(load)
+        cfg.prefetch = 1 if prefetch else 0
+        cfg.huge_pages = 1 if huge_pages else 0
+        cfg.heat_window = heat_window
+        cdef const clb_hparams *hp = clb_model_hparams(self.m)
+        cdef uint8_t[::1] pv
+        cdef const uint8_t *pp = NULL
+        if pinned is not None:
+            pa = np.ascontiguousarray(np.asarray(pinned, dtype=bool).reshape(-1)).view(np.uint8)
+            if pa.shape[0] != hp.n_layer * hp.n_expert:
+                raise ValueError(f"pinned has {pa.shape[0]} entries, the model has "
+                                 f"{hp.n_layer * hp.n_expert} experts")
+            pv = pa
+            pp = &pv[0]
+        cdef char err[512]
+        cdef clb_status st
+        err[0] = 0
+        with self._lock:
+            with nogil:
+                st = clb_xcache_enable(self.m, &cfg, pp, err)
+        if st == CLB_E_ARG:
+            raise ValueError(err.decode("utf-8", "replace"))
+        if st != CLB_OK:
+            raise _model_error(st, err)
+
+    def expert_cache_stats(self):
+        """None without an expert cache; else a dict of numpy arrays: per-layer counters
+        (hits, misses, loads, evictions, prefetch_issued, prefetch_used, prefetch_wasted,
+        prefetch_late, bytes_read, stall_ns: int64 [n_layer]) and per expert ([n_layer,
+        n_expert]) state (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections."""
+        cdef const clb_hparams *hp = clb_model_hparams(self.m)
+        cdef int64_t L = hp.n_layer, E = hp.n_expert
+        counters = np.zeros((L, len(XC_COUNTERS)), dtype=np.int64)
+        state = np.zeros((L, E), dtype=np.int8)
+        heat = np.zeros((L, E), dtype=np.float32)
+        sel = np.zeros((L, E), dtype=np.int64)
+        cdef int64_t[:, ::1] cv = counters
+        cdef int8_t[:, ::1] sv = state
+        cdef float[:, ::1] hv = heat
+        cdef int64_t[:, ::1] lv = sel
+        cdef int on
+        with nogil:
+            on = clb_xcache_stats(self.m, <clb_xc_stats *>&cv[0, 0], &sv[0, 0], &hv[0, 0],
+                                  &lv[0, 0])
+        if not on:
+            return None
+        out = {name: counters[:, i].copy() for i, name in enumerate(XC_COUNTERS)}
+        out.update(state=state, heat=heat, selections=sel)
+        return out
+
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
-                block_tables):
+                block_tables, routes=None):
         """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
 
         tokens, seq_ids, positions: int32 [T] (other integer arrays are converted when their
@@ -365,6 +455,8 @@ cdef class CoreModel:
         [16j, 16j+16) of sequence s (-1: none). Token i writes its K/V into its sequence's
         block for its position and attends over the positions before it, which earlier calls
         must have written. A refused call (InputError / ContextOverflowError) changes nothing.
+        routes: None, or an int32 array [T, n_layer, n_expert_used] (C-contiguous) that
+        receives the experts each token chose in each layer.
         """
         if kv.model is not self:
             raise ValueError("this KV cache belongs to another model")
@@ -402,6 +494,17 @@ cdef class CoreModel:
         b.n_seq = <int32_t>tb.shape[0]
         b.max_blocks = <int32_t>tb.shape[1]
         b.block_tables = &tb[0, 0]
+        b.routes = NULL
+        cdef int32_t[:, :, ::1] rv
+        if routes is not None:
+            hp = clb_model_hparams(self.m)
+            if (not isinstance(routes, np.ndarray) or routes.dtype != np.int32
+                    or routes.shape != (n, hp.n_layer, hp.n_expert_used)):
+                raise InputError(f"routes must be an int32 array of shape ({n}, {hp.n_layer}, "
+                                 f"{hp.n_expert_used})")
+            rv = routes
+            if n > 0:
+                b.routes = &rv[0, 0, 0]
         cdef float *lp = &lo[0, 0] if n_out > 0 else NULL
         cdef char err[512]
         cdef clb_status st

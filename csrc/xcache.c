@@ -1,0 +1,606 @@
+/* Colibri expert cache: a fixed number of slots per layer holding routed experts, loaded on
+ * demand by the forward pass and ahead of it by one prefetch thread.
+ * Guarantees: every table is guarded by one mutex; a slot is read into only by the thread that
+ * marked it loading, and its tensors' data pointers change only while no one holds it; at most
+ * per_layer experts of a layer are resident or loading; the prefetch thread is joined before
+ * anything it reads is freed. A short read (a file cut short since load) fails the load with a
+ * message naming the file, and every later forward call fails the same way.
+ * Refuses: configs outside the ranges in clb_model.h; more pinned experts than a layer's slots
+ * minus one. */
+#define _GNU_SOURCE /* O_DIRECT, MADV_HUGEPAGE */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "clb_model_internal.h"
+#include "clb_xcache.h"
+
+#define PAGE 4096u
+#define HUGE_PAGE (2u << 20)
+
+enum { S_EMPTY = 0, S_LOADING = 1, S_READY = 2 };
+
+typedef struct {
+    int32_t owner;      /* expert of the slot's layer, -1 when empty */
+    int8_t state;       /* S_* */
+    uint8_t in_use;     /* acquired by the running wave */
+    uint8_t prefetched; /* loaded by the prefetch thread and not acquired since */
+    unsigned char *mem; /* slot memory; NULL with CLB_XC_MMAP */
+    uint64_t last_use;
+} xslot;
+
+typedef struct {
+    size_t lo, hi;         /* file span of the expert's three tensors */
+    size_t rel[3];         /* offsets of w1, w3, w2 from lo */
+    const void *mapped[3]; /* their data in the mappings */
+} xspan;
+
+struct clb_xcache {
+    clb_model *m;
+    clb_xc_config cfg;
+    int64_t L, E, N;
+    size_t slot_bytes;
+    unsigned char *region;
+    size_t region_len;
+    xslot *slots;       /* [L * N] */
+    int32_t *slot_of;   /* [L * E] slot within its layer, -1: not resident */
+    uint8_t *pinned;    /* [L * E] */
+    float *heat;        /* [L * E] selections, decayed per token */
+    int64_t *sel;       /* [L * E] selections since enable */
+    xspan *span;        /* [L * E] */
+    clb_tensor *tens;   /* [L * E * 3] the experts' tensors, data pointing into their slots */
+    clb_xc_stats *st;   /* [L] */
+    uint64_t tick;
+    float decay;
+    pthread_mutex_t mu;
+    pthread_cond_t loaded; /* some load finished */
+    pthread_cond_t work;   /* queue not empty, or stop */
+    int thread_on, stop;
+    pthread_t thread;
+    int32_t *queue; /* ring of l * E + e, [L * E] */
+    uint8_t *queued;
+    int64_t q_head, q_len;
+    int failed;
+    char fail_msg[CLB_ERR_LEN];
+};
+
+static void x_err(char *err, const char *fmt, ...) {
+    if (!err) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, CLB_ERR_LEN, fmt, ap);
+    va_end(ap);
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* ---- reading ----------------------------------------------------------------------------- */
+
+/* O_DIRECT reads start at the page holding the span's first byte. */
+static size_t direct_start(const xspan *sp) { return sp->lo / PAGE * PAGE; }
+
+/* Loads expert idx into slot s (owned by the caller, state loading). Returns the bytes read,
+ * or 0 with msg set. Called without the lock. */
+static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
+    const xspan *sp = &xc->span[idx];
+    const char *path = clb_wfile_path(xc->m->expert_files[idx]);
+    size_t len = sp->hi - sp->lo;
+    if (xc->cfg.load == CLB_XC_MMAP) {
+        uintptr_t a = (uintptr_t)sp->mapped[0] - (sp->rel[0]);
+        uintptr_t p0 = a / PAGE * PAGE, p1 = round_up(a + len, PAGE);
+        madvise((void *)p0, p1 - p0, MADV_WILLNEED);
+        unsigned sum = 0;
+        for (uintptr_t p = a; p < a + len; p = (p / PAGE + 1) * PAGE)
+            sum += *(const volatile unsigned char *)p;
+        (void)sum;
+        return len; /* a file cut short reads as zeros and is reported after the step */
+    }
+    int direct = xc->cfg.load == CLB_XC_DIRECT;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd < 0) {
+        x_err(msg, "weight file changed: %s cannot be opened any more: %s", path,
+              strerror(errno));
+        return 0;
+    }
+    size_t off = direct ? direct_start(sp) : sp->lo;
+    size_t need = sp->hi - off, want = direct ? round_up(need, PAGE) : need, got = 0;
+    while (got < want) {
+        ssize_t r = pread(fd, s->mem + got, want - got, (off_t)(off + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            x_err(msg, "%s: read failed: %s%s", path, strerror(errno),
+                  direct && errno == EINVAL ? " (this file system refuses O_DIRECT reads; use "
+                                              "another expert load mode)" : "");
+            close(fd);
+            return 0;
+        }
+        if (r == 0) break;
+        got += (size_t)r;
+    }
+    close(fd);
+    if (got < need) {
+        x_err(msg, "weight file changed: %s is shorter than when the model was loaded "
+              "(truncated or overwritten); restart to load it again", path);
+        return 0;
+    }
+    return got;
+}
+
+/* Drops an evicted expert's pages from memory (mmap mode; the other modes reuse the slot). */
+static void drop_mapped(clb_xcache *xc, int64_t idx) {
+    const xspan *sp = &xc->span[idx];
+    uintptr_t a = (uintptr_t)sp->mapped[0] - sp->rel[0];
+    uintptr_t p0 = round_up(a, PAGE), p1 = (a + (sp->hi - sp->lo)) / PAGE * PAGE;
+    if (p1 > p0) madvise((void *)p0, p1 - p0, MADV_DONTNEED);
+    int fd = open(clb_wfile_path(xc->m->expert_files[idx]), O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        posix_fadvise(fd, (off_t)sp->lo, (off_t)(sp->hi - sp->lo), POSIX_FADV_DONTNEED);
+        close(fd);
+    }
+}
+
+/* ---- slot bookkeeping (lock held) ------------------------------------------------------ */
+
+/* A slot of layer l that may take a new expert: an empty one, else the resident, unpinned,
+ * unused expert with the least heat, the least recently used on ties; -1 if none. */
+static int64_t pick_slot(const clb_xcache *xc, int64_t l) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < xc->N; i++) {
+        const xslot *s = &xc->slots[l * xc->N + i];
+        if (s->state == S_EMPTY) return i;
+        if (s->state != S_READY || s->in_use || xc->pinned[l * xc->E + s->owner]) continue;
+        if (best < 0) {
+            best = i;
+            continue;
+        }
+        const xslot *b = &xc->slots[l * xc->N + best];
+        float hs = xc->heat[l * xc->E + s->owner], hb = xc->heat[l * xc->E + b->owner];
+        if (hs < hb || (hs == hb && s->last_use < b->last_use)) best = i;
+    }
+    return best;
+}
+
+/* Takes slot i of layer l for expert e (state loading); returns the evicted expert's index
+ * (l * E + old) or -1. */
+static int64_t claim(clb_xcache *xc, int64_t l, int64_t i, int64_t e, int prefetch) {
+    xslot *s = &xc->slots[l * xc->N + i];
+    int64_t old = -1;
+    if (s->state == S_READY) {
+        old = l * xc->E + s->owner;
+        xc->slot_of[old] = -1;
+        if (xc->cfg.load != CLB_XC_MMAP)
+            for (int j = 0; j < 3; j++) xc->tens[old * 3 + j].data = NULL;
+        xc->st[l].evictions++;
+        if (s->prefetched) xc->st[l].prefetch_wasted++;
+    }
+    s->owner = (int32_t)e;
+    s->state = S_LOADING;
+    s->prefetched = (uint8_t)prefetch;
+    xc->slot_of[l * xc->E + e] = (int32_t)i;
+    xc->st[l].loads++;
+    if (prefetch) xc->st[l].prefetch_issued++;
+    return old;
+}
+
+/* Publishes a finished load (got > 0) or frees the slot after a failed one. */
+static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char *msg) {
+    xslot *s = &xc->slots[l * xc->N + i];
+    int64_t idx = l * xc->E + s->owner;
+    if (got == 0) {
+        xc->slot_of[idx] = -1;
+        s->owner = -1;
+        s->state = S_EMPTY;
+        s->in_use = 0;
+        s->prefetched = 0;
+        if (!xc->failed) {
+            xc->failed = 1;
+            snprintf(xc->fail_msg, sizeof xc->fail_msg, "%s", msg);
+        }
+    } else {
+        if (xc->cfg.load != CLB_XC_MMAP) {
+            size_t base = xc->cfg.load == CLB_XC_DIRECT ? xc->span[idx].lo -
+                                                              direct_start(&xc->span[idx])
+                                                        : 0;
+            for (int j = 0; j < 3; j++)
+                xc->tens[idx * 3 + j].data = s->mem + base + xc->span[idx].rel[j];
+        }
+        s->state = S_READY;
+        s->last_use = ++xc->tick;
+        xc->st[l].bytes_read += (int64_t)got;
+    }
+    pthread_cond_broadcast(&xc->loaded);
+}
+
+/* Loads expert e of layer l into slot i that the caller just claimed (lock held on entry and
+ * exit, released while reading). */
+static size_t load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, char *msg) {
+    xslot *s = &xc->slots[l * xc->N + i];
+    int64_t idx = l * xc->E + s->owner;
+    pthread_mutex_unlock(&xc->mu);
+    if (old >= 0 && xc->cfg.load == CLB_XC_MMAP) drop_mapped(xc, old);
+    size_t got = read_expert(xc, idx, s, msg);
+    pthread_mutex_lock(&xc->mu);
+    finish(xc, l, i, got, msg);
+    return got;
+}
+
+static int wave_empty(const clb_xcache *xc, int64_t l) {
+    for (int64_t i = 0; i < xc->N; i++)
+        if (xc->slots[l * xc->N + i].in_use) return 0;
+    return 1;
+}
+
+/* ---- forward-pass side ------------------------------------------------------------------ */
+
+int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st, char *err) {
+    (void)err;
+    const int64_t idx = l * xc->E + e;
+    pthread_mutex_lock(&xc->mu);
+    int64_t t0 = 0;
+    for (;;) {
+        int64_t i = xc->slot_of[idx];
+        if (i >= 0) {
+            xslot *s = &xc->slots[l * xc->N + i];
+            s->in_use = 1;
+            if (s->state == S_READY) {
+                if (t0) {
+                    xc->st[l].stall_ns += now_ns() - t0;
+                } else {
+                    xc->st[l].hits++;
+                }
+                if (s->prefetched) xc->st[l].prefetch_used++;
+                s->prefetched = 0;
+                s->last_use = ++xc->tick;
+                pthread_mutex_unlock(&xc->mu);
+                return 1;
+            }
+            /* a prefetch of this expert is in flight: wait for it (a failure frees the slot) */
+            if (!t0) {
+                t0 = now_ns();
+                xc->st[l].misses++;
+                xc->st[l].prefetch_late++;
+            }
+            pthread_cond_wait(&xc->loaded, &xc->mu);
+            continue;
+        }
+        if (xc->failed) break;
+        i = pick_slot(xc, l);
+        if (i < 0) {
+            if (!wave_empty(xc, l)) {
+                pthread_mutex_unlock(&xc->mu);
+                return 0;
+            }
+            if (!t0) t0 = now_ns();
+            pthread_cond_wait(&xc->loaded, &xc->mu); /* every free slot is loading: wait */
+            continue;
+        }
+        if (!t0) {
+            t0 = now_ns();
+            xc->st[l].misses++;
+        }
+        int64_t old = claim(xc, l, i, e, 0);
+        xc->slots[l * xc->N + i].in_use = 1;
+        char msg[CLB_ERR_LEN];
+        size_t got = load_claimed(xc, l, i, old, msg);
+        xc->st[l].stall_ns += now_ns() - t0;
+        if (got == 0) break;
+        pthread_mutex_unlock(&xc->mu);
+        return 1;
+    }
+    pthread_mutex_unlock(&xc->mu);
+    *st = CLB_E_IO;
+    return -1;
+}
+
+void clb_xc_release(clb_xcache *xc, int64_t l) {
+    pthread_mutex_lock(&xc->mu);
+    for (int64_t i = 0; i < xc->N; i++) xc->slots[l * xc->N + i].in_use = 0;
+    pthread_mutex_unlock(&xc->mu);
+}
+
+void clb_xc_begin_layer(clb_xcache *xc, int64_t l, const int64_t *e_start) {
+    const int64_t E = xc->E;
+    int64_t rows = e_start[E] - e_start[0];
+    int64_t tokens = rows / xc->m->hp.n_expert_used;
+    float d = powf(xc->decay, (float)tokens);
+    pthread_mutex_lock(&xc->mu);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t c = e_start[e + 1] - e_start[e];
+        xc->heat[l * E + e] = xc->heat[l * E + e] * d + (float)c;
+        xc->sel[l * E + e] += c;
+    }
+    /* what is still queued for this layer is late: the forward pass loads its misses itself */
+    int64_t cap = xc->L * E, kept = 0;
+    for (int64_t k = 0; k < xc->q_len; k++) {
+        int32_t v = xc->queue[(xc->q_head + k) % cap];
+        if (v / E == l) {
+            xc->queued[v] = 0;
+            continue;
+        }
+        xc->queue[(xc->q_head + kept) % cap] = v;
+        kept++;
+    }
+    xc->q_len = kept;
+    pthread_mutex_unlock(&xc->mu);
+}
+
+void clb_xc_prefetch(clb_xcache *xc, int64_t l, const int32_t *ids, int64_t n) {
+    if (!xc->thread_on) return;
+    const int64_t cap = xc->L * xc->E;
+    pthread_mutex_lock(&xc->mu);
+    int added = 0;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t idx = l * xc->E + ids[k];
+        if (xc->slot_of[idx] >= 0 || xc->queued[idx] || xc->q_len >= cap) continue;
+        xc->queued[idx] = 1;
+        xc->queue[(xc->q_head + xc->q_len) % cap] = (int32_t)idx;
+        xc->q_len++;
+        added = 1;
+    }
+    if (added) pthread_cond_signal(&xc->work);
+    pthread_mutex_unlock(&xc->mu);
+}
+
+int clb_xc_prefetching(const clb_xcache *xc) { return xc && xc->thread_on; }
+
+clb_status clb_xc_failed(const clb_xcache *xc, char *err) {
+    if (!xc) return CLB_OK;
+    pthread_mutex_lock((pthread_mutex_t *)&xc->mu);
+    int failed = xc->failed;
+    if (failed) x_err(err, "%s", xc->fail_msg);
+    pthread_mutex_unlock((pthread_mutex_t *)&xc->mu);
+    return failed ? CLB_E_IO : CLB_OK;
+}
+
+/* ---- prefetch thread -------------------------------------------------------------------- */
+
+static void *prefetch_main(void *arg) {
+    clb_xcache *xc = arg;
+    const int64_t cap = xc->L * xc->E;
+    char msg[CLB_ERR_LEN];
+    pthread_mutex_lock(&xc->mu);
+    for (;;) {
+        while (!xc->stop && xc->q_len == 0) pthread_cond_wait(&xc->work, &xc->mu);
+        if (xc->stop) break;
+        int32_t idx = xc->queue[xc->q_head];
+        xc->q_head = (xc->q_head + 1) % cap;
+        xc->q_len--;
+        xc->queued[idx] = 0;
+        int64_t l = idx / xc->E, e = idx % xc->E;
+        if (xc->failed || xc->slot_of[idx] >= 0) continue;
+        int64_t i = pick_slot(xc, l);
+        if (i < 0) continue;
+        int64_t old = claim(xc, l, i, e, 1);
+        load_claimed(xc, l, i, old, msg);
+    }
+    pthread_mutex_unlock(&xc->mu);
+    return NULL;
+}
+
+/* ---- setup ------------------------------------------------------------------------------- */
+
+static void span_of(const clb_model *m, int64_t idx, xspan *sp) {
+    const clb_ffn_w *w = &m->experts[idx];
+    const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
+    const clb_wfile *f = m->expert_files[idx];
+    size_t off[3];
+    sp->lo = SIZE_MAX;
+    sp->hi = 0;
+    for (int j = 0; j < 3; j++) {
+        off[j] = clb_wfile_offset(f, t[j]->data);
+        sp->mapped[j] = t[j]->data;
+        if (off[j] < sp->lo) sp->lo = off[j];
+        if (off[j] + t[j]->nbytes > sp->hi) sp->hi = off[j] + t[j]->nbytes;
+    }
+    for (int j = 0; j < 3; j++) sp->rel[j] = off[j] - sp->lo;
+}
+
+size_t clb_expert_bytes(const clb_model *m) {
+    size_t mx = 0;
+    for (int64_t idx = 0; idx < m->hp.n_layer * m->hp.n_expert; idx++) {
+        xspan sp;
+        span_of(m, idx, &sp);
+        if (sp.hi - sp.lo > mx) mx = sp.hi - sp.lo;
+    }
+    return mx;
+}
+
+void clb_xc_free(clb_xcache *xc) {
+    if (!xc) return;
+    if (xc->thread_on) {
+        pthread_mutex_lock(&xc->mu);
+        xc->stop = 1;
+        pthread_cond_broadcast(&xc->work);
+        pthread_mutex_unlock(&xc->mu);
+        pthread_join(xc->thread, NULL);
+    }
+    pthread_cond_destroy(&xc->work);
+    pthread_cond_destroy(&xc->loaded);
+    pthread_mutex_destroy(&xc->mu);
+    if (xc->region) munmap(xc->region, xc->region_len);
+    free(xc->slots);
+    free(xc->slot_of);
+    free(xc->pinned);
+    free(xc->heat);
+    free(xc->sel);
+    free(xc->span);
+    free(xc->tens);
+    free(xc->st);
+    free(xc->queue);
+    free(xc->queued);
+    free(xc);
+}
+
+clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8_t *pinned,
+                             char *err) {
+    if (err) err[0] = '\0';
+    if (!m || !cfg) {
+        x_err(err, "clb_xcache_enable: NULL argument");
+        return CLB_E_ARG;
+    }
+    const int64_t L = m->hp.n_layer, E = m->hp.n_expert;
+    if (m->xc) {
+        x_err(err, "the expert cache is already enabled");
+        return CLB_E_ARG;
+    }
+    if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
+        cfg->load > CLB_XC_MMAP || cfg->heat_window < 1) {
+        x_err(err, "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, heat "
+              "window %lld)", (long long)cfg->per_layer, (long long)E, (int)cfg->load,
+              (long long)cfg->heat_window);
+        return CLB_E_ARG;
+    }
+    const int64_t N = cfg->per_layer;
+    if (pinned)
+        for (int64_t l = 0; l < L; l++) {
+            int64_t np = 0;
+            for (int64_t e = 0; e < E; e++) np += pinned[l * E + e] != 0;
+            if (np > N - 1) {
+                x_err(err, "expert cache: %lld experts pinned in layer %lld, at most %lld fit "
+                      "(slots per layer minus one)", (long long)np, (long long)l,
+                      (long long)(N - 1));
+                return CLB_E_ARG;
+            }
+        }
+    clb_xcache *xc = calloc(1, sizeof(*xc));
+    if (!xc) {
+        x_err(err, "out of memory for the expert cache");
+        return CLB_E_NOMEM;
+    }
+    xc->m = m;
+    xc->cfg = *cfg;
+    xc->L = L;
+    xc->E = E;
+    xc->N = N;
+    xc->decay = 1.0f - 1.0f / (float)cfg->heat_window;
+    pthread_mutex_init(&xc->mu, NULL);
+    pthread_cond_init(&xc->loaded, NULL);
+    pthread_cond_init(&xc->work, NULL);
+    size_t LE = (size_t)(L * E);
+    xc->slots = calloc((size_t)(L * N), sizeof(xslot));
+    xc->slot_of = malloc(LE * sizeof(int32_t));
+    xc->pinned = calloc(LE, 1);
+    xc->heat = calloc(LE, sizeof(float));
+    xc->sel = calloc(LE, sizeof(int64_t));
+    xc->span = calloc(LE, sizeof(xspan));
+    xc->tens = calloc(LE * 3, sizeof(clb_tensor));
+    xc->st = calloc((size_t)L, sizeof(clb_xc_stats));
+    xc->queue = calloc(LE, sizeof(int32_t));
+    xc->queued = calloc(LE, 1);
+    if (!xc->slots || !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span ||
+        !xc->tens || !xc->st || !xc->queue || !xc->queued) {
+        clb_xc_free(xc);
+        x_err(err, "out of memory for the expert cache tables");
+        return CLB_E_NOMEM;
+    }
+    size_t span_max = 0;
+    for (size_t idx = 0; idx < LE; idx++) {
+        xc->slot_of[idx] = -1;
+        span_of(m, (int64_t)idx, &xc->span[idx]);
+        size_t len = xc->span[idx].hi - xc->span[idx].lo;
+        if (len > span_max) span_max = len;
+    }
+    for (int64_t i = 0; i < L * N; i++) xc->slots[i].owner = -1;
+    if (cfg->load != CLB_XC_MMAP) {
+        /* O_DIRECT reads whole pages around the span */
+        size_t need = cfg->load == CLB_XC_DIRECT ? span_max + 2 * PAGE : span_max;
+        xc->slot_bytes = round_up(need, cfg->huge_pages ? HUGE_PAGE : PAGE);
+        size_t n_slots = (size_t)(L * N);
+        if (n_slots > SIZE_MAX / xc->slot_bytes - 1) {
+            clb_xc_free(xc);
+            x_err(err, "expert cache: size overflows");
+            return CLB_E_RANGE;
+        }
+        size_t len = n_slots * xc->slot_bytes + (cfg->huge_pages ? HUGE_PAGE : 0);
+        void *r = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (r == MAP_FAILED) {
+            clb_xc_free(xc);
+            x_err(err, "out of memory for %zu expert slots of %zu bytes", n_slots,
+                  xc->slot_bytes);
+            return CLB_E_NOMEM;
+        }
+        xc->region = r;
+        xc->region_len = len;
+        unsigned char *base = r;
+        if (cfg->huge_pages) {
+            base = (unsigned char *)round_up((uintptr_t)r, HUGE_PAGE);
+            madvise(base, n_slots * xc->slot_bytes, MADV_HUGEPAGE);
+        }
+        for (size_t i = 0; i < n_slots; i++) xc->slots[i].mem = base + i * xc->slot_bytes;
+    } else {
+        xc->slot_bytes = span_max;
+    }
+    for (size_t idx = 0; idx < LE; idx++) {
+        clb_ffn_w *w = &m->experts[idx];
+        const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
+        for (int j = 0; j < 3; j++) {
+            xc->tens[idx * 3 + j] = *t[j];
+            if (cfg->load != CLB_XC_MMAP) xc->tens[idx * 3 + j].data = NULL;
+        }
+        w->w1 = &xc->tens[idx * 3];
+        w->w3 = &xc->tens[idx * 3 + 1];
+        w->w2 = &xc->tens[idx * 3 + 2];
+    }
+    m->xc = xc;
+    if (pinned) {
+        pthread_mutex_lock(&xc->mu);
+        for (int64_t l = 0; l < L; l++)
+            for (int64_t e = 0; e < E; e++) {
+                if (!pinned[l * E + e]) continue;
+                int64_t i = pick_slot(xc, l); /* an empty slot: fewer pinned than slots */
+                int64_t old = claim(xc, l, i, e, 0);
+                if (load_claimed(xc, l, i, old, err) == 0) {
+                    pthread_mutex_unlock(&xc->mu);
+                    return CLB_E_IO; /* m->xc stays: the model frees it */
+                }
+                xc->pinned[l * E + e] = 1;
+            }
+        memset(xc->st, 0, (size_t)L * sizeof(clb_xc_stats));
+        pthread_mutex_unlock(&xc->mu);
+    }
+    if (cfg->prefetch) {
+        if (pthread_create(&xc->thread, NULL, prefetch_main, xc) != 0) {
+            x_err(err, "cannot start the expert prefetch thread");
+            return CLB_E_NOMEM;
+        }
+        xc->thread_on = 1;
+    }
+    return CLB_OK;
+}
+
+int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
+                     int64_t *selections) {
+    clb_xcache *xc = m ? m->xc : NULL;
+    if (!xc) return 0;
+    const int64_t LE = xc->L * xc->E;
+    pthread_mutex_lock(&xc->mu);
+    if (per_layer) memcpy(per_layer, xc->st, (size_t)xc->L * sizeof(clb_xc_stats));
+    if (heat) memcpy(heat, xc->heat, (size_t)LE * sizeof(float));
+    if (selections) memcpy(selections, xc->sel, (size_t)LE * sizeof(int64_t));
+    if (state)
+        for (int64_t idx = 0; idx < LE; idx++) {
+            int64_t i = xc->slot_of[idx];
+            int8_t s = 0;
+            if (i >= 0) {
+                const xslot *sl = &xc->slots[(idx / xc->E) * xc->N + i];
+                s = sl->state == S_LOADING ? 1 : xc->pinned[idx] ? 3 : 2;
+            }
+            state[idx] = s;
+        }
+    pthread_mutex_unlock(&xc->mu);
+    return 1;
+}
