@@ -24,7 +24,7 @@ from app.http import uvicorn_options
 from app.server import create_app
 from app.settings import Settings
 from app.state import ServerState
-from engine import DEFAULT_QUANT, QUANT_PRESETS, check_model, cli_main
+from engine import DEFAULT_QUANT, QUANT_PRESETS, add_expert_cache_args, check_model, cli_main
 
 _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--model", dict(help="model folder (Colibri or Hugging Face); default: the demo model")),
@@ -71,6 +71,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         default=argparse.SUPPRESS,
                         help="do not reuse the KV blocks of prompt prefixes across requests")
+    add_expert_cache_args(parser, suppress=True)
     parser.add_argument("--env-file", default=".env", help="settings file (default .env)")
     parser.set_defaults(handler=serve_main)
     return parser

@@ -61,6 +61,7 @@ class Metrics:
         self.model_name = ""
         # the engine's counters, read at render time (None until the model is loaded)
         self.engine_stats: Callable[[], dict[str, Any]] | None = None
+        self.expert_cache: Any = None  # the engine's ExpertCacheMonitor
 
     # -- recorders ---------------------------------------------------------------------
     def count_request(self, endpoint: str, status: int) -> None:
@@ -177,7 +178,42 @@ class Metrics:
             out.append(f"# HELP {name} {doc}")
             out.append(f"# TYPE {name} {kind}")
             out.append(f"{name}{lab if name.startswith('vllm:') else ''} {stats[key]}")
+        return out + self._render_expert_cache()
+
+    def _render_expert_cache(self) -> list[str]:
+        """Expert cache counters per layer, and its occupancy (nothing when it is off)."""
+        mon = self.expert_cache
+        st = mon.stats() if mon is not None else None
+        if st is None:
+            return []
+        out: list[str] = []
+        for key, doc in _EXPERT_COUNTERS:
+            name = f"colibri_expert_cache_{key}_total"
+            scale = 1e-9 if key == "stall_seconds" else 1.0
+            vals = st["stall_ns" if key == "stall_seconds" else key]
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+            out += [f'{name}{{layer="{i}"}} {float(v) * scale:g}' for i, v in enumerate(vals)]
+        tot = mon.totals()
+        for key, doc in (("hit_rate", "Share of expert uses found resident, since start."),
+                         ("resident_bytes", "Bytes of experts resident or loading now."),
+                         ("budget_bytes", "Bytes the expert cache may hold.")):
+            name = f"colibri_expert_cache_{key}"
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name} {tot[key]:g}"]
         return out
+
+
+_EXPERT_COUNTERS = (
+    ("hits", "Expert uses found resident."),
+    ("misses", "Expert uses that had to wait for a load."),
+    ("loads", "Experts loaded (on demand and prefetched)."),
+    ("evictions", "Experts evicted."),
+    ("prefetch_issued", "Experts the prefetch thread loaded."),
+    ("prefetch_used", "Prefetched experts used before eviction."),
+    ("prefetch_wasted", "Prefetched experts evicted unused."),
+    ("prefetch_late", "Expert uses that waited for a prefetch in flight."),
+    ("bytes_read", "Bytes of experts read from the model files."),
+    ("stall_seconds", "Forward-pass time spent waiting for expert loads."),
+)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -23,7 +23,7 @@ from app.schemas import install_schema
 from app.settings import Settings
 from app.state import ServerState
 from app.worker import EngineWorker
-from engine import LLM, EngineConfig, __version__
+from engine import LLM, EngineConfig, ExpertCacheConfig, __version__
 
 log = logging.getLogger("colibri.app")
 
@@ -36,7 +36,12 @@ def default_loader(settings: Settings) -> Callable[[], LLM]:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_mb=settings.kv_cache_mb, kv_cache_type=settings.kv_cache_type,
-        enable_prefix_cache=settings.prefix_cache)
+        enable_prefix_cache=settings.prefix_cache,
+        expert_cache=ExpertCacheConfig(
+            mb=settings.expert_cache_mb, size=settings.expert_cache_size,
+            prefetch_window=settings.prefetch_window, load=settings.expert_load,
+            prefetch=settings.expert_prefetch, pin=settings.expert_pin,
+            huge_pages=settings.expert_huge_pages))
 
     def load() -> LLM:
         return LLM(settings.model, quant=settings.quant, config=config)

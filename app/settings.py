@@ -37,6 +37,17 @@ class Settings(BaseSettings):
     kv_cache_type: Literal["f32", "f16", "q8"] = Field("f16", description="KV element type")
     prefix_cache: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
 
+    # -- expert cache -----------------------------------------------------------------
+    expert_cache_mb: float | None = Field(None, gt=0, description="memory for routed experts; "
+                                          "None = all when the model fits, else what is free")
+    expert_cache_size: int | None = Field(None, ge=1, description="experts resident per layer")
+    prefetch_window: int = Field(16, ge=1, description="tokens of routing history for heat")
+    expert_load: Literal["pread", "direct", "mmap"] = Field("pread", description="how "
+                                                            "missing experts are read")
+    expert_prefetch: bool = Field(True, description="read the next layer's experts ahead")
+    expert_pin: bool = Field(True, description="pin the experts earlier runs used most")
+    expert_huge_pages: bool = Field(False, description="2 MiB pages on the expert slots")
+
     # -- network ----------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

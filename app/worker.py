@@ -94,6 +94,7 @@ class EngineWorker:
             core = self.llm.core
             core.on_step = metrics.observe_step
             metrics.engine_stats = core.snapshot
+            metrics.expert_cache = core.expert_cache
             metrics.model_name = str(self.llm.model_name)
             metrics.model_loaded = 1
             log.info("model %s loaded (context %d tokens)", self.llm.model_name,

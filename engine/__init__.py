@@ -23,6 +23,8 @@ _EXPORTS = {
     "QueueFullError": "engine.core.async_engine",
     "RequestOutput": "engine.core.request",
     "EngineConfig": "engine.core.loader",
+    "ExpertCacheConfig": "engine.executor.expert_cache",
+    "add_expert_cache_args": "engine.tools.cache_args",
     "ModelFaultError": "engine.errors",
     "MIN_REPETITION_PENALTY": "engine.sample.sampler",
     "SamplingParamError": "engine.sample.sampler",
@@ -63,6 +65,8 @@ __all__ = [
     "AsyncEngine",
     "AsyncEngineConfig",
     "EngineConfig",
+    "ExpertCacheConfig",
+    "add_expert_cache_args",
     "EngineUnavailableError",
     "QueueFullError",
     "RequestOutput",
@@ -93,6 +97,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.core.loader import EngineConfig
     from engine.core.request import RequestOutput
     from engine.errors import ModelFaultError
+    from engine.executor.expert_cache import ExpertCacheConfig
     from engine.format.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.format.modelcheck import ModelError, check_model
     from engine.llm import LLM, StepOutput, default_model_path
@@ -108,6 +113,7 @@ if TYPE_CHECKING:  # pragma: no cover
         history_call_text,
         template_tools,
     )
+    from engine.tools.cache_args import add_expert_cache_args
     from engine.tools.cli import main as cli_main
 
 

@@ -225,6 +225,11 @@ class AsyncEngine:
                 stream.post(EngineDeadError("the engine stopped"))
             if self._on_fatal is not None:
                 self._on_fatal(exc)
+        finally:
+            try:
+                self.core.close()
+            except Exception as exc:  # noqa: BLE001 - nothing to save is not worth a crash
+                log.warning("could not save the expert routing history: %s", exc)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; False when told to stop."""

@@ -70,6 +70,7 @@ class EngineCore:
         self.eos_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self.on_step: Callable[[int, int], None] | None = None  # (sequences, tokens) per step
         self.model_path: Any = None
+        self.expert_cache: Any = None  # ExpertCacheMonitor, set by the loader
 
     # -- admission -------------------------------------------------------------------------
     @property
@@ -230,7 +231,14 @@ class EngineCore:
         self.stats.step_time_s += time.perf_counter() - t0
         if self.on_step is not None:
             self.on_step(n_seq, n_tok)
+        if self.expert_cache is not None:
+            self.expert_cache.on_step(n_seq, n_tok)
         return outputs
+
+    def close(self) -> None:
+        """Saves what should outlive the process (the expert routing history)."""
+        if self.expert_cache is not None:
+            self.expert_cache.close()
 
     def _gather_prompt_logprobs(self, req: Request, c: int, n: int, rows: np.ndarray) -> None:
         """Logprobs of prompt tokens c+1 .. c+n (each scored by the logits before it)."""

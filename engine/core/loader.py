@@ -9,12 +9,19 @@ contexts, capped at a quarter of the memory available now and never below one fu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.core.block_manager import BLOCK_SIZE
 from engine.core.engine import EngineCore
 from engine.core.scheduler import SchedulerConfig
+from engine.executor.expert_cache import (
+    ExpertCacheConfig,
+    ExpertCacheMonitor,
+    load_pinned,
+    memory_free,
+    plan_cache,
+)
 from engine.executor.model import Model, kv_block_bytes
 from engine.format.convert import ensure_converted
 from engine.models.config import ModelConfig
@@ -39,6 +46,7 @@ class EngineConfig:
     kv_cache_type: str = "f16"
     enable_prefix_cache: bool = True
     progress: bool = True  # show the conversion progress bar
+    expert_cache: ExpertCacheConfig = field(default_factory=ExpertCacheConfig.from_env)
 
 
 def available_memory_bytes() -> int | None:
@@ -79,6 +87,7 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     n_blocks = kv_pool_blocks(block_bytes, n_ctx, config)
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
                        kv_type=config.kv_cache_type, kv_blocks=n_blocks)
+    monitor = start_expert_cache(model, folder, config.expert_cache, n_blocks * block_bytes)
     tokenizer = Tokenizer.from_dir(folder)
     mb = n_blocks * block_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
@@ -88,4 +97,31 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
                             max_num_batched_tokens=config.max_num_batched_tokens)
     core = EngineCore(model, tokenizer, sched, n_blocks, config.enable_prefix_cache)
     core.model_path = folder
+    core.expert_cache = monitor
     return core
+
+
+def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
+                       kv_bytes: int) -> ExpertCacheMonitor:
+    """Decides the expert budget (printed), enables the cache when one is needed and returns
+    its monitor. ValueError when an explicit budget is below the minimum."""
+    cfg = model.config
+    other = kv_bytes + sum(p.stat().st_size for p in folder.rglob("*.bin")
+                           if p.parent.name != "experts")
+    plan = plan_cache(model.core, xc, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, other,
+                      memory_free(available_memory_bytes()))
+    if plan.per_layer is None:
+        log.info("expert cache: off, all %d experts resident (%.1f MB; %s)",
+                 cfg.n_layer * cfg.n_expert, plan.budget_bytes / 1e6, plan.reason)
+    else:
+        pinned = (load_pinned(folder, cfg.n_layer, cfg.n_expert, plan.per_layer)
+                  if xc.pin else None)
+        model.core.enable_expert_cache(plan.per_layer, load=xc.load, prefetch=xc.prefetch,
+                                       huge_pages=xc.huge_pages,
+                                       heat_window=xc.prefetch_window, pinned=pinned)
+        log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
+                 "load %s, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
+                 plan.budget_bytes / 1e6, cfg.n_layer * cfg.n_expert * plan.expert_bytes / 1e6,
+                 plan.reason, xc.load, "on" if xc.prefetch else "off",
+                 0 if pinned is None else int(pinned.sum()))
+    return ExpertCacheMonitor(model.core, plan, folder)

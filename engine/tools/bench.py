@@ -22,8 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.core.loader import start_expert_cache
+from engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
+from engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
 
 PROMPT_SEED = 20240601
 DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
@@ -161,6 +164,7 @@ class BenchSettings:
     probe_mib: int = DEFAULT_PROBE_MIB
     probe_passes: int = 3
     profile: bool = False
+    expert_cache: ExpertCacheConfig | None = None  # None: from the environment
 
     def check(self) -> None:
         for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes"):
@@ -168,6 +172,32 @@ class BenchSettings:
                 raise ValueError(f"{name.replace('_', '-')} must be positive")
         if self.threads is not None and self.threads <= 0:
             raise ValueError("threads must be positive")
+
+
+def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, float],
+                        n_tokens: int) -> dict[str, Any]:
+    """The cache's plan and what it did during the timed runs (counters minus before)."""
+    plan = monitor.plan
+    out: dict[str, Any] = {"enabled": plan.per_layer is not None,
+                           "slots_per_layer": plan.per_layer or plan.n_expert,
+                           "n_expert": plan.n_expert, "expert_bytes": plan.expert_bytes,
+                           "budget_bytes": plan.budget_bytes, "reason": plan.reason}
+    now = monitor.totals()
+    if not now:
+        return out
+    delta = {k: now[k] - before.get(k, 0.0) for k in now
+             if k not in ("hit_rate", "resident_bytes", "budget_bytes")}
+    acq = delta["hits"] + delta["misses"]
+    out.update(delta)
+    out["hit_rate"] = delta["hits"] / acq if acq else 0.0
+    out["resident_bytes"] = now["resident_bytes"]
+    out["bytes_read_per_token"] = delta["bytes_read"] / n_tokens if n_tokens else 0.0
+    st = monitor.stats()
+    if st is not None:
+        hits, misses = st["hits"].astype(float), st["misses"].astype(float)
+        out["hit_rate_per_layer"] = [h / (h + m) if h + m else 0.0
+                                     for h, m in zip(hits, misses, strict=True)]
+    return out
 
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
@@ -180,12 +210,16 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     path = ensure_converted(check_model(s.model), s.quant, progress=False)
     t0 = time.perf_counter()
     model = Model.load(path, threads=s.threads, n_ctx=s.prompt_tokens + s.gen_tokens)
+    monitor = start_expert_cache(model, path, s.expert_cache or ExpertCacheConfig.from_env(),
+                                 model.n_kv_blocks * model.kv_block_bytes())
     load_s = time.perf_counter() - t0
     cfg = model.config
     prompt = bench_prompt(cfg.n_vocab, s.prompt_tokens)
 
     timed_greedy_run(model, prompt, min(s.gen_tokens, 8))  # warm-up: page in, spin up
+    before = monitor.totals()
     runs = [timed_greedy_run(model, prompt, s.gen_tokens) for _ in range(s.repeat)]
+    cache = expert_cache_report(monitor, before, s.repeat * (s.prompt_tokens + s.gen_tokens))
     prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
     decode = summarize([s.gen_tokens / r.decode_s for r in runs])
     rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
@@ -216,6 +250,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "bound_tok_s": bound,
         "percent_of_bound": 100.0 * decode["median"] / bound if bound > 0 else math.nan,
         "greedy_tokens": runs[0].tokens[:16],
+        "expert_cache": cache,
     }
     if s.profile:
         from engine.tools.bench_profile import profile_decode
@@ -253,6 +288,16 @@ def render(r: dict[str, Any]) -> str:
         f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
         f"{r['percent_of_bound']:.1f}% of it",
     ]
+    xc = r.get("expert_cache") or {}
+    if xc.get("enabled"):
+        lines.append(
+            f"expert cache   {xc['slots_per_layer']} of {xc['n_expert']} experts per layer "
+            f"({_mb(xc['budget_bytes'])}); hit rate {xc['hit_rate']:.3f}, "
+            f"{_mb(xc['bytes_read_per_token'])} read per token, stalled "
+            f"{xc['stall_ns'] / 1e9:.2f} s, prefetch used {xc['prefetch_used']:.0f} of "
+            f"{xc['prefetch_issued']:.0f}")
+    elif xc:
+        lines.append(f"expert cache   off: every expert resident ({xc['reason']})")
     if "profile" in r:
         from engine.tools.bench_profile import render_profile
 
@@ -278,6 +323,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also time each weight phase of a decode step (attention projections, "
                         "router, experts, lm_head) against the measured step")
+    add_expert_cache_args(p)
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -286,7 +332,7 @@ def bench_main(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
-        profile=args.profile)
+        profile=args.profile, expert_cache=expert_cache_from_args(args))
     result = run_bench(settings)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

@@ -18,6 +18,7 @@ from typing import Any
 from engine import __version__
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import ModelError, check_model
+from engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
 
 
 @dataclass(frozen=True)
@@ -116,16 +117,19 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: cores)")
+    add_expert_cache_args(p)
 
 
 @command("generate", "write a completion of a prompt to stdout as it is generated",
          _generate_args)
 def _generate(args: argparse.Namespace) -> int:
+    from engine.core.loader import EngineConfig
     from engine.llm import LLM
     from engine.sample.sampler import SamplingParams
 
     check_model(args.model)
-    llm = LLM(args.model, threads=args.threads, quant=args.quant)
+    config = EngineConfig(expert_cache=expert_cache_from_args(args))
+    llm = LLM(args.model, threads=args.threads, quant=args.quant, config=config)
     if args.chat:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
@@ -137,6 +141,7 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(out.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    llm.core.close()
     return 0
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from engine.demo import default_model_path
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
+from engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
 
 LogitsFn = Callable[[list[int]], np.ndarray]
 
@@ -155,6 +156,7 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-type", choices=("f32", "f16", "q8"), default="f16",
                    help="KV cache element type (default f16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_expert_cache_args(p)
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -185,7 +187,8 @@ def eval_main(args: argparse.Namespace) -> int:
             raise ValueError(str(e)) from e
     if not text.strip():
         raise ValueError("the text to score is empty")
-    config = EngineConfig(kv_cache_type=args.kv_cache_type, max_num_seqs=1)
+    config = EngineConfig(kv_cache_type=args.kv_cache_type, max_num_seqs=1,
+                          expert_cache=expert_cache_from_args(args))
     llm = LLM(args.model, threads=args.threads, n_ctx=args.ctx, quant=args.quant, config=config)
     window = min(args.ctx, llm.n_ctx)
     ids = llm.tokenizer.encode(text)

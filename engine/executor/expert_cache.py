@@ -1,0 +1,305 @@
+"""The expert cache seen from Python: how large it is, which experts start pinned, and what it
+has done.
+
+A model's routed experts are most of its bytes, but a token uses only k of E per layer. When
+every expert fits in memory (next to the KV cache and a margin) they all stay mapped and the
+cache is off. Otherwise, or when a budget is given, each layer keeps a fixed number of expert
+slots, filled on demand by the C core (csrc/xcache.c). The budget never changes a token, only
+speed.
+
+Routing history persists next to the model (`expert_routing.json`, selections per expert) so
+the next start pins each layer's most used experts before the first request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("colibri.engine")
+
+ROUTING_FILE = "expert_routing.json"
+LOAD_MODES = ("pread", "direct", "mmap")
+MARGIN_BYTES = 256 << 20  # left free for Python, the server and the page cache's needs
+PIN_SHARE = 0.25  # share of each layer's slots given to pinned experts
+
+
+@dataclass
+class ExpertCacheConfig:
+    """How many experts to keep resident and how to load the others."""
+
+    mb: float | None = None  # budget for all layers' experts; None: from memory
+    size: int | None = None  # slots per layer (wins over mb); None: from mb or memory
+    prefetch_window: int = 16  # tokens of routing history that make an expert "hot"
+    load: str = "pread"  # pread | direct | mmap
+    prefetch: bool = True  # pre-gating prefetch thread
+    pin: bool = True  # pin the hot set learned from earlier runs
+    huge_pages: bool = False  # 2 MiB transparent huge pages on the slots
+
+    @classmethod
+    def from_env(cls) -> ExpertCacheConfig:
+        """Defaults, with COLIBRI_EXPERT_CACHE_MB / COLIBRI_EXPERT_CACHE_SIZE applied."""
+        c = cls()
+        mb = os.environ.get("COLIBRI_EXPERT_CACHE_MB")
+        size = os.environ.get("COLIBRI_EXPERT_CACHE_SIZE")
+        try:
+            c.mb = float(mb) if mb else None
+            c.size = int(size) if size else None
+        except ValueError as exc:
+            raise ValueError(f"COLIBRI_EXPERT_CACHE_MB / _SIZE must be numbers: {exc}") from None
+        return c
+
+
+@dataclass
+class CachePlan:
+    """The decision made at start: per_layer None means every expert stays resident."""
+
+    per_layer: int | None
+    expert_bytes: int
+    n_layer: int
+    n_expert: int
+    reason: str
+
+    @property
+    def budget_bytes(self) -> int:
+        n = self.n_expert if self.per_layer is None else self.per_layer
+        return n * self.n_layer * self.expert_bytes
+
+
+def cgroup_memory_free() -> int | None:
+    """Bytes this process's memory cgroup still allows (limit minus anonymous use), or None
+    without a limit. Reads cgroup v2's memory.max or v1's memory.limit_in_bytes."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        rel = parts[2].lstrip("/")
+        if parts[1] == "" or parts[0] == "0":  # v2
+            base = Path("/sys/fs/cgroup") / rel
+            limit_f, usage_f, stat_key = base / "memory.max", base / "memory.current", "anon"
+        elif "memory" in parts[1].split(","):
+            base = Path("/sys/fs/cgroup/memory") / rel
+            limit_f, usage_f = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
+            stat_key = "total_rss"
+        else:
+            continue
+        try:
+            raw = limit_f.read_text(encoding="ascii").strip()
+            if raw == "max" or int(raw) >= 1 << 60:
+                continue
+            limit = int(raw)
+            used = int(usage_f.read_text(encoding="ascii").strip())
+            for s in (base / "memory.stat").read_text(encoding="ascii").splitlines():
+                k, _, v = s.partition(" ")
+                if k == stat_key:
+                    used = int(v)  # page cache can be given back: count anonymous memory
+                    break
+        except (OSError, ValueError):
+            continue
+        return max(0, limit - used)
+    return None
+
+
+def memory_free(meminfo_available: int | None) -> int | None:
+    """What new memory may take: MemAvailable, capped by a cgroup limit."""
+    cg = cgroup_memory_free()
+    if meminfo_available is None:
+        return cg
+    return meminfo_available if cg is None else min(meminfo_available, cg)
+
+
+def plan_cache(core: Any, cfg: ExpertCacheConfig, n_layer: int, n_expert: int, top_k: int,
+               other_bytes: int, free: int | None) -> CachePlan:
+    """Slots per layer for cfg. other_bytes: what the model needs besides its routed experts
+    (attention, embeddings, router, shared experts, KV cache). ValueError when a given budget
+    cannot hold one layer's top-k experts."""
+    eb = int(core.expert_bytes)
+    layer_bytes = n_layer * eb
+    minimum = top_k * layer_bytes
+    if cfg.load not in LOAD_MODES:
+        raise ValueError(f"expert load mode must be one of {', '.join(LOAD_MODES)}")
+    if cfg.size is not None:
+        if not top_k <= cfg.size <= n_expert:
+            raise ValueError(f"--expert-cache-size {cfg.size} must be in {top_k}..{n_expert} "
+                             f"(the model routes each token to {top_k} of {n_expert} experts "
+                             f"per layer)")
+        if cfg.size == n_expert:
+            return CachePlan(None, eb, n_layer, n_expert, "every expert resident (asked)")
+        return CachePlan(cfg.size, eb, n_layer, n_expert, f"--expert-cache-size {cfg.size}")
+    if cfg.mb is not None:
+        per = int(cfg.mb * 1024 * 1024) // layer_bytes
+        if per < top_k:
+            raise ValueError(f"--expert-cache-mb {cfg.mb:g} is below the minimum of "
+                             f"{minimum / 1e6:.1f} MB ({top_k} experts of "
+                             f"{eb / 1e6:.2f} MB in each of {n_layer} layers)")
+        if per >= n_expert:
+            return CachePlan(None, eb, n_layer, n_expert,
+                             f"--expert-cache-mb {cfg.mb:g} holds every expert")
+        return CachePlan(per, eb, n_layer, n_expert, f"--expert-cache-mb {cfg.mb:g}")
+    total = n_expert * layer_bytes
+    if free is None or total + other_bytes + MARGIN_BYTES <= free:
+        return CachePlan(None, eb, n_layer, n_expert, "the model fits in memory")
+    room = free - other_bytes - MARGIN_BYTES
+    per = max(top_k, min(n_expert - 1, room // layer_bytes))
+    if room < minimum:
+        log.warning("expert cache: %.0f MB free after the rest of the model, below the "
+                    "minimum of %.1f MB; using the minimum", max(room, 0) / 1e6, minimum / 1e6)
+    return CachePlan(int(per), eb, n_layer, n_expert,
+                     f"the model's {total / 1e6:.0f} MB of experts do not fit in the "
+                     f"{free / 1e6:.0f} MB free")
+
+
+def load_pinned(model_dir: Path, n_layer: int, n_expert: int, per_layer: int) -> np.ndarray | None:
+    """Pinned flags [n_layer, n_expert] from the routing history, or None without one."""
+    path = model_dir / ROUTING_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        sel = np.asarray(data["selections"], dtype=np.int64)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return None
+    if sel.shape != (n_layer, n_expert):
+        log.warning("ignoring %s: it is for %s experts, the model has %s", path, sel.shape,
+                    (n_layer, n_expert))
+        return None
+    n_pin = min(per_layer - 1, int(per_layer * PIN_SHARE))
+    pinned = np.zeros((n_layer, n_expert), dtype=bool)
+    if n_pin <= 0:
+        return pinned
+    for il in range(n_layer):
+        order = np.argsort(-sel[il], kind="stable")[:n_pin]
+        pinned[il, order[sel[il, order] > 0]] = True
+    return pinned
+
+
+def save_routing(model_dir: Path, selections: np.ndarray) -> None:
+    """Adds this run's selections to the routing history next to the model (best effort: a
+    read-only model folder keeps none)."""
+    path = model_dir / ROUTING_FILE
+    total = np.asarray(selections, dtype=np.int64)
+    try:
+        old = np.asarray(json.loads(path.read_text(encoding="utf-8"))["selections"],
+                         dtype=np.int64)
+        if old.shape == total.shape:
+            total = total + old
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps({"selections": total.tolist()}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.info("routing history not saved (%s): %s", path, exc)
+
+
+class ExpertCacheMonitor:
+    """Counters of a running cache, a short history for the live page, the periodic log line
+    and the routing history saved at close."""
+
+    HISTORY_S = 300
+    LOG_EVERY_S = 30.0
+
+    def __init__(self, core: Any, plan: CachePlan, model_dir: Path | None) -> None:
+        self.core = core
+        self.plan = plan
+        self.model_dir = model_dir
+        self._lock = threading.Lock()
+        self.history: deque[dict[str, float]] = deque(maxlen=self.HISTORY_S)
+        self._last_t = time.monotonic()
+        self._last_log = self._last_t
+        self._last_tokens = 0
+        self._last_hm = (0, 0)
+        self._tokens = 0
+        self._batch_sum = 0
+        self._batch_n = 0
+        self._saved = None
+
+    def stats(self) -> dict[str, Any] | None:
+        return self.core.expert_cache_stats()
+
+    def totals(self) -> dict[str, float]:
+        """Summed counters, hit rate and resident bytes (zeros when the cache is off)."""
+        st = self.stats()
+        if st is None:
+            return {}
+        out: dict[str, float] = {k: float(v.sum()) for k, v in st.items()
+                                 if k not in ("state", "heat", "selections")}
+        acq = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / acq if acq else 0.0
+        out["resident_bytes"] = float((st["state"] >= 1).sum() * self.plan.expert_bytes)
+        out["budget_bytes"] = float(self.plan.budget_bytes)
+        return out
+
+    def on_step(self, n_seqs: int, n_tokens: int) -> None:
+        """Called after each engine step: one history point per second, a log line now and
+        then."""
+        with self._lock:
+            self._tokens += n_tokens
+            self._batch_sum += n_seqs
+            self._batch_n += 1
+            now = time.monotonic()
+            if now - self._last_t < 1.0:
+                return
+            st = self.stats()
+            dt = now - self._last_t
+            hits = int(st["hits"].sum()) if st else 0
+            misses = int(st["misses"].sum()) if st else 0
+            dh, dm = hits - self._last_hm[0], misses - self._last_hm[1]
+            self.history.append({
+                "t": time.time(), "tok_s": (self._tokens - self._last_tokens) / dt,
+                "batch": self._batch_sum / max(self._batch_n, 1),
+                "hit_rate": dh / (dh + dm) if dh + dm else None})
+            self._last_t, self._last_tokens, self._last_hm = now, self._tokens, (hits, misses)
+            self._batch_sum = self._batch_n = 0
+            if st is not None and now - self._last_log >= self.LOG_EVERY_S:
+                self._last_log = now
+                acq = hits + misses
+                log.info("expert_cache_hit_rate=%.3f hits=%d misses=%d resident_mb=%.1f "
+                         "read_mb=%.1f stall_s=%.2f prefetch_used=%d/%d", hits / acq if acq
+                         else 0.0, hits, misses, (st["state"] >= 1).sum() *
+                         self.plan.expert_bytes / 1e6, st["bytes_read"].sum() / 1e6,
+                         st["stall_ns"].sum() / 1e9, int(st["prefetch_used"].sum()),
+                         int(st["prefetch_issued"].sum()))
+
+    def page_data(self) -> dict[str, Any]:
+        """What the live page draws: per layer and expert state and heat, the totals and the
+        history (JSON-ready)."""
+        st = self.stats()
+        with self._lock:
+            hist = list(self.history)
+        out: dict[str, Any] = {
+            "enabled": st is not None, "n_layer": self.plan.n_layer,
+            "n_expert": self.plan.n_expert, "slots_per_layer": self.plan.per_layer
+            or self.plan.n_expert, "expert_bytes": self.plan.expert_bytes,
+            "budget_bytes": self.plan.budget_bytes, "reason": self.plan.reason,
+            "totals": self.totals(), "history": hist}
+        if st is not None:
+            out["state"] = st["state"].tolist()
+            out["heat"] = [[round(float(h), 3) for h in row] for row in st["heat"]]
+            out["layers"] = [{k: int(st[k][i]) for k in st
+                              if k not in ("state", "heat", "selections")}
+                             for i in range(self.plan.n_layer)]
+        return out
+
+    def close(self) -> None:
+        """Saves the routing history (once)."""
+        st = self.stats()
+        if st is None or self.model_dir is None or self._saved:
+            return
+        self._saved = True
+        save_routing(self.model_dir, st["selections"])
