@@ -18,8 +18,12 @@ ISA_FLAGS = {
     "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
 }
 C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-pthread", "-fno-math-errno"]
-if os.environ.get("COLIBRI_SANITIZE"):
-    C_FLAGS += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
+# COLIBRI_SANITIZE=1: AddressSanitizer + UBSan; COLIBRI_SANITIZE=thread: ThreadSanitizer
+SANITIZE = os.environ.get("COLIBRI_SANITIZE", "")
+SAN_FLAGS = (["-fsanitize=thread"] if SANITIZE == "thread"
+             else ["-fsanitize=address,undefined"] if SANITIZE else [])
+if SAN_FLAGS:
+    C_FLAGS += [*SAN_FLAGS, "-fno-omit-frame-pointer", "-O1", "-g"]
 
 
 def c_sources() -> list[str]:
@@ -51,8 +55,7 @@ class BuildExt(build_ext):
 
 
 link_args = ["-pthread", "-lm"]
-if os.environ.get("COLIBRI_SANITIZE"):
-    link_args += ["-fsanitize=address,undefined"]
+link_args += SAN_FLAGS
 
 ext = Extension(
     "engine._core",

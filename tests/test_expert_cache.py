@@ -1,0 +1,317 @@
+"""Expert cache: placement decides speed, never tokens.
+
+The reference is the same model with every expert resident (read through its mappings): at
+every budget, load mode and prefetch setting, logits must be bit-identical, for single
+decodes and for batches whose experts do not fit in one wave. Also: the budget holds after
+every step, pinned experts stay, counters add up, the prefetch thread stops cleanly, a file
+cut short under a running cache fails the call with the file's name, and the start-up plan
+refuses budgets below one layer's top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.core.loader import EngineConfig
+from engine.demo import default_model_path
+from engine.errors import ModelFaultError, WeightFileChangedError
+from engine.executor.expert_cache import (
+    ROUTING_FILE,
+    ExpertCacheConfig,
+    load_pinned,
+    plan_cache,
+)
+from engine.executor.model import Model
+from engine.format.convert import convert, ensure_converted
+from engine.llm import LLM
+
+pytest.importorskip("transformers")
+
+from tests.tiny_models import make_checkpoint  # noqa: E402
+
+PROMPT = (np.arange(1, 41, dtype=np.int32) * 7) % 300
+N_DECODE = 12
+
+
+@pytest.fixture(scope="module")
+def demo_dir() -> Path:
+    """The trained demo model at q8 (64 experts, top-8: realistic, skewed routing)."""
+    return ensure_converted(Path(default_model_path()), "q8", progress=False)
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2-MoE with a shared expert, f32 (another file layout and architecture)."""
+    root = tmp_path_factory.mktemp("xc_qwen2")
+    hf = make_checkpoint("qwen2_moe", root / "hf", seed=5)
+    return convert(hf, root / "f32", quant="f32", progress=False)
+
+
+def _decode(m: Model, n: int = N_DECODE) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill PROMPT, then n greedy steps; the tokens and every step's logits."""
+    m.reset(0)
+    lg = m.forward(PROMPT, np.zeros(PROMPT.size, np.int32),
+                   np.arange(PROMPT.size, dtype=np.int32))
+    logits = [lg[-1].copy()]
+    tok, pos, out = int(np.argmax(lg[-1])), PROMPT.size, []
+    for _ in range(n):
+        out.append(tok)
+        lg = m.forward(np.array([tok], np.int32), np.zeros(1, np.int32),
+                       np.array([pos], np.int32))
+        logits.append(lg[-1].copy())
+        tok, pos = int(np.argmax(lg[-1])), pos + 1
+    return out, logits
+
+
+def _cached(path: Path, per_layer: int, **kw: object) -> Model:
+    m = Model.load(path, n_seq=1)
+    m.core.enable_expert_cache(per_layer, **kw)
+    return m
+
+
+@pytest.fixture(scope="module")
+def demo_ref(demo_dir: Path) -> tuple[list[int], list[np.ndarray]]:
+    return _decode(Model.load(demo_dir, n_seq=1))
+
+
+@pytest.mark.parametrize("load", ["pread", "direct", "mmap"])
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.25, 0.0])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_every_budget_gives_the_resident_output(demo_dir: Path, demo_ref: tuple, load: str,
+                                                share: float, prefetch: bool) -> None:
+    cfg = Model.load(demo_dir).config
+    k, e = cfg.n_expert_used, cfg.n_expert
+    per_layer = max(k, int(e * share))  # share 0: the minimum, one token's experts
+    if load == "direct" and not _direct_ok(demo_dir):
+        pytest.skip("this file system refuses O_DIRECT (tmpfs); pread and mmap still run")
+    m = _cached(demo_dir, per_layer, load=load, prefetch=prefetch)
+    tokens, logits = _decode(m)
+    ref_tokens, ref_logits = demo_ref
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert np.array_equal(a, b)
+    st = m.core.expert_cache_stats()
+    assert st is not None
+    # prefill and decode route T * k rows per layer: each acquired once per wave
+    assert (st["hits"] + st["misses"]).min() > 0
+    assert ((st["state"] >= 1).sum(axis=1) <= per_layer).all()
+    if per_layer < e:
+        assert st["evictions"].sum() > 0
+
+
+def _direct_ok(path: Path) -> bool:
+    try:
+        fd = os.open(next(path.glob("experts/*.bin")), os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def test_batch_of_sequences_in_waves(shared_dir: Path) -> None:
+    """Four sequences at once route to more experts than one slot per layer holds, so each
+    layer runs in waves; every sequence's logits equal the resident model's."""
+    def step_all(m: Model) -> np.ndarray:
+        n = 4
+        rng = np.random.default_rng(3)
+        toks = rng.integers(3, 300, size=(n, 9)).astype(np.int32)
+        nb = 1
+        tables = np.arange(n * nb, dtype=np.int32).reshape(n, nb)
+        t = toks.reshape(-1)
+        seq = np.repeat(np.arange(n, dtype=np.int32), 9)
+        pos = np.tile(np.arange(9, dtype=np.int32), n)
+        return m.forward_paged(t, seq, pos, tables, None)
+
+    ref = step_all(Model.load(shared_dir, n_seq=0, kv_blocks=8))
+    for per_layer in (1, 2):
+        m = Model.load(shared_dir, n_seq=0, kv_blocks=8)
+        m.core.enable_expert_cache(per_layer, prefetch=True)
+        assert np.array_equal(step_all(m), ref)
+        st = m.core.expert_cache_stats()
+        assert ((st["state"] >= 1).sum(axis=1) <= per_layer).all()
+
+
+def test_budget_holds_after_every_step_under_random_routing(shared_dir: Path) -> None:
+    m = Model.load(shared_dir, n_seq=0, kv_blocks=64)
+    m.core.enable_expert_cache(2, prefetch=True, heat_window=4)
+    rng = np.random.default_rng(7)
+    positions: dict[int, int] = {}
+    n_tokens = 0
+    for step in range(60):
+        n_seq = int(rng.integers(1, 5))
+        seqs = rng.choice(8, size=n_seq, replace=False)
+        toks, sid, pos = [], [], []
+        tables = np.full((n_seq, 8), -1, np.int32)
+        for i, s in enumerate(seqs):
+            n = int(rng.integers(1, 4))
+            p0 = positions.get(int(s), 0)
+            if p0 + n > 8 * 16:
+                positions[int(s)] = p0 = 0
+            toks += rng.integers(3, 300, size=n).tolist()
+            sid += [i] * n
+            pos += list(range(p0, p0 + n))
+            positions[int(s)] = p0 + n
+            tables[i] = np.arange(int(s) * 8, int(s) * 8 + 8)
+        n_tokens += len(toks)
+        m.forward_paged(np.array(toks, np.int32), np.array(sid, np.int32),
+                        np.array(pos, np.int32), tables, None)
+        st = m.core.expert_cache_stats()
+        assert ((st["state"] >= 1).sum(axis=1) <= 2).all(), f"step {step}"
+        assert (st["loads"] >= st["prefetch_issued"]).all()
+        assert (st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]).all()
+    hp = m.config
+    assert st["selections"].sum() == hp.n_layer * hp.n_expert_used * n_tokens
+
+
+def test_pinned_experts_stay_resident(demo_dir: Path, demo_ref: tuple) -> None:
+    cfg = Model.load(demo_dir).config
+    pinned = np.zeros((cfg.n_layer, cfg.n_expert), bool)
+    pinned[:, [3, 17, 40]] = True
+    m = _cached(demo_dir, cfg.n_expert_used + 2, pinned=pinned, prefetch=False)
+    st0 = m.core.expert_cache_stats()
+    assert (st0["state"][pinned] == 3).all()
+    assert st0["loads"].sum() == 0  # counters start after the pinned loads
+    tokens, _ = _decode(m)
+    assert tokens == demo_ref[0]
+    st = m.core.expert_cache_stats()
+    assert (st["state"][pinned] == 3).all()
+    assert ((st["state"] >= 1).sum(axis=1) <= cfg.n_expert_used + 2).all()
+
+
+def test_too_many_pinned_and_bad_configs_are_refused(demo_dir: Path) -> None:
+    cfg = Model.load(demo_dir).config
+    m = Model.load(demo_dir)
+    pinned = np.zeros((cfg.n_layer, cfg.n_expert), bool)
+    pinned[0, :4] = True
+    with pytest.raises(ValueError, match="at most 3"):
+        m.core.enable_expert_cache(4, pinned=pinned)
+    with pytest.raises(ValueError, match="slots per layer"):
+        m.core.enable_expert_cache(0)
+    with pytest.raises(ValueError, match="load mode"):
+        m.core.enable_expert_cache(8, load="tape")
+    m.core.enable_expert_cache(8)
+    with pytest.raises(ValueError, match="already enabled"):
+        m.core.enable_expert_cache(8)
+
+
+def test_counters_of_one_chunk(demo_dir: Path) -> None:
+    """One prefill chunk acquires each expert it routes to once: misses = loads = distinct
+    experts used, and selections = the routes the forward pass reported."""
+    cfg = Model.load(demo_dir).config
+    m = Model.load(demo_dir, n_seq=1)
+    m.core.enable_expert_cache(cfg.n_expert - 1, prefetch=False)
+    routes = np.zeros((PROMPT.size, cfg.n_layer, cfg.n_expert_used), np.int32)
+    m.core.forward(m.kv, PROMPT, np.zeros(PROMPT.size, np.int32),
+                   np.arange(PROMPT.size, dtype=np.int32), None, m.slot_tables[:1], routes)
+    st = m.core.expert_cache_stats()
+    for il in range(cfg.n_layer):
+        used = np.unique(routes[:, il, :])
+        # one chunk: each used expert is acquired once, in its layer's waves, never found
+        assert st["misses"][il] == len(used)
+        assert st["hits"][il] == 0
+        assert st["loads"][il] == len(used)
+        assert st["selections"][il].sum() == PROMPT.size * cfg.n_expert_used
+        np.testing.assert_array_equal(
+            st["selections"][il], np.bincount(routes[:, il, :].ravel(),
+                                              minlength=cfg.n_expert))
+
+
+def test_truncated_expert_file_fails_the_call_and_names_it(demo_dir: Path,
+                                                           tmp_path: Path) -> None:
+    copy = tmp_path / "m"
+    shutil.copytree(demo_dir, copy)
+    m = Model.load(copy, n_seq=1)
+    m.core.enable_expert_cache(8, prefetch=True)
+    _decode(m, 2)  # warm
+    for f in (copy / "experts").glob("*.bin"):
+        os.truncate(f, 64)
+    with pytest.raises(WeightFileChangedError, match=r"experts/layer_\d+_expert_\d+\.bin"):
+        _decode(m, 8)
+    with pytest.raises(ModelFaultError, match="is shorter than when the model was loaded"):
+        _decode(m, 1)  # and every later call: the model marked itself unhealthy
+    del m  # joins the prefetch thread: must not hang or crash
+
+
+def test_truncated_expert_file_at_load_is_a_clean_error(demo_dir: Path,
+                                                        tmp_path: Path) -> None:
+    copy = tmp_path / "m"
+    shutil.copytree(demo_dir, copy)
+    victim = copy / "experts" / "layer_1_expert_5.bin"
+    os.truncate(victim, victim.stat().st_size // 2)
+    cfg = EngineConfig(expert_cache=ExpertCacheConfig(size=8), progress=False)
+    with pytest.raises(Exception, match="layer_1_expert_5.bin"):
+        LLM(copy, config=cfg)
+
+
+def test_plan_refuses_a_budget_below_one_layers_top_k(demo_dir: Path) -> None:
+    m = Model.load(demo_dir)
+    cfg = m.config
+    eb = m.core.expert_bytes
+    minimum_mb = cfg.n_expert_used * cfg.n_layer * eb / 1e6
+    with pytest.raises(ValueError, match=f"minimum of {minimum_mb:.1f} MB"):
+        plan_cache(m.core, ExpertCacheConfig(mb=0.1), cfg.n_layer, cfg.n_expert,
+                   cfg.n_expert_used, 0, None)
+    with pytest.raises(ValueError, match="must be in 8..64"):
+        plan_cache(m.core, ExpertCacheConfig(size=3), cfg.n_layer, cfg.n_expert,
+                   cfg.n_expert_used, 0, None)
+    layer = cfg.n_layer * eb
+    p = plan_cache(m.core, ExpertCacheConfig(mb=20 * layer / 2**20), cfg.n_layer,
+                   cfg.n_expert, cfg.n_expert_used, 0, None)
+    assert p.per_layer == 20
+    # no budget given: everything resident when it fits, else what free memory allows
+    p = plan_cache(m.core, ExpertCacheConfig(), cfg.n_layer, cfg.n_expert,
+                   cfg.n_expert_used, 10 << 20, 1 << 34)
+    assert p.per_layer is None
+    free = (10 << 20) + (256 << 20) + 30 * layer
+    p = plan_cache(m.core, ExpertCacheConfig(), cfg.n_layer, cfg.n_expert,
+                   cfg.n_expert_used, 10 << 20, free)
+    assert p.per_layer == 30
+
+
+def test_routing_history_pins_the_next_start(demo_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "m"
+    shutil.copytree(demo_dir, copy)
+    cfg = EngineConfig(expert_cache=ExpertCacheConfig(size=16), progress=False)
+    llm = LLM(copy, config=cfg)
+    llm.generate_ids(list(PROMPT), 8, temperature=0.0)
+    llm.core.close()
+    data = json.loads((copy / ROUTING_FILE).read_text())
+    sel = np.asarray(data["selections"])
+    assert sel.shape == (llm.model.config.n_layer, llm.model.config.n_expert)
+    assert sel.sum() > 0
+    pinned = load_pinned(copy, *sel.shape, 16)
+    assert pinned is not None and (pinned.sum(axis=1) == 4).all()
+    for il in range(sel.shape[0]):  # the most selected experts of each layer
+        assert sel[il][pinned[il]].min() >= sel[il][~pinned[il]].max()
+    llm2 = LLM(copy, config=cfg)
+    st = llm2.model.core.expert_cache_stats()
+    assert (st["state"][pinned] == 3).all()
+    off = EngineConfig(expert_cache=ExpertCacheConfig(size=16, pin=False), progress=False)
+    st = LLM(copy, config=off).model.core.expert_cache_stats()
+    assert (st["state"] != 3).all()
+
+
+def test_routes_output_matches_the_cache_selections(shared_dir: Path) -> None:
+    m = Model.load(shared_dir, n_seq=1)
+    cfg = m.config
+    routes = np.full((PROMPT.size, cfg.n_layer, cfg.n_expert_used), -1, np.int32)
+    m.core.forward(m.kv, PROMPT, np.zeros(PROMPT.size, np.int32),
+                   np.arange(PROMPT.size, dtype=np.int32), None, m.slot_tables[:1], routes)
+    assert routes.min() >= 0 and routes.max() < cfg.n_expert
+    for t in range(PROMPT.size):  # k distinct experts per token and layer
+        for il in range(cfg.n_layer):
+            assert len(set(routes[t, il].tolist())) == cfg.n_expert_used
+    with pytest.raises(Exception, match="routes must be an int32 array"):
+        m.core.forward(m.kv, PROMPT, np.zeros(PROMPT.size, np.int32),
+                       np.arange(PROMPT.size, dtype=np.int32), None, m.slot_tables[:1],
+                       routes[:3])
+
+
+def test_stats_without_cache_is_none(shared_dir: Path) -> None:
+    assert Model.load(shared_dir).core.expert_cache_stats() is None
