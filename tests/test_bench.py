@@ -122,6 +122,30 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     assert len(r["greedy_tokens"]) == 7 and all(0 <= t < VOCAB_SIZE for t in r["greedy_tokens"])
 
 
+def test_bench_reports_the_expert_cache(tiny: dict[str, Path],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--model", str(tiny["q4"]), "--prompt-tokens", "12", "--gen-tokens", "6",
+            "--threads", "2", "--repeat", "2", "--probe-mib", "8"]
+    assert main([*args, "--json"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert off["expert_cache"]["enabled"] is False
+    assert main([*args, "--json", "--expert-cache-size", "2", "--no-expert-prefetch"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    xc = r["expert_cache"]
+    assert xc["enabled"] is True and xc["slots_per_layer"] == 2
+    assert r["greedy_tokens"] == off["greedy_tokens"]  # the budget never changes a token
+    acq = xc["hits"] + xc["misses"]
+    assert acq > 0 and xc["hit_rate"] == pytest.approx(xc["hits"] / acq)
+    assert len(xc["hit_rate_per_layer"]) == LAYERS
+    assert xc["bytes_read"] == xc["loads"] * xc["expert_bytes"]
+    assert xc["resident_bytes"] <= xc["budget_bytes"] == 2 * LAYERS * xc["expert_bytes"]
+    assert xc["prefetch_issued"] == 0
+    assert main([*args, "--expert-cache-size", "2"]) == 0
+    assert "expert cache   2 of" in capsys.readouterr().out
+    assert main([*args, "--expert-cache-size", "1"]) == 2
+    assert "must be in" in capsys.readouterr().err
+
+
 def test_bench_table_and_bad_arguments(tiny: dict[str, Path],
                                        capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "--model", str(tiny["f32"]), "--prompt-tokens", "4",

@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""Decode speed of a model larger than its memory: Colibri's expert cache against the OS.
+
+Uses the benchmark Mixtral of scripts/compare_llamacpp.py (built once and cached in
+--workdir, with its llama.cpp GGUF). For each oversubscription factor F (default 2 and 4) the
+routed experts are F times the budget: a memory cgroup (cgroup v1, /sys/fs/cgroup/memory; run
+as root) caps every engine at the same limit, the page cache is dropped before every run, and
+each engine runs in a fresh child process placed in the group:
+
+- colibri cache: --expert-cache-size E/F (pread into slots; prefetch on and off)
+- colibri mmap:  every expert mapped, the kernel decides what stays ("trust the OS")
+- llama.cpp:     mmap, the way llama-cpp-python loads a GGUF
+- resident:      Colibri with no limit and a warm page cache (the compute floor)
+
+Each child reports decode tok/s, the bytes it read from storage (/proc/self/io read_bytes),
+major faults and, for the cache, its counters. The physical floor of a run is the resident
+time per token plus the bytes it read from storage per token divided by the storage's read
+bandwidth, measured here twice: O_DIRECT reads of files not read recently (cold) and
+buffered re-reads after dropping the guest page cache (a virtual disk's host may still cache
+them). The guest page cache bandwidth is printed too.
+
+    sudo python scripts/bench_expert_cache.py                   # factors 2 and 4
+    python scripts/bench_expert_cache.py --factors 2 --gen-tokens 32 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+GROUP = "colibri_bench_expert_cache"
+
+
+# -- machine facts ------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _read_all(paths: list[Path], direct: bool) -> tuple[int, float]:
+    """Bytes and seconds to read paths once (O_DIRECT or buffered), 1 MiB at a time."""
+    import mmap
+
+    buf = mmap.mmap(-1, 1 << 20)
+    n, t0 = 0, time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            while True:
+                r = os.readv(fd, [buf])
+                n += r
+                if r < len(buf):
+                    break
+        finally:
+            os.close(fd)
+    return n, time.perf_counter() - t0
+
+
+def storage_bandwidths(files: list[Path], cold_files: list[Path]) -> dict[str, float]:
+    """GB/s: O_DIRECT over files not read recently, buffered after a drop, page cache."""
+    out: dict[str, float] = {}
+    drop_caches()
+    n, s = _read_all(cold_files, direct=True)
+    out["direct_cold_gb_s"] = n / s / 1e9
+    drop_caches()
+    n, s = _read_all(files, direct=False)
+    out["buffered_after_drop_gb_s"] = n / s / 1e9
+    n, s = _read_all(files, direct=False)
+    out["page_cache_gb_s"] = n / s / 1e9
+    return out
+
+
+# -- the cgroup ---------------------------------------------------------------------------
+
+def make_group(limit: int) -> Path:
+    g = CGROUP_ROOT / GROUP
+    g.mkdir(exist_ok=True)
+    (g / "memory.limit_in_bytes").write_text(str(limit))
+    try:
+        (g / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    except OSError:
+        pass  # no swap accounting: there is no swap here either
+    return g
+
+
+def remove_group() -> None:
+    g = CGROUP_ROOT / GROUP
+    if g.exists():
+        try:
+            g.rmdir()
+        except OSError:
+            pass
+
+
+# -- one run in a child process ------------------------------------------------------------
+
+def _io_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _majflt() -> int:
+    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])
+
+
+def child(args: argparse.Namespace) -> int:
+    """Load, prefill, decode; one JSON line. Runs inside the cgroup when the parent put it
+    there (it writes its own pid into cgroup.procs first)."""
+    if args.cgroup:
+        (Path(args.cgroup) / "cgroup.procs").write_text(str(os.getpid()))
+    from engine.tools.bench import bench_prompt
+
+    prompt = bench_prompt(args.vocab, args.prompt_tokens)
+    n_ctx = args.prompt_tokens + args.gen_tokens + 8
+    t_load = time.perf_counter()
+    stats: dict[str, Any] = {}
+    if args.child == "llama.cpp":
+        from compare_llamacpp import llama_greedy_run, llama_load
+
+        lm = llama_load(Path(args.child_model), args.threads, n_ctx)
+        load_s = time.perf_counter() - t_load
+        io0, f0 = _io_read_bytes(), _majflt()
+        pre, dec, toks = llama_greedy_run(lm, prompt, args.gen_tokens)
+    else:
+        from engine.core.loader import start_expert_cache
+        from engine.executor.expert_cache import ExpertCacheConfig
+        from engine.executor.model import Model
+        from engine.tools.bench import timed_greedy_run
+
+        m = Model.load(args.child_model, threads=args.threads, n_ctx=n_ctx)
+        xc = ExpertCacheConfig(size=args.size, load=args.load, prefetch=args.prefetch,
+                               pin=False, huge_pages=args.huge)
+        mon = start_expert_cache(m, Path(args.child_model), xc, 0)
+        load_s = time.perf_counter() - t_load
+        if args.warm:
+            timed_greedy_run(m, prompt, 8)
+        io0, f0 = _io_read_bytes(), _majflt()
+        before = mon.totals()
+        r = timed_greedy_run(m, prompt, args.gen_tokens)
+        pre, dec, toks = r.prefill_s, r.decode_s, r.tokens
+        after = mon.totals()
+        if after:
+            stats = {k: after[k] - before.get(k, 0.0) for k in after
+                     if k not in ("hit_rate", "resident_bytes", "budget_bytes")}
+            acq = stats["hits"] + stats["misses"]
+            stats["hit_rate"] = stats["hits"] / acq if acq else 0.0
+    print(json.dumps({"load_s": load_s, "prefill_s": pre, "decode_s": dec, "tokens": toks[:16],
+                      "read_bytes": _io_read_bytes() - io0, "majflt": _majflt() - f0,
+                      "cache": stats}))
+    return 0
+
+
+def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | None,
+          size: int | None = None, load: str = "pread", prefetch: bool = True,
+          warm: bool = False, huge: bool = False) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine,
+           "--child-model", str(model), "--threads", str(args.threads), "--vocab",
+           str(args.vocab), "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens",
+           str(args.gen_tokens), "--load", load]
+    if size is not None:
+        cmd += ["--size", str(size)]
+    if not prefetch:
+        cmd.append("--no-prefetch")
+    if warm:
+        cmd.append("--warm")
+    if huge:
+        cmd.append("--huge")
+    if cgroup is not None:
+        cmd += ["--cgroup", str(cgroup)]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout)[-1500:]
+        return {"error": f"exit {r.returncode} (killed by the memory limit?): {tail}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# -- the benchmark --------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="/tmp/colibri_compare")
+    p.add_argument("--quant", choices=("q8", "q4"), default="q8")
+    p.add_argument("--factors", default="2,4", help="experts / budget (default 2,4)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--repeat", type=int, default=1, help="runs per engine and factor")
+    p.add_argument("--slack-mb", type=float, default=48.0,
+                   help="memory above the measured need of the cache run (default 48)")
+    p.add_argument("--json", default=None, metavar="OUT")
+    for name in ("vocab", "hidden", "intermediate", "layers", "experts", "top_k"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--load", default="pread", help=argparse.SUPPRESS)
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--huge", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    import compare_llamacpp as cl
+
+    dflt = cl.Dims()
+    for name in ("vocab", "hidden", "intermediate", "layers", "experts", "top_k"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(dflt, name))
+    if args.child:
+        return child(args)
+    if os.geteuid() != 0 or not CGROUP_ROOT.is_dir():
+        raise SystemExit("needs root and the cgroup v1 memory controller at "
+                         f"{CGROUP_ROOT} (to cap memory and drop the page cache)")
+
+    from engine.format.convert import convert
+
+    d = cl.Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts,
+                args.top_k, dflt.heads, dflt.kv_heads, dflt.seed)
+    work = Path(args.workdir)
+    base = work / d.tag()
+    hf = cl.build_checkpoint(base / "hf", d)
+    ggufs = cl.build_gguf(hf, base / "gguf", cl.llama_source(work, None))
+    gguf = ggufs["Q8_0" if args.quant == "q8" else "Q4_0"]
+    model = base / f"colibri-{args.quant}"
+    if not (model / "config.json").is_file():
+        convert(hf, model, quant=args.quant, progress=False)
+    expert_files = sorted((model / "experts").glob("*.bin"))
+    expert_bytes = sum(f.stat().st_size for f in expert_files)
+    other_bytes = sum(f.stat().st_size for f in model.rglob("*.bin")
+                      if f.parent.name != "experts")
+    other_gguf = base / f"colibri-{'q4' if args.quant == 'q8' else 'q8'}"
+    cold = sorted(other_gguf.rglob("*.bin")) if other_gguf.is_dir() else expert_files
+
+    print(f"CPU: {cpu_model()}; {os.cpu_count()} CPUs; model {base.name} at {args.quant}: "
+          f"experts {expert_bytes / 1e6:.0f} MB, other weights {other_bytes / 1e6:.0f} MB",
+          flush=True)
+    bw = storage_bandwidths(expert_files, cold)
+    print("storage: O_DIRECT, not read recently {direct_cold_gb_s:.2f} GB/s; buffered after "
+          "dropping the page cache {buffered_after_drop_gb_s:.2f} GB/s; page cache "
+          "{page_cache_gb_s:.2f} GB/s".format(**bw), flush=True)
+
+    # the compute floor: everything resident, warm, no limit
+    resident = [spawn(args, "colibri", model, None, warm=True) for _ in range(args.repeat)]
+    t_res = statistics.median(r["decode_s"] for r in resident) / args.gen_tokens
+    print(f"resident: {1 / t_res:.1f} tok/s", flush=True)
+    ref_tokens = resident[0]["tokens"]
+
+    # prefetch on a warm cache (no limit, every expert but one per layer fits): does the
+    # prefetch thread cost tokens/s when misses are rare?
+    warm_rows = {}
+    for pf in (True, False):
+        w = [spawn(args, "colibri", model, None, size=args.experts - 1, prefetch=pf, warm=True)
+             for _ in range(args.repeat)]
+        warm_rows["on" if pf else "off"] = args.gen_tokens / statistics.median(
+            r["decode_s"] for r in w)
+    print(f"warm cache ({args.experts - 1} of {args.experts} per layer, no limit): prefetch on "
+          f"{warm_rows['on']:.1f} tok/s, off {warm_rows['off']:.1f} tok/s", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    remove_group()
+    for factor in [int(x) for x in args.factors.split(",")]:
+        per_layer = max(args.top_k, args.experts // factor)
+        budget = per_layer * args.layers * (expert_bytes // (args.layers * args.experts))
+        # the need of the cache run: its peak without a limit, then a little slack
+        probe = CGROUP_ROOT / (GROUP + "_probe")
+        probe.mkdir(exist_ok=True)
+        (probe / "memory.limit_in_bytes").write_text(str(1 << 40))
+        drop_caches()
+        spawn(args, "colibri", model, probe, size=per_layer)
+        peak = int((probe / "memory.max_usage_in_bytes").read_text())
+        probe.rmdir()
+        limit = int(min(peak, budget + other_bytes + (400 << 20)) + args.slack_mb * 2**20)
+        group = make_group(limit)
+        print(f"\nfactor {factor}: {per_layer} of {args.experts} experts per layer "
+              f"({budget / 1e6:.0f} MB); memory limit {limit / 1e6:.0f} MB "
+              f"(model {(expert_bytes + other_bytes) / 1e6:.0f} MB)", flush=True)
+        runs = {
+            "colibri cache": dict(engine="colibri", model=model, size=per_layer),
+            "colibri cache, no prefetch": dict(engine="colibri", model=model, size=per_layer,
+                                               prefetch=False),
+            "colibri cache, O_DIRECT": dict(engine="colibri", model=model, size=per_layer,
+                                            load="direct"),
+            "colibri cache, mmap+madvise": dict(engine="colibri", model=model,
+                                                size=per_layer, load="mmap"),
+            "colibri cache, huge pages": dict(engine="colibri", model=model, size=per_layer,
+                                              huge=True),
+            "colibri mmap (OS)": dict(engine="colibri", model=model),
+            "llama.cpp mmap": dict(engine="llama.cpp", model=gguf),
+        }
+        for name, kw in runs.items():
+            res = []
+            for _ in range(args.repeat):
+                drop_caches()
+                opts = {k: v for k, v in kw.items() if k not in ("engine", "model")}
+                res.append(spawn(args, kw["engine"], kw["model"], group, **opts))
+            ok = [r for r in res if "error" not in r]
+            row: dict[str, Any] = {"factor": factor, "engine": name, "limit_bytes": limit,
+                                   "per_layer": per_layer}
+            if not ok:
+                row["error"] = res[0]["error"]
+                print(f"  {name:28} failed: {row['error'][:300]}", flush=True)
+                rows.append(row)
+                continue
+            dec = statistics.median(r["decode_s"] for r in ok)
+            rb = statistics.median(r["read_bytes"] for r in ok)
+            per_tok = rb / (args.prompt_tokens + args.gen_tokens)
+            floor_cold = t_res + per_tok / (bw["direct_cold_gb_s"] * 1e9)
+            floor_host = t_res + per_tok / (bw["buffered_after_drop_gb_s"] * 1e9)
+            row.update(decode_tok_s=args.gen_tokens / dec, read_mb_per_token=per_tok / 1e6,
+                       majflt=statistics.median(r["majflt"] for r in ok),
+                       floor_cold_tok_s=1 / floor_cold, floor_host_cache_tok_s=1 / floor_host,
+                       s_per_token=dec / args.gen_tokens, cache=ok[0]["cache"],
+                       same_tokens=ok[0]["tokens"] == ref_tokens if name.startswith(
+                           "colibri") else None)
+            rows.append(row)
+            hit = (f", hit rate {row['cache']['hit_rate']:.3f}" if row["cache"] else "")
+            print(f"  {name:28} {row['decode_tok_s']:8.2f} tok/s, read "
+                  f"{row['read_mb_per_token']:6.2f} MB/token from storage, "
+                  f"{row['majflt']:.0f} major faults{hit}; floor "
+                  f"{row['floor_host_cache_tok_s']:.2f} tok/s (disk via host cache) / "
+                  f"{row['floor_cold_tok_s']:.2f} (cold disk)", flush=True)
+        remove_group()
+        by = {r["engine"]: r for r in rows if r["factor"] == factor and "decode_tok_s" in r}
+        c, o = by.get("colibri cache"), by.get("colibri mmap (OS)")
+        lc = by.get("llama.cpp mmap")
+        if c and o:
+            print(f"  cache / OS mmap: x{c['decode_tok_s'] / o['decode_tok_s']:.2f}", end="")
+        if c and lc:
+            print(f"; cache / llama.cpp: x{c['decode_tok_s'] / lc['decode_tok_s']:.2f}", end="")
+        if c:
+            print(f"; cache time per token / floor (host-cached disk): "
+                  f"{c['s_per_token'] * c['floor_host_cache_tok_s']:.2f}x", end="")
+        print(flush=True)
+    result = {"cpu": cpu_model(), "model": base.name, "quant": args.quant,
+              "storage": bw, "resident_tok_s": 1 / t_res, "rows": rows,
+              "warm_prefetch_tok_s": warm_rows,
+              "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
