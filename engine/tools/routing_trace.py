@@ -1,0 +1,190 @@
+"""Routing traces: which experts every token chose in every layer, as forward calls ran.
+
+A trace is the input of `colibri replay` (engine.tools.replay), which plays it back against
+expert cache policies. It keeps, per token, the n_expert_used expert ids of each layer, and
+the forward chunks the tokens were computed in: the expert cache updates its heat and takes
+experts once per chunk, so a replay has to see the same chunks. The core splits a forward
+call into chunks of at most CORE_CHUNK_TOKENS tokens; `RouteRecorder` records the same split.
+
+File format (.npz, numpy's zip of arrays): routes int32 [n_tokens, n_layer, k]; chunks int32
+[n_chunks] tokens per chunk (summing to n_tokens); prefill bool [n_tokens] (token came from a
+prompt rather than a decode step); n_expert, model and source as 0-d arrays.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CORE_CHUNK_TOKENS = 512  # CLB_MAX_BATCH in csrc/clb_model_internal.h: tokens per core chunk
+TRACE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    """Expert choices of a run, in the order the tokens were computed."""
+
+    routes: np.ndarray  # int32 [n_tokens, n_layer, k]
+    chunks: np.ndarray  # int32 [n_chunks], tokens per forward chunk
+    prefill: np.ndarray  # bool [n_tokens]
+    n_expert: int
+    model: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        r, c, p = self.routes, self.chunks, self.prefill
+        if r.ndim != 3 or r.dtype != np.int32:
+            raise ValueError(f"routes must be int32 [n_tokens, n_layer, k], got {r.dtype} "
+                             f"{r.shape}")
+        if c.ndim != 1 or (c.size and (c.min() < 1 or int(c.sum()) != r.shape[0])):
+            raise ValueError(f"chunk sizes must be positive and sum to the {r.shape[0]} tokens")
+        if p.shape != (r.shape[0],):
+            raise ValueError(f"prefill flags: {p.shape} for {r.shape[0]} tokens")
+        if self.n_expert < 1 or (r.size and (r.min() < 0 or r.max() >= self.n_expert)):
+            raise ValueError(f"expert ids must be in 0..{self.n_expert - 1}")
+        if r.size and np.any(np.diff(np.sort(r, axis=2), axis=2) == 0):
+            raise ValueError("a token chose one expert twice in a layer")
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.routes.shape[0])
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.routes.shape[1])
+
+    @property
+    def k(self) -> int:
+        return int(self.routes.shape[2])
+
+    def chunk_starts(self) -> np.ndarray:
+        """First token of each chunk, int64 [n_chunks]."""
+        return np.concatenate([[0], np.cumsum(self.chunks)[:-1]]).astype(np.int64)
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        with p.open("wb") as f:
+            np.savez_compressed(f, version=np.int32(TRACE_VERSION), routes=self.routes,
+                                chunks=self.chunks, prefill=self.prefill,
+                                n_expert=np.int32(self.n_expert), model=np.str_(self.model),
+                                source=np.str_(self.source))
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> RoutingTrace:
+        with np.load(Path(path), allow_pickle=False) as z:
+            if int(z["version"]) != TRACE_VERSION:
+                raise ValueError(f"{path}: routing trace version {int(z['version'])}, this "
+                                 f"Colibri reads version {TRACE_VERSION}")
+            return cls(routes=z["routes"].astype(np.int32, copy=False),
+                       chunks=z["chunks"].astype(np.int32, copy=False),
+                       prefill=z["prefill"].astype(bool, copy=False),
+                       n_expert=int(z["n_expert"]), model=str(z["model"]),
+                       source=str(z["source"]))
+
+
+@dataclass
+class RouteRecorder:
+    """Runs Model.forward and keeps every token's routes, split into the core's chunks."""
+
+    model: Any  # engine.executor.model.Model
+    routes: list[np.ndarray] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
+    prefill: list[np.ndarray] = field(default_factory=list)
+
+    def forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
+                want_logits: np.ndarray | None = None, prefill: bool = False) -> np.ndarray:
+        """model.forward(...), recording the call's routes; returns its logits."""
+        cfg = self.model.config
+        n = int(np.asarray(tokens).size)
+        r = np.zeros((n, cfg.n_layer, cfg.n_expert_used), np.int32)
+        out = self.model.forward(tokens, seq_ids, positions, want_logits, routes=r)
+        self.routes.append(r)
+        self.prefill.append(np.full(n, prefill))
+        for t0 in range(0, n, CORE_CHUNK_TOKENS):
+            self.chunks.append(min(CORE_CHUNK_TOKENS, n - t0))
+        return out
+
+    def trace(self, source: str = "") -> RoutingTrace:
+        cfg = self.model.config
+        k = cfg.n_expert_used
+        return RoutingTrace(
+            routes=np.concatenate(self.routes) if self.routes
+            else np.zeros((0, cfg.n_layer, k), np.int32),
+            chunks=np.asarray(self.chunks, np.int32),
+            prefill=np.concatenate(self.prefill) if self.prefill else np.zeros(0, bool),
+            n_expert=int(cfg.n_expert), model=str(self.model.path), source=source)
+
+
+def greedy_run(rec: RouteRecorder, prompt: np.ndarray, n_gen: int, seq: int = 0) -> list[int]:
+    """Prefill prompt in one call, then n_gen greedy single-token calls, all recorded.
+
+    Sequence slot seq is cleared before and after; returns the generated tokens.
+    """
+    model = rec.model
+    n = int(prompt.size)
+    want = np.zeros(n, np.uint8)
+    want[-1] = 1
+    seq_ids = np.full(1, seq, np.int32)
+    model.reset(seq)
+    try:
+        logits = rec.forward(prompt, np.full(n, seq, np.int32), np.arange(n, dtype=np.int32),
+                             want, prefill=True)
+        out = [int(np.argmax(logits[-1]))]
+        for step in range(n_gen):
+            logits = rec.forward(np.asarray(out[-1:], np.int32), seq_ids,
+                                 np.asarray([n + step], np.int32))
+            out.append(int(np.argmax(logits[0])))
+    finally:
+        model.reset(seq)
+    return out[:n_gen]
+
+
+def text_segments(ids: list[int] | np.ndarray, prompt_tokens: int, gen_tokens: int,
+                  max_tokens: int) -> Iterator[np.ndarray]:
+    """Consecutive prompts of prompt_tokens tokens of a text, as many as fit in max_tokens
+    traced tokens (each prompt is followed by gen_tokens decoded ones)."""
+    a = np.asarray(ids, np.int32)
+    per = prompt_tokens + gen_tokens
+    n_seg = max(1, max_tokens // per)
+    for i in range(n_seg):
+        seg = a[i * prompt_tokens:(i + 1) * prompt_tokens]
+        if seg.size < prompt_tokens:
+            return
+        yield seg
+
+
+def read_trace_text(spec: str) -> str:
+    """The text to trace: "demo" for the demo model's held-out plays, else a UTF-8 file."""
+    if spec == "demo":
+        from engine.tools.evaluate import demo_validation_text
+
+        return demo_validation_text()
+    p = Path(spec)
+    raw = p.read_bytes()
+    return (gzip.decompress(raw) if p.suffix == ".gz" else raw).decode("utf-8")
+
+
+def trace_text(model: Any, text: str, prompt_tokens: int, gen_tokens: int,
+               max_tokens: int) -> RoutingTrace:
+    """Trace a text: consecutive prompt_tokens-token pieces of it, each prefilled as a fresh
+    sequence and followed by gen_tokens greedy decode steps, until about max_tokens tokens
+    are traced (at least one piece). Raises ValueError when the text is shorter than one
+    piece."""
+    from engine.text.tokenizer import Tokenizer
+
+    if prompt_tokens < 1 or gen_tokens < 0 or max_tokens < 1:
+        raise ValueError("trace lengths must be positive")
+    ids = Tokenizer.from_dir(model.path).encode(text, add_special_tokens=False)
+    if len(ids) < prompt_tokens:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one {prompt_tokens}-token "
+                         "prompt")
+    rec = RouteRecorder(model)
+    for seg in text_segments(ids, prompt_tokens, gen_tokens, max_tokens):
+        greedy_run(rec, seg, gen_tokens)
+    return rec.trace(source=f"text: {prompt_tokens}-token pieces + {gen_tokens} greedy tokens")
