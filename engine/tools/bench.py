@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
+from engine.tools.routing_trace import add_trace_args, check_trace_args, record_bench_trace
 
 PROMPT_SEED = 20240601
 DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
@@ -278,15 +279,21 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also time each weight phase of a decode step (attention projections, "
                         "router, experts, lm_head) against the measured step")
+    add_trace_args(p)
 
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run `colibri bench` with parsed arguments; prints the table or JSON."""
     check_model(args.model)  # before anything is timed or converted
+    check_trace_args(args)
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
         profile=args.profile)
     result = run_bench(settings)
     print(json.dumps(result, indent=2) if args.json else render(result))
+    if args.routing_trace is not None:
+        tr = record_bench_trace(args, result["model"],
+                                lambda n_vocab: bench_prompt(n_vocab, args.prompt_tokens))
+        print(f"routing trace: {tr.n_tokens} tokens -> {args.routing_trace}", file=sys.stderr)
     return 0

@@ -13,8 +13,9 @@ prompt rather than a decode step); n_expert, model and source as 0-d arrays.
 
 from __future__ import annotations
 
+import argparse
 import gzip
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,63 @@ def trace_text(model: Any, text: str, prompt_tokens: int, gen_tokens: int,
     for seg in text_segments(ids, prompt_tokens, gen_tokens, max_tokens):
         greedy_run(rec, seg, gen_tokens)
     return rec.trace(source=f"text: {prompt_tokens}-token pieces + {gen_tokens} greedy tokens")
+
+
+# -- `colibri bench --routing-trace` ---------------------------------------------------------
+
+DEFAULT_TRACE_TOKENS = 4096
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The routing trace options of `colibri bench`."""
+    p.add_argument("--routing-trace", metavar="FILE", default=None,
+                   help="also run the workload once more, untimed, and write which experts "
+                        "every token chose in every layer (prefill and decode) to FILE (.npz), "
+                        "for `colibri replay`")
+    p.add_argument("--trace-text", metavar="FILE", default=None,
+                   help="with --routing-trace: trace a text instead of the random prompt, "
+                        "whose tokens route unlike real text. FILE is UTF-8 (.gz allowed), or "
+                        "'demo' for the demo model's held-out plays. The text is cut into "
+                        "pieces of --prompt-tokens tokens; each is prefilled as a fresh "
+                        "sequence and followed by --gen-tokens greedy decode steps, until "
+                        "--trace-tokens tokens are traced")
+    p.add_argument("--trace-tokens", type=int, default=DEFAULT_TRACE_TOKENS,
+                   help=f"with --trace-text: about how many tokens to trace (default "
+                        f"{DEFAULT_TRACE_TOKENS})")
+
+
+def check_trace_args(args: argparse.Namespace) -> None:
+    """Refuse trace options that cannot work, before anything is measured."""
+    if args.routing_trace is None:
+        if args.trace_text is not None:
+            raise ValueError("--trace-text needs --routing-trace FILE")
+        return
+    out = Path(args.routing_trace)
+    if not out.parent.is_dir():
+        raise ValueError(f"--routing-trace: folder {out.parent} does not exist")
+    if args.trace_text not in (None, "demo") and not Path(args.trace_text).is_file():
+        raise ValueError(f"--trace-text: {args.trace_text} is not a file")
+    if args.trace_tokens < 1:
+        raise ValueError("--trace-tokens must be positive")
+
+
+def record_bench_trace(args: argparse.Namespace, model_dir: str | Path,
+                       prompt_of: Callable[[int], np.ndarray]) -> RoutingTrace:
+    """The trace `colibri bench --routing-trace` writes: bench's workload (prompt_of(n_vocab)
+    prefilled, --gen-tokens greedy steps) or, with --trace-text, that text."""
+    from engine.executor.model import Model
+
+    n_ctx = args.prompt_tokens + args.gen_tokens
+    model = Model.load(model_dir, threads=args.threads, n_ctx=n_ctx)
+    if args.trace_text is not None:
+        tr = trace_text(model, read_trace_text(args.trace_text), args.prompt_tokens,
+                        args.gen_tokens, args.trace_tokens)
+        tr = RoutingTrace(tr.routes, tr.chunks, tr.prefill, tr.n_expert, tr.model,
+                          f"{args.trace_text} {tr.source}")
+    else:
+        rec = RouteRecorder(model)
+        greedy_run(rec, prompt_of(model.n_vocab), args.gen_tokens)
+        tr = rec.trace(source=f"bench: {args.prompt_tokens} random prompt tokens + "
+                              f"{args.gen_tokens} greedy tokens")
+    tr.save(args.routing_trace)
+    return tr
