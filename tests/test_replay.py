@@ -297,13 +297,34 @@ def test_bench_traces_a_text(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     capsys.readouterr()
     tr = RoutingTrace.load(out)
     assert tr.n_tokens == 75 and tr.chunks.tolist() == ([20] + [1] * 5) * 3
-    assert str(text) in tr.source
+    assert str(text) in tr.source and "greedy" in tr.source
+
+    # following the text: the decode steps route exactly as a prefill of the whole piece
+    rc = main(["bench", "--prompt-tokens", "20", "--gen-tokens", "5", "--repeat", "1",
+               "--probe-mib", "16", "--routing-trace", str(out), "--trace-text", str(text),
+               "--trace-tokens", "75", "--trace-follow", "--json"])
+    assert rc == 0
+    model_dir = json.loads(capsys.readouterr().out)["model"]
+    tr = RoutingTrace.load(out)
+    assert tr.n_tokens == 75 and "next tokens" in tr.source
+    from engine.executor.model import Model
+    from engine.text.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(model_dir).encode(text.read_text(encoding="utf-8"),
+                                               add_special_tokens=False)
+    rec = RouteRecorder(Model.load(model_dir, n_ctx=25))
+    for i in range(3):
+        greedy_run(rec, np.asarray(ids[25 * i:25 * (i + 1)], np.int32), 0)
+    assert rec.trace().chunks.tolist() == [25] * 3
+    assert np.array_equal(rec.trace().routes, tr.routes)
 
 
 def test_bad_trace_arguments_are_one_line(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--trace-text", "demo"]) == 2
     assert "--trace-text needs --routing-trace" in capsys.readouterr().err
+    assert main(["bench", "--routing-trace", str(tmp_path / "t.npz"), "--trace-follow"]) == 2
+    assert "--trace-follow needs --trace-text" in capsys.readouterr().err
     assert main(["bench", "--routing-trace", str(tmp_path / "no" / "t.npz")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing.npz")]) == 2

@@ -122,13 +122,18 @@ class RouteRecorder:
             n_expert=int(cfg.n_expert), model=str(self.model.path), source=source)
 
 
-def greedy_run(rec: RouteRecorder, prompt: np.ndarray, n_gen: int, seq: int = 0) -> list[int]:
-    """Prefill prompt in one call, then n_gen greedy single-token calls, all recorded.
+def greedy_run(rec: RouteRecorder, prompt: np.ndarray, n_gen: int, seq: int = 0,
+               follow: np.ndarray | None = None) -> list[int]:
+    """Prefill prompt in one call, then n_gen single-token decode calls, all recorded.
 
-    Sequence slot seq is cleared before and after; returns the generated tokens.
+    Each decode call feeds the greedy choice of the one before, or, with follow (int32
+    [n_gen]), follow[i] at step i: the text's own next tokens (teacher forcing). Sequence
+    slot seq is cleared before and after; returns the n_gen greedy choices.
     """
     model = rec.model
     n = int(prompt.size)
+    if follow is not None and follow.size < n_gen:
+        raise ValueError(f"{follow.size} tokens to follow for {n_gen} decode steps")
     want = np.zeros(n, np.uint8)
     want[-1] = 1
     seq_ids = np.full(1, seq, np.int32)
@@ -138,7 +143,8 @@ def greedy_run(rec: RouteRecorder, prompt: np.ndarray, n_gen: int, seq: int = 0)
                              want, prefill=True)
         out = [int(np.argmax(logits[-1]))]
         for step in range(n_gen):
-            logits = rec.forward(np.asarray(out[-1:], np.int32), seq_ids,
+            fed = out[-1] if follow is None else int(follow[step])
+            logits = rec.forward(np.asarray([fed], np.int32), seq_ids,
                                  np.asarray([n + step], np.int32))
             out.append(int(np.argmax(logits[0])))
     finally:
@@ -147,17 +153,17 @@ def greedy_run(rec: RouteRecorder, prompt: np.ndarray, n_gen: int, seq: int = 0)
 
 
 def text_segments(ids: list[int] | np.ndarray, prompt_tokens: int, gen_tokens: int,
-                  max_tokens: int) -> Iterator[np.ndarray]:
-    """Consecutive prompts of prompt_tokens tokens of a text, as many as fit in max_tokens
-    traced tokens (each prompt is followed by gen_tokens decoded ones)."""
+                  max_tokens: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(prompt, continuation) pieces of a text, consecutive and disjoint: prompt_tokens
+    tokens and the gen_tokens after them, as many as fit in max_tokens (at least one, if the
+    text holds one)."""
     a = np.asarray(ids, np.int32)
     per = prompt_tokens + gen_tokens
-    n_seg = max(1, max_tokens // per)
-    for i in range(n_seg):
-        seg = a[i * prompt_tokens:(i + 1) * prompt_tokens]
-        if seg.size < prompt_tokens:
+    for i in range(max(1, max_tokens // per)):
+        piece = a[i * per:(i + 1) * per]
+        if piece.size < per:
             return
-        yield seg
+        yield piece[:prompt_tokens], piece[prompt_tokens:]
 
 
 def read_trace_text(spec: str) -> str:
@@ -172,23 +178,24 @@ def read_trace_text(spec: str) -> str:
 
 
 def trace_text(model: Any, text: str, prompt_tokens: int, gen_tokens: int,
-               max_tokens: int) -> RoutingTrace:
-    """Trace a text: consecutive prompt_tokens-token pieces of it, each prefilled as a fresh
-    sequence and followed by gen_tokens greedy decode steps, until about max_tokens tokens
-    are traced (at least one piece). Raises ValueError when the text is shorter than one
-    piece."""
+               max_tokens: int, follow: bool = False) -> RoutingTrace:
+    """Trace a text: consecutive pieces of prompt_tokens + gen_tokens tokens of it, each
+    prompt prefilled as a fresh sequence and followed by gen_tokens decode steps (greedy, or
+    with follow the piece's own next tokens), until about max_tokens tokens are traced.
+    Raises ValueError when the text is shorter than one piece."""
     from engine.text.tokenizer import Tokenizer
 
     if prompt_tokens < 1 or gen_tokens < 0 or max_tokens < 1:
         raise ValueError("trace lengths must be positive")
     ids = Tokenizer.from_dir(model.path).encode(text, add_special_tokens=False)
-    if len(ids) < prompt_tokens:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one {prompt_tokens}-token "
-                         "prompt")
+    if len(ids) < prompt_tokens + gen_tokens:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one piece of "
+                         f"{prompt_tokens} + {gen_tokens}")
     rec = RouteRecorder(model)
-    for seg in text_segments(ids, prompt_tokens, gen_tokens, max_tokens):
-        greedy_run(rec, seg, gen_tokens)
-    return rec.trace(source=f"text: {prompt_tokens}-token pieces + {gen_tokens} greedy tokens")
+    for prompt, rest in text_segments(ids, prompt_tokens, gen_tokens, max_tokens):
+        greedy_run(rec, prompt, gen_tokens, follow=rest if follow else None)
+    how = "the text's next tokens" if follow else "greedy tokens"
+    return rec.trace(source=f"text: {prompt_tokens}-token prompts + {gen_tokens} {how}")
 
 
 # -- `colibri bench --routing-trace` ---------------------------------------------------------
@@ -206,11 +213,15 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="with --routing-trace: trace a text instead of the random prompt, "
                         "whose tokens route unlike real text. FILE is UTF-8 (.gz allowed), or "
                         "'demo' for the demo model's held-out plays. The text is cut into "
-                        "pieces of --prompt-tokens tokens; each is prefilled as a fresh "
-                        "sequence and followed by --gen-tokens greedy decode steps, until "
-                        "--trace-tokens tokens are traced")
+                        "consecutive pieces of --prompt-tokens + --gen-tokens tokens; each "
+                        "prompt is prefilled as a fresh sequence and followed by --gen-tokens "
+                        "greedy decode steps, until --trace-tokens tokens are traced")
+    p.add_argument("--trace-follow", action="store_true",
+                   help="with --trace-text: each decode step feeds the text's next token "
+                        "instead of the greedy choice, so decode routes real text even where "
+                        "the model's own output would repeat itself")
     p.add_argument("--trace-tokens", type=int, default=DEFAULT_TRACE_TOKENS,
-                   help=f"with --trace-text: about how many tokens to trace (default "
+                   help=f"with --trace-text: at most how many tokens to trace (default "
                         f"{DEFAULT_TRACE_TOKENS})")
 
 
@@ -220,6 +231,8 @@ def check_trace_args(args: argparse.Namespace) -> None:
         if args.trace_text is not None:
             raise ValueError("--trace-text needs --routing-trace FILE")
         return
+    if args.trace_follow and args.trace_text is None:
+        raise ValueError("--trace-follow needs --trace-text")
     out = Path(args.routing_trace)
     if not out.parent.is_dir():
         raise ValueError(f"--routing-trace: folder {out.parent} does not exist")
@@ -239,7 +252,7 @@ def record_bench_trace(args: argparse.Namespace, model_dir: str | Path,
     model = Model.load(model_dir, threads=args.threads, n_ctx=n_ctx)
     if args.trace_text is not None:
         tr = trace_text(model, read_trace_text(args.trace_text), args.prompt_tokens,
-                        args.gen_tokens, args.trace_tokens)
+                        args.gen_tokens, args.trace_tokens, follow=args.trace_follow)
         tr = RoutingTrace(tr.routes, tr.chunks, tr.prefill, tr.n_expert, tr.model,
                           f"{args.trace_text} {tr.source}")
     else:
