@@ -306,7 +306,7 @@ def test_bench_traces_a_text(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert rc == 0
     model_dir = json.loads(capsys.readouterr().out)["model"]
     tr = RoutingTrace.load(out)
-    assert tr.n_tokens == 75 and "next tokens" in tr.source
+    assert tr.n_tokens == 75 and "the text's next tokens" in tr.source
     from engine.executor.model import Model
     from engine.text.tokenizer import Tokenizer
 

@@ -194,8 +194,9 @@ def trace_text(model: Any, text: str, prompt_tokens: int, gen_tokens: int,
     rec = RouteRecorder(model)
     for prompt, rest in text_segments(ids, prompt_tokens, gen_tokens, max_tokens):
         greedy_run(rec, prompt, gen_tokens, follow=rest if follow else None)
-    how = "the text's next tokens" if follow else "greedy tokens"
-    return rec.trace(source=f"text: {prompt_tokens}-token prompts + {gen_tokens} {how}")
+    how = "fed the text's next tokens" if follow else "greedy"
+    return rec.trace(source=f"text: {prompt_tokens}-token prompts + {gen_tokens} decode steps "
+                            f"({how})")
 
 
 # -- `colibri bench --routing-trace` ---------------------------------------------------------
@@ -259,6 +260,6 @@ def record_bench_trace(args: argparse.Namespace, model_dir: str | Path,
         rec = RouteRecorder(model)
         greedy_run(rec, prompt_of(model.n_vocab), args.gen_tokens)
         tr = rec.trace(source=f"bench: {args.prompt_tokens} random prompt tokens + "
-                              f"{args.gen_tokens} greedy tokens")
+                              f"{args.gen_tokens} decode steps (greedy)")
     tr.save(args.routing_trace)
     return tr
