@@ -133,14 +133,16 @@ class Model:
             raise InputError(f"token id {bad} is not in 0..{self.n_vocab - 1}")
 
     def forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
-                want_logits: np.ndarray | None = None) -> np.ndarray:
+                want_logits: np.ndarray | None = None, routes: np.ndarray | None = None
+                ) -> np.ndarray:
         """One step over a batch: token i of sequence slot seq_ids[i] at positions[i].
 
         A slot's tokens are consecutive positions; its first may sit below what the slot
         holds (rewinding it: later positions are dropped) but never past it. Returns float32
         logits [n_out, n_vocab] for the rows with want_logits (all rows when None), in order.
         Raises InputError / ContextOverflowError (ValueErrors) for bad ids or positions;
-        nothing is computed and the cache is unchanged in that case.
+        nothing is computed and the cache is unchanged in that case. routes: None, or an
+        int32 array [n_tokens, n_layer, n_expert_used] that receives each token's experts.
         """
         tok = _i32(tokens, "tokens")
         seq = _i32(seq_ids, "seq_ids")
@@ -168,14 +170,15 @@ class Model:
                                  "in a call")
             ends[s] = int(p[-1]) + 1
         out = self._core_forward(self.kv, tok, seq, pos, want_logits, self.slot_tables
-                                if self.n_seq else np.full((1, 1), -1, np.int32))
+                                 if self.n_seq else np.full((1, 1), -1, np.int32),
+                                 routes=routes)
         for s, e in ends.items():
             self._len[s] = e
         return out
 
     def forward_paged(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
-                      block_tables: np.ndarray, want_logits: np.ndarray | None = None
-                      ) -> np.ndarray:
+                      block_tables: np.ndarray, want_logits: np.ndarray | None = None,
+                      routes: np.ndarray | None = None) -> np.ndarray:
         """The raw paged step for a scheduler that owns block allocation and lengths.
 
         Token i of sequence seq_ids[i] (a row of block_tables, int32 [n_seq, max_blocks],
@@ -185,17 +188,19 @@ class Model:
         may be shared read-only between sequences; a block may be written by one sequence
         per call. Does not touch the slots of `forward` (using both on one cache is the
         caller's business). Refused calls (InputError / ContextOverflowError) change nothing.
+        routes: as in `forward`.
         """
         tok = _i32(tokens, "tokens")
         self._check_tokens(tok)
-        return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables)
+        return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables,
+                                  routes=routes)
 
-    def _core_forward(self, *args: Any) -> np.ndarray:
+    def _core_forward(self, *args: Any, routes: np.ndarray | None = None) -> np.ndarray:
         """core.forward, refusing a faulty model and marking one that turns faulty."""
         if self.fault is not None:
             raise ModelFaultError(self.fault)
         try:
-            out = self.core.forward(*args)
+            out = self.core.forward(*args, routes=routes)
         except WeightFileChangedError as e:
             self._mark_faulty(str(e))
             raise

@@ -27,6 +27,7 @@ from engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
 from engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
+from engine.tools.routing_trace import add_trace_args, check_trace_args, record_bench_trace
 
 PROMPT_SEED = 20240601
 DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
@@ -324,15 +325,21 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also time each weight phase of a decode step (attention projections, "
                         "router, experts, lm_head) against the measured step")
     add_expert_cache_args(p)
+    add_trace_args(p)
 
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run `colibri bench` with parsed arguments; prints the table or JSON."""
     check_model(args.model)  # before anything is timed or converted
+    check_trace_args(args)
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
         profile=args.profile, expert_cache=expert_cache_from_args(args))
     result = run_bench(settings)
     print(json.dumps(result, indent=2) if args.json else render(result))
+    if args.routing_trace is not None:
+        tr = record_bench_trace(args, result["model"],
+                                lambda n_vocab: bench_prompt(n_vocab, args.prompt_tokens))
+        print(f"routing trace: {tr.n_tokens} tokens -> {args.routing_trace}", file=sys.stderr)
     return 0

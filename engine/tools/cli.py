@@ -172,6 +172,20 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    from engine.tools.replay import add_replay_args
+
+    add_replay_args(p)
+
+
+@command("replay", "hit rates of expert cache policies (and the optimum) on a routing trace",
+         _replay_args)
+def _replay(args: argparse.Namespace) -> int:
+    from engine.tools.replay import replay_main
+
+    return replay_main(args)
+
+
 AddParser = Callable[[Any], argparse.ArgumentParser]
 
 
