@@ -139,7 +139,8 @@ int clb_model_n_threads(const clb_model *m);
  * all-resident model whatever the budget. Victims: an empty slot, else the unpinned expert with
  * the least heat (selections over the last heat_window tokens, decayed), oldest use first on
  * ties. With prefetch, a thread reads ahead the experts that layer L+1's router picks for
- * layer L's input while layer L computes. */
+ * layer L's input while layer L computes; a layer whose prefetches are mostly evicted unused
+ * prefetches only one step in eight until that changes. */
 typedef enum {
     CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */

@@ -58,6 +58,8 @@ struct clb_xcache {
     xspan *span;        /* [L * E] */
     clb_tensor *tens;   /* [L * E * 3] the experts' tensors, data pointing into their slots */
     clb_xc_stats *st;   /* [L] */
+    float *pf_good, *pf_bad; /* [L] recent prefetches used / evicted unused (halved at 32) */
+    int64_t *pf_skips;  /* [L] requests skipped while the layer's prefetches mostly waste */
     uint64_t tick;
     float decay;
     pthread_mutex_t mu;
@@ -174,6 +176,19 @@ static int64_t pick_slot(const clb_xcache *xc, int64_t l) {
     return best;
 }
 
+/* Records whether a prefetch of layer l was used; the last few dozen outcomes decide
+ * whether the layer's predictions are worth their reads (see clb_xc_prefetch). */
+static void pf_outcome(clb_xcache *xc, int64_t l, int used) {
+    if (used)
+        xc->pf_good[l] += 1.0f;
+    else
+        xc->pf_bad[l] += 1.0f;
+    if (xc->pf_good[l] + xc->pf_bad[l] > 32.0f) {
+        xc->pf_good[l] *= 0.5f;
+        xc->pf_bad[l] *= 0.5f;
+    }
+}
+
 /* Takes slot i of layer l for expert e (state loading); returns the evicted expert's index
  * (l * E + old) or -1. */
 static int64_t claim(clb_xcache *xc, int64_t l, int64_t i, int64_t e, int prefetch) {
@@ -185,7 +200,10 @@ static int64_t claim(clb_xcache *xc, int64_t l, int64_t i, int64_t e, int prefet
         if (xc->cfg.load != CLB_XC_MMAP)
             for (int j = 0; j < 3; j++) xc->tens[old * 3 + j].data = NULL;
         xc->st[l].evictions++;
-        if (s->prefetched) xc->st[l].prefetch_wasted++;
+        if (s->prefetched) {
+            xc->st[l].prefetch_wasted++;
+            pf_outcome(xc, l, 0);
+        }
     }
     s->owner = (int32_t)e;
     s->state = S_LOADING;
@@ -262,7 +280,10 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st, char *e
                 } else {
                     xc->st[l].hits++;
                 }
-                if (s->prefetched) xc->st[l].prefetch_used++;
+                if (s->prefetched) {
+                    xc->st[l].prefetch_used++;
+                    pf_outcome(xc, l, 1);
+                }
                 s->prefetched = 0;
                 s->last_use = ++xc->tick;
                 pthread_mutex_unlock(&xc->mu);
@@ -342,6 +363,13 @@ void clb_xc_prefetch(clb_xcache *xc, int64_t l, const int32_t *ids, int64_t n) {
     if (!xc->thread_on) return;
     const int64_t cap = xc->L * xc->E;
     pthread_mutex_lock(&xc->mu);
+    /* a layer whose prefetches are mostly evicted unused (predictions that miss, or a budget
+     * too small to hold them) reads ahead only one step in eight, to notice when that
+     * changes */
+    if (xc->pf_bad[l] > xc->pf_good[l] && xc->pf_skips[l]++ % 8 != 0) {
+        pthread_mutex_unlock(&xc->mu);
+        return;
+    }
     int added = 0;
     for (int64_t k = 0; k < n; k++) {
         int64_t idx = l * xc->E + ids[k];
@@ -442,6 +470,9 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->st);
     free(xc->queue);
     free(xc->queued);
+    free(xc->pf_good);
+    free(xc->pf_bad);
+    free(xc->pf_skips);
     free(xc);
 }
 
@@ -501,7 +532,10 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->st = calloc((size_t)L, sizeof(clb_xc_stats));
     xc->queue = calloc(LE, sizeof(int32_t));
     xc->queued = calloc(LE, 1);
-    if (!xc->slots || !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span ||
+    xc->pf_good = calloc((size_t)L, sizeof(float));
+    xc->pf_bad = calloc((size_t)L, sizeof(float));
+    xc->pf_skips = calloc((size_t)L, sizeof(int64_t));
+    if (!xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots || !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span ||
         !xc->tens || !xc->st || !xc->queue || !xc->queued) {
         clb_xc_free(xc);
         x_err(err, "out of memory for the expert cache tables");
