@@ -161,6 +161,10 @@ function show(d) {
 }
 
 async function poll() {
+  if (document.hidden) { // nobody looks: ask again later
+    setTimeout(poll, 1000);
+    return;
+  }
   try {
     const r = await fetch("/v1/expert_cache", { headers: headers(), cache: "no-store" });
     const body = await r.json().catch(() => ({}));
