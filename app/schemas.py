@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.settings import Settings
 
@@ -165,6 +165,40 @@ class ReadyStatus(BaseModel):
     status: Literal["ready", "loading", "draining", "failed"]
     model_loaded: bool
     model: str | None = None
+
+
+class ExpertCachePoint(BaseModel):
+    """One second of the recent history."""
+
+    t: float = Field(description="Unix time")
+    tok_s: float = Field(description="tokens computed per second (prompts and replies)")
+    batch: float = Field(description="mean sequences per engine step")
+    hit_rate: float | None = Field(description="share of expert uses found resident; "
+                                   "null when no expert was used that second")
+
+
+class ExpertCacheInfo(BaseModel):
+    """GET /v1/expert_cache: where the routed experts are and how the cache does. With
+    `enabled` false every expert stays resident (the cache is off) and only the history is
+    kept; with it true, `state`, `heat` and `layers` come too."""
+
+    enabled: bool
+    n_layer: int
+    n_expert: int
+    slots_per_layer: int
+    expert_bytes: int
+    budget_bytes: int
+    reason: str = Field(description="why the cache has this size")
+    totals: dict[str, float] = Field(description="hits, misses, hit_rate, resident_bytes, "
+                                     "budget_bytes, bytes_read, stall_ns, loads, evictions, "
+                                     "prefetch_* summed over the layers (empty when off)")
+    history: list[ExpertCachePoint] = Field(description="one point per second of engine "
+                                            "work over the last 5 minutes, oldest first")
+    state: list[list[int]] | None = Field(None, description="[layer][expert]: 0 absent, "
+                                          "1 loading, 2 resident, 3 pinned")
+    heat: list[list[float]] | None = Field(None, description="[layer][expert]: recent "
+                                           "selections")
+    layers: list[dict[str, int]] | None = Field(None, description="counters of each layer")
 
 
 _MESSAGES = {

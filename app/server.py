@@ -18,7 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.middleware import PROTECTED, GuardMiddleware
-from app.routes import chat, completions, health, models, responses, tokenize
+from app.routes import chat, completions, experts, health, models, responses, tokenize
 from app.schemas import install_schema
 from app.settings import Settings
 from app.state import ServerState
@@ -96,7 +96,7 @@ def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> F
     app.state.colibri = state
     install_error_handlers(app)
     paths: set[str] = set()
-    for module in (models, chat, completions, responses, tokenize, health):
+    for module in (models, chat, completions, responses, tokenize, experts, health):
         app.include_router(module.router)
         paths |= {getattr(r, "path", "") for r in module.router.routes}
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics,

@@ -10,47 +10,19 @@ a failed turn must not be sent again, and "New chat" must start over.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from websockets.sync.client import connect
 
+from tests.browser_helpers import DevTools, chromium_page
 from tests.server_helpers import SubprocessServer, tiny_model, wait_for
 
 MODEL = "tiny-chat"
 N_CTX = 512
 SETTINGS = {"seed": 42, "temperature": 0.8, "max-tokens": 120}
-
-
-class DevTools:
-    """A minimal Chrome DevTools Protocol client over one page's websocket."""
-
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.next_id = 0
-
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        self.next_id += 1
-        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv(timeout=30))
-            if msg.get("id") == self.next_id:
-                if "error" in msg:
-                    raise AssertionError(f"{method}: {msg['error']}")
-                return dict(msg["result"])
-
-    def eval(self, expression: str) -> Any:
-        res = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
-                        awaitPromise=True)
-        if "exceptionDetails" in res:
-            raise AssertionError(f"{expression}: {res['exceptionDetails']}")
-        return res["result"].get("value")
 
 
 @pytest.fixture(scope="module")
@@ -65,34 +37,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServe
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevTools]:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert exe is not None, "Debian's chromium is needed (.ci/run installs it)"
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    proc = subprocess.Popen(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={profile}",
-         "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        port_file = Path(profile) / "DevToolsActivePort"
-        wait_for(port_file.exists, 60, "chromium's DevTools port")
-        port = int(port_file.read_text().split()[0])
-        targets: list[dict[str, Any]] = []
-
-        def has_page() -> bool:
-            targets[:] = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
-            return any(t["type"] == "page" for t in targets)
-
-        wait_for(has_page, 30, "a page target")
-        target = next(t for t in targets if t["type"] == "page")
-        with connect(target["webSocketDebuggerUrl"], max_size=None, open_timeout=30) as ws:
-            yield DevTools(ws)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with chromium_page(tmp_path_factory.mktemp("chromium-profile")) as devtools:
+        yield devtools
 
 
 def test_chat_page_streams_a_reply(server: SubprocessServer, page: DevTools) -> None:
