@@ -42,8 +42,8 @@ class Settings(BaseSettings):
                                           "None = all when the model fits, else what is free")
     expert_cache_size: int | None = Field(None, ge=1, description="experts resident per layer")
     prefetch_window: int = Field(16, ge=1, description="tokens of routing history for heat")
-    expert_load: Literal["pread", "direct", "mmap"] = Field("pread", description="how "
-                                                            "missing experts are read")
+    expert_load: Literal["auto", "direct", "pread", "mmap"] = Field(
+        "auto", description="how missing experts are read")
     expert_prefetch: bool = Field(True, description="read the next layer's experts ahead")
     expert_pin: bool = Field(True, description="pin the experts earlier runs used most")
     expert_huge_pages: bool = Field(False, description="2 MiB pages on the expert slots")

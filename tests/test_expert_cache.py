@@ -22,10 +22,12 @@ from engine.core.loader import EngineConfig
 from engine.demo import default_model_path
 from engine.errors import ModelFaultError, WeightFileChangedError
 from engine.executor.expert_cache import (
+    MIN_MARGIN_BYTES,
     ROUTING_FILE,
     ExpertCacheConfig,
     load_pinned,
     plan_cache,
+    resolve_load,
 )
 from engine.executor.model import Model
 from engine.format.convert import convert, ensure_converted
@@ -268,7 +270,7 @@ def test_plan_refuses_a_budget_below_one_layers_top_k(demo_dir: Path) -> None:
     p = plan_cache(m.core, ExpertCacheConfig(), cfg.n_layer, cfg.n_expert,
                    cfg.n_expert_used, 10 << 20, 1 << 34)
     assert p.per_layer is None
-    free = (10 << 20) + (256 << 20) + 30 * layer
+    free = (10 << 20) + MIN_MARGIN_BYTES + 30 * layer  # small: the margin is its minimum
     p = plan_cache(m.core, ExpertCacheConfig(), cfg.n_layer, cfg.n_expert,
                    cfg.n_expert_used, 10 << 20, free)
     assert p.per_layer == 30
@@ -311,6 +313,11 @@ def test_routes_output_matches_the_cache_selections(shared_dir: Path) -> None:
         m.core.forward(m.kv, PROMPT, np.zeros(PROMPT.size, np.int32),
                        np.arange(PROMPT.size, dtype=np.int32), None, m.slot_tables[:1],
                        routes[:3])
+
+
+def test_auto_load_mode_picks_direct_where_the_file_system_allows(demo_dir: Path) -> None:
+    assert resolve_load("auto", demo_dir) == ("direct" if _direct_ok(demo_dir) else "pread")
+    assert resolve_load("mmap", demo_dir) == "mmap"
 
 
 def test_stats_without_cache_is_none(shared_dir: Path) -> None:

@@ -21,6 +21,7 @@ from engine.executor.expert_cache import (
     load_pinned,
     memory_free,
     plan_cache,
+    resolve_load,
 )
 from engine.executor.model import Model, kv_block_bytes
 from engine.format.convert import ensure_converted
@@ -116,12 +117,13 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
     else:
         pinned = (load_pinned(folder, cfg.n_layer, cfg.n_expert, plan.per_layer)
                   if xc.pin else None)
-        model.core.enable_expert_cache(plan.per_layer, load=xc.load, prefetch=xc.prefetch,
+        load = resolve_load(xc.load, folder)
+        model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.prefetch,
                                        huge_pages=xc.huge_pages,
                                        heat_window=xc.prefetch_window, pinned=pinned)
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
                  "load %s, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
                  plan.budget_bytes / 1e6, cfg.n_layer * cfg.n_expert * plan.expert_bytes / 1e6,
-                 plan.reason, xc.load, "on" if xc.prefetch else "off",
+                 plan.reason, load, "on" if xc.prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
     return ExpertCacheMonitor(model.core, plan, folder)

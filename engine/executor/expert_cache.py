@@ -28,8 +28,10 @@ import numpy as np
 log = logging.getLogger("colibri.engine")
 
 ROUTING_FILE = "expert_routing.json"
-LOAD_MODES = ("pread", "direct", "mmap")
-MARGIN_BYTES = 256 << 20  # left free for Python, the server and the page cache's needs
+LOAD_MODES = ("auto", "direct", "pread", "mmap")
+# left free when the budget comes from free memory: for Python, the server and the page cache
+MARGIN_BYTES = 256 << 20
+MIN_MARGIN_BYTES = 32 << 20
 PIN_SHARE = 0.25  # share of each layer's slots given to pinned experts
 
 
@@ -40,7 +42,8 @@ class ExpertCacheConfig:
     mb: float | None = None  # budget for all layers' experts; None: from memory
     size: int | None = None  # slots per layer (wins over mb); None: from mb or memory
     prefetch_window: int = 16  # tokens of routing history that make an expert "hot"
-    load: str = "pread"  # pread | direct | mmap
+    load: str = "auto"  # auto (direct where the file system allows it, else pread) | direct
+    #                     | pread | mmap
     prefetch: bool = True  # pre-gating prefetch thread
     pin: bool = True  # pin the hot set learned from earlier runs
     huge_pages: bool = False  # 2 MiB transparent huge pages on the slots
@@ -121,6 +124,31 @@ def memory_free(meminfo_available: int | None) -> int | None:
     return meminfo_available if cg is None else min(meminfo_available, cg)
 
 
+def margin_bytes(free: int | None) -> int:
+    """What an automatic budget leaves free: 5% of free memory, within 32..256 MB."""
+    if free is None:
+        return MARGIN_BYTES
+    return int(min(MARGIN_BYTES, max(MIN_MARGIN_BYTES, free // 20)))
+
+
+def resolve_load(load: str, model_dir: Path) -> str:
+    """"auto": "direct" where an expert file opens with O_DIRECT (reads that bypass the page
+    cache, so they neither push the other weights out of memory nor count twice against a
+    memory limit), else "pread"."""
+    if load != "auto":
+        return load
+    probe = next(iter(sorted((model_dir / "experts").glob("*.bin"))), None)
+    flag = getattr(os, "O_DIRECT", 0)
+    if probe is None or not flag:
+        return "pread"
+    try:
+        fd = os.open(probe, os.O_RDONLY | flag)
+    except OSError:
+        return "pread"
+    os.close(fd)
+    return "direct"
+
+
 def plan_cache(core: Any, cfg: ExpertCacheConfig, n_layer: int, n_expert: int, top_k: int,
                other_bytes: int, free: int | None) -> CachePlan:
     """Slots per layer for cfg. other_bytes: what the model needs besides its routed experts
@@ -150,9 +178,10 @@ def plan_cache(core: Any, cfg: ExpertCacheConfig, n_layer: int, n_expert: int, t
                              f"--expert-cache-mb {cfg.mb:g} holds every expert")
         return CachePlan(per, eb, n_layer, n_expert, f"--expert-cache-mb {cfg.mb:g}")
     total = n_expert * layer_bytes
-    if free is None or total + other_bytes + MARGIN_BYTES <= free:
+    margin = margin_bytes(free)
+    if free is None or total + other_bytes + margin <= free:
         return CachePlan(None, eb, n_layer, n_expert, "the model fits in memory")
-    room = free - other_bytes - MARGIN_BYTES
+    room = free - other_bytes - margin
     per = max(top_k, min(n_expert - 1, room // layer_bytes))
     if room < minimum:
         log.warning("expert cache: %.0f MB free after the rest of the model, below the "

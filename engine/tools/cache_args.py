@@ -21,8 +21,10 @@ def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) ->
     p.add_argument("--prefetch-window", type=int, metavar="TOKENS", **d,
                    help="tokens of routing history that make an expert hot (default 16)")
     p.add_argument("--expert-load", choices=LOAD_MODES, **d,
-                   help="how missing experts are read: pread into slots (default), direct "
-                        "(O_DIRECT, bypasses the page cache) or mmap (madvise on the files)")
+                   help="how missing experts are read: direct (O_DIRECT into slots, past "
+                        "the page cache), pread (into slots, through the page cache), mmap "
+                        "(madvise on the files); default auto: direct where the file system "
+                        "allows it, else pread")
     p.add_argument("--no-expert-prefetch", dest="expert_prefetch", action="store_false",
                    default=argparse.SUPPRESS if suppress else True,
                    help="no prefetch thread reading the next layer's experts ahead")
