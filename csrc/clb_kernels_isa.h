@@ -56,6 +56,9 @@ void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 /* AVX2 + FMA + F16C (kernels_avx2.c) */
+/* weight bytes per call of the AVX2 q8/q4 products: each call's first row group is the only
+ * one not prefetched by its predecessor, so calls should span many groups */
+#define CLB_AVX2_GEMM_BLOCK_BYTES (1024 * 1024)
 float clb_vec_dot_f32_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_f16_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_bf16_avx2(int64_t n, const void *w, const void *x);
