@@ -56,6 +56,9 @@ void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 /* AVX2 + FMA + F16C (kernels_avx2.c) */
+/* weight bytes per call of the AVX2 q8/q4 products: each call's first row group is the only
+ * one not prefetched by its predecessor, so calls should span many groups */
+#define CLB_AVX2_GEMM_BLOCK_BYTES (1024 * 1024)
 float clb_vec_dot_f32_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_f16_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_bf16_avx2(int64_t n, const void *w, const void *x);
@@ -65,11 +68,9 @@ void clb_quantize_q8a_avx2(int64_t n, const float *x, void *y);
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a);
 void clb_act_pack_q8_avx2(int64_t n, const float *x, void *y); /* clb_block_q8c rows */
 void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y);
-/* one packed activation row (clb_block_q8c) against n_rows rows: y[r]; bit-identical to the
- * reference, read row by row (the one-token path of the AVX2 and AVX-512 products) */
+/* one packed activation row (clb_block_q8c) against n_rows q8 rows: y[r]; bit-identical to the
+ * reference, read row by row (the one-token q8 path of the AVX-512 product) */
 void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
-                       float *y);
-void clb_rows1_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        float *y);
 void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);

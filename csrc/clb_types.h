@@ -83,6 +83,11 @@ typedef struct {
     clb_act_size_fn act_size;
     clb_from_float_fn act_pack;
     clb_gemm_fn gemm;
+    /* weight bytes per gemm call the matmul driver hands out; 0: its default, sized to keep a
+     * row block in L2 while every token passes (what a kernel with tokens outside its row loop
+     * needs). Kernels that pass every token over a row group before the next one and
+     * prefetch across groups want long row ranges instead. */
+    size_t gemm_block_bytes;
 } clb_type_traits;
 
 /* bytes of one row of n elements; 0 if n is not a multiple of the block size or type invalid */

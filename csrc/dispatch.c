@@ -77,6 +77,8 @@ static void clb_fill_avx2(clb_type_traits *t) {
     t[CLB_TYPE_Q4].act_size = clb_act_size_q8c;
     t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx2;
     t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx2;
+    t[CLB_TYPE_Q8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+    t[CLB_TYPE_Q4].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
 }
 
 static void clb_fill_avx512(clb_type_traits *t) {

@@ -202,14 +202,20 @@ static inline __attribute__((always_inline)) void clb_weights8(int Q4, const cha
     }
 }
 
-/* the f16 scales of block b of the 8 rows as f32 (4-byte reads at each block start) */
-static inline __attribute__((always_inline)) __m256 clb_scales8(int Q4, const char *rp0,
-                                                                __m256i roff, int64_t b) {
-    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
-    __m256i g = _mm256_i32gather_epi32((const int *)(const void *)(rp0 + (size_t)b * bs), roff, 1);
-    g = _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
-    g = _mm256_permute4x64_epi64(_mm256_packus_epi32(g, g), 0x08); /* 8 u16 in the low half */
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(g));
+/* the f16 scales of block b of the 8 rows as f32: eight 2-byte reads combined in general
+ * registers, which these loops leave idle (cheaper than a gather), then one conversion */
+static inline __attribute__((always_inline)) __m256 clb_scales8(int Q4, const char *const rp[8],
+                                                                int64_t b) {
+    const size_t off = (size_t)b * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
+    uint64_t lo = 0, hi = 0;
+    for (int r = 0; r < 4; r++) {
+        uint16_t d0, d1;
+        memcpy(&d0, rp[r] + off, sizeof d0);
+        memcpy(&d1, rp[r + 4] + off, sizeof d1);
+        lo |= (uint64_t)d0 << (16 * r);
+        hi |= (uint64_t)d1 << (16 * r);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
 }
 
 static inline __attribute__((always_inline)) __m256i clb_bcast32_avx2(const int8_t *p) {
@@ -218,18 +224,28 @@ static inline __attribute__((always_inline)) __m256i clb_bcast32_avx2(const int8
     return _mm256_set1_epi32(v);
 }
 
+/* One pass of TT tokens over a row group. pf, when set, is the next row group (8 whole rows
+ * right after these): its bytes are prefetched front to back, a little more per block than
+ * this pass consumes, so the next group starts from cache. The hardware prefetcher alone
+ * serves eight interleaved row streams at well under the memory's rate. */
+#define CLB_PF_LINES(Q4) ((Q4) ? 3 : 5) /* 64-byte lines per block: >= 8 * 18 or 8 * 34 bytes */
+
 static inline __attribute__((always_inline)) void clb_group8(int Q4, int TT, int64_t n,
                                                              const char *const rp[8],
-                                                             __m256i roff, const char *act,
-                                                             size_t act_row, float *y,
-                                                             int64_t ldy, int nv) {
+                                                             const char *act, size_t act_row,
+                                                             float *y, int64_t ldy, int nv,
+                                                             const char *pf) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[CLB_TT2];
     for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         __m256i v[8], sg[8];
+        if (pf) {
+            const char *p = pf + (size_t)b * 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
+            for (int l = 0; l < CLB_PF_LINES(Q4); l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+        }
         clb_weights8(Q4, rp, b, v, sg);
-        __m256 ws = clb_scales8(Q4, rp[0], roff, b);
+        __m256 ws = clb_scales8(Q4, rp, b);
         for (int t = 0; t < TT; t++) {
             const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
             __m256i s;
@@ -268,44 +284,31 @@ static inline __attribute__((always_inline)) void clb_group8(int Q4, int TT, int
     }
 }
 
-/* One token: each weight row streams on its own (one sequential read per row, which the
- * memory system serves faster than eight interleaved rows when no weight load is shared). The
- * same exact integer block sums, four blocks at a time, then the reference's scalar order:
- * s += (d_w * d_a) * sum. Bit-identical to the reference and so to the row-group kernel. */
-static inline __attribute__((always_inline)) __m256i clb_isum_block(int Q4, const char *wblk,
-                                                                    const clb_block_q8c *a) {
-    const __m256i ones = _mm256_set1_epi16(1);
+/* One token, row by row (the AVX-512 product's one-token q8 path): each row is one sequential
+ * read. The same exact integer block sums, four blocks at a time, then the reference's scalar
+ * order: s += (d_w * d_a) * sum. Bit-identical to the reference and so to the row groups. */
+static inline __attribute__((always_inline)) __m256i clb_isum_q8(const char *wblk,
+                                                                 const clb_block_q8c *a) {
     __m256i qa = _mm256_loadu_si256((const __m256i *)a->qs);
-    if (Q4) {
-        const __m128i low4 = _mm_set1_epi8(0x0f);
-        __m128i raw = _mm_loadu_si128((const __m128i *)(wblk + 2));
-        __m256i qw = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_and_si128(raw, low4)),
-            _mm_and_si128(_mm_srli_epi16(raw, 4), low4), 1);
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), ones);
-    }
     __m256i qw = _mm256_loadu_si256((const __m256i *)(wblk + 2));
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(qw), _mm256_sign_epi8(qa, qw)),
-                             ones);
+                             _mm256_set1_epi16(1));
 }
 
-static inline __attribute__((always_inline)) float clb_dot_row(int Q4, int64_t n, const char *w,
-                                                              const clb_block_q8c *a) {
-    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+static inline __attribute__((always_inline)) float clb_dot_row_q8(int64_t n, const char *w,
+                                                                  const clb_block_q8c *a) {
+    const size_t bs = sizeof(clb_block_q8);
     const int64_t nb = n / CLB_QK;
     float s = 0.0f;
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
-        __m256i i0 = clb_isum_block(Q4, w + (size_t)b * bs, a + b);
-        __m256i i1 = clb_isum_block(Q4, w + (size_t)(b + 1) * bs, a + b + 1);
-        __m256i i2 = clb_isum_block(Q4, w + (size_t)(b + 2) * bs, a + b + 2);
-        __m256i i3 = clb_isum_block(Q4, w + (size_t)(b + 3) * bs, a + b + 3);
+        __m256i i0 = clb_isum_q8(w + (size_t)b * bs, a + b);
+        __m256i i1 = clb_isum_q8(w + (size_t)(b + 1) * bs, a + b + 1);
+        __m256i i2 = clb_isum_q8(w + (size_t)(b + 2) * bs, a + b + 2);
+        __m256i i3 = clb_isum_q8(w + (size_t)(b + 3) * bs, a + b + 3);
         /* lane sums of the four blocks: hadd pairs, then fold the 128-bit halves */
         __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(i0, i1), _mm256_hadd_epi32(i2, i3));
         __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        if (Q4)
-            sum = _mm_add_epi32(sum, _mm_setr_epi32(a[b].corr, a[b + 1].corr, a[b + 2].corr,
-                                                    a[b + 3].corr));
         float f[4];
         _mm_storeu_ps(f, _mm_cvtepi32_ps(sum));
         for (int k = 0; k < 4; k++) {
@@ -315,14 +318,13 @@ static inline __attribute__((always_inline)) float clb_dot_row(int Q4, int64_t n
         }
     }
     for (; b < nb; b++) {
-        __m256i i0 = clb_isum_block(Q4, w + (size_t)b * bs, a + b);
+        __m256i i0 = clb_isum_q8(w + (size_t)b * bs, a + b);
         __m128i h = _mm_add_epi32(_mm256_castsi256_si128(i0), _mm256_extracti128_si256(i0, 1));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
-        int32_t isum = _mm_cvtsi128_si32(h) + (Q4 ? a[b].corr : 0);
         clb_f16 d;
         memcpy(&d, w + (size_t)b * bs, sizeof d);
-        s += _cvtsh_ss(d) * a[b].d * (float)isum;
+        s += _cvtsh_ss(d) * a[b].d * (float)_mm_cvtsi128_si32(h);
     }
     return s;
 }
@@ -330,52 +332,41 @@ static inline __attribute__((always_inline)) float clb_dot_row(int Q4, int64_t n
 void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        float *y) {
     for (int64_t r = 0; r < n_rows; r++)
-        y[r] = clb_dot_row(0, n, (const char *)w + (size_t)r * w_row, act);
+        y[r] = clb_dot_row_q8(n, (const char *)w + (size_t)r * w_row, act);
 }
 
-void clb_rows1_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
-                       float *y) {
-    for (int64_t r = 0; r < n_rows; r++)
-        y[r] = clb_dot_row(1, n, (const char *)w + (size_t)r * w_row, act);
-}
-
+/* Row groups of 8, tokens CLB_TT2 at a time inside each group, so a group's weights are read
+ * from memory once for all tokens and its later passes hit the cache. One token goes through
+ * the same row groups: with the next group prefetched they stream faster than rows read one
+ * by one, and the float work per block is one vector add per 8 rows instead of 8 dependent
+ * scalar adds. */
 static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int64_t n, int64_t n_rows,
                                                             const void *w, size_t w_row,
                                                             const void *act, size_t act_row,
                                                             int64_t n_tok, float *y,
                                                             int64_t ldy) {
     const char *wb = w;
-    if (n_tok == 1) {
-        if (Q4)
-            clb_rows1_q4_avx2(n, n_rows, w, w_row, act, y);
-        else
-            clb_rows1_q8_avx2(n, n_rows, w, w_row, act, y);
-        return;
-    }
     for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
         const int nv = n_rows - r0 < 8 ? (int)(n_rows - r0) : 8;
         const char *rp[8];
-        int32_t offs[8];
-        for (int r = 0; r < 8; r++) {
-            int row = r < nv ? r : nv - 1; /* rows past the matrix repeat a real one, unstored */
-            rp[r] = wb + (size_t)(r0 + row) * w_row;
-            offs[r] = (int32_t)((size_t)row * w_row); /* matmul keeps a row group under 2 GiB */
-        }
-        const __m256i roff = _mm256_loadu_si256((const __m256i *)offs);
+        for (int r = 0; r < 8; r++) /* rows past the matrix repeat a real one, unstored */
+            rp[r] = wb + (size_t)(r0 + (r < nv ? r : nv - 1)) * w_row;
+        const char *pf = r0 + 16 <= n_rows ? wb + (size_t)(r0 + 8) * w_row : NULL;
         int64_t t = 0;
         for (; t + CLB_TT2 <= n_tok; t += CLB_TT2)
-            clb_group8(Q4, CLB_TT2, n, rp, roff, (const char *)act + (size_t)t * act_row, act_row,
-                       y + t * ldy + r0, ldy, nv);
+            clb_group8(Q4, CLB_TT2, n, rp, (const char *)act + (size_t)t * act_row, act_row,
+                       y + t * ldy + r0, ldy, nv, t == 0 ? pf : NULL);
         const char *at = (const char *)act + (size_t)t * act_row;
         float *yt = y + t * ldy + r0;
+        const char *pt = t == 0 ? pf : NULL;
         switch (n_tok - t) {
-        case 7: clb_group8(Q4, 7, n, rp, roff, at, act_row, yt, ldy, nv); break;
-        case 6: clb_group8(Q4, 6, n, rp, roff, at, act_row, yt, ldy, nv); break;
-        case 5: clb_group8(Q4, 5, n, rp, roff, at, act_row, yt, ldy, nv); break;
-        case 4: clb_group8(Q4, 4, n, rp, roff, at, act_row, yt, ldy, nv); break;
-        case 3: clb_group8(Q4, 3, n, rp, roff, at, act_row, yt, ldy, nv); break;
-        case 2: clb_group8(Q4, 2, n, rp, roff, at, act_row, yt, ldy, nv); break;
-        case 1: clb_group8(Q4, 1, n, rp, roff, at, act_row, yt, ldy, nv); break;
+        case 7: clb_group8(Q4, 7, n, rp, at, act_row, yt, ldy, nv, pt); break;
+        case 6: clb_group8(Q4, 6, n, rp, at, act_row, yt, ldy, nv, pt); break;
+        case 5: clb_group8(Q4, 5, n, rp, at, act_row, yt, ldy, nv, pt); break;
+        case 4: clb_group8(Q4, 4, n, rp, at, act_row, yt, ldy, nv, pt); break;
+        case 3: clb_group8(Q4, 3, n, rp, at, act_row, yt, ldy, nv, pt); break;
+        case 2: clb_group8(Q4, 2, n, rp, at, act_row, yt, ldy, nv, pt); break;
+        case 1: clb_group8(Q4, 1, n, rp, at, act_row, yt, ldy, nv, pt); break;
         default: break;
         }
     }

@@ -11,13 +11,15 @@
 
 #include "clb_kernels.h"
 
-/* weight bytes of one row block: small enough to stay in L2 while every token passes */
+/* default weight bytes of one row block: small enough to stay in L2 while every token passes
+ * (a type's traits may ask for other sizes, see gemm_block_bytes) */
 #define CLB_MM_BLOCK_BYTES (96 * 1024)
 /* rows are handed out in multiples of this (the SIMD kernels' row tile) */
 #define CLB_MM_ROW_ALIGN 16
 
-static int64_t clb_block_rows(size_t w_row) {
-    int64_t r = (int64_t)(CLB_MM_BLOCK_BYTES / (w_row ? w_row : 1));
+static int64_t clb_block_rows(const clb_type_traits *tr, size_t w_row) {
+    size_t bytes = tr->gemm_block_bytes ? tr->gemm_block_bytes : CLB_MM_BLOCK_BYTES;
+    int64_t r = (int64_t)(bytes / (w_row ? w_row : 1));
     r -= r % CLB_MM_ROW_ALIGN;
     return r < CLB_MM_ROW_ALIGN ? CLB_MM_ROW_ALIGN : r;
 }
@@ -101,7 +103,7 @@ static void clb_mm_task(void *vctx, int ith, int nth) {
         int64_t n_units = (j->n_out + CLB_MM_ROW_ALIGN - 1) / CLB_MM_ROW_ALIGN;
         int64_t u0 = n_units * ith / nth, u1 = n_units * (ith + 1) / nth;
         int64_t r_end = u1 * CLB_MM_ROW_ALIGN < j->n_out ? u1 * CLB_MM_ROW_ALIGN : j->n_out;
-        int64_t blk = clb_block_rows(w_row);
+        int64_t blk = clb_block_rows(tr, w_row);
         for (int64_t r = u0 * CLB_MM_ROW_ALIGN; r < r_end; r += blk)
             clb_mm_rows(j, tr, w_row, r, r + blk < r_end ? r + blk : r_end);
     }
