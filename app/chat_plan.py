@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from app.errors import APIError
 from app.protocol_tools import ResponseFormat, Tool, ToolChoice, named_choice
+from app.templates import render_prompt_ids
 from engine import (
     ConstraintCompiler,
     ConstraintError,
@@ -135,15 +136,8 @@ def plan_chat(
             log.info("the chat template cannot render tools: %d tools ignored for this "
                      "request (tool_choice %s)", len(tools), tool_choice or "absent")
     plan.tool_names = {t.function.name for t in tools or []}
-    kwargs: dict[str, Any] = {}
-    if client_template is not None:
-        kwargs = {"chat_template": client_template, "allow_custom_template": True,
-                  "render_timeout_s": template_timeout_s, "cancel": cancel}
-    try:
-        plan.prompt = list(tok.apply_chat_template(
-            msgs, add_generation_prompt=add_generation_prompt, tools=render_tools, **kwargs))
-    except ValueError as exc:
-        raise APIError(400, str(exc), getattr(exc, "param", None) or "messages") from None
+    plan.prompt = render_prompt_ids(tok, msgs, add_generation_prompt, client_template,
+                                    template_timeout_s, cancel, render_tools)
     if render_tools or (forced and not info.renders_tools):
         plan.n_tools_rendered = len(tool_dicts)
     return plan

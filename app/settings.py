@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     max_chat_template_chars: int = Field(32 << 10, ge=64)
     client_template_timeout_s: float = Field(2.0, gt=0, description="render time of a client "
                                              "chat template (separate process)")
+    model_template_timeout_s: float = Field(2.0, gt=0, description="render time of the "
+                                            "model's chat template (separate process)")
 
     @field_validator("quant")
     @classmethod

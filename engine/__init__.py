@@ -29,6 +29,7 @@ _EXPORTS = {
     "MIN_REPETITION_PENALTY": "engine.sample.sampler",
     "SamplingParamError": "engine.sample.sampler",
     "Tokenizer": "engine.text.tokenizer",
+    "ModelTemplateError": "engine.text.tokenizer",
     "ConstraintCompiler": "engine.sample.constraints",
     "ConstraintError": "engine.sample.constraints",
     "ConstraintSpec": "engine.sample.constraints",
@@ -74,6 +75,7 @@ __all__ = [
     "ModelError",
     "QUANT_PRESETS",
     "ModelFaultError",
+    "ModelTemplateError",
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
@@ -103,7 +105,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.llm import LLM, StepOutput, default_model_path
     from engine.sample.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
     from engine.sample.sampler import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
-    from engine.text.tokenizer import Tokenizer
+    from engine.text.tokenizer import ModelTemplateError, Tokenizer
     from engine.text.toolcalls import (
         ToolCall,
         ToolCallParser,

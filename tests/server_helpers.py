@@ -102,6 +102,19 @@ class SubprocessServer:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=5.0).text)
 
+    def wait_exit(self, timeout: float = 120.0) -> int:
+        """The exit code of a server that was already signalled, once it exits by itself.
+        Sending it another signal would cut its drain short (uvicorn takes a second
+        SIGTERM as "exit now"), so this only waits; a server still running after timeout
+        is killed and the test fails on its exit code."""
+        try:
+            return int(self.proc.wait(timeout))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"server still running {timeout}s after the signal:\n"
+                                 f"{self.log()}") from None
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

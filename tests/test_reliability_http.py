@@ -226,10 +226,13 @@ def test_drain_timeout_answers_in_openai_shape(tmp_path: Path) -> None:
                  + srv.metrics()["colibri_requests_running"] >= 3, 30, "queued requests")
         assert threads[0].is_alive(), "the stream ended before SIGTERM"
         srv.proc.send_signal(signal.SIGTERM)
+        # no second signal: it would turn the drain into an immediate exit
+        rc = srv.wait_exit()
         for t in threads:
             t.join(60)
+            assert not t.is_alive(), "a client never got its answer"
     finally:
-        rc = srv.stop()
+        srv.stop()  # only acts if the server is still running (a failed step above)
     log = srv.log()
     assert rc == 0, log
     data = [x for x in lines if x.startswith("data: ")]

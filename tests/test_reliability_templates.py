@@ -1,9 +1,13 @@
-"""Client chat templates (opt-in) stay inside their size, memory and time limits and stop
-when their client leaves: they render in a separate, killable process."""
+"""Chat templates stay inside their size, memory and time limits and stop when their client
+leaves: client templates (opt-in) and the model's own template render in a separate,
+killable process. A client template past a limit is a 400; the model's template past a
+limit is a 500 naming the model's template, and the next request is served."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +16,7 @@ import httpx
 import pytest
 
 from engine.text.template_sandbox import TemplateStoppedError
-from engine.text.tokenizer import ChatTemplateError, Tokenizer
+from engine.text.tokenizer import ChatTemplateError, ModelTemplateError, Tokenizer
 from tests.server_helpers import SubprocessServer, tiny_model, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -114,3 +118,68 @@ def test_render_stops_when_the_client_leaves(server: SubprocessServer) -> None:
                                   "chat_template": "{{ messages[0].content }}"}, timeout=60)
     assert after.status_code == 200
     assert os.path.exists(f"/proc/{server.proc.pid}")
+
+
+# -- the model's own template: same process, limits and stop as a client's --------------------
+SPIN = ("{% if messages[0].content == 'spin' %}{% for i in range(100000) %}"
+        "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def spinning_model(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat_template.jinja that loops for hours on one message and
+    renders its usual ChatML for every other."""
+    folder = Path(shutil.copytree(model, tmp_path_factory.mktemp("spin") / "model"))
+    usual = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    (folder / "chat_template.jinja").write_text(SPIN + usual)
+    return folder
+
+
+def test_model_template_is_stopped_at_its_time_limit(spinning_model: Path) -> None:
+    tok = Tokenizer.from_dir(spinning_model)
+    with pytest.raises(ModelTemplateError, match="model's chat template.*within 0.5 s"):
+        tok.apply_chat_template([{"role": "user", "content": "spin"}], render_timeout_s=0.5)
+    ids = tok.apply_chat_template(MSG, render_timeout_s=0.5)
+    assert tok.decode(ids, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_model_template_past_its_output_cap_is_a_model_error(model: Path,
+                                                             tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(model, tmp_path / "model"))
+    (folder / "chat_template.jinja").write_text("{% for i in range(100000) %}"
+                                                "{{ 'x' * 100000 }}{% endfor %}")
+    with pytest.raises(ModelTemplateError, match="output exceeds") as exc:
+        Tokenizer.from_dir(folder).apply_chat_template(MSG, render_timeout_s=60.0)
+    assert not isinstance(exc.value, ValueError)  # not the request's fault (that is a 400)
+
+
+def test_server_answers_500_for_a_spinning_model_template_and_keeps_serving(
+        spinning_model: Path, tmp_path: Path) -> None:
+    srv = SubprocessServer(spinning_model, tmp_path / "run",
+                           env={"COLIBRI_MODEL_TEMPLATE_TIMEOUT_S": "1"}).wait_ready()
+    try:
+        spin = [{"role": "user", "content": "spin"}]
+        # the loop runs for hours: without the limit these requests would hit the client's
+        # 60 s timeout instead of answering
+        for path, body in (("/v1/chat/completions", {"messages": spin, "max_tokens": 1}),
+                           ("/tokenize", {"messages": spin})):
+            r = httpx.post(srv.url + path, json=body, timeout=60)
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["code"] == "model_chat_template_failed", err
+            assert err["type"] == "internal_error"
+            assert "model's chat template" in err["message"]
+            assert "did not render within 1 s" in err["message"]
+            assert "chat_template.jinja" in err["message"]
+        # the stopped render left nothing behind: the next requests are served
+        ok = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                        json={"messages": MSG, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.log()
+    assert "Traceback" not in srv.log()
+    assert "model's chat template could not be rendered" in srv.log()

@@ -279,28 +279,31 @@ def test_sigterm_drains_running_request_then_exits_0(model_dir: Path, tmp_path: 
     srv = SubprocessServer(model_dir, tmp_path, "--n-ctx", str(N_CTX),
                            "--max-n", "4").wait_ready()
     lines: list[str] = []
-    first = threading.Event()
+    signalled = threading.Event()
 
     def stream() -> None:
-        # 4 sequences of 200 tokens: long enough to be running when SIGTERM comes
+        # 4 sequences of 200 tokens: SIGTERM goes out from this reader as soon as the first
+        # event arrives, while the request is running (no hand-off to another thread first)
         body = {"prompt": ["Once", "The"], "n": 2, "max_tokens": 200,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
+                if not signalled.is_set() and line.startswith("data: {"):
+                    srv.proc.send_signal(signal.SIGTERM)
+                    signalled.set()
                 lines.append(line)
-                first.set()
 
     t = threading.Thread(target=stream)
     t.start()
     try:
-        assert first.wait(30)
-        assert t.is_alive(), "the request ended before SIGTERM: nothing was drained"
-        srv.proc.send_signal(signal.SIGTERM)
+        assert signalled.wait(60), "no streamed event before the timeout"
         # new connections are refused while the running stream finishes
         wait_for(lambda: _refused(srv.port), 10, "listener closed")
+        rc = srv.wait_exit()  # no second signal: it would cut the drain short
         t.join(60)
+        assert not t.is_alive()
     finally:
-        rc = srv.stop()
+        srv.stop()  # only acts if the server is still running (a failed step above)
     assert rc == 0, srv.log()
     assert [x for x in lines if x][-1] == "data: [DONE]"
     finals = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines

@@ -37,6 +37,11 @@ from engine import ToolCall
 router = APIRouter()
 
 
+def _template_timeout_s(state: ServerState, body: ChatCompletionRequest) -> float:
+    s = state.settings
+    return s.model_template_timeout_s if body.chat_template is None else s.client_template_timeout_s
+
+
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest,
                        format_param: str = "response_format", request: Request | None = None
                        ) -> tuple[ChatPlan, list[Sequence]]:
@@ -49,7 +54,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest,
     planning = state.off_loop(
         plan_chat, llm, body.template_messages(), body.tools, body.tool_choice,
         body.parallel_tool_calls, body.response_format, body.add_generation_prompt,
-        body.chat_template, format_param, state.settings.client_template_timeout_s, cancel)
+        body.chat_template, format_param, _template_timeout_s(state, body), cancel)
     try:
         plan = await (planning if request is None else race_disconnect(request, planning))
     except ClientGoneError:

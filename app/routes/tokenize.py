@@ -23,7 +23,8 @@ router = APIRouter()
 
 
 @router.post("/tokenize", response_model=None,
-             responses={200: {"model": TokenizeResponse}, **error_responses(400, 404, 503)})
+             responses={200: {"model": TokenizeResponse},
+                        **error_responses(400, 404, 500, 503)})
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     """Token ids of a prompt, or of chat messages rendered with the model's template."""
     state = get_state(request)
@@ -33,7 +34,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if body.messages is not None:
         messages = [m.to_template() for m in body.messages]
         ids = await state.off_loop(chat_prompt_ids, llm, messages, body.add_generation_prompt,
-                                   None)
+                                   None, state.settings.model_template_timeout_s)
     elif special is not None:
         ids = [special]
     else:

@@ -1,7 +1,8 @@
-"""Chat templates sent by clients render in a separate process that can be stopped.
+"""Chat templates render in a separate process that can be stopped: the model's own
+template and those sent by clients alike.
 
-Guarantees: a client template gets at most `timeout_s` of wall time and RENDER_MEMORY_BYTES
-of address space beyond what the render process needs to start; it is killed (and replaced)
+Guarantees: a template gets at most `timeout_s` of wall time and RENDER_MEMORY_BYTES of
+address space beyond what the render process needs to start; it is killed (and replaced)
 when it runs out of either or when `cancel` is set (its client left). The server process
 never holds the template's intermediate values. Requests and results cross the pipe as JSON,
 never pickle, so even an escaped sandbox could not hand the server code to run.
@@ -21,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from engine.text.tokenizer import ChatTemplateError
+from engine.text.tokenizer import ChatTemplateError, TemplateLimitError
 
 RENDER_MEMORY_BYTES = 192 << 20
 RENDER_TIMEOUT_S = 2.0
@@ -33,23 +34,35 @@ class TemplateStoppedError(ChatTemplateError):
     """The render was stopped: out of time or memory, or its client went away."""
 
 
+class TemplateBudgetError(TemplateStoppedError, TemplateLimitError):
+    """The render was stopped because it ran out of time or memory."""
+
+
 def _send(f: Any, obj: Any) -> None:
-    data = json.dumps(obj).encode("utf-8", "surrogatepass")
-    f.write(struct.pack("<I", len(data)) + data)
+    body = json.dumps(obj).encode("utf-8", "surrogatepass")
+    data = memoryview(struct.pack("<I", len(body)) + body)
+    while data:  # an unbuffered pipe may take part of it per write
+        data = data[f.write(data):]
     f.flush()
 
 
+def _read_exactly(f: Any, n: int) -> bytes:
+    """n bytes from f; an unbuffered pipe hands out at most what it holds per read."""
+    parts: list[bytes] = []
+    while n > 0:
+        part = f.read(n)
+        if not part:
+            raise EOFError
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
 def _recv(f: Any) -> Any:
-    head = f.read(4)
-    if len(head) < 4:
-        raise EOFError
-    (n,) = struct.unpack("<I", head)
+    (n,) = struct.unpack("<I", _read_exactly(f, 4))
     if n > _MAX_MESSAGE:
         raise EOFError
-    data = f.read(n)
-    if len(data) < n:
-        raise EOFError
-    return json.loads(data.decode("utf-8", "surrogatepass"))
+    return json.loads(_read_exactly(f, n).decode("utf-8", "surrogatepass"))
 
 
 class _Renderer:
@@ -96,12 +109,12 @@ class TemplateSandbox:
                     raise TemplateStoppedError("chat template render stopped: the client left",
                                                "chat_template")
                 if time.monotonic() > deadline:
-                    raise TemplateStoppedError(
+                    raise TemplateBudgetError(
                         f"chat template did not render within {timeout_s:g} s", "chat_template")
             try:
                 reply = _recv(r.stdout)
             except EOFError:
-                raise TemplateStoppedError("chat template render failed (out of memory?)",
+                raise TemplateBudgetError("chat template render failed (out of memory?)",
                                            "chat_template") from None
         except BaseException:
             r.kill()  # stopped mid-render: the process and whatever it built go away
@@ -113,7 +126,8 @@ class TemplateSandbox:
         if not keep:
             r.kill()
         if reply.get("error") is not None:
-            raise ChatTemplateError(reply["error"], reply.get("param") or "messages")
+            error = TemplateLimitError if reply.get("limit") else ChatTemplateError
+            raise error(reply["error"], reply.get("param") or "messages")
         return str(reply["text"])
 
     def close(self) -> None:
@@ -146,19 +160,21 @@ def _child() -> None:
         try:
             reply: dict[str, Any] = {"text": _render(req["template"], req["context"], req["cap"])}
         except ChatTemplateError as e:
-            reply = {"error": str(e), "param": e.param}
+            reply = {"error": str(e), "param": e.param,
+                     "limit": isinstance(e, TemplateLimitError)}
             if isinstance(e.__cause__, MemoryError):
                 reply = {"error": "chat template needs too much memory to render",
-                         "param": "chat_template"}
+                         "param": "chat_template", "limit": True}
         except MemoryError:
             reply = {"error": "chat template needs too much memory to render",
-                     "param": "chat_template"}
+                     "param": "chat_template", "limit": True}
         except Exception as e:  # noqa: BLE001 - a template is data: any failure is a 400
             reply = {"error": f"chat template failed to render: {e}", "param": "messages"}
         try:
             _send(stdout, reply)
         except MemoryError:
-            _send(stdout, {"error": "chat template output too large", "param": "chat_template"})
+            _send(stdout, {"error": "chat template output too large", "param": "chat_template",
+                           "limit": True})
 
 
 if __name__ == "__main__":

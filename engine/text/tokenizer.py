@@ -55,6 +55,15 @@ class ChatTemplateRefused(ChatTemplateError):
     """A caller-supplied chat template was given but custom templates are not allowed."""
 
 
+class TemplateLimitError(ChatTemplateError):
+    """The render ran out of time or memory, or its output passed the size cap."""
+
+
+class ModelTemplateError(RuntimeError):
+    """The model's own chat template ran past a render limit: the model folder's template
+    needs fixing, the request is not at fault (the server answers 500 and keeps serving)."""
+
+
 def check_text(text: Any, param: str = "prompt") -> str:
     """Return text if it is a str of valid Unicode (no lone surrogates), else raise."""
     if not isinstance(text, str):
@@ -166,7 +175,7 @@ def _render(template: str, context: dict[str, Any], cap: int) -> str:
         for chunk in compiled.generate(**context, _clb_cap=cap):
             n += len(chunk)
             if n > cap:
-                raise ChatTemplateError(f"chat template output exceeds {cap} characters")
+                raise TemplateLimitError(f"chat template output exceeds {cap} characters")
             out.append(chunk)
     except ChatTemplateError:
         raise
@@ -552,9 +561,11 @@ class Tokenizer:
         message content (and every other string the client sent) is tokenized as plain text.
 
         chat_template: a caller-supplied template, refused (ChatTemplateRefused) unless
-        allow_custom_template; it renders in a separate process (engine.text.template_sandbox),
-        stopped after render_timeout_s or as soon as `cancel` is set. Raises TokenizerError /
-        ChatTemplateError on bad input.
+        allow_custom_template. Any template, this one or the model's, renders in a separate
+        process (engine.text.template_sandbox), stopped after render_timeout_s or as soon as
+        `cancel` is set. Raises TokenizerError / ChatTemplateError on bad input (a client
+        template past a limit: TemplateLimitError), ModelTemplateError when the model's own
+        template runs past a limit.
         """
         real, pieces = self._render_both(
             messages, add_generation_prompt, chat_template, allow_custom_template, tools,
@@ -594,12 +605,21 @@ class Tokenizer:
             if any(self.contains_special_text(k) for k in _keys(value)):
                 raise TokenizerError(f"{param} has a key containing special-token text", param)
         cap = RENDER_BASE_CHARS + RENDER_INPUT_FACTOR * sum(len(s) for s in client_strings)
-        render = _render
-        if chat_template is not None:  # a client's template: in a process that can be stopped
-            from engine.text.template_sandbox import SANDBOX
+        # Every template, the model's and a client's, renders in a process that is stopped
+        # after render_timeout_s, at its memory limit or when `cancel` is set.
+        from engine.text.template_sandbox import SANDBOX
 
-            def render(t: str, ctx: dict[str, Any], c: int) -> str:
+        def render(t: str, ctx: dict[str, Any], c: int) -> str:
+            try:
                 return SANDBOX.render(t, ctx, c, render_timeout_s, cancel)
+            except TemplateLimitError as e:
+                if chat_template is not None:
+                    raise
+                raise ModelTemplateError(
+                    f"the model's chat template could not be rendered: {e}. The template "
+                    "shipped in the model folder (chat_template.jinja, chat_template.json or "
+                    "tokenizer_config.json) needs fixing; the request is not at fault"
+                ) from None
 
         real = render(template, self._context(msgs, tools, add_generation_prompt, kwargs), cap)
         if not with_sentinels:
