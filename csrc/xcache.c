@@ -35,6 +35,7 @@ typedef struct {
     uint8_t prefetched; /* loaded by the prefetch thread and not acquired since */
     unsigned char *mem; /* slot memory; NULL with CLB_XC_MMAP */
     uint64_t last_use;
+    int64_t pf_step;    /* prefetched for this step of its layer: kept until it passes */
 } xslot;
 
 typedef struct {
@@ -60,6 +61,7 @@ struct clb_xcache {
     clb_xc_stats *st;   /* [L] */
     float *pf_good, *pf_bad; /* [L] recent prefetches used / evicted unused (halved at 32) */
     int64_t *pf_skips;  /* [L] requests skipped while the layer's prefetches mostly waste */
+    int64_t *step;      /* [L] chunks the layer has begun */
     uint64_t tick;
     float decay;
     pthread_mutex_t mu;
@@ -159,12 +161,13 @@ static void drop_mapped(clb_xcache *xc, int64_t idx) {
 
 /* A slot of layer l that may take a new expert: an empty one, else the resident, unpinned,
  * unused expert with the least heat, the least recently used on ties; -1 if none. */
-static int64_t pick_slot(const clb_xcache *xc, int64_t l) {
+static int64_t pick_slot_among(const clb_xcache *xc, int64_t l, int spare_prefetched) {
     int64_t best = -1;
     for (int64_t i = 0; i < xc->N; i++) {
         const xslot *s = &xc->slots[l * xc->N + i];
         if (s->state == S_EMPTY) return i;
         if (s->state != S_READY || s->in_use || xc->pinned[l * xc->E + s->owner]) continue;
+        if (spare_prefetched && s->prefetched && s->pf_step >= xc->step[l]) continue;
         if (best < 0) {
             best = i;
             continue;
@@ -174,6 +177,13 @@ static int64_t pick_slot(const clb_xcache *xc, int64_t l) {
         if (hs < hb || (hs == hb && s->last_use < b->last_use)) best = i;
     }
     return best;
+}
+
+/* A prefetched expert has no heat yet: it is spared until the step it was read for has
+ * begun (or no other slot is free), so a miss of that step does not evict it first. */
+static int64_t pick_slot(const clb_xcache *xc, int64_t l) {
+    int64_t i = pick_slot_among(xc, l, 1);
+    return i >= 0 ? i : pick_slot_among(xc, l, 0);
 }
 
 /* Records whether a prefetch of layer l was used; the last few dozen outcomes decide
@@ -208,6 +218,7 @@ static int64_t claim(clb_xcache *xc, int64_t l, int64_t i, int64_t e, int prefet
     s->owner = (int32_t)e;
     s->state = S_LOADING;
     s->prefetched = (uint8_t)prefetch;
+    s->pf_step = xc->step[l] + 1; /* the prefetch of layer l is for its next chunk */
     xc->slot_of[l * xc->E + e] = (int32_t)i;
     xc->st[l].loads++;
     if (prefetch) xc->st[l].prefetch_issued++;
@@ -339,6 +350,7 @@ void clb_xc_begin_layer(clb_xcache *xc, int64_t l, const int64_t *e_start) {
     int64_t tokens = rows / xc->m->hp.n_expert_used;
     float d = powf(xc->decay, (float)tokens);
     pthread_mutex_lock(&xc->mu);
+    xc->step[l]++;
     for (int64_t e = 0; e < E; e++) {
         int64_t c = e_start[e + 1] - e_start[e];
         xc->heat[l * E + e] = xc->heat[l * E + e] * d + (float)c;
@@ -473,6 +485,7 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->pf_good);
     free(xc->pf_bad);
     free(xc->pf_skips);
+    free(xc->step);
     free(xc);
 }
 
@@ -535,7 +548,8 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->pf_good = calloc((size_t)L, sizeof(float));
     xc->pf_bad = calloc((size_t)L, sizeof(float));
     xc->pf_skips = calloc((size_t)L, sizeof(int64_t));
-    if (!xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots || !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span ||
+    xc->step = calloc((size_t)L, sizeof(int64_t));
+    if (!xc->step || !xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots || !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span ||
         !xc->tens || !xc->st || !xc->queue || !xc->queued) {
         clb_xc_free(xc);
         x_err(err, "out of memory for the expert cache tables");
