@@ -47,14 +47,7 @@ GROUP = "colibri_bench_expert_cache"
 
 # -- machine facts ------------------------------------------------------------------------
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+from engine.tools.bench import cpu_model  # noqa: E402  (after the sys.path lines)
 
 
 def drop_caches() -> None:
