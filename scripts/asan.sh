@@ -5,25 +5,8 @@
 # Usage: scripts/asan.sh [extra pytest args]. Needs Cython (in the `test` extras) and gcc.
 set -euo pipefail
 
-python -c "import Cython" 2>/dev/null || {
-    echo "scripts/asan.sh needs Cython to build the extension: pip install -e '.[test]'" >&2
-    exit 1
-}
-
-repo="$(cd "$(dirname "$0")/.." && pwd)"
-work="$(mktemp -d /tmp/colibri_asan.XXXXXX)"
-trap 'rm -rf "$work"' EXIT
-
-# tracked + untracked-but-not-ignored files only: no build outputs, no stale .so
-(cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 tar cf -) | (cd "$work" && tar xf -)
-
-cd "$work"
-COLIBRI_SANITIZE=1 python setup.py build_ext --inplace -j 1 --build-temp "$work/build" \
-    > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
-
-# refuse to report green from an uninstrumented build
-syms="$(nm -D engine/_core*.so)"
-grep -q __asan_report <<<"$syms" || { echo "build is not instrumented"; exit 1; }
+. "$(dirname "$0")/sanitized_build.sh"
+sanitized_build asan.sh 1 __asan_report
 
 libasan="$(gcc -print-file-name=libasan.so)"
 export LD_PRELOAD="$libasan"

@@ -5,23 +5,8 @@
 # Usage: scripts/tsan.sh [extra pytest args]. Needs Cython (in the `test` extras) and gcc.
 set -euo pipefail
 
-python -c "import Cython" 2>/dev/null || {
-    echo "scripts/tsan.sh needs Cython to build the extension: pip install -e '.[test]'" >&2
-    exit 1
-}
-
-repo="$(cd "$(dirname "$0")/.." && pwd)"
-work="$(mktemp -d /tmp/colibri_tsan.XXXXXX)"
-trap 'rm -rf "$work"' EXIT
-
-(cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 tar cf -) | (cd "$work" && tar xf -)
-
-cd "$work"
-COLIBRI_SANITIZE=thread python setup.py build_ext --inplace -j 1 --build-temp "$work/build" \
-    > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
-
-syms="$(nm -D engine/_core*.so)"
-grep -q __tsan_ <<<"$syms" || { echo "build is not instrumented"; exit 1; }
+. "$(dirname "$0")/sanitized_build.sh"
+sanitized_build tsan.sh thread __tsan_
 
 libtsan="$(gcc -print-file-name=libtsan.so)"
 export LD_PRELOAD="$libtsan"
