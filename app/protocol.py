@@ -107,8 +107,28 @@ class ChatMessage(_Model):
         return out
 
 
+# OpenAI's SDK and front ends send `"temperature": null` for "not set": these fields take
+# null as their default, and the published schema says so
+NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "frequency_penalty", "presence_penalty",
+                      "stream", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+                      "parallel_tool_calls")
+
+
+def _null_allowed(schema: dict[str, Any]) -> None:
+    """json_schema_extra: document null as accepted for the NULL_MEANS_DEFAULT fields."""
+    props = schema.get("properties", {})
+    for key in NULL_MEANS_DEFAULT:
+        prop = props.get(key)
+        if prop is None or "anyOf" in prop:
+            continue
+        outer = {k: prop.pop(k) for k in ("default", "title", "description") if k in prop}
+        props[key] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
 class _Sampling(_Model):
     """Sampling fields shared by chat and text completions (and the extras vLLM accepts)."""
+
+    model_config = ConfigDict(json_schema_extra=_null_allowed)
 
     frequency_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Finite] | None = None
@@ -131,11 +151,8 @@ class _Sampling(_Model):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI's SDK and front ends send `"temperature": null` for "not set"
         if isinstance(data, dict):
-            for key in ("temperature", "top_p", "n", "frequency_penalty", "presence_penalty",
-                        "stream", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-                        "parallel_tool_calls"):
+            for key in NULL_MEANS_DEFAULT:
                 if key in data and data[key] is None:
                     del data[key]
         return data
