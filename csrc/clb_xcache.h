@@ -20,8 +20,8 @@ void clb_xc_begin_layer(clb_xcache *xc, int64_t il, const int64_t *e_start);
 
 /* Acquires expert e of layer il for the current wave: 1 when it is resident (loaded now if it
  * was not), 0 when no slot can take it until the wave's experts are released (never for the
- * wave's first expert), -1 on a load error (st and err set). */
-int clb_xc_acquire(clb_xcache *xc, int64_t il, int64_t e, clb_status *st, char *err);
+ * wave's first expert), -1 on a load error (st set; clb_xc_failed gives the message). */
+int clb_xc_acquire(clb_xcache *xc, int64_t il, int64_t e, clb_status *st);
 
 /* Ends the wave of layer il: every expert acquired in it may be evicted again. */
 void clb_xc_release(clb_xcache *xc, int64_t il);

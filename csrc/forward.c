@@ -428,7 +428,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         while (e < E && m->e_start[e + 1] - s0 <= CLB_MAX_BATCH) {
             if (xc && m->e_start[e + 1] > m->e_start[e]) {
                 clb_status st = CLB_OK;
-                int r = clb_xc_acquire(xc, il, e, &st, NULL);
+                int r = clb_xc_acquire(xc, il, e, &st);
                 if (r < 0) {
                     clb_xc_release(xc, il);
                     return st;

@@ -275,8 +275,7 @@ static int wave_empty(const clb_xcache *xc, int64_t l) {
 
 /* ---- forward-pass side ------------------------------------------------------------------ */
 
-int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st, char *err) {
-    (void)err;
+int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
     const int64_t idx = l * xc->E + e;
     pthread_mutex_lock(&xc->mu);
     int64_t t0 = 0;

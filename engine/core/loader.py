@@ -107,8 +107,10 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
     """Decides the expert budget (printed), enables the cache when one is needed and returns
     its monitor. ValueError when an explicit budget is below the minimum."""
     cfg = model.config
-    other = kv_bytes + sum(p.stat().st_size for p in folder.rglob("*.bin")
-                           if p.parent.name != "experts")
+    # every weight file but the experts' (which may be thousands: not even listed)
+    other_files = [folder / "embeddings.bin"] + [p for d in ("attention", "router", "shared")
+                                                 for p in (folder / d).glob("*.bin")]
+    other = kv_bytes + sum(p.stat().st_size for p in other_files)
     plan = plan_cache(model.core, xc, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, other,
                       memory_free(available_memory_bytes()))
     if plan.per_layer is None:

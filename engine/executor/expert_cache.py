@@ -261,9 +261,10 @@ class ExpertCacheMonitor:
     def stats(self) -> dict[str, Any] | None:
         return self.core.expert_cache_stats()
 
-    def totals(self) -> dict[str, float]:
-        """Summed counters, hit rate and resident bytes (zeros when the cache is off)."""
-        st = self.stats()
+    def totals(self, st: dict[str, Any] | None = None) -> dict[str, float]:
+        """Summed counters, hit rate and resident bytes of st (default: read now; empty when
+        the cache is off)."""
+        st = self.stats() if st is None else st
         if st is None:
             return {}
         out: dict[str, float] = {k: float(v.sum()) for k, v in st.items()
@@ -316,7 +317,7 @@ class ExpertCacheMonitor:
             "n_expert": self.plan.n_expert, "slots_per_layer": self.plan.per_layer
             or self.plan.n_expert, "expert_bytes": self.plan.expert_bytes,
             "budget_bytes": self.plan.budget_bytes, "reason": self.plan.reason,
-            "totals": self.totals(), "history": hist}
+            "totals": self.totals(st) if st is not None else {}, "history": hist}
         if st is not None:
             out["state"] = st["state"].tolist()
             out["heat"] = [[round(float(h), 3) for h in row] for row in st["heat"]]
