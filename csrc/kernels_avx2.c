@@ -151,8 +151,6 @@ void clb_quantize_q8a_avx2(int64_t n, const float *x, void *vy) {
  * so a whole block is summed in int16) and starts from corr = -8 * sum(a). Activations are
  * clb_block_q8c rows (q8 ignores corr). */
 
-#define CLB_TT2 8 /* tokens per pass over a row group */
-
 void clb_act_pack_q8_avx2(int64_t n, const float *x, void *vy) {
     clb_quantize_q8a_avx2(n, x, vy); /* corr unused by the q8 kernel: sum kept as is */
 }
@@ -179,27 +177,12 @@ static inline __attribute__((always_inline)) __m256i clb_load2x16(const char *co
     return _mm256_inserti128_si256(z, _mm_loadu_si128((const __m128i *)(rp[k + 4] + off)), 1);
 }
 
-/* q8: v[d] = |w| bytes, sg[d] = the signed bytes (for the sign trick); q4: v[d] = nibbles */
-static inline __attribute__((always_inline)) void clb_weights8(int Q4, const char *const rp[8],
-                                                               int64_t b, __m256i v[8],
-                                                               __m256i sg[8]) {
-    if (Q4) {
-        const __m256i low4 = _mm256_set1_epi8(0x0f);
-        size_t off = (size_t)b * sizeof(clb_block_q4) + 2;
-        for (int k = 0; k < 4; k++) v[k] = clb_load2x16(rp, k, off);
-        clb_t4x4_avx2(v);
-        for (int j = 0; j < 4; j++) {
-            v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low4);
-            v[j] = _mm256_and_si256(v[j], low4);
-        }
-    } else {
-        size_t off = (size_t)b * sizeof(clb_block_q8) + 2;
-        for (int h = 0; h < 2; h++) {
-            for (int k = 0; k < 4; k++) sg[4 * h + k] = clb_load2x16(rp, k, off + 16 * (size_t)h);
-            clb_t4x4_avx2(sg + 4 * h);
-        }
-        for (int d = 0; d < 8; d++) v[d] = _mm256_abs_epi8(sg[d]);
-    }
+/* the four transposed registers of half h (q8: bytes 16h..16h+15 of each row's block) or of
+ * the whole block's nibble bytes (q4): v[d] lane r = bytes 4d..4d+3 of row r's part */
+static inline __attribute__((always_inline)) void clb_load_t4(const char *const rp[8], size_t off,
+                                                              __m256i v[4]) {
+    for (int k = 0; k < 4; k++) v[k] = clb_load2x16(rp, k, off);
+    clb_t4x4_avx2(v);
 }
 
 /* the f16 scales of block b of the 8 rows as f32: eight 2-byte reads combined in general
@@ -224,32 +207,61 @@ static inline __attribute__((always_inline)) __m256i clb_bcast32_avx2(const int8
     return _mm256_set1_epi32(v);
 }
 
-/* One pass of TT tokens over a row group. pf, when set, is the next row group (8 whole rows
- * right after these): its bytes are prefetched front to back, a little more per block than
- * this pass consumes, so the next group starts from cache. The hardware prefetcher alone
- * serves eight interleaved row streams at well under the memory's rate. */
+/* exact int32 sums, per lane (row), of the four dwords d of activation bytes q against the
+ * transposed q8 half sg (|w| * sign(w)*a: vpmaddubsw needs its first operand unsigned) */
+static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i sg[4],
+                                                                 const int8_t *q) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256();
+    for (int d = 0; d < 4; d++) {
+        __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(sg[d]),
+                                         _mm256_sign_epi8(clb_bcast32_avx2(q + 4 * d), sg[d]));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    }
+    return s;
+}
+
+/* Tokens per pass over a row group: their accumulators (and q8's half-block sums) live in small
+ * stack arrays, so the loop over tokens keeps only one block's transposed weights in registers
+ * (AVX2 has 16) and every token of the pass reuses them. */
+#define CLB_PASS_TOK 16
+
+/* One pass of n_tok <= CLB_PASS_TOK tokens over a row group. pf is the next row group (8 rows
+ * right after these; its address may lie past the matrix, prefetches never fault): its bytes
+ * are prefetched front to back, a little more per block than this pass consumes, so the next
+ * group starts from cache. The hardware prefetcher alone serves eight interleaved row streams
+ * at well under the memory's rate. */
 #define CLB_PF_LINES(Q4) ((Q4) ? 3 : 5) /* 64-byte lines per block: >= 8 * 18 or 8 * 34 bytes */
 
-static inline __attribute__((always_inline)) void clb_group8(int Q4, int TT, int64_t n,
-                                                             const char *const rp[8],
-                                                             const char *act, size_t act_row,
-                                                             float *y, int64_t ldy, int nv,
-                                                             const char *pf) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[CLB_TT2];
-    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+static inline __attribute__((always_inline)) void clb_pass8(int Q4, int64_t n,
+                                                            const char *const rp[8],
+                                                            const char *act, size_t act_row,
+                                                            int n_tok, float *y, int64_t ldy,
+                                                            int nv, uintptr_t pf) {
+    __m256 acc[CLB_PASS_TOK];
+    __m256i part[CLB_PASS_TOK];
+    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+    for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / CLB_QK; b++) {
-        __m256i v[8], sg[8];
         if (pf) {
-            const char *p = pf + (size_t)b * 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
-            for (int l = 0; l < CLB_PF_LINES(Q4); l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+            uintptr_t p = pf + (uintptr_t)b * 8 * bs;
+            for (int l = 0; l < CLB_PF_LINES(Q4); l++)
+                _mm_prefetch((const char *)(p + 64 * (uintptr_t)l), _MM_HINT_T0);
         }
-        clb_weights8(Q4, rp, b, v, sg);
-        __m256 ws = clb_scales8(Q4, rp, b);
-        for (int t = 0; t < TT; t++) {
-            const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-            __m256i s;
-            if (Q4) {
+        const __m256 ws = clb_scales8(Q4, rp, b);
+        const size_t off = (size_t)b * bs + 2;
+        if (Q4) {
+            /* nibbles read unsigned (w + 8): sixteen products of 15 * 127 fit int16, so the whole
+             * block sums in int16 and the accumulator starts from corr = -8 * sum(a) */
+            const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+            __m256i v[8];
+            clb_load_t4(rp, off, v);
+            for (int j = 0; j < 4; j++) {
+                v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low4);
+                v[j] = _mm256_and_si256(v[j], low4);
+            }
+            for (int t = 0; t < n_tok; t++) {
+                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
                 __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(a->qs));
                 __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(a->qs + 16));
                 for (int d = 1; d < 4; d++) {
@@ -258,29 +270,35 @@ static inline __attribute__((always_inline)) void clb_group8(int Q4, int TT, int
                     h1 = _mm256_add_epi16(
                         h1, _mm256_maddubs_epi16(v[4 + d], clb_bcast32_avx2(a->qs + 16 + 4 * d)));
                 }
-                s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones),
-                                     _mm256_set1_epi32(a->corr));
-            } else {
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int d = 0; d < 4; d++) {
-                    __m256i a0 = _mm256_sign_epi8(clb_bcast32_avx2(a->qs + 4 * d), sg[d]);
-                    __m256i a1 = _mm256_sign_epi8(clb_bcast32_avx2(a->qs + 16 + 4 * d), sg[4 + d]);
-                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(v[d], a0), ones));
-                    s1 = _mm256_add_epi32(
-                        s1, _mm256_madd_epi16(_mm256_maddubs_epi16(v[4 + d], a1), ones));
-                }
-                s = _mm256_add_epi32(s0, s1);
+                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones),
+                                             _mm256_set1_epi32(a->corr));
+                __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
             }
-            __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
-            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+        } else {
+            /* one 16-byte half of the 8 rows' blocks at a time: four registers of signed
+             * weights; the first half's sums wait in part[] for the second */
+            __m256i sg[4];
+            clb_load_t4(rp, off, sg);
+            for (int t = 0; t < n_tok; t++) {
+                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+                part[t] = clb_half_q8(sg, a->qs);
+            }
+            clb_load_t4(rp, off + 16, sg);
+            for (int t = 0; t < n_tok; t++) {
+                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+                __m256i s = _mm256_add_epi32(part[t], clb_half_q8(sg, a->qs + 16));
+                __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+            }
         }
     }
     if (nv == 8) {
-        for (int t = 0; t < TT; t++) _mm256_storeu_ps(y + t * ldy, acc[t]);
+        for (int t = 0; t < n_tok; t++) _mm256_storeu_ps(y + t * ldy, acc[t]);
     } else {
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), lane);
-        for (int t = 0; t < TT; t++) _mm256_maskstore_ps(y + t * ldy, keep, acc[t]);
+        for (int t = 0; t < n_tok; t++) _mm256_maskstore_ps(y + t * ldy, keep, acc[t]);
     }
 }
 
@@ -335,11 +353,11 @@ void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, c
         y[r] = clb_dot_row_q8(n, (const char *)w + (size_t)r * w_row, act);
 }
 
-/* Row groups of 8, tokens CLB_TT2 at a time inside each group, so a group's weights are read
- * from memory once for all tokens and its later passes hit the cache. One token goes through
- * the same row groups: with the next group prefetched they stream faster than rows read one
- * by one, and the float work per block is one vector add per 8 rows instead of 8 dependent
- * scalar adds. */
+/* Row groups of 8, tokens CLB_PASS_TOK at a time inside each group, so a group's weights are
+ * read from memory once for all tokens and its later passes hit the cache. One token goes
+ * through the same row groups: with the next group prefetched they stream faster than rows
+ * read one by one, and the float work per block is one vector add per 8 rows instead of 8
+ * dependent scalar adds. */
 static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int64_t n, int64_t n_rows,
                                                             const void *w, size_t w_row,
                                                             const void *act, size_t act_row,
@@ -351,23 +369,21 @@ static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int64_t n, i
         const char *rp[8];
         for (int r = 0; r < 8; r++) /* rows past the matrix repeat a real one, unstored */
             rp[r] = wb + (size_t)(r0 + (r < nv ? r : nv - 1)) * w_row;
-        const char *pf = r0 + 16 <= n_rows ? wb + (size_t)(r0 + 8) * w_row : NULL;
-        int64_t t = 0;
-        for (; t + CLB_TT2 <= n_tok; t += CLB_TT2)
-            clb_group8(Q4, CLB_TT2, n, rp, (const char *)act + (size_t)t * act_row, act_row,
-                       y + t * ldy + r0, ldy, nv, t == 0 ? pf : NULL);
-        const char *at = (const char *)act + (size_t)t * act_row;
-        float *yt = y + t * ldy + r0;
-        const char *pt = t == 0 ? pf : NULL;
-        switch (n_tok - t) {
-        case 7: clb_group8(Q4, 7, n, rp, at, act_row, yt, ldy, nv, pt); break;
-        case 6: clb_group8(Q4, 6, n, rp, at, act_row, yt, ldy, nv, pt); break;
-        case 5: clb_group8(Q4, 5, n, rp, at, act_row, yt, ldy, nv, pt); break;
-        case 4: clb_group8(Q4, 4, n, rp, at, act_row, yt, ldy, nv, pt); break;
-        case 3: clb_group8(Q4, 3, n, rp, at, act_row, yt, ldy, nv, pt); break;
-        case 2: clb_group8(Q4, 2, n, rp, at, act_row, yt, ldy, nv, pt); break;
-        case 1: clb_group8(Q4, 1, n, rp, at, act_row, yt, ldy, nv, pt); break;
-        default: break;
+        /* the caller's next rows follow these in memory: the last group prefetches them too */
+        const uintptr_t pf = (uintptr_t)wb + (uintptr_t)(r0 + 8) * w_row;
+        for (int64_t t = 0; t < n_tok; t += CLB_PASS_TOK) {
+            const int tt = n_tok - t < CLB_PASS_TOK ? (int)(n_tok - t) : CLB_PASS_TOK;
+            const char *at = (const char *)act + (size_t)t * act_row;
+            float *yt = y + t * ldy + r0;
+            const uintptr_t pt = t == 0 ? pf : 0;
+            /* a few tokens (the expert groups of a decode step): the count is a constant, so
+             * the accumulators stay in registers */
+            switch (tt) {
+            case 1: clb_pass8(Q4, n, rp, at, act_row, 1, yt, ldy, nv, pt); break;
+            case 2: clb_pass8(Q4, n, rp, at, act_row, 2, yt, ldy, nv, pt); break;
+            case 3: clb_pass8(Q4, n, rp, at, act_row, 3, yt, ldy, nv, pt); break;
+            default: clb_pass8(Q4, n, rp, at, act_row, tt, yt, ldy, nv, pt); break;
+            }
         }
     }
 }
