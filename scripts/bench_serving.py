@@ -13,8 +13,10 @@ llama-cpp-python source distribution vendors, GGML_NATIVE on; run with -np N and
 batching) and llama-cpp-python's own server (`python -m llama_cpp.server`). Every request
 streams /v1/completions with a fixed prompt of about --prompt-tokens tokens and
 --gen-tokens greedy tokens (EOS ignored). Reported per engine and concurrency: aggregate
-output tokens/s, TTFT, inter-token latency and TPOT at p50/p90/p99, failed requests; then the
-TTFT of a request that arrives while 7 streams decode, against its TTFT on an idle server.
+output tokens/s (prompts included), output tokens/s while every stream decodes, the share of
+the time before every stream had its first token, TTFT, inter-token latency and TPOT at
+p50/p90/p99, failed requests; then the TTFT of a request that arrives while 7 streams
+decode, against its TTFT on an idle server.
 Beside the measured throughput it prints the model's physical ceiling at each concurrency:
 a step of B sequences touches E*(1-(1-k/E)^B) distinct experts per layer, which turns into
 weight bytes per token and a tokens/s bound at the measured read bandwidth.
@@ -145,6 +147,7 @@ class Result:
     e2e: float = 0.0
     n_out: int = 0
     itl: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # perf_counter of every content chunk
     error: str = ""
 
 
@@ -176,6 +179,7 @@ async def one_request(client: httpx.AsyncClient, srv: Server, prompt: str,
                 else:
                     res.itl.append(now - last)
                 last = now
+                res.times.append(now)
                 chunks += 1
     except httpx.HTTPError as exc:
         res.error = repr(exc)
@@ -205,13 +209,27 @@ async def run_level(srv: Server, prompts: list[str], n_gen: int, conc: int,
     itl = [x for r in good for x in r.itl]
     tpot = [(r.e2e - r.ttft) / (r.n_out - 1) for r in good if r.n_out > 1]
     ttft = [r.ttft for r in good]
-    return {"concurrency": conc, "requests": len(results), "failed": len(results) - len(good),
+    return {**decode_phase(good, t0, wall),
+            "concurrency": conc, "requests": len(results), "failed": len(results) - len(good),
             "errors": sorted({r.error for r in results if not r.ok})[:3],
             "wall_s": wall, "output_tokens": sum(r.n_out for r in good),
             "output_tok_s": sum(r.n_out for r in good) / wall,
             **{f"ttft_p{q}_ms": 1e3 * pct(ttft, q / 100) for q in (50, 90, 99)},
             **{f"itl_p{q}_ms": 1e3 * pct(itl, q / 100) for q in (50, 90, 99)},
             **{f"tpot_p{q}_ms": 1e3 * pct(tpot, q / 100) for q in (50, 90, 99)}}
+
+
+def decode_phase(good: list[Result], t0: float, wall: float) -> dict[str, float]:
+    """Output tokens/s while every stream decodes (from the last first token to the first
+    last token) and the share of the wall time spent before every stream had its first token:
+    the prompts' share of the throughput above."""
+    if not good or any(not r.times for r in good):
+        return {"decode_tok_s": float("nan"), "prefill_share": float("nan")}
+    start = max(r.times[0] for r in good)
+    end = min(r.times[-1] for r in good)
+    n = sum(1 for r in good for t in r.times if start < t <= end)
+    return {"decode_tok_s": n / (end - start) if end > start else float("nan"),
+            "prefill_share": (start - t0) / wall}
 
 
 async def ttft_under_load(srv: Server, prompts: list[str], n_gen: int, probes: int,
@@ -283,9 +301,10 @@ def render(res: dict[str, Any]) -> str:
     lines = [f"CPU: {res['cpu']}  threads: {res['threads']}  model: {res['model']}",
              f"prompt ~{res['prompt_tokens']} tokens, {res['gen_tokens']} output tokens, "
              f"greedy, EOS ignored; read bandwidth {res['ceiling']['bandwidth_gb_s']:.1f} GB/s",
-             "", "| engine | conc | out tok/s | x vs 1 | ceiling tok/s | TTFT p50/p90/p99 ms | "
-             "ITL p50/p90/p99 ms | TPOT p50/p90/p99 ms | failed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| engine | conc | out tok/s | x vs 1 | ceiling tok/s | decode tok/s | "
+             "before all first tokens | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
+             "TPOT p50/p90/p99 ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for eng, levels in res["engines"].items():
         base = levels[0]["output_tok_s"] if levels else float("nan")
         for lv in levels:
@@ -294,6 +313,8 @@ def render(res: dict[str, Any]) -> str:
             lines.append(
                 f"| {eng} | {c} | {lv['output_tok_s']:.1f} | {lv['output_tok_s'] / base:.2f} | "
                 f"{ceil.get('bound_tok_s', float('nan')):.0f} | "
+                f"{lv.get('decode_tok_s', float('nan')):.1f} | "
+                f"{100 * lv.get('prefill_share', float('nan')):.0f}% | "
                 f"{lv['ttft_p50_ms']:.0f}/{lv['ttft_p90_ms']:.0f}/{lv['ttft_p99_ms']:.0f} | "
                 f"{lv['itl_p50_ms']:.1f}/{lv['itl_p90_ms']:.1f}/{lv['itl_p99_ms']:.1f} | "
                 f"{lv['tpot_p50_ms']:.1f}/{lv['tpot_p90_ms']:.1f}/{lv['tpot_p99_ms']:.1f} | "
