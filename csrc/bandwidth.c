@@ -4,16 +4,15 @@
  * cannot drop the loads and a short read cannot pass; pages are first touched by their reader.
  * Refuses: to report a figure when the checksum disagrees (CLB_E_ARG, message says why). */
 #define _GNU_SOURCE
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <time.h>
 
 #include "clb_bench.h"
 #include "clb_kernels.h"
 #include "clb_threadpool.h"
+#include "clb_util.h"
 
 #define CLB_BW_MIN_BYTES (64u * 1024u)
 #define CLB_BW_MAX_THREADS 1024
@@ -28,20 +27,6 @@ typedef struct {
     uint64_t *sums;   /* [n_threads], one slot per worker, written by the read task */
     clb_bw_sum_fn sum;
 } clb_bw_ctx;
-
-static void clb_bw_err(char *err, const char *fmt, ...) {
-    if (err == NULL) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, CLB_BENCH_ERR_LEN, fmt, ap);
-    va_end(ap);
-}
-
-static double clb_bw_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void clb_bw_slice(size_t n, int ith, int nth, size_t *lo, size_t *hi) {
     /* split on 8-word (64-byte) lines so no two threads share a cache line */
@@ -107,15 +92,15 @@ clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, doubl
     if (gbps == NULL) return CLB_E_ARG;
     *gbps = 0.0;
     if (nbytes < CLB_BW_MIN_BYTES || nbytes > SIZE_MAX / 2) {
-        clb_bw_err(err, "buffer of %zu bytes: need at least %u", nbytes, CLB_BW_MIN_BYTES);
+        clb_set_err(err, "buffer of %zu bytes: need at least %u", nbytes, CLB_BW_MIN_BYTES);
         return CLB_E_ARG;
     }
     if (n_threads < 1 || n_threads > CLB_BW_MAX_THREADS) {
-        clb_bw_err(err, "threads %d not in 1..%d", n_threads, CLB_BW_MAX_THREADS);
+        clb_set_err(err, "threads %d not in 1..%d", n_threads, CLB_BW_MAX_THREADS);
         return CLB_E_ARG;
     }
     if (n_passes < 1 || n_passes > CLB_BW_MAX_PASSES) {
-        clb_bw_err(err, "passes %d not in 1..%d", n_passes, CLB_BW_MAX_PASSES);
+        clb_set_err(err, "passes %d not in 1..%d", n_passes, CLB_BW_MAX_PASSES);
         return CLB_E_ARG;
     }
     size_t n_words = nbytes / sizeof(uint64_t);
@@ -124,7 +109,7 @@ clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, doubl
      * so the probe leaves neither heap growth nor resident memory behind */
     void *mem = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
-        clb_bw_err(err, "cannot map a %zu-byte probe buffer", map_bytes);
+        clb_set_err(err, "cannot map a %zu-byte probe buffer", map_bytes);
         return CLB_E_NOMEM;
     }
 #ifdef MADV_HUGEPAGE
@@ -136,7 +121,7 @@ clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, doubl
     clb_threadpool *tp = NULL;
     clb_status st = sums == NULL ? CLB_E_NOMEM : clb_threadpool_init(&tp, n_threads);
     if (st != CLB_OK) {
-        clb_bw_err(err, "cannot start %d probe threads", n_threads);
+        clb_set_err(err, "cannot start %d probe threads", n_threads);
         free(sums);
         munmap(mem, map_bytes);
         return st == CLB_E_ARG ? CLB_E_ARG : CLB_E_NOMEM;
@@ -146,18 +131,18 @@ clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, doubl
     const uint64_t want = clb_bw_expected(n_words);
     double best = 0.0;
     for (int pass = 0; st == CLB_OK && pass < n_passes; pass++) {
-        double t0 = clb_bw_now();
+        double t0 = 1e-9 * (double)clb_now_ns();
         st = clb_threadpool_run(tp, clb_bw_read_task, &ctx);
-        double dt = clb_bw_now() - t0;
+        double dt = 1e-9 * (double)clb_now_ns() - t0;
         if (st != CLB_OK) {
-            clb_bw_err(err, "probe run refused (status %d)", (int)st);
+            clb_set_err(err, "probe run refused (status %d)", (int)st);
             break;
         }
         uint64_t got = 0;
         for (int t = 0; t < n_threads; t++) got += sums[t];
         if (got != want) {
-            clb_bw_err(err, "probe checksum %llu, expected %llu: the read was incomplete",
-                       (unsigned long long)got, (unsigned long long)want);
+            clb_set_err(err, "probe checksum %llu, expected %llu: the read was incomplete",
+                        (unsigned long long)got, (unsigned long long)want);
             st = CLB_E_ARG;
             break;
         }

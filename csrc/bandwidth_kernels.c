@@ -5,17 +5,11 @@
  * Refuses: bad shapes or counts (CLB_E_ARG); it measures, it asserts nothing about speed. */
 #define _GNU_SOURCE
 #include <stdlib.h>
-#include <time.h>
 
 #include "clb_bench.h"
 #include "clb_kernels.h"
 #include "clb_threadpool.h"
-
-static double clb_kb_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "clb_util.h"
 
 clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_in,
                             const float *x, int64_t n_tok, int n_threads, int n_reps,
@@ -29,9 +23,9 @@ clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_
     clb_threadpool *tp = NULL;
     clb_status st = scratch && y ? clb_threadpool_init(&tp, n_threads) : CLB_E_NOMEM;
     for (int r = 0; st == CLB_OK && r < n_reps; r++) {
-        double t0 = clb_kb_now();
+        double t0 = 1e-9 * (double)clb_now_ns();
         st = clb_matmul(t, w, n_out, n_in, x, n_tok, y, n_out, NULL, scratch, tp);
-        secs[r] = clb_kb_now() - t0;
+        secs[r] = 1e-9 * (double)clb_now_ns() - t0;
     }
     clb_threadpool_free(tp);
     free(y);
@@ -55,13 +49,13 @@ clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *n
     double total = 0.0;
     for (int r = 0; st == CLB_OK && r < n_runs; r++) {
         if (gap_us > 0) { /* idle between runs as the forward pass does between layers */
-            double until = clb_kb_now() + 1e-6 * gap_us;
-            while (clb_kb_now() < until) {
+            double until = 1e-9 * (double)clb_now_ns() + 1e-6 * gap_us;
+            while (1e-9 * (double)clb_now_ns() < until) {
             }
         }
-        double t0 = clb_kb_now();
+        double t0 = 1e-9 * (double)clb_now_ns();
         st = clb_threadpool_run(tp, clb_kb_empty, NULL);
-        total += clb_kb_now() - t0;
+        total += 1e-9 * (double)clb_now_ns() - t0;
     }
     clb_threadpool_free(tp);
     *ns_per_run = total / n_runs * 1e9;

@@ -7,24 +7,16 @@
  * Refuses: token ids, sequence ids and positions outside the model, and block tables that name
  * blocks outside the cache or let two sequences write one block. */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "clb_kernels.h"
 #include "clb_model_internal.h"
 #include "clb_xcache.h"
+#include "clb_util.h"
 
 /* Shape legend: T tokens in the chunk, D n_embd, H/Hkv heads, hd head_dim, E experts, K used,
  * F expert ff, Fs shared ff, V vocab, qd = H*hd, kvd = Hkv*hd. */
-
-static void f_err(char *err, const char *fmt, ...) {
-    if (!err) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, CLB_ERR_LEN, fmt, ap);
-    va_end(ap);
-}
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over n elements; y may alias x. The sum is kept in double
  * so the result does not depend on n's size. */
@@ -517,25 +509,25 @@ static clb_status validate(const clb_model *m, clb_kv *kv, const clb_batch *b, c
     for (int32_t s = 0; s < b->n_seq; s++) kv->seq_next[s] = -1;
     for (; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) {
-            f_err(err, "token %d at index %lld is not in 0..%lld (n_vocab - 1)", tokens[i],
-                  (long long)i, (long long)(hp->n_vocab - 1));
+            clb_set_err(err, "token %d at index %lld is not in 0..%lld (n_vocab - 1)", tokens[i],
+                        (long long)i, (long long)(hp->n_vocab - 1));
             st = CLB_E_ARG;
             break;
         }
         if (seq[i] < 0 || seq[i] >= b->n_seq) {
-            f_err(err, "sequence id %d at index %lld is not in 0..%d", seq[i], (long long)i,
-                  b->n_seq - 1);
+            clb_set_err(err, "sequence id %d at index %lld is not in 0..%d", seq[i], (long long)i,
+                        b->n_seq - 1);
             st = CLB_E_ARG;
             break;
         }
         if (pos[i] < 0) {
-            f_err(err, "position %d at index %lld is negative", pos[i], (long long)i);
+            clb_set_err(err, "position %d at index %lld is negative", pos[i], (long long)i);
             st = CLB_E_ARG;
             break;
         }
         if (pos[i] >= hp->n_ctx) {
-            f_err(err, "position %d at index %lld is past the context (n_ctx %lld)", pos[i],
-                  (long long)i, (long long)hp->n_ctx);
+            clb_set_err(err, "position %d at index %lld is past the context (n_ctx %lld)", pos[i],
+                        (long long)i, (long long)hp->n_ctx);
             st = CLB_E_RANGE;
             break;
         }
@@ -543,41 +535,44 @@ static clb_status validate(const clb_model *m, clb_kv *kv, const clb_batch *b, c
         const int64_t p = pos[i], jb = p / CLB_KV_BLOCK, next = kv->seq_next[s];
         const int32_t *row = b->block_tables + (int64_t)s * nb;
         if (next >= 0 && p != next) {
-            f_err(err, "sequence %d: position %lld at index %lld, expected %lld (positions of a "
-                  "sequence must be consecutive and increasing in a call)", s, (long long)p,
-                  (long long)i, (long long)next);
+            clb_set_err(err,
+                        "sequence %d: position %lld at index %lld, expected %lld (positions of a "
+                        "sequence must be consecutive and increasing in a call)", s, (long long)p,
+                        (long long)i, (long long)next);
             st = CLB_E_ARG;
             break;
         }
         if (jb >= nb) {
-            f_err(err, "sequence %d: position %lld needs block table entry %lld, but the rows "
-                  "have %lld entries", s, (long long)p, (long long)jb, (long long)nb);
+            clb_set_err(err,
+                        "sequence %d: position %lld needs block table entry %lld, but the rows "
+                        "have %lld entries", s, (long long)p, (long long)jb, (long long)nb);
             st = CLB_E_ARG;
             break;
         }
         if (next < 0 || p % CLB_KV_BLOCK == 0) { /* entering a block: check the entries */
             for (int64_t j = next < 0 ? 0 : jb; j <= jb && st == CLB_OK; j++) {
                 if (row[j] < 0 || row[j] >= kv->n_blocks) {
-                    f_err(err, "sequence %d: block table entry %lld (positions %lld..%lld) is "
-                          "%d, not a block in 0..%lld", s, (long long)j,
-                          (long long)(j * CLB_KV_BLOCK), (long long)(j * CLB_KV_BLOCK + 15),
-                          row[j], (long long)(kv->n_blocks - 1));
+                    clb_set_err(err,
+                                "sequence %d: block table entry %lld (positions %lld..%lld) is "
+                                "%d, not a block in 0..%lld", s, (long long)j,
+                                (long long)(j * CLB_KV_BLOCK), (long long)(j * CLB_KV_BLOCK + 15),
+                                row[j], (long long)(kv->n_blocks - 1));
                     st = CLB_E_ARG;
                 }
             }
             if (st != CLB_OK) break;
             for (int64_t j = 0; j < jb; j++) {
                 if (row[j] == row[jb]) {
-                    f_err(err, "sequence %d: block %d is at table entries %lld and %lld", s,
-                          row[jb], (long long)j, (long long)jb);
+                    clb_set_err(err, "sequence %d: block %d is at table entries %lld and %lld", s,
+                                row[jb], (long long)j, (long long)jb);
                     st = CLB_E_ARG;
                     break;
                 }
             }
             if (st != CLB_OK) break;
             if (kv->writer[row[jb]] >= 0) {
-                f_err(err, "block %d is written by sequences %d and %d in one call", row[jb],
-                      kv->writer[row[jb]], s);
+                clb_set_err(err, "block %d is written by sequences %d and %d in one call", row[jb],
+                            kv->writer[row[jb]], s);
                 st = CLB_E_ARG;
                 break;
             }
@@ -594,22 +589,22 @@ static clb_status validate(const clb_model *m, clb_kv *kv, const clb_batch *b, c
 clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err) {
     if (err) err[0] = '\0';
     if (!m || !kv || kv->model != m) {
-        f_err(err, "clb_forward: model missing or the KV cache belongs to another model");
+        clb_set_err(err, "clb_forward: model missing or the KV cache belongs to another model");
         return CLB_E_ARG;
     }
     if (!b || b->n_tokens < 0 ||
         (b->n_tokens > 0 && (!b->tokens || !b->seq_ids || !b->positions))) {
-        f_err(err, "clb_forward: bad token arrays (n_tokens %lld)",
-              b ? (long long)b->n_tokens : -1LL);
+        clb_set_err(err, "clb_forward: bad token arrays (n_tokens %lld)",
+                    b ? (long long)b->n_tokens : -1LL);
         return CLB_E_ARG;
     }
     if (b->n_tokens == 0) return CLB_OK;
     /* every sequence of a call writes a block of its own, so n_seq <= n_blocks; that bound
      * lets the validation scratch be sized once at init */
     if (b->n_seq <= 0 || b->n_seq > kv->n_blocks || b->max_blocks <= 0 || !b->block_tables) {
-        f_err(err, "clb_forward: bad block tables (n_seq %d, max_blocks %d; n_seq must be in "
-              "1..%lld, the cache's block count)", b->n_seq, b->max_blocks,
-              (long long)kv->n_blocks);
+        clb_set_err(err, "clb_forward: bad block tables (n_seq %d, max_blocks %d; n_seq must be in "
+                    "1..%lld, the cache's block count)", b->n_seq, b->max_blocks,
+                    (long long)kv->n_blocks);
         return CLB_E_ARG;
     }
     clb_status st = validate(m, kv, b, err);
@@ -619,7 +614,7 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
     int any_out = !want_logits;
     for (int64_t i = 0; i < b->n_tokens && !any_out; i++) any_out = want_logits[i] != 0;
     if (any_out && !logits) {
-        f_err(err, "clb_forward: logits requested but no output buffer given");
+        clb_set_err(err, "clb_forward: logits requested but no output buffer given");
         return CLB_E_ARG;
     }
 
@@ -632,8 +627,8 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
                            want_logits ? want_logits + t0 : NULL, routes, logits, &n_out);
         if (st != CLB_OK) {
             if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
-            f_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "
-                  "positions may be partly written", (int)st);
+            clb_set_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "
+                        "positions may be partly written", (int)st);
             return st;
         }
         if (n_out > 0) logits += n_out * m->hp.n_vocab;

@@ -5,7 +5,6 @@
  * Refuses: hparams that are non-positive, inconsistent or large enough to overflow sizes. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +12,7 @@
 #include "clb_kernels.h"
 #include "clb_model_internal.h"
 #include "clb_xcache.h"
+#include "clb_util.h"
 
 #define CLB_PATH_MAX 4096
 
@@ -24,19 +24,11 @@
 #define CLB_MAX_HEADS 4096
 #define CLB_MAX_CTX ((int64_t)1 << 24)
 
-static void m_err(char *err, const char *fmt, ...) {
-    if (!err) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, CLB_ERR_LEN, fmt, ap);
-    va_end(ap);
-}
-
 static clb_status check_hparams(const clb_hparams *hp, char *err) {
 #define NEED(cond, ...)                  \
     do {                                 \
         if (!(cond)) {                   \
-            m_err(err, "hparams: " __VA_ARGS__); \
+            clb_set_err(err, "hparams: " __VA_ARGS__); \
             return CLB_E_ARG;            \
         }                                \
     } while (0)
@@ -91,7 +83,7 @@ static clb_status open_file(loader *ld, const char *dir, const char *rel, clb_wf
     char path[CLB_PATH_MAX];
     int n = snprintf(path, sizeof path, "%s/%s", dir, rel);
     if (n < 0 || n >= (int)sizeof path) {
-        m_err(ld->err, "path too long: %s/%s", dir, rel);
+        clb_set_err(ld->err, "path too long: %s/%s", dir, rel);
         return CLB_E_ARG;
     }
     clb_status st = clb_wfile_open(path, out, ld->err);
@@ -108,12 +100,12 @@ static clb_status want(loader *ld, const clb_wfile *f, const char *file, const c
                        const clb_tensor **out) {
     const clb_tensor *t = clb_wfile_find(f, name);
     if (!t) {
-        m_err(ld->err, "%s: tensor '%s' is missing", file, name);
+        clb_set_err(ld->err, "%s: tensor '%s' is missing", file, name);
         return CLB_E_SHAPE;
     }
     if (kind != KIND_MAT_ANY && t->type != CLB_TYPE_F32) {
-        m_err(ld->err, "%s: tensor '%s' has dtype %s, must be f32", file, name,
-              clb_get_type_traits(t->type)->name);
+        clb_set_err(ld->err, "%s: tensor '%s' has dtype %s, must be f32", file, name,
+                    clb_get_type_traits(t->type)->name);
         return CLB_E_SHAPE;
     }
     int ok = kind == KIND_VEC_F32 ? (t->n_dims == 1 && t->shape[0] == cols)
@@ -126,11 +118,11 @@ static clb_status want(loader *ld, const clb_wfile *f, const char *file, const c
                           (long long)t->shape[d]);
         if (p < (int)sizeof got) snprintf(got + p, sizeof got - (size_t)p, "]");
         if (kind == KIND_VEC_F32)
-            m_err(ld->err, "%s: tensor '%s' has shape %s, the config wants [%lld] (%s)", file,
-                  name, got, (long long)cols, what);
+            clb_set_err(ld->err, "%s: tensor '%s' has shape %s, the config wants [%lld] (%s)", file,
+                        name, got, (long long)cols, what);
         else
-            m_err(ld->err, "%s: tensor '%s' has shape %s, the config wants [%lld, %lld] (%s)",
-                  file, name, got, (long long)rows, (long long)cols, what);
+            clb_set_err(ld->err, "%s: tensor '%s' has shape %s, the config wants [%lld, %lld] (%s)",
+                        file, name, got, (long long)rows, (long long)cols, what);
         return CLB_E_SHAPE;
     }
     *out = t;
@@ -281,7 +273,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
     m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);
     if (fail) {
-        m_err(err, "out of memory allocating forward scratch");
+        clb_set_err(err, "out of memory allocating forward scratch");
         return CLB_E_NOMEM;
     }
     /* same float32 arithmetic as transformers' default rope: 1 / theta^(2i/rd) */
@@ -301,7 +293,7 @@ static clb_status load_all(clb_model *m, const char *dir, char *err) {
     m->experts = calloc((size_t)(hp->n_layer * hp->n_expert), sizeof(clb_ffn_w));
     m->expert_files = calloc((size_t)(hp->n_layer * hp->n_expert), sizeof(clb_wfile *));
     if (!m->files || !m->layers || !m->experts || !m->expert_files) {
-        m_err(err, "out of memory for the model tables");
+        clb_set_err(err, "out of memory for the model tables");
         return CLB_E_NOMEM;
     }
     clb_wfile *f;
@@ -312,7 +304,7 @@ static clb_status load_all(clb_model *m, const char *dir, char *err) {
     TRY(want(&ld, f, rel, "output_norm", KIND_VEC_F32, 0, hp->n_embd, "n_embd", &m->output_norm));
     if (hp->tie_embeddings) {
         if (clb_wfile_find(f, "output")) {
-            m_err(err, "%s: has an 'output' tensor but the config says tie_embeddings", rel);
+            clb_set_err(err, "%s: has an 'output' tensor but the config says tie_embeddings", rel);
             return CLB_E_SHAPE;
         }
         m->output = m->tok_embd;
@@ -328,7 +320,7 @@ clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads,
                           char *err) {
     if (err) err[0] = '\0';
     if (!out || !dir || !hp) {
-        m_err(err, "clb_model_load: NULL argument");
+        clb_set_err(err, "clb_model_load: NULL argument");
         return CLB_E_ARG;
     }
     *out = NULL;
@@ -337,7 +329,7 @@ clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads,
     if (st != CLB_OK) return st;
     clb_model *m = calloc(1, sizeof(*m));
     if (!m) {
-        m_err(err, "out of memory");
+        clb_set_err(err, "out of memory");
         return CLB_E_NOMEM;
     }
     m->hp = *hp;
@@ -347,12 +339,12 @@ clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads,
     m->pool = clb_pool_init();
     if (!m->pool) {
         free(m);
-        m_err(err, "out of memory creating the memory pool");
+        clb_set_err(err, "out of memory creating the memory pool");
         return CLB_E_NOMEM;
     }
     st = clb_threadpool_init(&m->tp, n_threads);
     if (st != CLB_OK) {
-        m_err(err, "cannot start %d worker threads", n_threads);
+        clb_set_err(err, "cannot start %d worker threads", n_threads);
         clb_model_free(m);
         return st;
     }
@@ -390,8 +382,8 @@ clb_status clb_model_weight_fault(const clb_model *m, char *err) {
     for (int i = 0; i < m->n_files; i++) {
         const char *path = clb_wfile_changed(m->files[i]);
         if (!path) continue;
-        m_err(err, "weight file changed: %s was truncated or overwritten while the model was "
-              "loaded; restart to load it again", path);
+        clb_set_err(err, "weight file changed: %s was truncated or overwritten while the model was "
+                    "loaded; restart to load it again", path);
         return CLB_E_IO;
     }
     return CLB_OK;

@@ -10,10 +10,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "clb_threadpool.h"
+#include "clb_util.h"
 
 #define CLB_TP_SPIN_NS 20000 /* long enough to catch back-to-back runs, short enough to idle */
 #define CLB_TP_MAX_THREADS 1024
@@ -43,12 +43,6 @@ static void clb_cpu_relax(void) {
 #ifdef CLB_HAVE_X86
     __builtin_ia32_pause();
 #endif
-}
-
-static int64_t clb_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
 /* spin until a new run (or stop) is posted or the spin budget is spent; 1 if posted */

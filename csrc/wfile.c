@@ -6,7 +6,6 @@
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +15,7 @@
 
 #include "clb_model.h"
 #include "clb_wfault.h"
+#include "clb_util.h"
 
 #define CLB_WF_MAGIC "CLBWGT1"
 #define CLB_WF_VERSION 1u
@@ -33,14 +33,6 @@ struct clb_wfile {
     int n_tensors;
     clb_tensor *tensors; /* [n_tensors] */
 };
-
-static void wf_err(char *err, const char *fmt, ...) {
-    if (!err) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, CLB_ERR_LEN, fmt, ap);
-    va_end(ap);
-}
 
 /* The format is little-endian; decode bytes explicitly so header parsing is host-agnostic. */
 static uint32_t rd_u32(const uint8_t *p) {
@@ -86,15 +78,15 @@ static int parse_entry(const char *path, const uint8_t *e, int i, uint64_t data_
     size_t len = 0;
     while (len < 64 && raw[len]) len++;
     if (len == 64) {
-        wf_err(err, "%s: tensor #%d: name is not NUL-terminated within 64 bytes", path, i);
+        clb_set_err(err, "%s: tensor #%d: name is not NUL-terminated within 64 bytes", path, i);
         return -1;
     }
     if (len == 0) {
-        wf_err(err, "%s: tensor #%d: empty name", path, i);
+        clb_set_err(err, "%s: tensor #%d: empty name", path, i);
         return -1;
     }
     if (!all_zero(e + len, 64 - len)) {
-        wf_err(err, "%s: tensor #%d ('%s'): name is not NUL-padded", path, i, raw);
+        clb_set_err(err, "%s: tensor #%d ('%s'): name is not NUL-padded", path, i, raw);
         return -1;
     }
     memcpy(t->name, raw, len + 1);
@@ -102,25 +94,25 @@ static int parse_entry(const char *path, const uint8_t *e, int i, uint64_t data_
 
     uint32_t dtype = rd_u32(e + 64);
     if (!clb_type_valid_for_file(dtype)) {
-        wf_err(err, "%s: tensor '%s': dtype %u is not a weight-file type", path, nm, dtype);
+        clb_set_err(err, "%s: tensor '%s': dtype %u is not a weight-file type", path, nm, dtype);
         return -1;
     }
     uint32_t n_dims = rd_u32(e + 68);
     if (n_dims < 1 || n_dims > 4) {
-        wf_err(err, "%s: tensor '%s': n_dims %u not in 1..4", path, nm, n_dims);
+        clb_set_err(err, "%s: tensor '%s': n_dims %u not in 1..4", path, nm, n_dims);
         return -1;
     }
     for (int d = 0; d < 4; d++) {
         int64_t v = (int64_t)rd_u64(e + 72 + 8 * d);
         if ((uint32_t)d < n_dims) {
             if (v < 1 || v > CLB_WF_MAX_DIM) {
-                wf_err(err, "%s: tensor '%s': shape[%d] = %lld not in 1..2^40", path, nm, d,
-                       (long long)v);
+                clb_set_err(err, "%s: tensor '%s': shape[%d] = %lld not in 1..2^40", path, nm, d,
+                            (long long)v);
                 return -1;
             }
         } else if (v != 1) {
-            wf_err(err, "%s: tensor '%s': unused shape[%d] = %lld, must be 1", path, nm, d,
-                   (long long)v);
+            clb_set_err(err, "%s: tensor '%s': unused shape[%d] = %lld, must be 1", path, nm, d,
+                        (long long)v);
             return -1;
         }
         t->shape[d] = v;
@@ -128,15 +120,15 @@ static int parse_entry(const char *path, const uint8_t *e, int i, uint64_t data_
     uint64_t offset = rd_u64(e + 104);
     uint64_t nbytes = rd_u64(e + 112);
     if (!all_zero(e + 120, 8)) {
-        wf_err(err, "%s: tensor '%s': reserved bytes are not zero", path, nm);
+        clb_set_err(err, "%s: tensor '%s': reserved bytes are not zero", path, nm);
         return -1;
     }
 
     int64_t row_len = t->shape[n_dims - 1];
     size_t row = clb_type_row_size((clb_type)dtype, row_len);
     if (row == 0) {
-        wf_err(err, "%s: tensor '%s': row length %lld does not fill whole blocks of its type",
-               path, nm, (long long)row_len);
+        clb_set_err(err, "%s: tensor '%s': row length %lld does not fill whole blocks of its type",
+                    path, nm, (long long)row_len);
         return -1;
     }
     /* expected = row * product(other dims); any overflow means it cannot match the file */
@@ -151,28 +143,30 @@ static int parse_entry(const char *path, const uint8_t *e, int i, uint64_t data_
         expect *= dim;
     }
     if (overflow || nbytes != expect) {
-        wf_err(err, "%s: tensor '%s': nbytes %llu does not match its shape and dtype%s", path,
-               nm, (unsigned long long)nbytes, overflow ? " (size overflows)" : "");
+        clb_set_err(err, "%s: tensor '%s': nbytes %llu does not match its shape and dtype%s", path,
+                    nm, (unsigned long long)nbytes, overflow ? " (size overflows)" : "");
         return -1;
     }
     if (offset % CLB_WF_ALIGN) {
-        wf_err(err, "%s: tensor '%s': offset %llu is not a multiple of 64", path, nm,
-               (unsigned long long)offset);
+        clb_set_err(err, "%s: tensor '%s': offset %llu is not a multiple of 64", path, nm,
+                    (unsigned long long)offset);
         return -1;
     }
     if (offset < data_offset) {
-        wf_err(err, "%s: tensor '%s': offset %llu lies before the data section (%llu)", path,
-               nm, (unsigned long long)offset, (unsigned long long)data_offset);
+        clb_set_err(err, "%s: tensor '%s': offset %llu lies before the data section (%llu)", path,
+                    nm, (unsigned long long)offset, (unsigned long long)data_offset);
         return -1;
     }
     if (nbytes > file_size || offset > file_size - nbytes) {
-        wf_err(err, "%s: tensor '%s': data [%llu, +%llu) runs past the end of the file (%llu bytes)",
-               path, nm, (unsigned long long)offset, (unsigned long long)nbytes,
-               (unsigned long long)file_size);
+        clb_set_err(err,
+                    "%s: tensor '%s': data [%llu, +%llu) runs past the end of the file "
+                    "(%llu bytes)",
+                    path, nm, (unsigned long long)offset, (unsigned long long)nbytes,
+                    (unsigned long long)file_size);
         return -1;
     }
     if (nbytes > SIZE_MAX) {
-        wf_err(err, "%s: tensor '%s': too large for this machine", path, nm);
+        clb_set_err(err, "%s: tensor '%s': too large for this machine", path, nm);
         return -1;
     }
     t->type = (clb_type)dtype;
@@ -187,45 +181,46 @@ static clb_status validate(const char *path, clb_wfile *f, char *err) {
     const uint8_t *b = f->map;
     size_t size = f->size;
     if (memcmp(b, CLB_WF_MAGIC, 8) != 0) {
-        wf_err(err, "%s: bad magic (not a Colibri weight file)", path);
+        clb_set_err(err, "%s: bad magic (not a Colibri weight file)", path);
         return CLB_E_FORMAT;
     }
     uint32_t version = rd_u32(b + 8);
     if (version != CLB_WF_VERSION) {
-        wf_err(err, "%s: format version %u, this build reads version %u", path, version,
-               CLB_WF_VERSION);
+        clb_set_err(err, "%s: format version %u, this build reads version %u", path, version,
+                    CLB_WF_VERSION);
         return CLB_E_FORMAT;
     }
     uint32_t n = rd_u32(b + 12);
     if (n < 1 || n > CLB_WF_MAX_TENSORS) {
-        wf_err(err, "%s: n_tensors %u not in 1..%u", path, n, CLB_WF_MAX_TENSORS);
+        clb_set_err(err, "%s: n_tensors %u not in 1..%u", path, n, CLB_WF_MAX_TENSORS);
         return CLB_E_FORMAT;
     }
     uint64_t table_offset = rd_u64(b + 16);
     uint64_t data_offset = rd_u64(b + 24);
     uint64_t file_size = rd_u64(b + 32);
     if (!all_zero(b + 40, 24)) {
-        wf_err(err, "%s: reserved header bytes are not zero", path);
+        clb_set_err(err, "%s: reserved header bytes are not zero", path);
         return CLB_E_FORMAT;
     }
     if (file_size != (uint64_t)size) {
-        wf_err(err, "%s: header says %llu bytes but the file has %llu (truncated or extended)",
-               path, (unsigned long long)file_size, (unsigned long long)size);
+        clb_set_err(err, "%s: header says %llu bytes but the file has %llu (truncated or extended)",
+                    path, (unsigned long long)file_size, (unsigned long long)size);
         return CLB_E_FORMAT;
     }
     if (table_offset != CLB_WF_HEADER) {
-        wf_err(err, "%s: table_offset %llu, must be 64", path, (unsigned long long)table_offset);
+        clb_set_err(err,
+                    "%s: table_offset %llu, must be 64", path, (unsigned long long)table_offset);
         return CLB_E_FORMAT;
     }
     uint64_t table_end = CLB_WF_HEADER + (uint64_t)n * CLB_WF_ENTRY; /* n <= 4096: no overflow */
     if (table_end > file_size) {
-        wf_err(err, "%s: tensor table (%u entries) runs past the end of the file", path, n);
+        clb_set_err(err, "%s: tensor table (%u entries) runs past the end of the file", path, n);
         return CLB_E_FORMAT;
     }
     if (data_offset % CLB_WF_ALIGN || data_offset < table_end || data_offset > file_size) {
-        wf_err(err, "%s: data_offset %llu must be a multiple of 64 in [%llu, %llu]", path,
-               (unsigned long long)data_offset, (unsigned long long)table_end,
-               (unsigned long long)file_size);
+        clb_set_err(err, "%s: data_offset %llu must be a multiple of 64 in [%llu, %llu]", path,
+                    (unsigned long long)data_offset, (unsigned long long)table_end,
+                    (unsigned long long)file_size);
         return CLB_E_FORMAT;
     }
 
@@ -235,7 +230,7 @@ static clb_status validate(const char *path, clb_wfile *f, char *err) {
     if (!f->tensors || !spans || !names) {
         free(spans);
         free(names);
-        wf_err(err, "%s: out of memory for %u tensor entries", path, n);
+        clb_set_err(err, "%s: out of memory for %u tensor entries", path, n);
         return CLB_E_NOMEM;
     }
     f->n_tensors = (int)n;
@@ -254,7 +249,7 @@ static clb_status validate(const char *path, clb_wfile *f, char *err) {
     qsort(names, n, sizeof(char *), cmp_name);
     for (uint32_t i = 1; i < n; i++) {
         if (strcmp(names[i - 1], names[i]) == 0) {
-            wf_err(err, "%s: tensor name '%s' appears more than once", path, names[i]);
+            clb_set_err(err, "%s: tensor name '%s' appears more than once", path, names[i]);
             st = CLB_E_FORMAT;
             goto done;
         }
@@ -264,8 +259,8 @@ static clb_status validate(const char *path, clb_wfile *f, char *err) {
     for (uint32_t i = 1; i < n; i++) {
         /* spans are inside the file, so offset + nbytes cannot overflow */
         if (spans[i - 1].offset + spans[i - 1].nbytes > spans[i].offset) {
-            wf_err(err, "%s: tensors '%s' and '%s' overlap", path,
-                   f->tensors[spans[i - 1].idx].name, f->tensors[spans[i].idx].name);
+            clb_set_err(err, "%s: tensors '%s' and '%s' overlap", path,
+                        f->tensors[spans[i - 1].idx].name, f->tensors[spans[i].idx].name);
             st = CLB_E_FORMAT;
             goto done;
         }
@@ -281,7 +276,7 @@ done:
 clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
     *out = NULL;
     if (!host_is_little_endian()) {
-        wf_err(err, "%s: weight files are little-endian; this host is not", path);
+        clb_set_err(err, "%s: weight files are little-endian; this host is not", path);
         return CLB_E_FORMAT;
     }
     /* O_NONBLOCK: opening a FIFO put in place of a weight file must not wait for a writer;
@@ -289,37 +284,37 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) {
         if (errno == ENOENT)
-            wf_err(err, "missing file: %s", path);
+            clb_set_err(err, "missing file: %s", path);
         else
-            wf_err(err, "%s: cannot open: %s", path, strerror(errno));
+            clb_set_err(err, "%s: cannot open: %s", path, strerror(errno));
         return CLB_E_IO;
     }
     struct stat stt;
     if (fstat(fd, &stt) != 0) {
-        wf_err(err, "%s: cannot stat: %s", path, strerror(errno));
+        clb_set_err(err, "%s: cannot stat: %s", path, strerror(errno));
         close(fd);
         return CLB_E_IO;
     }
     if (!S_ISREG(stt.st_mode)) {
-        wf_err(err, "%s: not a regular file", path);
+        clb_set_err(err, "%s: not a regular file", path);
         close(fd);
         return CLB_E_IO;
     }
     if ((uint64_t)stt.st_size < CLB_WF_HEADER) {
-        wf_err(err, "%s: %lld bytes, shorter than the 64-byte header (truncated)", path,
-               (long long)stt.st_size);
+        clb_set_err(err, "%s: %lld bytes, shorter than the 64-byte header (truncated)", path,
+                    (long long)stt.st_size);
         close(fd);
         return CLB_E_FORMAT;
     }
     if ((uint64_t)stt.st_size > SIZE_MAX) {
-        wf_err(err, "%s: too large to map on this machine", path);
+        clb_set_err(err, "%s: too large to map on this machine", path);
         close(fd);
         return CLB_E_IO;
     }
     clb_wfile *f = calloc(1, sizeof(*f));
     if (!f) {
         close(fd);
-        wf_err(err, "%s: out of memory", path);
+        clb_set_err(err, "%s: out of memory", path);
         return CLB_E_NOMEM;
     }
     f->size = (size_t)stt.st_size;
@@ -328,7 +323,7 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
     if (!f->path) {
         close(fd);
         clb_wfile_close(f);
-        wf_err(err, "%s: out of memory", path);
+        clb_set_err(err, "%s: out of memory", path);
         return CLB_E_NOMEM;
     }
     f->map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -337,7 +332,7 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
     if (f->map == MAP_FAILED) {
         f->map = NULL;
         clb_wfile_close(f);
-        wf_err(err, "%s: mmap failed: %s", path, strerror(map_errno));
+        clb_set_err(err, "%s: mmap failed: %s", path, strerror(map_errno));
         return CLB_E_IO;
     }
     /* guarded before the first byte is read: a file cut short from here on reads as zeros
@@ -345,7 +340,7 @@ clb_status clb_wfile_open(const char *path, clb_wfile **out, char *err) {
     f->fault_slot = clb_wfault_register(f->map, f->size);
     clb_status st = validate(path, f, err);
     if (clb_wfile_changed(f)) {
-        wf_err(err, "weight file changed: %s was truncated while it was being read", path);
+        clb_set_err(err, "weight file changed: %s was truncated while it was being read", path);
         st = CLB_E_IO;
     }
     if (st != CLB_OK) {

@@ -12,16 +12,15 @@
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "clb_model_internal.h"
 #include "clb_xcache.h"
+#include "clb_util.h"
 
 #define PAGE 4096u
 #define HUGE_PAGE (2u << 20)
@@ -76,20 +75,6 @@ struct clb_xcache {
     char fail_msg[CLB_ERR_LEN];
 };
 
-static void x_err(char *err, const char *fmt, ...) {
-    if (!err) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, CLB_ERR_LEN, fmt, ap);
-    va_end(ap);
-}
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 /* ---- reading ----------------------------------------------------------------------------- */
@@ -116,8 +101,8 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
     int direct = xc->cfg.load == CLB_XC_DIRECT;
     int fd = open(path, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
     if (fd < 0) {
-        x_err(msg, "weight file changed: %s cannot be opened any more: %s", path,
-              strerror(errno));
+        clb_set_err(msg, "weight file changed: %s cannot be opened any more: %s", path,
+                    strerror(errno));
         return 0;
     }
     size_t off = direct ? direct_start(sp) : sp->lo;
@@ -126,9 +111,11 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
         ssize_t r = pread(fd, s->mem + got, want - got, (off_t)(off + got));
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) {
-            x_err(msg, "%s: read failed: %s%s", path, strerror(errno),
-                  direct && errno == EINVAL ? " (this file system refuses O_DIRECT reads; use "
-                                              "another expert load mode)" : "");
+            const char *hint = direct && errno == EINVAL
+                                   ? " (this file system refuses O_DIRECT reads; use another "
+                                     "expert load mode)"
+                                   : "";
+            clb_set_err(msg, "%s: read failed: %s%s", path, strerror(errno), hint);
             close(fd);
             return 0;
         }
@@ -137,8 +124,8 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
     }
     close(fd);
     if (got < need) {
-        x_err(msg, "weight file changed: %s is shorter than when the model was loaded "
-              "(truncated or overwritten); restart to load it again", path);
+        clb_set_err(msg, "weight file changed: %s is shorter than when the model was loaded "
+                    "(truncated or overwritten); restart to load it again", path);
         return 0;
     }
     return got;
@@ -286,7 +273,7 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
             s->in_use = 1;
             if (s->state == S_READY) {
                 if (t0) {
-                    xc->st[l].stall_ns += now_ns() - t0;
+                    xc->st[l].stall_ns += clb_now_ns() - t0;
                 } else {
                     xc->st[l].hits++;
                 }
@@ -301,7 +288,7 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
             }
             /* a prefetch of this expert is in flight: wait for it (a failure frees the slot) */
             if (!t0) {
-                t0 = now_ns();
+                t0 = clb_now_ns();
                 xc->st[l].misses++;
                 xc->st[l].prefetch_late++;
             }
@@ -315,19 +302,19 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
                 pthread_mutex_unlock(&xc->mu);
                 return 0;
             }
-            if (!t0) t0 = now_ns();
+            if (!t0) t0 = clb_now_ns();
             pthread_cond_wait(&xc->loaded, &xc->mu); /* every free slot is loading: wait */
             continue;
         }
         if (!t0) {
-            t0 = now_ns();
+            t0 = clb_now_ns();
             xc->st[l].misses++;
         }
         int64_t old = claim(xc, l, i, e, 0);
         xc->slots[l * xc->N + i].in_use = 1;
         char msg[CLB_ERR_LEN];
         size_t got = load_claimed(xc, l, i, old, msg);
-        xc->st[l].stall_ns += now_ns() - t0;
+        xc->st[l].stall_ns += clb_now_ns() - t0;
         if (got == 0) break;
         pthread_mutex_unlock(&xc->mu);
         return 1;
@@ -400,7 +387,7 @@ clb_status clb_xc_failed(const clb_xcache *xc, char *err) {
     if (!xc) return CLB_OK;
     pthread_mutex_lock((pthread_mutex_t *)&xc->mu);
     int failed = xc->failed;
-    if (failed) x_err(err, "%s", xc->fail_msg);
+    if (failed) clb_set_err(err, "%s", xc->fail_msg);
     pthread_mutex_unlock((pthread_mutex_t *)&xc->mu);
     return failed ? CLB_E_IO : CLB_OK;
 }
@@ -492,19 +479,20 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
                              char *err) {
     if (err) err[0] = '\0';
     if (!m || !cfg) {
-        x_err(err, "clb_xcache_enable: NULL argument");
+        clb_set_err(err, "clb_xcache_enable: NULL argument");
         return CLB_E_ARG;
     }
     const int64_t L = m->hp.n_layer, E = m->hp.n_expert;
     if (m->xc) {
-        x_err(err, "the expert cache is already enabled");
+        clb_set_err(err, "the expert cache is already enabled");
         return CLB_E_ARG;
     }
     if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
         cfg->load > CLB_XC_MMAP || cfg->heat_window < 1) {
-        x_err(err, "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, heat "
-              "window %lld)", (long long)cfg->per_layer, (long long)E, (int)cfg->load,
-              (long long)cfg->heat_window);
+        clb_set_err(err,
+                    "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, heat "
+                    "window %lld)", (long long)cfg->per_layer, (long long)E, (int)cfg->load,
+                    (long long)cfg->heat_window);
         return CLB_E_ARG;
     }
     const int64_t N = cfg->per_layer;
@@ -513,15 +501,16 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
             int64_t np = 0;
             for (int64_t e = 0; e < E; e++) np += pinned[l * E + e] != 0;
             if (np > N - 1) {
-                x_err(err, "expert cache: %lld experts pinned in layer %lld, at most %lld fit "
-                      "(slots per layer minus one)", (long long)np, (long long)l,
-                      (long long)(N - 1));
+                clb_set_err(err,
+                            "expert cache: %lld experts pinned in layer %lld, at most %lld fit "
+                            "(slots per layer minus one)", (long long)np, (long long)l,
+                            (long long)(N - 1));
                 return CLB_E_ARG;
             }
         }
     clb_xcache *xc = calloc(1, sizeof(*xc));
     if (!xc) {
-        x_err(err, "out of memory for the expert cache");
+        clb_set_err(err, "out of memory for the expert cache");
         return CLB_E_NOMEM;
     }
     xc->m = m;
@@ -551,7 +540,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     if (!xc->step || !xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots || !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span ||
         !xc->tens || !xc->st || !xc->queue || !xc->queued) {
         clb_xc_free(xc);
-        x_err(err, "out of memory for the expert cache tables");
+        clb_set_err(err, "out of memory for the expert cache tables");
         return CLB_E_NOMEM;
     }
     size_t span_max = 0;
@@ -569,15 +558,15 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         size_t n_slots = (size_t)(L * N);
         if (n_slots > SIZE_MAX / xc->slot_bytes - 1) {
             clb_xc_free(xc);
-            x_err(err, "expert cache: size overflows");
+            clb_set_err(err, "expert cache: size overflows");
             return CLB_E_RANGE;
         }
         size_t len = n_slots * xc->slot_bytes + (cfg->huge_pages ? HUGE_PAGE : 0);
         void *r = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (r == MAP_FAILED) {
             clb_xc_free(xc);
-            x_err(err, "out of memory for %zu expert slots of %zu bytes", n_slots,
-                  xc->slot_bytes);
+            clb_set_err(err, "out of memory for %zu expert slots of %zu bytes", n_slots,
+                        xc->slot_bytes);
             return CLB_E_NOMEM;
         }
         xc->region = r;
@@ -621,7 +610,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     }
     if (cfg->prefetch) {
         if (pthread_create(&xc->thread, NULL, prefetch_main, xc) != 0) {
-            x_err(err, "cannot start the expert prefetch thread");
+            clb_set_err(err, "cannot start the expert prefetch thread");
             return CLB_E_NOMEM;
         }
         xc->thread_on = 1;

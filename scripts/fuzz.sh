@@ -49,7 +49,7 @@ if command -v clang >/dev/null; then
     echo "== wfile-c: $runs runs"
     clang -g -O1 -std=c11 -Wall -Wextra -fsanitize=fuzzer,address,undefined \
         -fno-sanitize-recover=undefined -Icsrc scripts/fuzz/wfile_fuzzer.c csrc/wfile.c \
-        csrc/wfault.c csrc/types.c -lm -o "$work/wfile_fuzzer"
+        csrc/wfault.c csrc/types.c csrc/util.c -lm -o "$work/wfile_fuzzer"
     env -u LD_PRELOAD ASAN_OPTIONS=detect_leaks=1 "$work/wfile_fuzzer" -runs="$runs" -max_len=65536 \
         -print_final_stats=1 "$work/corpus-wfile" 2>&1 | tail -12
     test "${PIPESTATUS[0]}" -eq 0
