@@ -175,29 +175,30 @@ class BenchSettings:
             raise ValueError("threads must be positive")
 
 
-def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, float],
+def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, Any] | None,
                         n_tokens: int) -> dict[str, Any]:
-    """The cache's plan and what it did during the timed runs (counters minus before)."""
+    """The cache's plan and what it did during the timed runs: the counters now minus the
+    snapshot `before` (monitor.stats() taken before them), summed and per layer."""
     plan = monitor.plan
     out: dict[str, Any] = {"enabled": plan.per_layer is not None,
                            "slots_per_layer": plan.per_layer or plan.n_expert,
                            "n_expert": plan.n_expert, "expert_bytes": plan.expert_bytes,
                            "budget_bytes": plan.budget_bytes, "reason": plan.reason}
-    now = monitor.totals()
-    if not now:
+    after = monitor.stats()
+    if after is None or before is None:
         return out
-    delta = {k: now[k] - before.get(k, 0.0) for k in now
+    now, prev = monitor.totals(after), monitor.totals(before)
+    delta = {k: now[k] - prev[k] for k in now
              if k not in ("hit_rate", "resident_bytes", "budget_bytes")}
     acq = delta["hits"] + delta["misses"]
     out.update(delta)
     out["hit_rate"] = delta["hits"] / acq if acq else 0.0
     out["resident_bytes"] = now["resident_bytes"]
     out["bytes_read_per_token"] = delta["bytes_read"] / n_tokens if n_tokens else 0.0
-    st = monitor.stats()
-    if st is not None:
-        hits, misses = st["hits"].astype(float), st["misses"].astype(float)
-        out["hit_rate_per_layer"] = [h / (h + m) if h + m else 0.0
-                                     for h, m in zip(hits, misses, strict=True)]
+    hits = (after["hits"] - before["hits"]).astype(float)
+    misses = (after["misses"] - before["misses"]).astype(float)
+    out["hit_rate_per_layer"] = [h / (h + m) if h + m else 0.0
+                                 for h, m in zip(hits, misses, strict=True)]
     return out
 
 
@@ -218,7 +219,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     prompt = bench_prompt(cfg.n_vocab, s.prompt_tokens)
 
     timed_greedy_run(model, prompt, min(s.gen_tokens, 8))  # warm-up: page in, spin up
-    before = monitor.totals()
+    before = monitor.stats()
     runs = [timed_greedy_run(model, prompt, s.gen_tokens) for _ in range(s.repeat)]
     cache = expert_cache_report(monitor, before, s.repeat * (s.prompt_tokens + s.gen_tokens))
     prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
