@@ -28,6 +28,18 @@ void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y);
 void clb_quantize_q8a_ref(int64_t n, const float *x, clb_block_q8a *y);
 void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y);
 
+/* The 8-row interleaved layouts (clb_types.h). clb_x8_type: the interleaved type of q8/q4 (t
+ * itself for any other type); clb_x8_base: back. clb_kernel_wants_x8: whether the active
+ * ISA's products run faster on the interleaved layout than on rows (repack at load then).
+ * clb_repack_x8 writes n_rows (a multiple of 8) rows of n columns of type t (q8 or q4) from
+ * src into dst (distinct buffers, same size); _inplace does it in w itself, one group at a
+ * time through scratch (8 rows' bytes). */
+clb_type clb_x8_type(clb_type t);
+clb_type clb_x8_base(clb_type t);
+int clb_kernel_wants_x8(clb_type t);
+void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst);
+void clb_repack_x8_inplace(clb_type t, int64_t n, int64_t n_rows, void *w, void *scratch);
+
 /* Scratch bytes clb_matmul needs for n_tokens rows of length n_in with weights of type t. */
 size_t clb_matmul_scratch_size(clb_type t, int64_t n_in, int64_t n_tokens);
 

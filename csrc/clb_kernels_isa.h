@@ -55,6 +55,12 @@ void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
 void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
+/* the interleaved twins (q8x8, q4x8 weights, q8a rows): same results as the row products */
+void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+
 /* AVX2 + FMA + F16C (kernels_avx2.c) */
 /* weight bytes per call of the AVX2 q8/q4 products: each call's first row group is the only
  * one not prefetched by its predecessor, so calls should span many groups */
@@ -76,6 +82,11 @@ void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, co
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+/* interleaved weights (q8x8, q4x8), n_rows a multiple of 8, q8c rows */
+void clb_gemm_q8x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q4x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 /* AVX-512 F/BW/VL/VNNI (kernels_avx512.c) */
 float clb_vec_dot_f32_avx512(int64_t n, const void *w, const void *x);

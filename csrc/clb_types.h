@@ -25,6 +25,13 @@ typedef enum {
     CLB_TYPE_Q8 = 3,
     CLB_TYPE_Q4 = 4,
     CLB_TYPE_Q8A = 5, /* activation-only type, never stored in files */
+    /* q8 / q4 rows repacked in memory for a kernel that reads 8 rows at once (never stored in
+     * files, see clb_repack_x8): per group of 8 rows and per block, the 8 rows' f16 scales,
+     * then their quant bytes 4 at a time, row after row (bytes 4c..4c+3 of row r at
+     * 4 * (8c + r)). A group takes exactly the bytes of its 8 rows, so row r0 (a multiple
+     * of 8) still starts at r0 * row size. */
+    CLB_TYPE_Q8X8 = 6,
+    CLB_TYPE_Q4X8 = 7,
     CLB_TYPE_COUNT
 } clb_type;
 
@@ -88,6 +95,9 @@ typedef struct {
      * needs). Kernels that pass every token over a row group before the next one and
      * prefetch across groups want long row ranges instead. */
     size_t gemm_block_bytes;
+    /* 1: this ISA's products are faster on the interleaved twin (clb_x8_type), so weights of
+     * this type are repacked once at load */
+    int prefer_x8;
 } clb_type_traits;
 
 /* bytes of one row of n elements; 0 if n is not a multiple of the block size or type invalid */

@@ -60,7 +60,34 @@ static void clb_fill_ref(clb_type_traits *t) {
                                         .to_float = clb_to_float_q8a_ref,
                                         .vec_dot = NULL,
                                         .from_float = clb_from_float_q8a_ref};
+    /* interleaved weights: products only (no row access), on the row type's activations */
+    t[CLB_TYPE_Q8X8] = (clb_type_traits){.name = "q8x8", .blck_size = CLB_QK,
+                                         .type_size = sizeof(clb_block_q8),
+                                         .act_type = CLB_TYPE_Q8A,
+                                         .act_size = clb_act_size_q8a,
+                                         .act_pack = clb_from_float_q8a_ref,
+                                         .gemm = clb_gemm_q8x8_ref};
+    t[CLB_TYPE_Q4X8] = (clb_type_traits){.name = "q4x8", .blck_size = CLB_QK,
+                                         .type_size = sizeof(clb_block_q4),
+                                         .act_type = CLB_TYPE_Q8A,
+                                         .act_size = clb_act_size_q8a,
+                                         .act_pack = clb_from_float_q8a_ref,
+                                         .gemm = clb_gemm_q4x8_ref};
 }
+
+#ifdef CLB_HAVE_X86
+/* the AVX2 interleaved products, also the AVX-512 table's (every AVX-512 CPU has AVX2) */
+static void clb_fill_x8_avx2(clb_type_traits *t) {
+    t[CLB_TYPE_Q8X8].act_size = clb_act_size_q8c;
+    t[CLB_TYPE_Q8X8].act_pack = clb_act_pack_q8_avx2;
+    t[CLB_TYPE_Q8X8].gemm = clb_gemm_q8x8_avx2;
+    t[CLB_TYPE_Q8X8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+    t[CLB_TYPE_Q4X8].act_size = clb_act_size_q8c;
+    t[CLB_TYPE_Q4X8].act_pack = clb_act_pack_q4_avx2;
+    t[CLB_TYPE_Q4X8].gemm = clb_gemm_q4x8_avx2;
+    t[CLB_TYPE_Q4X8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+}
+#endif
 
 #ifdef CLB_HAVE_X86
 static void clb_fill_avx2(clb_type_traits *t) {
@@ -79,6 +106,11 @@ static void clb_fill_avx2(clb_type_traits *t) {
     t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx2;
     t[CLB_TYPE_Q8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
     t[CLB_TYPE_Q4].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+    /* the row groups' loads, inserts and unpacks are a third of a one-token product's vector
+     * work; the interleaved layout has none */
+    t[CLB_TYPE_Q8].prefer_x8 = 1;
+    t[CLB_TYPE_Q4].prefer_x8 = 1;
+    clb_fill_x8_avx2(t);
 }
 
 static void clb_fill_avx512(clb_type_traits *t) {
@@ -95,6 +127,7 @@ static void clb_fill_avx512(clb_type_traits *t) {
     t[CLB_TYPE_Q4].act_size = clb_act_size_q8c;
     t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx512;
     t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx512;
+    clb_fill_x8_avx2(t); /* interleaved weights, should this table be chosen after a repack */
 }
 #endif
 
@@ -159,6 +192,11 @@ const clb_type_traits *clb_get_type_traits(clb_type t) {
 const clb_type_traits *clb_get_type_traits_isa(clb_isa isa, clb_type t) {
     if ((int)t < 0 || t >= CLB_TYPE_COUNT || !clb_isa_supported(isa)) return NULL;
     return &clb_traits[isa][t];
+}
+
+int clb_kernel_wants_x8(clb_type t) {
+    const clb_type_traits *tr = clb_get_type_traits(t);
+    return tr && tr->prefer_x8;
 }
 
 float clb_vec_dot_f32(int64_t n, const float *x, const float *y) {

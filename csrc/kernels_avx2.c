@@ -398,6 +398,103 @@ void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, co
     clb_gemm8(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
+/* ---- interleaved weights (q8x8, q4x8): the row groups above, already transposed ----------
+ * Each block of a group is one contiguous run: 16 bytes of the 8 rows' scales, then the quant
+ * bytes in the order the row-group loop builds with loads, inserts and unpacks (register d of
+ * a half holds bytes 4d..4d+3 of every row). So a group is one sequential stream, read with
+ * plain 32-byte loads, and the arithmetic is the row groups' own: the same bits. */
+
+/* blocks ahead of the one computed that each block prefetches (a group's blocks and the next
+ * group's follow each other in memory) */
+#define CLB_X8_PF_AHEAD 8
+
+static inline __attribute__((always_inline)) void clb_pass8x(int Q4, int64_t n, const char *g,
+                                                             const char *act, size_t act_row,
+                                                             int n_tok, float *y, int64_t ldy) {
+    __m256 acc[CLB_PASS_TOK];
+    __m256i part[CLB_PASS_TOK];
+    const size_t gb = 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
+    for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / CLB_QK; b++) {
+        const char *blk = g + (size_t)b * gb;
+        /* one block's bytes ahead per block (272 or 144 bytes); prefetches never fault */
+        const uintptr_t pf = (uintptr_t)blk + CLB_X8_PF_AHEAD * gb;
+        for (size_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(pf + l), _MM_HINT_T0);
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256i *q = (const __m256i *)(blk + 16);
+        if (Q4) {
+            const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+            __m256i v[8];
+            for (int j = 0; j < 4; j++) {
+                __m256i raw = _mm256_loadu_si256(q + j);
+                v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                v[j] = _mm256_and_si256(raw, low4);
+            }
+            for (int t = 0; t < n_tok; t++) {
+                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+                __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(a->qs));
+                __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(a->qs + 16));
+                for (int d = 1; d < 4; d++) {
+                    h0 = _mm256_add_epi16(
+                        h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(a->qs + 4 * d)));
+                    h1 = _mm256_add_epi16(
+                        h1, _mm256_maddubs_epi16(v[4 + d], clb_bcast32_avx2(a->qs + 16 + 4 * d)));
+                }
+                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones),
+                                             _mm256_set1_epi32(a->corr));
+                __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+            }
+        } else {
+            __m256i sg[4];
+            for (int d = 0; d < 4; d++) sg[d] = _mm256_loadu_si256(q + d);
+            for (int t = 0; t < n_tok; t++) {
+                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+                part[t] = clb_half_q8(sg, a->qs);
+            }
+            for (int d = 0; d < 4; d++) sg[d] = _mm256_loadu_si256(q + 4 + d);
+            for (int t = 0; t < n_tok; t++) {
+                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+                __m256i s = _mm256_add_epi32(part[t], clb_half_q8(sg, a->qs + 16));
+                __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+            }
+        }
+    }
+    for (int t = 0; t < n_tok; t++) _mm256_storeu_ps(y + t * ldy, acc[t]);
+}
+
+static inline __attribute__((always_inline)) void clb_gemm8x(int Q4, int64_t n, int64_t n_rows,
+                                                             const void *w, size_t w_row,
+                                                             const void *act, size_t act_row,
+                                                             int64_t n_tok, float *y,
+                                                             int64_t ldy) {
+    for (int64_t r0 = 0; r0 + 8 <= n_rows; r0 += 8) {
+        const char *g = (const char *)w + (size_t)r0 * w_row;
+        for (int64_t t = 0; t < n_tok; t += CLB_PASS_TOK) {
+            const int tt = n_tok - t < CLB_PASS_TOK ? (int)(n_tok - t) : CLB_PASS_TOK;
+            const char *at = (const char *)act + (size_t)t * act_row;
+            float *yt = y + t * ldy + r0;
+            switch (tt) {
+            case 1: clb_pass8x(Q4, n, g, at, act_row, 1, yt, ldy); break;
+            case 2: clb_pass8x(Q4, n, g, at, act_row, 2, yt, ldy); break;
+            case 3: clb_pass8x(Q4, n, g, at, act_row, 3, yt, ldy); break;
+            default: clb_pass8x(Q4, n, g, at, act_row, tt, yt, ldy); break;
+            }
+        }
+    }
+}
+
+void clb_gemm_q8x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm8x(0, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
+
+void clb_gemm_q4x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm8x(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
+
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, one rounding per element) */
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a) {
     const __m256 va = _mm256_set1_ps(a);

@@ -226,6 +226,85 @@ void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
     clb_gemm_by_dot(clb_vec_dot_q4_ref, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
+/* ---- 8-row interleaved layouts (q8x8, q4x8; see clb_types.h) ---- */
+
+clb_type clb_x8_type(clb_type t) {
+    return t == CLB_TYPE_Q8 ? CLB_TYPE_Q8X8 : t == CLB_TYPE_Q4 ? CLB_TYPE_Q4X8 : t;
+}
+
+clb_type clb_x8_base(clb_type t) {
+    return t == CLB_TYPE_Q8X8 ? CLB_TYPE_Q8 : t == CLB_TYPE_Q4X8 ? CLB_TYPE_Q4 : t;
+}
+
+void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
+    assert((t == CLB_TYPE_Q8 || t == CLB_TYPE_Q4) && n_rows % 8 == 0 && n % CLB_QK == 0);
+    const size_t bs = t == CLB_TYPE_Q8 ? sizeof(clb_block_q8) : sizeof(clb_block_q4);
+    const size_t qb = bs - sizeof(clb_f16), row = (size_t)(n / CLB_QK) * bs;
+    for (int64_t g = 0; g < n_rows / 8; g++) {
+        const char *s = (const char *)src + (size_t)g * 8 * row;
+        char *d = (char *)dst + (size_t)g * 8 * row;
+        for (int64_t b = 0; b < n / CLB_QK; b++) {
+            char *db = d + (size_t)b * 8 * bs;
+            for (int r = 0; r < 8; r++) {
+                const char *sb = s + (size_t)r * row + (size_t)b * bs;
+                memcpy(db + 2 * r, sb, sizeof(clb_f16));
+                for (size_t c = 0; c < qb / 4; c++)
+                    memcpy(db + 16 + 32 * c + 4 * (size_t)r, sb + 2 + 4 * c, 4);
+            }
+        }
+    }
+}
+
+void clb_repack_x8_inplace(clb_type t, int64_t n, int64_t n_rows, void *w, void *scratch) {
+    const size_t group = 8 * clb_type_row_size(t, n);
+    for (int64_t g = 0; g < n_rows / 8; g++) {
+        char *p = (char *)w + (size_t)g * group;
+        memcpy(scratch, p, group);
+        clb_repack_x8(t, n, 8, scratch, p);
+    }
+}
+
+/* block b of row r (0..7) of an interleaved group, back in the row layout */
+static void clb_x8_block(size_t bs, const char *grp, int64_t b, int r, char *out) {
+    const char *db = grp + (size_t)b * 8 * bs;
+    memcpy(out, db + 2 * r, sizeof(clb_f16));
+    for (size_t c = 0; c < (bs - sizeof(clb_f16)) / 4; c++)
+        memcpy(out + 2 + 4 * c, db + 16 + 32 * c + 4 * (size_t)r, 4);
+}
+
+/* The row layout's reference dot, block by block in the same order (s += d_w * d_a * sum), so
+ * an interleaved matrix gives bit for bit the results of its rows. */
+static void clb_gemm_x8_ref(clb_vec_dot_fn dot, size_t bs, int64_t n, int64_t n_rows,
+                            const void *w, size_t w_row, const void *act, size_t act_row,
+                            int64_t n_tok, float *y, int64_t ldy) {
+    assert(n_rows % 8 == 0);
+    char blk[sizeof(clb_block_q8)];
+    for (int64_t t = 0; t < n_tok; t++) {
+        const clb_block_q8a *a = (const clb_block_q8a *)((const char *)act + (size_t)t * act_row);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const char *grp = (const char *)w + (size_t)(r / 8) * 8 * w_row;
+            float s = 0.0f;
+            for (int64_t b = 0; b < n / CLB_QK; b++) {
+                clb_x8_block(bs, grp, b, (int)(r % 8), blk);
+                s += dot(CLB_QK, blk, a + b);
+            }
+            y[t * ldy + r] = s;
+        }
+    }
+}
+
+void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_x8_ref(clb_vec_dot_q8_ref, sizeof(clb_block_q8), n, n_rows, w, w_row, act, act_row,
+                    n_tok, y, ldy);
+}
+
+void clb_gemm_q4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_x8_ref(clb_vec_dot_q4_ref, sizeof(clb_block_q4), n, n_rows, w, w_row, act, act_row,
+                    n_tok, y, ldy);
+}
+
 /* ---- small f32 vector ops (attention) ---- */
 
 void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a) {

@@ -111,8 +111,9 @@ static void clb_mm_task(void *vctx, int ith, int nth) {
 
 static clb_status clb_job_check(const clb_mm_job *j) {
     const clb_type_traits *tr = clb_get_type_traits(j->type);
-    if (!tr || tr->vec_dot == NULL) return CLB_E_ARG;
+    if (!tr || (tr->vec_dot == NULL && tr->gemm == NULL)) return CLB_E_ARG;
     if (j->n_out <= 0 || j->n_in <= 0 || j->n_tok < 0 || j->ldy < j->n_out) return CLB_E_ARG;
+    if (clb_x8_base(j->type) != j->type && j->n_out % 8 != 0) return CLB_E_ARG; /* whole groups */
     size_t w_row = clb_type_row_size(j->type, j->n_in);
     /* the SIMD kernels address a row group of CLB_MM_ROW_ALIGN rows with 32-bit offsets */
     if (w_row == 0 || w_row > (size_t)INT32_MAX / CLB_MM_ROW_ALIGN || !j->w) return CLB_E_ARG;
@@ -142,7 +143,7 @@ clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *t
 
 size_t clb_matmul_scratch_size(clb_type t, int64_t n_in, int64_t n_tokens) {
     const clb_type_traits *tr = clb_get_type_traits(t);
-    if (!tr || tr->vec_dot == NULL || n_tokens < 0) return 0;
+    if (!tr || (tr->vec_dot == NULL && tr->gemm == NULL) || n_tokens < 0) return 0;
     return clb_act_row_size_max(t, n_in) * (size_t)n_tokens; /* 0: f32 read in place */
 }
 

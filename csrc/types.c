@@ -76,6 +76,8 @@ static const struct {
     [CLB_TYPE_Q8] = {CLB_QK, sizeof(clb_block_q8)},
     [CLB_TYPE_Q4] = {CLB_QK, sizeof(clb_block_q4)},
     [CLB_TYPE_Q8A] = {CLB_QK, sizeof(clb_block_q8a)},
+    [CLB_TYPE_Q8X8] = {CLB_QK, sizeof(clb_block_q8)},
+    [CLB_TYPE_Q4X8] = {CLB_QK, sizeof(clb_block_q4)},
 };
 
 size_t clb_type_row_size(clb_type t, int64_t n) {

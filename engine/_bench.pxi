@@ -36,7 +36,7 @@ def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
 def matmul_bench(name: str, w, int n_out, int n_in, x, int n_threads=1, int n_reps=5) -> list:
     """Wall seconds of n_reps clb_matmul calls (W bytes of type `name`, x float32 [T, n_in])
     on a pool of n_threads, timed in C; the first call pays for page faults and cold caches."""
-    cdef clb_type t = _kernel_type(name)
+    cdef clb_type t = _kernel_type(name, True)
     cdef const float[:, ::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n_in)
     cdef const unsigned char[::1] wv = memoryview(w).cast("B")
     if <size_t>wv.shape[0] != _row_bytes(t, n_in) * <size_t>n_out:

@@ -27,6 +27,8 @@ cdef extern from "clb_types.h" nogil:
         CLB_TYPE_Q8
         CLB_TYPE_Q4
         CLB_TYPE_Q8A
+        CLB_TYPE_Q8X8
+        CLB_TYPE_Q4X8
         CLB_TYPE_COUNT
 
     int CLB_QK
@@ -84,6 +86,10 @@ cdef extern from "clb_kernels.h" nogil:
                           const float *bias, void *scratch, clb_threadpool *tp)
     void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y)
     void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a)
+    clb_type clb_x8_type(clb_type t)
+    int clb_kernel_wants_x8(clb_type t)
+    void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst)
+    void clb_repack_x8_inplace(clb_type t, int64_t n, int64_t n_rows, void *w, void *scratch)
 
 cdef extern from "clb_pool.h" nogil:
     ctypedef struct clb_pool:
@@ -104,14 +110,47 @@ cdef extern from "clb_pool.h" nogil:
 KERNEL_TYPES = {"f32": CLB_TYPE_F32, "f16": CLB_TYPE_F16, "bf16": CLB_TYPE_BF16,
                 "q8": CLB_TYPE_Q8, "q4": CLB_TYPE_Q4, "q8a": CLB_TYPE_Q8A}
 ISA_NAMES = ("ref", "avx2", "avx512")
+# in-memory layouts of q8/q4 weights that only the matrix products read (see repack_x8)
+PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8}
 
 clb_kernels_init()
 
 
-cdef clb_type _kernel_type(str name) except *:
-    if name not in KERNEL_TYPES:
+cdef clb_type _kernel_type(str name, bint product=False) except *:
+    types = PRODUCT_TYPES if product else KERNEL_TYPES
+    if name not in types:
         raise ValueError(f"unknown type {name!r}")
-    return <clb_type><int>KERNEL_TYPES[name]
+    return <clb_type><int>types[name]
+
+
+def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False) -> bytes:
+    """The bytes of a [n_out, n_in] q8 or q4 matrix (n_out a multiple of 8) in the 8-row
+    interleaved layout (type "q8x8" / "q4x8" for matmul), through the copying or the in-place
+    repack."""
+    cdef clb_type t = _kernel_type(name)
+    if t != CLB_TYPE_Q8 and t != CLB_TYPE_Q4:
+        raise ValueError(f"only q8 and q4 weights have an interleaved layout, not {name!r}")
+    if n_out <= 0 or n_out % 8:
+        raise ValueError(f"rows must be a positive multiple of 8, got {n_out}")
+    cdef size_t rs = _row_bytes(t, n_in)
+    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
+    if <size_t>wv.shape[0] != rs * <size_t>n_out:
+        raise ValueError(f"expected {rs * n_out} weight bytes, got {wv.shape[0]}")
+    out = bytearray(wv.shape[0])
+    cdef unsigned char[::1] ov = out
+    scratch = bytearray(8 * rs)
+    cdef unsigned char[::1] sv = scratch
+    if in_place:
+        ov[:] = wv
+        clb_repack_x8_inplace(t, n_in, n_out, &ov[0], &sv[0])
+    else:
+        clb_repack_x8(t, n_in, n_out, &wv[0], &ov[0])
+    return bytes(out)
+
+
+def wants_x8(name: str) -> bool:
+    """Whether the active ISA repacks weights of this type at load."""
+    return bool(clb_kernel_wants_x8(_kernel_type(name)))
 
 
 cdef clb_isa _isa_of(str name) except *:
@@ -264,7 +303,7 @@ def matmul(name: str, w, int n_out, int n_in, x, bias=None, int n_threads=1, int
     `name`. The output is pre-filled with NaN (and the ldy padding columns with a sentinel),
     so an element the kernel fails to write shows up; returns the [T, ldy] buffer's first
     n_out columns when ldy == 0, else the whole [T, ldy] buffer."""
-    cdef clb_type t = _kernel_type(name)
+    cdef clb_type t = _kernel_type(name, True)
     cdef const float[:, ::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n_in)
     cdef int64_t n_tok = xv.shape[0]
     cdef size_t rs = _row_bytes(t, n_in)

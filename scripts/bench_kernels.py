@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=16384, help="output rows (default 16384)")
     p.add_argument("--cols", type=int, default=4096, help="input columns (default 4096)")
-    p.add_argument("--types", default="q8,q4", help="weight types (default q8,q4)")
+    p.add_argument("--types", default="q8,q4,q8x8,q4x8",
+                   help="weight types; q8x8 and q4x8 are q8 and q4 in the 8-row interleaved "
+                        "layout the AVX2 path repacks to at load (default q8,q4,q8x8,q4x8)")
     p.add_argument("--isa", default=None, help="ISA paths, e.g. avx512,avx2 (default: all)")
     p.add_argument("--tokens", default="1,2,4,8,16", help="rows of activations per product")
     p.add_argument("--threads", default="1,2", help="thread counts")
@@ -59,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     for isa in isas:
         _core.isa_force(isa)
         for name in args.types.split(","):
-            w = _core.quantize(name, w32)
+            base = name.removesuffix("x8")
+            w = _core.quantize(base, w32)
+            if base != name:
+                w = _core.repack_x8(base, w, args.rows, args.cols)
             for th in ints(args.threads):
                 one = None
                 for t in ints(args.tokens):
