@@ -167,6 +167,13 @@ typedef struct {
     int64_t stall_ns;             /* forward time spent waiting for loads */
 } clb_xc_stats;
 
+/* Copies the q8/q4 matrices the forward pass multiplies into the interleaved layout the active
+ * ISA reads fastest (a no-op where the rows are its best layout): attention, shared experts
+ * and an untied lm_head, and the routed experts too when experts is set (only before and
+ * instead of the expert cache, which repacks what it loads). Tokens do not change. Call
+ * before the first forward, from one thread. *n_repacked (may be NULL): matrices copied. */
+clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err);
+
 /* Bytes one expert occupies in a slot (its three matrices as laid out in its file). */
 size_t clb_expert_bytes(const clb_model *m);
 /* Turns the cache on (once, before the first forward); pinned: [n_layer * n_expert] flags or

@@ -82,6 +82,33 @@ static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 /* O_DIRECT reads start at the page holding the span's first byte. */
 static size_t direct_start(const xspan *sp) { return sp->lo / PAGE * PAGE; }
 
+/* The expert's tensors whose slot type is interleaved (set at enable) go from the file's rows
+ * to that layout in the slot itself (at: the span's first byte there). 0 with msg set when
+ * the 8-row scratch cannot be had. */
+static int repack_slot(clb_xcache *xc, int64_t idx, unsigned char *at, char *msg) {
+    const clb_tensor *t = &xc->tens[idx * 3];
+    size_t group = 0;
+    for (int j = 0; j < 3; j++) {
+        clb_type b = clb_x8_base(t[j].type);
+        size_t g = b != t[j].type ? 8 * clb_type_row_size(b, t[j].shape[1]) : 0;
+        group = g > group ? g : group;
+    }
+    if (group == 0) return 1;
+    void *scratch = malloc(group);
+    if (!scratch) {
+        clb_set_err(msg, "out of memory repacking an expert (%zu bytes)", group);
+        return 0;
+    }
+    for (int j = 0; j < 3; j++) {
+        clb_type b = clb_x8_base(t[j].type);
+        if (b != t[j].type)
+            clb_repack_x8_inplace(b, t[j].shape[1], t[j].shape[0], at + xc->span[idx].rel[j],
+                                  scratch);
+    }
+    free(scratch);
+    return 1;
+}
+
 /* Loads expert idx into slot s (owned by the caller, state loading). Returns the bytes read,
  * or 0 with msg set. Called without the lock. */
 static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
@@ -128,7 +155,7 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
                     "(truncated or overwritten); restart to load it again", path);
         return 0;
     }
-    return got;
+    return repack_slot(xc, idx, s->mem + (sp->lo - off), msg) ? got : 0;
 }
 
 /* Drops an evicted expert's pages from memory (mmap mode; the other modes reuse the slot). */
@@ -487,6 +514,10 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         clb_set_err(err, "the expert cache is already enabled");
         return CLB_E_ARG;
     }
+    if (m->experts_x8) {
+        clb_set_err(err, "the experts were repacked in memory: enable the expert cache first");
+        return CLB_E_ARG;
+    }
     if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
         cfg->load > CLB_XC_MMAP || cfg->heat_window < 1) {
         clb_set_err(err,
@@ -584,8 +615,14 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         clb_ffn_w *w = &m->experts[idx];
         const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
         for (int j = 0; j < 3; j++) {
-            xc->tens[idx * 3 + j] = *t[j];
-            if (cfg->load != CLB_XC_MMAP) xc->tens[idx * 3 + j].data = NULL;
+            clb_tensor *c = &xc->tens[idx * 3 + j];
+            *c = *t[j];
+            if (cfg->load == CLB_XC_MMAP) continue; /* the mapping's rows, read in place */
+            c->data = NULL;
+            /* slots are repacked as they are read when the kernels want the interleaved
+             * layout; fixed here, so the type never changes under a reader */
+            if (clb_kernel_wants_x8(c->type) && c->shape[0] % 8 == 0)
+                c->type = clb_x8_type(c->type);
         }
         w->w1 = &xc->tens[idx * 3];
         w->w3 = &xc->tens[idx * 3 + 1];

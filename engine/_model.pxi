@@ -103,6 +103,7 @@ cdef extern from "clb_model.h" nogil:
         int64_t bytes_read, stall_ns
 
     size_t clb_expert_bytes(const clb_model *m)
+    clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err)
     clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8_t *pinned,
                                  char *err)
     int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
@@ -326,10 +327,12 @@ cdef class CoreModel:
 
     cdef clb_model *m
     cdef object _lock
+    cdef readonly int64_t n_repacked  # matrices repack() copied, all calls
 
     def __cinit__(self):
         self.m = NULL
         self._lock = threading.Lock()
+        self.n_repacked = 0
 
     def __dealloc__(self):
         if self.m != NULL:
@@ -382,6 +385,24 @@ cdef class CoreModel:
     def expert_bytes(self) -> int:
         """Bytes one routed expert takes in the expert cache (its three matrices)."""
         return clb_expert_bytes(self.m)
+
+    def repack(self, bint experts) -> int:
+        """Copies the weights the forward pass multiplies into the layout this CPU's kernels
+        read fastest, if that is not the file's (tokens do not change): attention, shared
+        experts, lm_head, and the routed experts when `experts` (not with the expert cache,
+        which repacks what it loads). Call before the first forward; returns the number of
+        matrices copied."""
+        cdef char err[512]
+        cdef clb_status st
+        cdef int64_t n = 0
+        err[0] = 0
+        with self._lock:
+            with nogil:
+                st = clb_model_repack(self.m, 1 if experts else 0, &n, err)
+        self.n_repacked += n
+        if st != CLB_OK:
+            raise _model_error(st, err)
+        return n
 
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
                             bint huge_pages=False, int heat_window=16, pinned=None) -> None:

@@ -1,13 +1,19 @@
-"""The 8-row interleaved weight layouts (q8x8, q4x8): the layout against an independent numpy
-description, products on it equal the row layout's bit for bit on every ISA, and the
-refusals."""
+"""The 8-row interleaved weight layouts (q8x8, q4x8) that the AVX2 path repacks q8/q4 weights
+to at load: the layout against an independent numpy description, products on it equal the row
+layout's bit for bit on every ISA (so a repacked model decodes the same tokens and logits),
+the expert cache's slot repacking gives the all-resident output, and the refusals."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine import _core
+from engine.demo import default_model_path
+from engine.executor.model import Model
+from engine.format.convert import convert, ensure_converted
 
 BLOCK = {"q8": 34, "q4": 18}  # bytes per 32-value block: f16 scale, then the quants
 
@@ -83,3 +89,92 @@ def test_refusals() -> None:
     # interleaved types are for products only
     with pytest.raises(ValueError, match="unknown type"):
         _core.quantize("q8x8", np.ones(32, np.float32))
+
+
+# -- models -----------------------------------------------------------------------------------
+
+PROMPT = (np.arange(1, 31, dtype=np.int32) * 11) % 300
+
+
+def _decode(m: Model, n: int = 10) -> tuple[list[int], list[np.ndarray]]:
+    m.reset(0)
+    lg = m.forward(PROMPT, np.zeros(PROMPT.size, np.int32), np.arange(PROMPT.size, dtype=np.int32))
+    logits, tok, pos, out = [lg[-1].copy()], int(np.argmax(lg[-1])), PROMPT.size, []
+    for _ in range(n):
+        out.append(tok)
+        lg = m.forward(np.array([tok], np.int32), np.zeros(1, np.int32), np.array([pos], np.int32))
+        logits.append(lg[-1].copy())
+        tok, pos = int(np.argmax(lg[-1])), pos + 1
+    return out, logits
+
+
+@pytest.fixture(scope="module", params=["q8", "q4"])
+def quant_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained demo model (q8), and a random Mixtral with an untied lm_head (q4)."""
+    if request.param == "q8":
+        return ensure_converted(Path(default_model_path()), "q8", progress=False)
+    pytest.importorskip("transformers")
+    from tests.tiny_models import make_checkpoint
+
+    root = tmp_path_factory.mktemp("repack_mixtral")
+    hf = make_checkpoint("mixtral", root / "hf", seed=3)
+    return convert(hf, root / "q4", quant="q4", progress=False)
+
+
+@pytest.fixture(scope="module")
+def rows_ref(quant_dir: Path) -> tuple[list[int], list[np.ndarray]]:
+    return _decode(Model.load(quant_dir, n_seq=1))
+
+
+def test_a_repacked_model_decodes_the_same_logits(quant_dir: Path, rows_ref: tuple) -> None:
+    m = Model.load(quant_dir, n_seq=1)
+    n = m.core.repack(experts=True)
+    assert (n > 0) == _core.wants_x8("q8")
+    assert m.core.repack(experts=True) == 0  # already done: nothing left to copy
+    tokens, logits = _decode(m)
+    assert tokens == rows_ref[0]
+    for a, b in zip(logits, rows_ref[1], strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("isa", _core.isa_supported())
+def test_a_repacked_model_runs_on_every_isa(quant_dir: Path, isa: str) -> None:
+    """Repacked under the best ISA, then run on another one: the same logits as the rows
+    under that ISA."""
+    before = _core.isa_active()
+    packed = Model.load(quant_dir, n_seq=1)
+    packed.core.repack(experts=True)
+    rows = Model.load(quant_dir, n_seq=1)
+    try:
+        _core.isa_force(isa)
+        got, want = _decode(packed, 3), _decode(rows, 3)
+    finally:
+        _core.isa_force(before)
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1], strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("load", ["pread", "mmap"])
+def test_expert_cache_slots_repack_as_they_load(quant_dir: Path, rows_ref: tuple,
+                                                load: str) -> None:
+    m = Model.load(quant_dir, n_seq=1)
+    m.core.repack(experts=False)
+    k = m.config.n_expert_used
+    m.core.enable_expert_cache(k, load=load, prefetch=True)  # the minimum: many reloads
+    tokens, logits = _decode(m)
+    assert tokens == rows_ref[0]
+    for a, b in zip(logits, rows_ref[1], strict=True):
+        assert np.array_equal(a, b)
+    assert m.core.expert_cache_stats()["evictions"].sum() > 0
+    with pytest.raises(ValueError, match="repack the other weights only"):
+        m.core.repack(experts=True)
+
+
+def test_the_cache_is_refused_after_the_experts_were_repacked(quant_dir: Path) -> None:
+    m = Model.load(quant_dir, n_seq=1)
+    m.core.repack(experts=True)
+    if not _core.wants_x8("q8"):
+        pytest.skip("this CPU's kernels read the row layout: nothing was repacked")
+    with pytest.raises(ValueError, match="enable the expert cache first"):
+        m.core.enable_expert_cache(m.config.n_expert_used)

@@ -9,6 +9,7 @@ contexts, capped at a quarter of the memory available now and never below one fu
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +103,13 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     return core
 
 
+def repack_enabled() -> bool:
+    """Whether q8/q4 weights are copied at start into the layout this CPU's kernels read
+    fastest (COLIBRI_REPACK, default on; off keeps the files' rows: same tokens, to compare
+    speeds)."""
+    return os.environ.get("COLIBRI_REPACK", "1").strip().lower() not in ("0", "false", "no")
+
+
 def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
                        kv_bytes: int) -> ExpertCacheMonitor:
     """Decides the expert budget (printed), enables the cache when one is needed and returns
@@ -113,6 +121,10 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
     other = kv_bytes + sum(p.stat().st_size for p in other_files)
     plan = plan_cache(model.core, xc, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, other,
                       memory_free(available_memory_bytes()))
+    # the layout this CPU's kernels read fastest; the cache repacks the experts it loads
+    repacked = model.core.repack(experts=plan.per_layer is None) if repack_enabled() else 0
+    if repacked:
+        log.info("weights: %d matrices repacked for this CPU's kernels", repacked)
     if plan.per_layer is None:
         log.info("expert cache: off, all %d experts resident (%.1f MB; %s)",
                  cfg.n_layer * cfg.n_expert, plan.budget_bytes / 1e6, plan.reason)

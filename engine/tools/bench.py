@@ -226,6 +226,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     decode = summarize([s.gen_tokens / r.decode_s for r in runs])
     rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
     n_threads = model.n_threads
+    n_repacked = model.core.n_repacked
     del model
 
     per_token = weight_bytes_per_token(path)
@@ -237,6 +238,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "quant": cfg.quant,
         "tensor_types": dict(cfg.tensor_types),
         "isa": _core.isa_active(),
+        "repacked_matrices": n_repacked,
         "threads": n_threads,
         "prompt_tokens": s.prompt_tokens,
         "gen_tokens": s.gen_tokens,
@@ -277,7 +279,9 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"model          {r['model']}",
         f"               {r['architecture']}, {r['quant']}, {r['threads']} threads, "
-        f"kernels {r['isa']}, loaded in {r['load_s']:.2f} s",
+        f"kernels {r['isa']}"
+        + (f" ({r['repacked_matrices']} matrices repacked)" if r["repacked_matrices"] else "")
+        + f", loaded in {r['load_s']:.2f} s",
         f"workload       {r['prompt_tokens']}-token prompt, {r['gen_tokens']} greedy tokens, "
         f"{r['repeat']} repeats",
         f"{'':15}{'median':>10}{'min':>10}{'max':>10}",

@@ -22,7 +22,12 @@ import numpy as np
 Matrix = tuple[str, bytes, int, int]  # type name, bytes, n_out, n_in
 
 
-def _matrices(path: Path, names: tuple[str, ...] | None = None) -> list[Matrix]:
+def _matrices(path: Path, names: tuple[str, ...] | None = None,
+              repack: bool = True) -> list[Matrix]:
+    """The 2-D tensors of a weight file, in the layout the loaded model multiplies them in
+    (repack: the matrix may be repacked at load, as every one but a tied lm_head may)."""
+    from engine import _core
+    from engine.core.loader import repack_enabled
     from engine.format.wfile import read_wfile
 
     wf = read_wfile(path)
@@ -30,7 +35,11 @@ def _matrices(path: Path, names: tuple[str, ...] | None = None) -> list[Matrix]:
     for name, t in wf.tensors.items():
         if len(t.shape) != 2 or (names is not None and name not in names):
             continue
-        out.append((t.type_name, wf.raw(name), int(t.shape[0]), int(t.shape[1])))
+        kind, raw, n_out, n_in = t.type_name, wf.raw(name), int(t.shape[0]), int(t.shape[1])
+        if (repack and repack_enabled() and kind in ("q8", "q4") and n_out % 8 == 0
+                and _core.wants_x8(kind)):
+            kind, raw = kind + "x8", _core.repack_x8(kind, raw, n_out, n_in)
+        out.append((kind, raw, n_out, n_in))
     return out
 
 
@@ -54,7 +63,8 @@ def decode_phases(model_dir: str | Path) -> dict[str, list[Matrix]]:
         if f"shared/layer_{i}.bin" in files:
             phases["shared expert"] += _matrices(model_dir / f"shared/layer_{i}.bin")
     emb = _matrices(model_dir / "embeddings.bin", ("output",))
-    phases["lm_head"] = emb or _matrices(model_dir / "embeddings.bin", ("tok_embd",))
+    phases["lm_head"] = emb or _matrices(model_dir / "embeddings.bin", ("tok_embd",),
+                                         repack=False)  # tied: rows for the lookup
     return {k: v for k, v in phases.items() if v}
 
 
