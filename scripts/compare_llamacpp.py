@@ -441,9 +441,14 @@ def child_run(args: argparse.Namespace) -> int:
         llama_greedy_run(lm, prompt, 8)  # warm-up: page weights in, start threads
         run = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
+        from engine.core.loader import start_expert_cache
+        from engine.executor.expert_cache import ExpertCacheConfig
         from engine.executor.model import Model
 
+        # loaded as the server and colibri bench load it: the expert budget, the repacking
         cm = Model.load(path, threads=args.threads, n_ctx=n_ctx)
+        start_expert_cache(cm, path, ExpertCacheConfig.from_env(),
+                           cm.n_kv_blocks * cm.kv_block_bytes())
         timed_greedy_run(cm, prompt, 8)
         run = _as_tuple(timed_greedy_run(cm, prompt, args.gen_tokens))
     print(json.dumps({"prefill_s": run[0], "decode_s": run[1], "tokens": run[2]}))

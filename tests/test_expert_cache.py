@@ -269,11 +269,18 @@ def test_plan_refuses_a_budget_below_one_layers_top_k(demo_dir: Path) -> None:
     # no budget given: everything resident when it fits, else what free memory allows
     p = plan_cache(m.core, ExpertCacheConfig(), cfg.n_layer, cfg.n_expert,
                    cfg.n_expert_used, 10 << 20, 1 << 34)
-    assert p.per_layer is None
+    assert p.per_layer is None and p.fits
     free = (10 << 20) + MIN_MARGIN_BYTES + 30 * layer  # small: the margin is its minimum
     p = plan_cache(m.core, ExpertCacheConfig(), cfg.n_layer, cfg.n_expert,
                    cfg.n_expert_used, 10 << 20, free)
-    assert p.per_layer == 30
+    assert p.per_layer == 30 and not p.fits
+    # every expert resident: in memory of its own (repacked) only when it fits
+    every = ExpertCacheConfig(size=cfg.n_expert)
+    p = plan_cache(m.core, every, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, 10 << 20, free)
+    assert p.per_layer is None and not p.fits  # asked for, but left to the OS's paging
+    p = plan_cache(m.core, every, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, 10 << 20,
+                   1 << 34)
+    assert p.per_layer is None and p.fits
 
 
 def test_routing_history_pins_the_next_start(demo_dir: Path, tmp_path: Path) -> None:

@@ -121,8 +121,9 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
     other = kv_bytes + sum(p.stat().st_size for p in other_files)
     plan = plan_cache(model.core, xc, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, other,
                       memory_free(available_memory_bytes()))
-    # the layout this CPU's kernels read fastest; the cache repacks the experts it loads
-    repacked = model.core.repack(experts=plan.per_layer is None) if repack_enabled() else 0
+    # the layout this CPU's kernels read fastest; the cache repacks the experts it loads, and
+    # resident experts are copied only when they fit (else the OS pages their mappings)
+    repacked = model.core.repack(experts=plan.fits) if repack_enabled() else 0
     if repacked:
         log.info("weights: %d matrices repacked for this CPU's kernels", repacked)
     if plan.per_layer is None:

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class CachePlan:
     n_layer: int
     n_expert: int
     reason: str
+    # every expert also fits in the memory that was free (or that is unknown): resident
+    # experts may then be copied (repacked) instead of read through their mappings
+    fits: bool = False
 
     @property
     def budget_bytes(self) -> int:
@@ -155,6 +158,14 @@ def plan_cache(core: Any, cfg: ExpertCacheConfig, n_layer: int, n_expert: int, t
     (attention, embeddings, router, shared experts, KV cache). ValueError when a given budget
     cannot hold one layer's top-k experts."""
     eb = int(core.expert_bytes)
+    plan = _plan_budget(cfg, eb, n_layer, n_expert, top_k, other_bytes, free)
+    fits = free is None or n_expert * n_layer * eb + other_bytes + margin_bytes(free) <= free
+    return replace(plan, fits=fits and plan.per_layer is None)
+
+
+def _plan_budget(cfg: ExpertCacheConfig, eb: int, n_layer: int, n_expert: int, top_k: int,
+                other_bytes: int, free: int | None) -> CachePlan:
+    """plan_cache's decision, for experts of eb bytes each."""
     layer_bytes = n_layer * eb
     minimum = top_k * layer_bytes
     if cfg.load not in LOAD_MODES:
