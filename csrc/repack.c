@@ -14,71 +14,126 @@
 #include <unistd.h>
 
 #include "clb_model_internal.h"
+#include "clb_threadpool.h"
 #include "clb_util.h"
 
-/* *tp, when its type wants it, becomes a pool copy in the interleaved layout. */
-static clb_status repack_one(clb_model *m, const clb_tensor **tp, int64_t *n_done) {
-    const clb_tensor *t = *tp;
-    if (!t || t->n_dims != 2 || clb_x8_type(t->type) == t->type ||
-        !clb_kernel_wants_x8(t->type) || t->shape[0] % 8 != 0)
-        return CLB_OK;
-    clb_tensor *c = clb_pool_alloc(m->pool, sizeof *c);
-    void *data = clb_pool_alloc(m->pool, t->nbytes);
-    if (!c || !data) {
-        clb_pool_free(m->pool, c);
-        clb_pool_free(m->pool, data);
-        return CLB_E_NOMEM;
-    }
-    clb_repack_x8(t->type, t->shape[1], t->shape[0], t->data, data);
-    *c = *t;
-    c->type = clb_x8_type(t->type);
-    c->data = data;
-    /* the whole pages of the source: no one reads them again */
-    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    uintptr_t p0 = ((uintptr_t)t->data + page - 1) / page * page;
-    uintptr_t p1 = ((uintptr_t)t->data + t->nbytes) / page * page;
-    if (p1 > p0) madvise((void *)p0, p1 - p0, MADV_DONTNEED);
-    *tp = c;
-    (*n_done)++;
-    return CLB_OK;
+#define CLB_HUGE_PAGE ((uintptr_t)2 << 20)
+
+/* whether *t is copied: a q8/q4 matrix the active ISA reads faster interleaved */
+static int wants(const clb_tensor *t) {
+    return t && t->n_dims == 2 && clb_x8_type(t->type) != t->type &&
+           clb_kernel_wants_x8(t->type) && t->shape[0] % 8 == 0;
 }
 
-static clb_status repack_ffn(clb_model *m, clb_ffn_w *f, int64_t *n_done) {
-    clb_status st = repack_one(m, &f->w1, n_done);
-    if (st == CLB_OK) st = repack_one(m, &f->w3, n_done);
-    if (st == CLB_OK) st = repack_one(m, &f->w2, n_done);
-    return st;
+/* The tensor slots a repack rewrites, in order. */
+typedef struct {
+    const clb_tensor ***slot; /* [n], NULL while counting */
+    int64_t n;
+    int64_t first_expert; /* slots from here on are routed experts' */
+    size_t bytes;         /* their data, each rounded up to 64 bytes */
+} plan;
+
+static void add(plan *p, const clb_tensor **tp) {
+    if (!wants(*tp)) return;
+    if (p->slot) p->slot[p->n] = tp;
+    p->n++;
+    p->bytes += ((*tp)->nbytes + 63) / 64 * 64;
+}
+
+static void collect(clb_model *m, int experts, plan *p) {
+    if (m->output != m->tok_embd) add(p, &m->output); /* tied: rows for the lookup */
+    for (int64_t il = 0; il < m->hp.n_layer; il++) {
+        clb_layer_w *l = &m->layers[il];
+        add(p, &l->wq);
+        add(p, &l->wk);
+        add(p, &l->wv);
+        add(p, &l->wo);
+        if (l->shared.w1) {
+            add(p, &l->shared.w1);
+            add(p, &l->shared.w3);
+            add(p, &l->shared.w2);
+        }
+    }
+    p->first_expert = p->n;
+    for (int64_t i = 0; experts && i < m->hp.n_layer * m->hp.n_expert; i++) {
+        add(p, &m->experts[i].w1);
+        add(p, &m->experts[i].w3);
+        add(p, &m->experts[i].w2);
+    }
+}
+
+typedef struct {
+    const plan *p;
+    const clb_tensor *dst; /* [p->n] the copies: type and data set, bytes not yet */
+} copy_ctx;
+
+static void copy_task(void *vctx, int ith, int nth) {
+    const copy_ctx *c = vctx;
+    for (int64_t i = 0; i < c->p->n; i++) {
+        const clb_tensor *t = *c->p->slot[i];
+        const int64_t groups = t->shape[0] / 8, g0 = groups * ith / nth,
+                      g1 = groups * (ith + 1) / nth;
+        const size_t off = (size_t)g0 * 8 * clb_type_row_size(t->type, t->shape[1]);
+        if (g1 > g0)
+            clb_repack_x8(t->type, t->shape[1], (g1 - g0) * 8, (const char *)t->data + off,
+                          (char *)c->dst[i].data + off);
+    }
 }
 
 clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err) {
     if (err) err[0] = '\0';
+    if (n_repacked) *n_repacked = 0;
     if (!m) return CLB_E_ARG;
     if (experts && m->xc) {
         clb_set_err(err, "the expert cache repacks the experts it loads; repack the other "
                          "weights only");
         return CLB_E_ARG;
     }
-    int64_t n = 0;
-    clb_status st = CLB_OK;
-    if (m->output != m->tok_embd) st = repack_one(m, &m->output, &n); /* tied: rows for lookup */
-    for (int64_t il = 0; il < m->hp.n_layer && st == CLB_OK; il++) {
-        clb_layer_w *l = &m->layers[il];
-        const clb_tensor **att[4] = {&l->wq, &l->wk, &l->wv, &l->wo};
-        for (int k = 0; k < 4 && st == CLB_OK; k++) st = repack_one(m, att[k], &n);
-        if (st == CLB_OK && l->shared.w1) st = repack_ffn(m, &l->shared, &n);
+    plan p = {0};
+    collect(m, experts, &p); /* count */
+    if (p.n == 0) return CLB_OK;
+    /* one arena for every copy, on 2 MiB pages where the kernel grants them (weights are
+     * streamed end to end; 4 KiB pages cost a TLB miss every 4 KiB) */
+    p.slot = clb_pool_alloc(m->pool, (size_t)p.n * sizeof *p.slot);
+    clb_tensor *tens = clb_pool_alloc(m->pool, (size_t)p.n * sizeof *tens);
+    unsigned char *arena = clb_pool_alloc(m->pool, p.bytes + CLB_HUGE_PAGE);
+    if (!p.slot || !tens || !arena) {
+        clb_pool_free(m->pool, p.slot);
+        clb_pool_free(m->pool, tens);
+        clb_pool_free(m->pool, arena);
+        clb_set_err(err, "out of memory repacking the weights (%zu bytes)", p.bytes);
+        return CLB_E_NOMEM;
     }
-    if (experts) {
-        const int64_t before = n;
-        for (int64_t i = 0; i < m->hp.n_layer * m->hp.n_expert && st == CLB_OK; i++)
-            st = repack_ffn(m, &m->experts[i], &n);
-        if (n > before) m->experts_x8 = 1; /* some now live outside their mappings */
+    unsigned char *dst = (unsigned char *)(((uintptr_t)arena + CLB_HUGE_PAGE - 1) /
+                                           CLB_HUGE_PAGE * CLB_HUGE_PAGE);
+#ifdef MADV_HUGEPAGE
+    madvise(dst, (p.bytes + CLB_HUGE_PAGE - 1) / CLB_HUGE_PAGE * CLB_HUGE_PAGE, MADV_HUGEPAGE);
+#endif
+    p.n = 0;
+    p.bytes = 0;
+    collect(m, experts, &p); /* fill the slots */
+    for (int64_t i = 0; i < p.n; i++) {
+        const clb_tensor *t = *p.slot[i];
+        tens[i] = *t;
+        tens[i].type = clb_x8_type(t->type);
+        tens[i].data = dst;
+        dst += (t->nbytes + 63) / 64 * 64;
     }
-    if (st == CLB_E_NOMEM) {
-        clb_set_err(err, "out of memory repacking the weights (%lld matrices done)",
-                    (long long)n);
-        return st;
+    /* every worker copies its share of each matrix's row groups */
+    copy_ctx c = {&p, tens};
+    if (!m->tp || clb_threadpool_run(m->tp, copy_task, &c) != CLB_OK) copy_task(&c, 0, 1);
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    for (int64_t i = 0; i < p.n; i++) {
+        const clb_tensor *t = *p.slot[i];
+        /* the source's whole pages: no one reads them again */
+        uintptr_t p0 = ((uintptr_t)t->data + page - 1) / page * page;
+        uintptr_t p1 = ((uintptr_t)t->data + t->nbytes) / page * page;
+        if (p1 > p0) madvise((void *)p0, p1 - p0, MADV_DONTNEED);
+        *p.slot[i] = &tens[i];
     }
-    if (n_repacked) *n_repacked = n;
+    clb_pool_free(m->pool, p.slot);
+    if (p.n > p.first_expert) m->experts_x8 = 1; /* some now live outside their mappings */
+    if (n_repacked) *n_repacked = p.n;
     /* a file cut short while it was copied read as zeros: the copies are void */
     for (int i = 0; i < m->n_files; i++) {
         const char *path = clb_wfile_changed(m->files[i]);
@@ -88,5 +143,5 @@ clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char
             return CLB_E_IO;
         }
     }
-    return st;
+    return CLB_OK;
 }
