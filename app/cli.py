@@ -44,6 +44,9 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--max-num-batched-tokens", dict(type=int,
                                       help="tokens per engine step, prompt chunks included "
                                            "(default 256)")),
+    ("--prefill-tokens-while-decoding", dict(
+        type=int, help="prompt tokens per engine step while other requests decode; each such "
+                       "step delays their next token (default 128)")),
     ("--kv-cache-mb", dict(type=float, help="KV cache pool in MB (default: room for "
                                             "max-num-seqs full contexts, at most a quarter "
                                             "of free memory)")),

@@ -35,6 +35,7 @@ def default_loader(settings: Settings) -> Callable[[], LLM]:
         threads=settings.threads, n_ctx=settings.n_ctx, quant=settings.quant,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        prefill_tokens_while_decoding=settings.prefill_tokens_while_decoding,
         kv_cache_mb=settings.kv_cache_mb, kv_cache_type=settings.kv_cache_type,
         enable_prefix_cache=settings.prefix_cache,
         expert_cache=ExpertCacheConfig(

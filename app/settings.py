@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     # -- batching and KV cache --------------------------------------------------------
     max_num_seqs: int = Field(16, ge=1, le=256, description="sequences in one batch")
     max_num_batched_tokens: int = Field(256, ge=16, description="tokens in one step")
+    prefill_tokens_while_decoding: int = Field(
+        128, ge=1, description="prompt tokens in one step while other requests decode (each "
+        "such step delays their next token)")
     kv_cache_mb: float | None = Field(None, gt=0, description="KV pool; None = from memory")
     kv_cache_type: Literal["f32", "f16", "q8"] = Field("f16", description="KV element type")
     prefix_cache: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")

@@ -125,6 +125,40 @@ def test_chunked_prefill_interleaves_with_decodes(llm: Any) -> None:
     assert len(got) == 3
 
 
+def test_prompt_chunks_shrink_while_others_decode(hf_dir: Path) -> None:
+    """Alone, a prompt runs in chunks of the whole budget; while another request decodes, in
+    chunks of prefill_tokens_while_decoding, and the decoding stream gets a token every step.
+    The tokens are the same either way."""
+    llm = _llm(hf_dir, max_num_seqs=4, max_num_batched_tokens=32,
+               prefill_tokens_while_decoding=8, enable_prefix_cache=False)
+    core = llm.core
+    long = _ids(llm, " ".join(PROMPTS) * 2)[:100]
+    core.add_request("solo", long, _params(max_tokens=3))
+    solo = core.requests["solo"][0]
+    core.step()
+    assert solo.num_computed == 32
+    while core.has_work():
+        core.step()
+    alone = list(solo.output)
+
+    core.add_request("dec", _ids(llm, "Water"), _params(max_tokens=60))
+    core.step()  # dec's prompt and its first token: it decodes from now on
+    core.add_request("pre", long, _params(max_tokens=3))
+    pre = core.requests["pre"][0]
+    steps = 0
+    while not pre.prefill_done:
+        before = pre.num_computed
+        outs = core.step()
+        steps += 1
+        assert 0 < pre.num_computed - before <= 8
+        assert [o.request_id for o in outs if o.request_id == "dec"] == ["dec"]
+    assert steps >= len(long) // 8
+    while core.has_work():
+        core.step()
+    assert pre.output == alone
+    assert core.blocks.n_free == core.blocks.n_blocks
+
+
 def test_preemption_recomputes_the_same_tokens(hf_dir: Path) -> None:
     """A KV pool too small for every request at once: the newest is preempted, recomputed
     later, and still produces exactly the tokens it produces alone."""

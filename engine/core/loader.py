@@ -33,6 +33,10 @@ log = logging.getLogger("colibri.engine")
 
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+# measured on the benchmark Mixtral (2 threads, 8 streams): p99 inter-token latency 0.54 s
+# instead of 0.93 s with whole 256-token chunks, a new request's p99 time to first token
+# about 2x its idle one (with 64: 0.28 s, but 3.4x), the same prefill speed
+DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 128
 
 
 @dataclass
@@ -44,6 +48,8 @@ class EngineConfig:
     quant: str = "q8"  # precision a Hugging Face folder is converted to
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # prompt tokens a step carries while other requests decode (None: max_num_batched_tokens)
+    prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     kv_cache_mb: float | None = None  # None: sized from max_num_seqs and available memory
     kv_cache_type: str = "f16"
     enable_prefix_cache: bool = True
@@ -96,7 +102,8 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
              "of %d)", n_blocks, BLOCK_SIZE, config.kv_cache_type, mb, n_blocks * BLOCK_SIZE,
              n_blocks * BLOCK_SIZE // model.n_ctx, model.n_ctx)
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens)
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            prefill_tokens_while_decoding=config.prefill_tokens_while_decoding)
     core = EngineCore(model, tokenizer, sched, n_blocks, config.enable_prefix_cache)
     core.model_path = folder
     core.expert_cache = monitor

@@ -24,6 +24,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    # prompt tokens one step may carry while some request decodes (None: the whole budget).
+    # A step takes as long as its prompt chunks, and every decoding stream waits for it.
+    prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass
@@ -42,8 +45,11 @@ class Scheduler:
     """Waiting queue, running list and the block manager they share."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
-        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or (
+                config.prefill_tokens_while_decoding is not None
+                and config.prefill_tokens_while_decoding < 1):
+            raise ValueError("max_num_seqs, max_num_batched_tokens and "
+                             "prefill_tokens_while_decoding must be at least 1")
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
@@ -77,6 +83,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
+        # prompt tokens of this step: fewer while some request decodes, so its stream keeps
+        # its pace (a chunk of 256 prompt tokens stalls every decoding stream for as long)
+        cap = self.config.prefill_tokens_while_decoding
+        prompt_budget = budget if cap is None or not any(
+            r.prefill_done for r in self.running) else min(cap, budget)
         items: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         scheduled: set[int] = set()
@@ -86,6 +97,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n_new = min(req.num_tokens - req.num_computed, budget)
+            if not req.prefill_done or n_new > 1:  # a prompt, or a recompute after preemption
+                if prompt_budget == 0:
+                    i += 1
+                    continue  # its prompt goes on next step
+                n_new = min(n_new, prompt_budget)
+                prompt_budget -= n_new
             while not self.blocks.grow(req.rid, req.num_computed + n_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -100,7 +117,8 @@ class Scheduler:
             i += 1
 
         # then waiting requests, first come first served, while budget, seats and blocks last
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and prompt_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             if preempted and req is preempted[-1]:
                 break  # freed blocks were not enough for it just now: try again next step
@@ -116,7 +134,7 @@ class Scheduler:
                 done = self.blocks.allocate_prompt(req.rid, req.tokens)
             if done is None:
                 break
-            n_new = min(req.num_tokens - done, budget)
+            n_new = min(req.num_tokens - done, budget, prompt_budget)
             if not self.blocks.grow(req.rid, done + n_new):
                 self.blocks.free(req.rid)
                 break
@@ -128,4 +146,5 @@ class Scheduler:
             self.running.append(req)
             items.append((req, n_new))
             budget -= n_new
+            prompt_budget -= n_new
         return ScheduledStep(items, preempted)
