@@ -226,36 +226,51 @@ static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i s
  * (AVX2 has 16) and every token of the pass reuses them. */
 #define CLB_PASS_TOK 16
 
-/* One pass of n_tok <= CLB_PASS_TOK tokens over a row group. pf is the next row group (8 rows
- * right after these; its address may lie past the matrix, prefetches never fault): its bytes
- * are prefetched front to back, a little more per block than this pass consumes, so the next
- * group starts from cache. The hardware prefetcher alone serves eight interleaved row streams
- * at well under the memory's rate. */
+/* One pass of n_tok <= CLB_PASS_TOK tokens over a row group, in the files' row layout (X8 = 0:
+ * rp[8] are the rows, transposed per block in registers) or interleaved (X8 = 1: g is the
+ * group, whose blocks already hold the transposed bytes, see clb_types.h; one sequential
+ * stream read with plain loads). pf (rows only) is the next row group (8 rows right after
+ * these; its address may lie past the matrix, prefetches never fault): its bytes are
+ * prefetched front to back, a little more per block than this pass consumes, so the next
+ * group starts from cache; the hardware prefetcher alone serves eight interleaved row streams
+ * at well under the memory's rate. An interleaved group prefetches its own stream
+ * CLB_X8_PF_AHEAD blocks ahead (into the next group at its end). Both layouts do the same
+ * arithmetic, so they give the same bits. */
 #define CLB_PF_LINES(Q4) ((Q4) ? 3 : 5) /* 64-byte lines per block: >= 8 * 18 or 8 * 34 bytes */
+#define CLB_X8_PF_AHEAD 8
 
-static inline __attribute__((always_inline)) void clb_pass8(int Q4, int64_t n,
+static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int64_t n,
                                                             const char *const rp[8],
-                                                            const char *act, size_t act_row,
-                                                            int n_tok, float *y, int64_t ldy,
-                                                            int nv, uintptr_t pf) {
+                                                            const char *g, const char *act,
+                                                            size_t act_row, int n_tok, float *y,
+                                                            int64_t ldy, int nv, uintptr_t pf) {
     __m256 acc[CLB_PASS_TOK];
     __m256i part[CLB_PASS_TOK];
-    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8), gb = 8 * bs;
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / CLB_QK; b++) {
-        if (pf) {
-            uintptr_t p = pf + (uintptr_t)b * 8 * bs;
+        const char *blk = X8 ? g + (size_t)b * gb : NULL;
+        const __m256i *q = X8 ? (const __m256i *)(blk + 16) : NULL;
+        const size_t off = (size_t)b * bs + 2; /* rows: the block's quants in each row */
+        if (X8) {
+            const uintptr_t p = (uintptr_t)blk + CLB_X8_PF_AHEAD * gb;
+            for (size_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
+        } else if (pf) {
+            const uintptr_t p = pf + (uintptr_t)b * gb;
             for (int l = 0; l < CLB_PF_LINES(Q4); l++)
                 _mm_prefetch((const char *)(p + 64 * (uintptr_t)l), _MM_HINT_T0);
         }
-        const __m256 ws = clb_scales8(Q4, rp, b);
-        const size_t off = (size_t)b * bs + 2;
+        const __m256 ws = X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))
+                             : clb_scales8(Q4, rp, b);
         if (Q4) {
             /* nibbles read unsigned (w + 8): sixteen products of 15 * 127 fit int16, so the whole
              * block sums in int16 and the accumulator starts from corr = -8 * sum(a) */
             const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
             __m256i v[8];
-            clb_load_t4(rp, off, v);
+            if (X8)
+                for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_si256(q + j);
+            else
+                clb_load_t4(rp, off, v);
             for (int j = 0; j < 4; j++) {
                 v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low4);
                 v[j] = _mm256_and_si256(v[j], low4);
@@ -279,12 +294,18 @@ static inline __attribute__((always_inline)) void clb_pass8(int Q4, int64_t n,
             /* one 16-byte half of the 8 rows' blocks at a time: four registers of signed
              * weights; the first half's sums wait in part[] for the second */
             __m256i sg[4];
-            clb_load_t4(rp, off, sg);
+            if (X8)
+                for (int j = 0; j < 4; j++) sg[j] = _mm256_loadu_si256(q + j);
+            else
+                clb_load_t4(rp, off, sg);
             for (int t = 0; t < n_tok; t++) {
                 const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
                 part[t] = clb_half_q8(sg, a->qs);
             }
-            clb_load_t4(rp, off + 16, sg);
+            if (X8)
+                for (int j = 0; j < 4; j++) sg[j] = _mm256_loadu_si256(q + 4 + j);
+            else
+                clb_load_t4(rp, off + 16, sg);
             for (int t = 0; t < n_tok; t++) {
                 const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
                 __m256i s = _mm256_add_epi32(part[t], clb_half_q8(sg, a->qs + 16));
@@ -355,20 +376,22 @@ void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, c
 
 /* Row groups of 8, tokens CLB_PASS_TOK at a time inside each group, so a group's weights are
  * read from memory once for all tokens and its later passes hit the cache. One token goes
- * through the same row groups: with the next group prefetched they stream faster than rows
- * read one by one, and the float work per block is one vector add per 8 rows instead of 8
- * dependent scalar adds. */
-static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int64_t n, int64_t n_rows,
-                                                            const void *w, size_t w_row,
-                                                            const void *act, size_t act_row,
-                                                            int64_t n_tok, float *y,
-                                                            int64_t ldy) {
+ * through the same row groups: streamed with prefetching they run faster than rows read one
+ * by one, and the float work per block is one vector add per 8 rows instead of 8 dependent
+ * scalar adds. X8: interleaved weights (whole groups only; the matmul driver checks). */
+static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int X8, int64_t n,
+                                                            int64_t n_rows, const void *w,
+                                                            size_t w_row, const void *act,
+                                                            size_t act_row, int64_t n_tok,
+                                                            float *y, int64_t ldy) {
     const char *wb = w;
     for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
         const int nv = n_rows - r0 < 8 ? (int)(n_rows - r0) : 8;
+        if (X8 && nv < 8) return; /* never a partial group: refused before */
         const char *rp[8];
         for (int r = 0; r < 8; r++) /* rows past the matrix repeat a real one, unstored */
             rp[r] = wb + (size_t)(r0 + (r < nv ? r : nv - 1)) * w_row;
+        const char *g = wb + (size_t)r0 * w_row; /* the interleaved group */
         /* the caller's next rows follow these in memory: the last group prefetches them too */
         const uintptr_t pf = (uintptr_t)wb + (uintptr_t)(r0 + 8) * w_row;
         for (int64_t t = 0; t < n_tok; t += CLB_PASS_TOK) {
@@ -379,121 +402,24 @@ static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int64_t n, i
             /* a few tokens (the expert groups of a decode step): the count is a constant, so
              * the accumulators stay in registers */
             switch (tt) {
-            case 1: clb_pass8(Q4, n, rp, at, act_row, 1, yt, ldy, nv, pt); break;
-            case 2: clb_pass8(Q4, n, rp, at, act_row, 2, yt, ldy, nv, pt); break;
-            case 3: clb_pass8(Q4, n, rp, at, act_row, 3, yt, ldy, nv, pt); break;
-            default: clb_pass8(Q4, n, rp, at, act_row, tt, yt, ldy, nv, pt); break;
+            case 1: clb_pass8(Q4, X8, n, rp, g, at, act_row, 1, yt, ldy, nv, pt); break;
+            case 2: clb_pass8(Q4, X8, n, rp, g, at, act_row, 2, yt, ldy, nv, pt); break;
+            case 3: clb_pass8(Q4, X8, n, rp, g, at, act_row, 3, yt, ldy, nv, pt); break;
+            default: clb_pass8(Q4, X8, n, rp, g, at, act_row, tt, yt, ldy, nv, pt); break;
             }
         }
     }
 }
 
-void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
-                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm8(0, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
-}
-
-void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
-                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm8(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
-}
-
-/* ---- interleaved weights (q8x8, q4x8): the row groups above, already transposed ----------
- * Each block of a group is one contiguous run: 16 bytes of the 8 rows' scales, then the quant
- * bytes in the order the row-group loop builds with loads, inserts and unpacks (register d of
- * a half holds bytes 4d..4d+3 of every row). So a group is one sequential stream, read with
- * plain 32-byte loads, and the arithmetic is the row groups' own: the same bits. */
-
-/* blocks ahead of the one computed that each block prefetches (a group's blocks and the next
- * group's follow each other in memory) */
-#define CLB_X8_PF_AHEAD 8
-
-static inline __attribute__((always_inline)) void clb_pass8x(int Q4, int64_t n, const char *g,
-                                                             const char *act, size_t act_row,
-                                                             int n_tok, float *y, int64_t ldy) {
-    __m256 acc[CLB_PASS_TOK];
-    __m256i part[CLB_PASS_TOK];
-    const size_t gb = 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
-    for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / CLB_QK; b++) {
-        const char *blk = g + (size_t)b * gb;
-        /* one block's bytes ahead per block (272 or 144 bytes); prefetches never fault */
-        const uintptr_t pf = (uintptr_t)blk + CLB_X8_PF_AHEAD * gb;
-        for (size_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(pf + l), _MM_HINT_T0);
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256i *q = (const __m256i *)(blk + 16);
-        if (Q4) {
-            const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
-            __m256i v[8];
-            for (int j = 0; j < 4; j++) {
-                __m256i raw = _mm256_loadu_si256(q + j);
-                v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                v[j] = _mm256_and_si256(raw, low4);
-            }
-            for (int t = 0; t < n_tok; t++) {
-                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-                __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(a->qs));
-                __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(a->qs + 16));
-                for (int d = 1; d < 4; d++) {
-                    h0 = _mm256_add_epi16(
-                        h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(a->qs + 4 * d)));
-                    h1 = _mm256_add_epi16(
-                        h1, _mm256_maddubs_epi16(v[4 + d], clb_bcast32_avx2(a->qs + 16 + 4 * d)));
-                }
-                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones),
-                                             _mm256_set1_epi32(a->corr));
-                __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
-            }
-        } else {
-            __m256i sg[4];
-            for (int d = 0; d < 4; d++) sg[d] = _mm256_loadu_si256(q + d);
-            for (int t = 0; t < n_tok; t++) {
-                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-                part[t] = clb_half_q8(sg, a->qs);
-            }
-            for (int d = 0; d < 4; d++) sg[d] = _mm256_loadu_si256(q + 4 + d);
-            for (int t = 0; t < n_tok; t++) {
-                const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-                __m256i s = _mm256_add_epi32(part[t], clb_half_q8(sg, a->qs + 16));
-                __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
-            }
-        }
+#define CLB_GEMM8_AVX2(NAME, Q4, X8)                                                         \
+    void NAME(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,       \
+              size_t act_row, int64_t n_tok, float *y, int64_t ldy) {                        \
+        clb_gemm8(Q4, X8, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);                  \
     }
-    for (int t = 0; t < n_tok; t++) _mm256_storeu_ps(y + t * ldy, acc[t]);
-}
-
-static inline __attribute__((always_inline)) void clb_gemm8x(int Q4, int64_t n, int64_t n_rows,
-                                                             const void *w, size_t w_row,
-                                                             const void *act, size_t act_row,
-                                                             int64_t n_tok, float *y,
-                                                             int64_t ldy) {
-    for (int64_t r0 = 0; r0 + 8 <= n_rows; r0 += 8) {
-        const char *g = (const char *)w + (size_t)r0 * w_row;
-        for (int64_t t = 0; t < n_tok; t += CLB_PASS_TOK) {
-            const int tt = n_tok - t < CLB_PASS_TOK ? (int)(n_tok - t) : CLB_PASS_TOK;
-            const char *at = (const char *)act + (size_t)t * act_row;
-            float *yt = y + t * ldy + r0;
-            switch (tt) {
-            case 1: clb_pass8x(Q4, n, g, at, act_row, 1, yt, ldy); break;
-            case 2: clb_pass8x(Q4, n, g, at, act_row, 2, yt, ldy); break;
-            case 3: clb_pass8x(Q4, n, g, at, act_row, 3, yt, ldy); break;
-            default: clb_pass8x(Q4, n, g, at, act_row, tt, yt, ldy); break;
-            }
-        }
-    }
-}
-
-void clb_gemm_q8x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
-                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm8x(0, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
-}
-
-void clb_gemm_q4x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
-                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm8x(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
-}
+CLB_GEMM8_AVX2(clb_gemm_q8_avx2, 0, 0)
+CLB_GEMM8_AVX2(clb_gemm_q4_avx2, 1, 0)
+CLB_GEMM8_AVX2(clb_gemm_q8x8_avx2, 0, 1)
+CLB_GEMM8_AVX2(clb_gemm_q4x8_avx2, 1, 1)
 
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, one rounding per element) */
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a) {
