@@ -121,8 +121,9 @@ def _raw(port: int, body: dict[str, Any]) -> socket.socket:
 
 def test_disconnects_free_their_blocks(server: SubprocessServer) -> None:
     long_prompt = [{"role": "user", "content": "Tell me everything. " * 20}]
-    body = {"model": MODEL, "messages": long_prompt, "max_tokens": 150, "stream": True,
-            "ignore_eos": True}
+    # no max_tokens: each stream runs to the end of its context, so none of the eight ends
+    # (and lets a queued one in) before the test has seen two waiting
+    body = {"model": MODEL, "messages": long_prompt, "stream": True, "ignore_eos": True}
     # eight running streams fill the batch, two more wait in the queue
     socks = [_raw(server.port, body) for _ in range(10)]
     wait_for(lambda: server.metrics()["colibri_requests_running"] >= 8, 30, "8 running")
