@@ -185,7 +185,7 @@ def child(args: argparse.Namespace) -> int:
 
 def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | None,
           size: int | None = None, load: str = "auto", prefetch: bool = True,
-          warm: bool = False, huge: bool = False) -> dict[str, Any]:
+          warm: bool = False, huge: bool = False, repack: bool = True) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine,
            "--child-model", str(model), "--threads", str(args.threads), "--vocab",
            str(args.vocab), "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens",
@@ -200,7 +200,7 @@ def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | Non
         cmd.append("--huge")
     if cgroup is not None:
         cmd += ["--cgroup", str(cgroup)]
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", COLIBRI_REPACK="1" if repack else "0")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout)[-1500:]
@@ -295,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     remove_group()
-    # the process's own anonymous memory (interpreter, scratch, KV) without expert slots
-    base_anon = spawn(args, "colibri", model, None, size=args.experts)["rss_anon"]
+    # the process's own anonymous memory (interpreter, scratch, KV) without expert slots, and
+    # without the repacked copies of the weights (counted below as the weights they are)
+    base_anon = spawn(args, "colibri", model, None, size=args.experts, repack=False)["rss_anon"]
     for factor in [int(x) for x in args.factors.split(",")]:
         # the limit: that memory, the mapped non-expert weights every token reads, 1/F of the
         # experts and a little slack; the same limit for every engine
