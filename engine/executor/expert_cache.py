@@ -158,14 +158,15 @@ def plan_cache(core: Any, cfg: ExpertCacheConfig, n_layer: int, n_expert: int, t
     (attention, embeddings, router, shared experts, KV cache). ValueError when a given budget
     cannot hold one layer's top-k experts."""
     eb = int(core.expert_bytes)
-    plan = _plan_budget(cfg, eb, n_layer, n_expert, top_k, other_bytes, free)
     fits = free is None or n_expert * n_layer * eb + other_bytes + margin_bytes(free) <= free
+    plan = _plan_budget(cfg, eb, n_layer, n_expert, top_k, other_bytes, free, fits)
     return replace(plan, fits=fits and plan.per_layer is None)
 
 
 def _plan_budget(cfg: ExpertCacheConfig, eb: int, n_layer: int, n_expert: int, top_k: int,
-                other_bytes: int, free: int | None) -> CachePlan:
-    """plan_cache's decision, for experts of eb bytes each."""
+                 other_bytes: int, free: int | None, fits: bool) -> CachePlan:
+    """plan_cache's decision, for experts of eb bytes each (fits: every expert fits in free
+    memory beside the rest and a margin)."""
     layer_bytes = n_layer * eb
     minimum = top_k * layer_bytes
     if cfg.load not in LOAD_MODES:
@@ -188,11 +189,10 @@ def _plan_budget(cfg: ExpertCacheConfig, eb: int, n_layer: int, n_expert: int, t
             return CachePlan(None, eb, n_layer, n_expert,
                              f"--expert-cache-mb {cfg.mb:g} holds every expert")
         return CachePlan(per, eb, n_layer, n_expert, f"--expert-cache-mb {cfg.mb:g}")
-    total = n_expert * layer_bytes
-    margin = margin_bytes(free)
-    if free is None or total + other_bytes + margin <= free:
+    if fits or free is None:
         return CachePlan(None, eb, n_layer, n_expert, "the model fits in memory")
-    room = free - other_bytes - margin
+    total = n_expert * layer_bytes
+    room = free - other_bytes - margin_bytes(free)
     per = max(top_k, min(n_expert - 1, room // layer_bytes))
     if room < minimum:
         log.warning("expert cache: %.0f MB free after the rest of the model, below the "
