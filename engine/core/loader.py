@@ -35,7 +35,7 @@ DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 # measured on the benchmark Mixtral (2 threads, 8 streams): p99 inter-token latency 0.54 s
 # instead of 0.93 s with whole 256-token chunks, a new request's p99 time to first token
-# about 2x its idle one (with 64: 0.28 s, but 3.4x), the same prefill speed
+# about 2x its idle one (with 64: 0.28 s, but 3.4x)
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 128
 
 
