@@ -26,10 +26,8 @@ def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
     err[0] = 0
     with nogil:
         st = clb_bandwidth_probe(nbytes, n_threads, n_passes, &gbps, err)
-    if st == CLB_E_NOMEM:
-        raise MemoryError(err.decode("utf-8", "replace"))
     if st != CLB_OK:
-        raise ValueError(err.decode("utf-8", "replace") or f"bandwidth probe status {int(st)}")
+        raise _status_error(st, err)
     return gbps
 
 
@@ -51,7 +49,7 @@ def matmul_bench(name: str, w, int n_out, int n_in, x, int n_threads=1, int n_re
         st = clb_matmul_bench(t, &wv[0], n_out, n_in, &xv[0, 0], n_tok, n_threads, n_reps,
                               &sv[0])
     if st != CLB_OK:
-        raise ValueError(f"matmul bench failed with status {int(st)}")
+        raise _status_error(st)
     return secs.tolist()
 
 
@@ -63,5 +61,5 @@ def threadpool_bench(int n_threads, int n_runs=10000, int gap_us=0) -> float:
     with nogil:
         st = clb_threadpool_bench(n_threads, n_runs, gap_us, &ns)
     if st != CLB_OK:
-        raise ValueError(f"thread-pool bench failed with status {int(st)}")
+        raise _status_error(st)
     return ns

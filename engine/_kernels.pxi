@@ -10,6 +10,16 @@ from libc.string cimport memset
 
 import numpy as np
 
+from engine.errors import (
+    ColibriError,
+    ContextOverflowError,
+    FormatError,
+    InputError,
+    ModelFileNotFoundError,
+    ShapeError,
+    WeightFileChangedError,
+)
+
 cdef extern from "clb_types.h" nogil:
     ctypedef enum clb_status:
         CLB_OK
@@ -73,6 +83,7 @@ cdef extern from "clb_kernels.h" nogil:
         CLB_ISA_COUNT
 
     void clb_kernels_init()
+
     clb_isa clb_isa_best()
     int clb_isa_supported(clb_isa isa)
     clb_status clb_isa_force(clb_isa isa)
@@ -114,6 +125,35 @@ ISA_NAMES = ("ref", "avx2", "avx512")
 PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8}
 
 clb_kernels_init()
+
+
+cdef object _status_error(clb_status st, const char *err=NULL, object arg_cls=InputError,
+                          object range_cls=ContextOverflowError):
+    """The Python exception for a C status and its message: the one mapping every binding
+    raises through. Bad arguments are InputErrors (ValueErrors), a limit exceeded a
+    ContextOverflowError; a caller whose arguments are a configuration, not input, names
+    other classes for those two. A failed allocation is a MemoryError, a corrupt file a
+    FormatError, an I/O failure an OSError."""
+    msg = err.decode("utf-8", "replace") if err != NULL else ""
+    if not msg:
+        msg = f"C core error {int(st)}"
+    if st == CLB_E_IO:
+        if msg.startswith("missing file: "):
+            return ModelFileNotFoundError(msg)
+        if msg.startswith("weight file changed: "):
+            return WeightFileChangedError(msg)
+        return OSError(msg)
+    if st == CLB_E_FORMAT:
+        return FormatError(msg)
+    if st == CLB_E_SHAPE:
+        return ShapeError(msg)
+    if st == CLB_E_NOMEM:
+        return MemoryError(msg)
+    if st == CLB_E_RANGE:
+        return range_cls(msg)
+    if st == CLB_E_ARG:
+        return arg_cls(msg)
+    return ColibriError(msg)
 
 
 cdef clb_type _kernel_type(str name, bint product=False) except *:
@@ -280,8 +320,11 @@ cdef class ThreadPool:
     cdef clb_threadpool *tp
 
     def __cinit__(self, int n_threads):
-        if clb_threadpool_init(&self.tp, n_threads) != CLB_OK:
-            raise ValueError(f"cannot start a thread pool of {n_threads} threads")
+        cdef clb_status st = clb_threadpool_init(&self.tp, n_threads)
+        cdef bytes msg
+        if st != CLB_OK:
+            msg = f"cannot start a thread pool of {n_threads} threads".encode()
+            raise _status_error(st, msg)
 
     def __dealloc__(self):
         clb_threadpool_free(self.tp)
@@ -331,7 +374,7 @@ def matmul(name: str, w, int n_out, int n_in, x, bias=None, int n_threads=1, int
     with nogil:
         st = clb_matmul(t, &wv[0], n_out, n_in, xp, n_tok, yp, stride, bp, &sv[0], pool.tp)
     if st != CLB_OK:
-        raise ValueError(f"clb_matmul failed with status {st}")
+        raise _status_error(st)
     return y if ldy > 0 else y[:, :n_out]
 
 
@@ -429,7 +472,7 @@ def threadpool_exercise(int n_threads, int n_runs):
             if st != CLB_OK:
                 break
     if st != CLB_OK:
-        raise RuntimeError(f"clb_threadpool_run failed with status {st}")
+        raise _status_error(st)
     return counts, seen
 
 

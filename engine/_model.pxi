@@ -4,22 +4,14 @@
 # as Python exceptions carrying the C message: ModelFileNotFoundError (a FileNotFoundError) for
 # missing files, FormatError / ShapeError (ValueErrors) for corrupt or mismatched files,
 # InputError / ContextOverflowError (ValueErrors) for bad tokens or positions.
-# Uses clb_status, clb_type and clb_threadpool declared in _kernels.pxi.
+# Uses clb_status, clb_type, clb_threadpool and _status_error from _kernels.pxi.
 
 from libc.string cimport strlen
 
 import operator
 import threading
 
-from engine.errors import (
-    ColibriError,
-    ContextOverflowError,
-    FormatError,
-    InputError,
-    ModelFileNotFoundError,
-    WeightFileChangedError,
-    ShapeError,
-)
+from engine.errors import FormatError, InputError
 
 cdef extern from "clb_model.h" nogil:
     int CLB_ERR_LEN
@@ -209,30 +201,6 @@ def _as_tables(x):
     return x
 
 
-cdef object _model_error(clb_status st, const char *err):
-    """The Python exception for a C status and message."""
-    msg = err.decode("utf-8", "replace") if err != NULL else ""
-    if not msg:
-        msg = f"C core error {int(st)}"
-    if st == CLB_E_IO:
-        if msg.startswith("missing file: "):
-            return ModelFileNotFoundError(msg)
-        if msg.startswith("weight file changed: "):
-            return WeightFileChangedError(msg)
-        return OSError(msg)
-    if st == CLB_E_FORMAT:
-        return FormatError(msg)
-    if st == CLB_E_SHAPE:
-        return ShapeError(msg)
-    if st == CLB_E_NOMEM:
-        return MemoryError(msg)
-    if st == CLB_E_RANGE:
-        return ContextOverflowError(msg)
-    if st == CLB_E_ARG:
-        return InputError(msg)
-    return ColibriError(msg)
-
-
 cdef bytes _fs_path(path):
     import os
     return os.fsencode(os.fspath(path))
@@ -253,7 +221,7 @@ def inspect_weight_file(path) -> list:
     with nogil:
         st = clb_wfile_open(cp, &f, err)
     if st != CLB_OK:
-        raise _model_error(st, err)
+        raise _status_error(st, err)
     out = []
     cdef const clb_tensor *t
     cdef const char *nm
@@ -290,11 +258,11 @@ cdef class KVCache:
             raise ValueError(f"n_blocks must be in 1..{2**31 - 1}, got {n}")
         cdef clb_kv *kv = NULL
         cdef clb_status st = clb_kv_init(model.m, n, ty, &kv)
-        if st == CLB_E_RANGE:
-            raise MemoryError(f"a KV cache of {n} blocks does not fit the address space")
+        cdef bytes msg
         if st != CLB_OK:
-            raise MemoryError(f"cannot allocate a KV cache of {n} {kv_type} blocks "
-                              f"(status {int(st)})")
+            msg = (f"a KV cache of {n} blocks does not fit the address space" if st == CLB_E_RANGE
+                   else f"cannot allocate a KV cache of {n} {kv_type} blocks").encode()
+            raise _status_error(st, msg, InputError, MemoryError)
         if self.kv != NULL:
             clb_kv_free(self.kv)
         self.kv = kv
@@ -352,10 +320,8 @@ cdef class CoreModel:
         err[0] = 0
         with nogil:
             st = clb_model_load(cp, &hp, n_threads, &m, err)
-        if st != CLB_OK:
-            if st == CLB_E_ARG:  # hparams refused at load: a config problem, not user input
-                raise FormatError(err.decode("utf-8", "replace"))
-            raise _model_error(st, err)
+        if st != CLB_OK:  # hparams refused at load are a config problem, not user input
+            raise _status_error(st, err, FormatError)
         cdef CoreModel self = CoreModel.__new__(CoreModel)
         self.m = m
         return self
@@ -401,7 +367,7 @@ cdef class CoreModel:
                 st = clb_model_repack(self.m, 1 if experts else 0, &n, err)
         self.n_repacked += n
         if st != CLB_OK:
-            raise _model_error(st, err)
+            raise _status_error(st, err)
         return n
 
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
@@ -436,10 +402,8 @@ cdef class CoreModel:
         with self._lock:
             with nogil:
                 st = clb_xcache_enable(self.m, &cfg, pp, err)
-        if st == CLB_E_ARG:
-            raise ValueError(err.decode("utf-8", "replace"))
         if st != CLB_OK:
-            raise _model_error(st, err)
+            raise _status_error(st, err, ValueError)
 
     def expert_cache_stats(self):
         """None without an expert cache; else a dict of numpy arrays: per-layer counters
@@ -534,5 +498,5 @@ cdef class CoreModel:
             with nogil:
                 st = clb_forward(self.m, kv.kv, &b, lp, err)
         if st != CLB_OK:
-            raise _model_error(st, err)
+            raise _status_error(st, err)
         return out
