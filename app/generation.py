@@ -28,7 +28,7 @@ from app.worker import (
     QueueFullError,
     Sequence,
 )
-from engine import ContextLengthError, ModelFaultError, SamplingParamError
+from engine import ContextLengthError, ModelFaultError, SamplingParamError, TokenIdError
 
 log = logging.getLogger("colibri.app")
 T = TypeVar("T")
@@ -110,7 +110,7 @@ def engine_error(exc: BaseException, param: str) -> APIError:
         return exc
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), param, "context_length_exceeded")
-    if isinstance(exc, SamplingParamError):
+    if isinstance(exc, (SamplingParamError, TokenIdError)):
         return APIError(400, str(exc), getattr(exc, "param", None))
     if isinstance(exc, ModelFaultError):  # the engine logged which file or why, once
         return APIError(500, "The model can no longer serve requests (its weight files "

@@ -31,7 +31,8 @@ from app.protocol_tools import (
     check_tools,
 )
 from app.settings import Settings
-from engine import MIN_REPETITION_PENALTY, SamplingParams
+from engine import MIN_REPETITION_PENALTY, SamplingParams, TokenIdError, join_text_parts
+from engine import check_token_ids as engine_check_token_ids
 
 SEED_MOD = 1 << 63  # seeds reach the engine as non-negative 63-bit integers
 
@@ -91,7 +92,7 @@ class ChatMessage(_Model):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return join_text_parts(p.text for p in self.content)
 
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template wants it: developer -> system, text parts joined
@@ -194,9 +195,7 @@ class _Sampling(_Model):
                 raise APIError(400, f"logit_bias key {key!r} is not a token id",
                                "logit_bias")
             tok = int(key)
-            if not 0 <= tok < vocab_size:
-                raise APIError(400, f"logit_bias token {tok} is outside the vocabulary "
-                               f"(0..{vocab_size - 1})", "logit_bias")
+            check_token_ids([tok], vocab_size, "logit_bias")
             if not -100.0 <= value <= 100.0:
                 raise APIError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
             out[tok] = float(value)
@@ -339,13 +338,12 @@ class CompletionRequest(_Sampling):
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    """Refuse empty lists and ids outside the vocabulary (before anything reaches C)."""
-    if not ids:
-        raise APIError(400, f"{param} must not be empty", param)
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise APIError(400, f"token id {t} is outside the vocabulary (0..{vocab_size - 1})",
-                           param)
+    """Refuse empty lists and ids outside the vocabulary (before anything reaches C): the
+    engine's check, answered as a 400."""
+    try:
+        engine_check_token_ids(ids, vocab_size, param)
+    except TokenIdError as exc:
+        raise APIError(400, str(exc), exc.param) from None
 
 
 class TokenizeRequest(_Model):

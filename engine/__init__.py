@@ -26,9 +26,12 @@ _EXPORTS = {
     "ExpertCacheConfig": "engine.executor.expert_cache",
     "add_expert_cache_args": "engine.tools.cache_args",
     "ModelFaultError": "engine.errors",
+    "TokenIdError": "engine.errors",
+    "check_token_ids": "engine.errors",
     "MIN_REPETITION_PENALTY": "engine.sample.sampler",
     "SamplingParamError": "engine.sample.sampler",
     "Tokenizer": "engine.text.tokenizer",
+    "join_text_parts": "engine.text.tokenizer",
     "ModelTemplateError": "engine.text.tokenizer",
     "ConstraintCompiler": "engine.sample.constraints",
     "ConstraintError": "engine.sample.constraints",
@@ -79,13 +82,16 @@ __all__ = [
     "SamplingParamError",
     "SamplingParams",
     "StepOutput",
+    "TokenIdError",
     "Tokenizer",
     "__version__",
     "check_model",
+    "check_token_ids",
     "cli_main",
     "convert",
     "default_model_path",
     "ensure_converted",
+    "join_text_parts",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,7 +104,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.core.engine import ContextLengthError
     from engine.core.loader import EngineConfig
     from engine.core.request import RequestOutput
-    from engine.errors import ModelFaultError
+    from engine.errors import ModelFaultError, TokenIdError, check_token_ids
     from engine.executor.expert_cache import ExpertCacheConfig
     from engine.format.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
     from engine.format.modelcheck import ModelError, check_model

@@ -92,9 +92,11 @@ def test_context_errors(llm) -> None:
         list(llm.generate_tokens([1] * 300, SamplingParams(max_tokens=1)))
     with pytest.raises(ContextLengthError):
         list(llm.generate_tokens([1] * 200, SamplingParams(max_tokens=100)))
-    with pytest.raises(ValueError, match="vocabulary"):
+    from engine import TokenIdError
+
+    with pytest.raises(TokenIdError, match="vocabulary"):
         list(llm.generate_tokens([llm.vocab_size + 5], SamplingParams(max_tokens=1)))
-    with pytest.raises(ValueError):
+    with pytest.raises(TokenIdError, match="must not be empty"):
         llm.generate_tokens([], SamplingParams(max_tokens=1))
 
 

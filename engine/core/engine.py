@@ -21,6 +21,7 @@ import numpy as np
 from engine.core.block_manager import BLOCK_SIZE, BlockManager
 from engine.core.request import Request, RequestOutput, Status, new_request
 from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.errors import check_token_ids
 from engine.sample.batch import prompt_logprobs, sample_rows
 from engine.sample.sampler import SamplingParams
 
@@ -81,15 +82,9 @@ class EngineCore:
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> int:
         """Validate a request; return its completion budget (max new tokens). Raises
-        SamplingParamError, ValueError (bad token ids, empty prompt) or ContextLengthError."""
+        SamplingParamError, TokenIdError (bad token ids, empty prompt) or ContextLengthError."""
         params.validate(self.vocab_size)
-        n = len(prompt)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        for t in prompt:
-            if isinstance(t, bool) or not 0 <= int(t) < self.vocab_size:
-                raise ValueError(f"token id {t} is outside the vocabulary "
-                                 f"(0..{self.vocab_size - 1})")
+        n = len(check_token_ids(prompt, self.vocab_size, "prompt"))
         cap = self.max_request_tokens
         where = "context" if cap == self.n_ctx else "KV cache"
         if n >= cap:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import TokenIdError, check_token_ids
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_LOGPROBS = 20
@@ -143,8 +145,10 @@ def _int(x: Any, name: str) -> None:
 
 def _token_id(t: Any, name: str, vocab_size: int) -> None:
     _int(t, name)
-    if not 0 <= t < vocab_size:
-        raise SamplingParamError(name, f"token id {t} is outside [0, {vocab_size})")
+    try:
+        check_token_ids([t], vocab_size, name)
+    except TokenIdError as exc:
+        raise SamplingParamError(name, str(exc)) from None
 
 
 @dataclass

@@ -14,7 +14,7 @@ import math
 import re
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -26,6 +26,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.errors import TokenIdError, check_token_ids
 from engine.format.jsonfile import read_json_object
 
 MAX_TEMPLATE_CHARS = 200_000
@@ -209,6 +210,12 @@ def _plain(value: Any, param: str) -> Any:
     raise TokenizerError(f"{param} has an unsupported type {type(value).__name__}", param)
 
 
+def join_text_parts(texts: Iterable[str]) -> str:
+    """A message's text parts as one string, the one way every entry point joins them:
+    concatenated as sent, so parts tokenize exactly like the same text sent as a string."""
+    return "".join(texts)
+
+
 def _content_text(content: Any, param: str) -> str:
     if isinstance(content, str):
         return check_text(content, param)
@@ -222,8 +229,7 @@ def _content_text(content: Any, param: str) -> str:
                 got = part.get("type")
                 raise TokenizerError(f"{p}.type must be 'text' (got {got!r})", p + ".type")
             texts.append(check_text(part.get("text"), p + ".text"))
-        # vLLM joins text parts with newlines; a single part is unchanged.
-        return "\n".join(texts)
+        return join_text_parts(texts)
     raise TokenizerError(f"{param} must be a string or a list of text parts", param)
 
 
@@ -470,11 +476,12 @@ class Tokenizer:
         return None if special is None else special.token_id
 
     def check_ids(self, ids: Any, param: str = "prompt") -> list[int]:
-        """Return ids as a list of ints, raising TokenizerError if any is outside the vocab."""
-        out = [int(t) for t in ids]
-        if out and (min(out) < 0 or max(out) >= self.vocab_size):
-            raise TokenizerError(f"{param} has token ids outside [0, {self.vocab_size})", param)
-        return out
+        """Return ids as a list of ints, raising TokenizerError if any is not an id of the
+        vocabulary (the engine's one check of ids); an empty list is allowed."""
+        try:
+            return check_token_ids(ids, self.vocab_size, param, allow_empty=True)
+        except TokenIdError as exc:
+            raise TokenizerError(str(exc), param) from None
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         """Text of token ids (invalid UTF-8 byte sequences become U+FFFD)."""
