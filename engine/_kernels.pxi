@@ -373,8 +373,10 @@ def matmul(name: str, w, int n_out, int n_in, x, bias=None, int n_threads=1, int
     cdef clb_status st
     with nogil:
         st = clb_matmul(t, &wv[0], n_out, n_in, xp, n_tok, yp, stride, bp, &sv[0], pool.tp)
+    cdef bytes msg
     if st != CLB_OK:
-        raise _status_error(st)
+        msg = f"clb_matmul failed with status {int(st)}".encode()
+        raise _status_error(st, msg)
     return y if ldy > 0 else y[:, :n_out]
 
 
@@ -471,8 +473,10 @@ def threadpool_exercise(int n_threads, int n_runs):
             st = clb_threadpool_run(pool.tp, _tp_count_task, &ctx)
             if st != CLB_OK:
                 break
+    cdef bytes msg
     if st != CLB_OK:
-        raise _status_error(st)
+        msg = f"clb_threadpool_run failed with status {int(st)}".encode()
+        raise _status_error(st, msg)
     return counts, seen
 
 
