@@ -49,6 +49,9 @@ struct clb_xcache {
     int64_t L, E, N;
     size_t slot_bytes;
     unsigned char *region;
+    /* 8-row scratch of the in-slot repack, one per loader (the forward side and the prefetch
+     * thread), sized at enable; NULL when no slot is repacked */
+    void *scratch[2];
     size_t region_len;
     xslot *slots;       /* [L * N] */
     int32_t *slot_of;   /* [L * E] slot within its layer, -1: not resident */
@@ -83,35 +86,21 @@ static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 static size_t direct_start(const xspan *sp) { return sp->lo / PAGE * PAGE; }
 
 /* The expert's tensors whose slot type is interleaved (set at enable) go from the file's rows
- * to that layout in the slot itself (at: the span's first byte there). 0 with msg set when
- * the 8-row scratch cannot be had. */
-static int repack_slot(clb_xcache *xc, int64_t idx, unsigned char *at, char *msg) {
+ * to that layout in the slot itself (at: the span's first byte there), through the loader's
+ * scratch (8 rows of the largest such matrix, sized at enable). */
+static void repack_slot(clb_xcache *xc, int64_t idx, unsigned char *at, void *scratch) {
     const clb_tensor *t = &xc->tens[idx * 3];
-    size_t group = 0;
-    for (int j = 0; j < 3; j++) {
-        clb_type b = clb_x8_base(t[j].type);
-        size_t g = b != t[j].type ? 8 * clb_type_row_size(b, t[j].shape[1]) : 0;
-        group = g > group ? g : group;
-    }
-    if (group == 0) return 1;
-    void *scratch = malloc(group);
-    if (!scratch) {
-        clb_set_err(msg, "out of memory repacking an expert (%zu bytes)", group);
-        return 0;
-    }
     for (int j = 0; j < 3; j++) {
         clb_type b = clb_x8_base(t[j].type);
         if (b != t[j].type)
             clb_repack_x8_inplace(b, t[j].shape[1], t[j].shape[0], at + xc->span[idx].rel[j],
                                   scratch);
     }
-    free(scratch);
-    return 1;
 }
 
-/* Loads expert idx into slot s (owned by the caller, state loading). Returns the bytes read,
- * or 0 with msg set. Called without the lock. */
-static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
+/* Loads expert idx into slot s (owned by the caller, state loading), repacking through the
+ * loader's scratch. Returns the bytes read, or 0 with msg set. Called without the lock. */
+static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, char *msg) {
     const xspan *sp = &xc->span[idx];
     const char *path = clb_wfile_path(xc->m->expert_files[idx]);
     size_t len = sp->hi - sp->lo;
@@ -155,7 +144,8 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, char *msg) {
                     "(truncated or overwritten); restart to load it again", path);
         return 0;
     }
-    return repack_slot(xc, idx, s->mem + (sp->lo - off), msg) ? got : 0;
+    repack_slot(xc, idx, s->mem + (sp->lo - off), scratch);
+    return got;
 }
 
 /* Drops an evicted expert's pages from memory (mmap mode; the other modes reuse the slot). */
@@ -269,13 +259,14 @@ static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char 
 }
 
 /* Loads expert e of layer l into slot i that the caller just claimed (lock held on entry and
- * exit, released while reading). */
-static size_t load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, char *msg) {
+ * exit, released while reading); loader 0 is the forward side, 1 the prefetch thread. */
+static size_t load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
+                           char *msg) {
     xslot *s = &xc->slots[l * xc->N + i];
     int64_t idx = l * xc->E + s->owner;
     pthread_mutex_unlock(&xc->mu);
     if (old >= 0 && xc->cfg.load == CLB_XC_MMAP) drop_mapped(xc, old);
-    size_t got = read_expert(xc, idx, s, msg);
+    size_t got = read_expert(xc, idx, s, xc->scratch[loader], msg);
     pthread_mutex_lock(&xc->mu);
     finish(xc, l, i, got, msg);
     return got;
@@ -340,7 +331,7 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
         int64_t old = claim(xc, l, i, e, 0);
         xc->slots[l * xc->N + i].in_use = 1;
         char msg[CLB_ERR_LEN];
-        size_t got = load_claimed(xc, l, i, old, msg);
+        size_t got = load_claimed(xc, l, i, old, 0, msg);
         xc->st[l].stall_ns += clb_now_ns() - t0;
         if (got == 0) break;
         pthread_mutex_unlock(&xc->mu);
@@ -438,7 +429,7 @@ static void *prefetch_main(void *arg) {
         int64_t i = pick_slot(xc, l);
         if (i < 0) continue;
         int64_t old = claim(xc, l, i, e, 1);
-        load_claimed(xc, l, i, old, msg);
+        load_claimed(xc, l, i, old, 1, msg);
     }
     pthread_mutex_unlock(&xc->mu);
     return NULL;
@@ -485,6 +476,8 @@ void clb_xc_free(clb_xcache *xc) {
     pthread_cond_destroy(&xc->loaded);
     pthread_mutex_destroy(&xc->mu);
     if (xc->region) munmap(xc->region, xc->region_len);
+    free(xc->scratch[0]);
+    free(xc->scratch[1]);
     free(xc->slots);
     free(xc->slot_of);
     free(xc->pinned);
@@ -585,14 +578,18 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     if (cfg->load != CLB_XC_MMAP) {
         /* O_DIRECT reads whole pages around the span */
         size_t need = cfg->load == CLB_XC_DIRECT ? span_max + 2 * PAGE : span_max;
-        xc->slot_bytes = round_up(need, cfg->huge_pages ? HUGE_PAGE : PAGE);
+        /* slots are packed at page granularity; huge pages back the whole region, so a slot
+         * need not start on one (rounding each slot up to 2 MiB would cost up to 2 MiB a slot
+         * beyond the budget) */
+        xc->slot_bytes = round_up(need, PAGE);
         size_t n_slots = (size_t)(L * N);
-        if (n_slots > SIZE_MAX / xc->slot_bytes - 1) {
+        if (n_slots > (SIZE_MAX - 2 * HUGE_PAGE) / xc->slot_bytes) {
             clb_xc_free(xc);
             clb_set_err(err, "expert cache: size overflows");
             return CLB_E_RANGE;
         }
-        size_t len = n_slots * xc->slot_bytes + (cfg->huge_pages ? HUGE_PAGE : 0);
+        size_t used = n_slots * xc->slot_bytes;
+        size_t len = cfg->huge_pages ? round_up(used, HUGE_PAGE) + HUGE_PAGE : used;
         void *r = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (r == MAP_FAILED) {
             clb_xc_free(xc);
@@ -605,11 +602,31 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         unsigned char *base = r;
         if (cfg->huge_pages) {
             base = (unsigned char *)round_up((uintptr_t)r, HUGE_PAGE);
-            madvise(base, n_slots * xc->slot_bytes, MADV_HUGEPAGE);
+            madvise(base, round_up(used, HUGE_PAGE), MADV_HUGEPAGE);
         }
         for (size_t i = 0; i < n_slots; i++) xc->slots[i].mem = base + i * xc->slot_bytes;
     } else {
         xc->slot_bytes = span_max;
+    }
+    /* the loaders' repack scratch, before the experts point into the cache */
+    size_t group_max = 0;
+    for (size_t idx = 0; cfg->load != CLB_XC_MMAP && idx < LE; idx++) {
+        const clb_ffn_w *w = &m->experts[idx];
+        const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
+        for (int j = 0; j < 3; j++) {
+            size_t g = 8 * clb_type_row_size(t[j]->type, t[j]->shape[1]);
+            if (clb_kernel_wants_x8(t[j]->type) && t[j]->shape[0] % 8 == 0 && g > group_max)
+                group_max = g;
+        }
+    }
+    if (group_max > 0) {
+        xc->scratch[0] = malloc(group_max);
+        xc->scratch[1] = malloc(group_max);
+        if (!xc->scratch[0] || !xc->scratch[1]) {
+            clb_xc_free(xc);
+            clb_set_err(err, "out of memory for the expert cache's repack scratch");
+            return CLB_E_NOMEM;
+        }
     }
     for (size_t idx = 0; idx < LE; idx++) {
         clb_ffn_w *w = &m->experts[idx];
@@ -636,7 +653,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
                 if (!pinned[l * E + e]) continue;
                 int64_t i = pick_slot(xc, l); /* an empty slot: fewer pinned than slots */
                 int64_t old = claim(xc, l, i, e, 0);
-                if (load_claimed(xc, l, i, old, err) == 0) {
+                if (load_claimed(xc, l, i, old, 0, err) == 0) {
                     pthread_mutex_unlock(&xc->mu);
                     return CLB_E_IO; /* m->xc stays: the model frees it */
                 }
