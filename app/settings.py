@@ -49,7 +49,7 @@ class Settings(BaseSettings):
         "auto", description="how missing experts are read")
     expert_prefetch: bool = Field(True, description="read the next layer's experts ahead")
     expert_pin: bool = Field(True, description="pin the experts earlier runs used most")
-    expert_huge_pages: bool = Field(False, description="2 MiB pages on the expert slots")
+    expert_huge_pages: bool = Field(True, description="2 MiB pages on the expert slots")
 
     # -- network ----------------------------------------------------------------------
     host: str = "127.0.0.1"

@@ -82,17 +82,20 @@ def demo_ref(demo_dir: Path) -> tuple[list[int], list[np.ndarray]]:
     return _decode(Model.load(demo_dir, n_seq=1))
 
 
-@pytest.mark.parametrize("load", ["pread", "direct", "mmap"])
+# slots on 4 KiB or 2 MiB pages (mmap mode reads the mappings: no slots)
+@pytest.mark.parametrize("load, huge", [("pread", False), ("pread", True), ("direct", False),
+                                        ("direct", True), ("mmap", False)])
 @pytest.mark.parametrize("share", [1.0, 0.5, 0.25, 0.0])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_every_budget_gives_the_resident_output(demo_dir: Path, demo_ref: tuple, load: str,
-                                                share: float, prefetch: bool) -> None:
+                                                huge: bool, share: float,
+                                                prefetch: bool) -> None:
     cfg = Model.load(demo_dir).config
     k, e = cfg.n_expert_used, cfg.n_expert
     per_layer = max(k, int(e * share))  # share 0: the minimum, one token's experts
     if load == "direct" and not _direct_ok(demo_dir):
         pytest.skip("this file system refuses O_DIRECT (tmpfs); pread and mmap still run")
-    m = _cached(demo_dir, per_layer, load=load, prefetch=prefetch)
+    m = _cached(demo_dir, per_layer, load=load, prefetch=prefetch, huge_pages=huge)
     tokens, logits = _decode(m)
     ref_tokens, ref_logits = demo_ref
     assert tokens == ref_tokens

@@ -46,7 +46,7 @@ class ExpertCacheConfig:
     #                     | pread | mmap
     prefetch: bool = True  # pre-gating prefetch thread
     pin: bool = True  # pin the hot set learned from earlier runs
-    huge_pages: bool = False  # 2 MiB transparent huge pages on the slots
+    huge_pages: bool = True  # 2 MiB transparent huge pages on the slots
 
     @classmethod
     def from_env(cls) -> ExpertCacheConfig:

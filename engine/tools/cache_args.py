@@ -31,9 +31,10 @@ def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) ->
     p.add_argument("--no-pin", dest="expert_pin", action="store_false",
                    default=argparse.SUPPRESS if suppress else True,
                    help="do not pin the experts earlier runs used most")
-    p.add_argument("--expert-huge-pages", action="store_true",
-                   default=argparse.SUPPRESS if suppress else False,
-                   help="ask for 2 MiB transparent huge pages on the expert slots")
+    p.add_argument("--expert-huge-pages", action=argparse.BooleanOptionalAction,
+                   default=argparse.SUPPRESS if suppress else True,
+                   help="2 MiB transparent huge pages on the expert slots (default on: "
+                        "O_DIRECT reads into them, and products over them, run faster)")
 
 
 def expert_cache_from_args(args: argparse.Namespace) -> ExpertCacheConfig:
