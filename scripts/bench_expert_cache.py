@@ -7,7 +7,9 @@ routed experts are F times the budget: a memory cgroup (cgroup v1, /sys/fs/cgrou
 as root) caps every engine at the same limit, the page cache is dropped before every run, and
 each engine runs in a fresh child process placed in the group:
 
-- colibri cache: --expert-cache-size E/F (pread into slots; prefetch on and off)
+- colibri cache: its defaults under the limit (O_DIRECT into slots on 2 MiB pages, with
+                 prefetch), and the same budget with one thing changed: no prefetch, pread,
+                 mmap + madvise, slots on 4 KiB pages
 - colibri mmap:  every expert mapped, the kernel decides what stays ("trust the OS")
 - llama.cpp:     mmap, the way llama-cpp-python loads a GGUF
 - resident:      Colibri with no limit and a warm page cache (the compute floor)
@@ -15,9 +17,10 @@ each engine runs in a fresh child process placed in the group:
 Each child reports decode tok/s, the bytes it read from storage (/proc/self/io read_bytes),
 major faults and, for the cache, its counters. The physical floor of a run is the resident
 time per token plus the bytes it read from storage per token divided by the storage's read
-bandwidth, measured here twice: O_DIRECT reads of files not read recently (cold) and
+bandwidth, measured here: O_DIRECT reads of files not read recently (cold), into 4 KiB pages
+and into 2 MiB pages (a virtual disk may move every page as a segment of its own), and
 buffered re-reads after dropping the guest page cache (a virtual disk's host may still cache
-them). The guest page cache bandwidth is printed too.
+them); the floor takes the fastest. The guest page cache bandwidth is printed too.
 
     sudo python scripts/bench_expert_cache.py                   # factors 2 and 4
     python scripts/bench_expert_cache.py --factors 2 --gen-tokens 32 --json out.json
@@ -55,11 +58,24 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def _read_all(paths: list[Path], direct: bool) -> tuple[int, float]:
-    """Bytes and seconds to read paths once (O_DIRECT or buffered), 1 MiB at a time."""
+def _buffer(size: int, huge: bool) -> memoryview:
+    """A private anonymous buffer of size bytes, on 2 MiB pages when huge (and granted)."""
+    import ctypes
     import mmap
 
-    buf = mmap.mmap(-1, 1 << 20)
+    m = mmap.mmap(-1, size + (4 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    off = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % (2 << 20)
+    if huge:
+        m.madvise(mmap.MADV_HUGEPAGE, off, (size + (2 << 20) - 1) // (2 << 20) * (2 << 20))
+    view = memoryview(m)[off:off + size]
+    view[:] = b"\1" * size  # fault it in before the clock starts
+    return view
+
+
+def _read_all(paths: list[Path], direct: bool, huge: bool = False) -> tuple[int, float]:
+    """Bytes and seconds to read paths once (O_DIRECT or buffered), 1 MiB at a time, or 6 MiB
+    (an expert's span) into 2 MiB pages when huge."""
+    buf = _buffer(6 << 20 if huge else 1 << 20, huge)
     n, t0 = 0, time.perf_counter()
     for p in paths:
         fd = os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0))
@@ -75,11 +91,17 @@ def _read_all(paths: list[Path], direct: bool) -> tuple[int, float]:
 
 
 def storage_bandwidths(files: list[Path], cold_files: list[Path]) -> dict[str, float]:
-    """GB/s: O_DIRECT over files not read recently, buffered after a drop, page cache."""
+    """GB/s: O_DIRECT over files not read recently (into 4 KiB pages, then into 2 MiB pages:
+    this virtual disk moves each page as a segment of its own), buffered after a drop, page
+    cache, O_DIRECT re-read."""
     out: dict[str, float] = {}
+    half = len(cold_files) // 2
     drop_caches()
-    n, s = _read_all(cold_files, direct=True)
+    n, s = _read_all(cold_files[:half] or cold_files, direct=True)
     out["direct_cold_gb_s"] = n / s / 1e9
+    drop_caches()
+    n, s = _read_all(cold_files[half:], direct=True, huge=True)
+    out["direct_huge_cold_gb_s"] = n / s / 1e9
     drop_caches()
     n, s = _read_all(files, direct=False)
     out["buffered_after_drop_gb_s"] = n / s / 1e9
@@ -185,7 +207,7 @@ def child(args: argparse.Namespace) -> int:
 
 def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | None,
           size: int | None = None, load: str = "auto", prefetch: bool = True,
-          warm: bool = False, huge: bool = False, repack: bool = True) -> dict[str, Any]:
+          warm: bool = False, huge: bool = True, repack: bool = True) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine,
            "--child-model", str(model), "--threads", str(args.threads), "--vocab",
            str(args.vocab), "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens",
@@ -196,8 +218,8 @@ def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | Non
         cmd.append("--no-prefetch")
     if warm:
         cmd.append("--warm")
-    if huge:
-        cmd.append("--huge")
+    if not huge:
+        cmd.append("--no-huge")
     if cgroup is not None:
         cmd += ["--cgroup", str(cgroup)]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", COLIBRI_REPACK="1" if repack else "0")
@@ -218,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--gen-tokens", type=int, default=48)
-    p.add_argument("--repeat", type=int, default=1, help="runs per engine and factor")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per engine and factor, taken in turns: run 1 of every engine, "
+                        "then run 2, ... (medians are reported)")
+    p.add_argument("--rows", default=None, metavar="WORDS",
+                   help="only the runs whose names contain one of these comma-separated words "
+                        "(e.g. defaults,huge,OS); default: all")
     p.add_argument("--slack-mb", type=float, default=48.0,
                    help="memory above the measured need of the cache run (default 48)")
     p.add_argument("--json", default=None, metavar="OUT")
@@ -232,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help=argparse.SUPPRESS)
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--huge", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-huge", dest="huge", action="store_false", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import compare_llamacpp as cl
 
@@ -269,12 +296,15 @@ def main(argv: list[str] | None = None) -> int:
           f"experts {expert_bytes / 1e6:.0f} MB, other weights {other_bytes / 1e6:.0f} MB",
           flush=True)
     bw = storage_bandwidths(expert_files, cold)
-    print("storage: O_DIRECT of files this run had not read {direct_cold_gb_s:.2f} GB/s; "
-          "O_DIRECT re-read {direct_reread_gb_s:.2f} GB/s; buffered after dropping the page "
-          "cache {buffered_after_drop_gb_s:.2f} GB/s; guest page cache {page_cache_gb_s:.2f} "
+    print("storage: O_DIRECT of files this run had not read {direct_cold_gb_s:.2f} GB/s into "
+          "4 KiB pages, {direct_huge_cold_gb_s:.2f} GB/s into 2 MiB pages; O_DIRECT re-read "
+          "{direct_reread_gb_s:.2f} GB/s; buffered after dropping the page cache "
+          "{buffered_after_drop_gb_s:.2f} GB/s; guest page cache {page_cache_gb_s:.2f} "
           "GB/s".format(**bw), flush=True)
-    # the floor uses the fastest storage read seen (the host's cache of the virtual disk)
-    storage_best = max(bw["direct_reread_gb_s"], bw["buffered_after_drop_gb_s"])
+    # the floor uses the fastest storage read seen (the host's cache of the virtual disk, or
+    # reads into 2 MiB pages)
+    storage_best = max(bw["direct_reread_gb_s"], bw["buffered_after_drop_gb_s"],
+                       bw["direct_huge_cold_gb_s"])
 
     # the compute floor: everything resident, warm, no limit
     resident = [spawn(args, "colibri", model, None, warm=True) for _ in range(args.repeat)]
@@ -320,17 +350,23 @@ def main(argv: list[str] | None = None) -> int:
                                          load="pread"),
             "colibri cache, mmap+madvise": dict(engine="colibri", model=model,
                                                 size=per_layer, load="mmap"),
-            "colibri cache, huge pages": dict(engine="colibri", model=model, size=per_layer,
-                                              huge=True),
+            "colibri cache, 4 KiB pages": dict(engine="colibri", model=model, size=per_layer,
+                                               huge=False),
             "colibri mmap (OS)": dict(engine="colibri", model=model, size=args.experts),
             "llama.cpp mmap": dict(engine="llama.cpp", model=gguf),
         }
-        for name, kw in runs.items():
-            res = []
-            for _ in range(args.repeat):
+        if args.rows:
+            words = [w.strip() for w in args.rows.split(",") if w.strip()]
+            runs = {n: kw for n, kw in runs.items() if any(w in n for w in words)}
+        # in turns, so a drift of the storage (the host's cache of the virtual disk fills and
+        # empties) reaches every engine alike
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+        for _ in range(args.repeat):
+            for name, kw in runs.items():
                 drop_caches()
                 opts = {k: v for k, v in kw.items() if k not in ("engine", "model")}
-                res.append(spawn(args, kw["engine"], kw["model"], group, **opts))
+                results[name].append(spawn(args, kw["engine"], kw["model"], group, **opts))
+        for name, res in results.items():
             ok = [r for r in res if "error" not in r]
             row: dict[str, Any] = {"factor": factor, "engine": name, "limit_bytes": limit,
                                    "per_layer": ok[0].get("per_layer") if ok else None}
@@ -342,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             dec = statistics.median(r["decode_s"] for r in ok)
             rb = statistics.median(r["read_bytes"] for r in ok)
             per_tok = rb / (args.prompt_tokens + args.gen_tokens)
-            floor_cold = t_res + per_tok / (bw["direct_cold_gb_s"] * 1e9)
+            cold_best = max(bw["direct_cold_gb_s"], bw["direct_huge_cold_gb_s"])
+            floor_cold = t_res + per_tok / (cold_best * 1e9)
             floor_host = t_res + per_tok / (storage_best * 1e9)
             row.update(decode_tok_s=args.gen_tokens / dec, read_mb_per_token=per_tok / 1e6,
                        majflt=statistics.median(r["majflt"] for r in ok),
