@@ -143,9 +143,11 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
         model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.prefetch,
                                        huge_pages=xc.huge_pages,
                                        heat_window=xc.prefetch_window, pinned=pinned)
+        pages = "" if load == "mmap" else (", slots on 2 MiB pages where granted"
+                                           if xc.huge_pages else ", slots on 4 KiB pages")
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
-                 "load %s, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
+                 "load %s%s, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
                  plan.budget_bytes / 1e6, cfg.n_layer * cfg.n_expert * plan.expert_bytes / 1e6,
-                 plan.reason, load, "on" if xc.prefetch else "off",
+                 plan.reason, load, pages, "on" if xc.prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
     return ExpertCacheMonitor(model.core, plan, folder)
