@@ -357,7 +357,8 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
     work = _scratch(2, adjusted.shape, np.float64)
     np.subtract(adjusted, mx[:, None], out=work)  # float64, as Sampler's x.astype(float64) - m
     np.exp(work, out=work)
-    lse = np.log(np.sum(work, axis=1))
+    with np.errstate(divide="ignore"):  # a row with no finite logit fails just below
+        lse = np.log(np.sum(work, axis=1))
     for i in range(n_rows):
         if errors[i] is None and bad[i]:
             errors[i] = ValueError("logits have no finite maximum")
