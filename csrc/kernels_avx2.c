@@ -233,11 +233,15 @@ static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i s
  * these; its address may lie past the matrix, prefetches never fault): its bytes are
  * prefetched front to back, a little more per block than this pass consumes, so the next
  * group starts from cache; the hardware prefetcher alone serves eight interleaved row streams
- * at well under the memory's rate. An interleaved group prefetches its own stream
- * CLB_X8_PF_AHEAD blocks ahead (into the next group at its end). Both layouts do the same
- * arithmetic, so they give the same bits. */
+ * at well under the memory's rate. An interleaved group prefetches its own stream ahead (into
+ * the next group at its end), CLB_X8_PF_AHEAD blocks; q8 passes of one or two tokens, which
+ * read as fast as the memory delivers, CLB_X8_PF_AHEAD_Q8_FEW (measured on the model's decode:
+ * it lifted the small expert matrices, where each worker's stream is short; q4 and passes of
+ * more tokens, which are compute-bound, ran no faster or slower with it). Both layouts do the
+ * same arithmetic, so they give the same bits. */
 #define CLB_PF_LINES(Q4) ((Q4) ? 3 : 5) /* 64-byte lines per block: >= 8 * 18 or 8 * 34 bytes */
 #define CLB_X8_PF_AHEAD 8
+#define CLB_X8_PF_AHEAD_Q8_FEW 32
 
 static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int64_t n,
                                                             const char *const rp[8],
@@ -247,13 +251,14 @@ static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int6
     __m256 acc[CLB_PASS_TOK];
     __m256i part[CLB_PASS_TOK];
     const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8), gb = 8 * bs;
+    const size_t ahead = (!Q4 && n_tok <= 2 ? CLB_X8_PF_AHEAD_Q8_FEW : CLB_X8_PF_AHEAD) * gb;
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const char *blk = X8 ? g + (size_t)b * gb : NULL;
         const __m256i *q = X8 ? (const __m256i *)(blk + 16) : NULL;
         const size_t off = (size_t)b * bs + 2; /* rows: the block's quants in each row */
         if (X8) {
-            const uintptr_t p = (uintptr_t)blk + CLB_X8_PF_AHEAD * gb;
+            const uintptr_t p = (uintptr_t)blk + ahead;
             for (size_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
         } else if (pf) {
             const uintptr_t p = pf + (uintptr_t)b * gb;
