@@ -60,11 +60,15 @@ void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, c
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+/* the interleaved layout's specification, one 4-byte copy at a time (clb_repack_x8 picks it or
+ * the AVX2 twin, which writes the same bytes) */
+void clb_repack_x8_ref(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst);
 
 /* AVX2 + FMA + F16C (kernels_avx2.c) */
 /* weight bytes per call of the AVX2 q8/q4 products: each call's first row group is the only
  * one not prefetched by its predecessor, so calls should span many groups */
 #define CLB_AVX2_GEMM_BLOCK_BYTES (1024 * 1024)
+void clb_repack_x8_avx2(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst);
 float clb_vec_dot_f32_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_f16_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_bf16_avx2(int64_t n, const void *w, const void *x);

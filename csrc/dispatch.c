@@ -194,6 +194,16 @@ const clb_type_traits *clb_get_type_traits_isa(clb_isa isa, clb_type t) {
     return &clb_traits[isa][t];
 }
 
+void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
+#ifdef CLB_HAVE_X86
+    if (clb_isa_supported(CLB_ISA_AVX2)) {
+        clb_repack_x8_avx2(t, n, n_rows, src, dst);
+        return;
+    }
+#endif
+    clb_repack_x8_ref(t, n, n_rows, src, dst);
+}
+
 int clb_kernel_wants_x8(clb_type t) {
     const clb_type_traits *tr = clb_get_type_traits(t);
     return tr && tr->prefer_x8;

@@ -185,6 +185,32 @@ static inline __attribute__((always_inline)) void clb_load_t4(const char *const 
     clb_t4x4_avx2(v);
 }
 
+/* The interleaved layout (clb_types.h) with the products' own transposing loads: a block's
+ * stored registers are the ones clb_pass8 builds from rows, so each group is written in
+ * sequential 32-byte stores; the same bytes as clb_repack_x8_ref. */
+void clb_repack_x8_avx2(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
+    const int q4 = t == CLB_TYPE_Q4;
+    const size_t bs = q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+    const size_t row = (size_t)(n / CLB_QK) * bs;
+    for (int64_t g = 0; g < n_rows / 8; g++) {
+        const char *s = (const char *)src + (size_t)g * 8 * row;
+        char *d = (char *)dst + (size_t)g * 8 * row;
+        const char *rp[8];
+        for (int r = 0; r < 8; r++) rp[r] = s + (size_t)r * row;
+        for (int64_t b = 0; b < n / CLB_QK; b++) {
+            char *db = d + (size_t)b * 8 * bs;
+            const size_t off = (size_t)b * bs;
+            for (int r = 0; r < 8; r++) memcpy(db + 2 * r, rp[r] + off, sizeof(clb_f16));
+            for (int h = 0; h < (q4 ? 1 : 2); h++) {
+                __m256i v[4];
+                clb_load_t4(rp, off + 2 + 16 * (size_t)h, v);
+                for (int j = 0; j < 4; j++)
+                    _mm256_storeu_si256((__m256i *)(db + 16 + 128 * h + 32 * j), v[j]);
+            }
+        }
+    }
+}
+
 /* the f16 scales of block b of the 8 rows as f32: eight 2-byte reads combined in general
  * registers, which these loops leave idle (cheaper than a gather), then one conversion */
 static inline __attribute__((always_inline)) __m256 clb_scales8(int Q4, const char *const rp[8],

@@ -236,7 +236,7 @@ clb_type clb_x8_base(clb_type t) {
     return t == CLB_TYPE_Q8X8 ? CLB_TYPE_Q8 : t == CLB_TYPE_Q4X8 ? CLB_TYPE_Q4 : t;
 }
 
-void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
+void clb_repack_x8_ref(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
     assert((t == CLB_TYPE_Q8 || t == CLB_TYPE_Q4) && n_rows % 8 == 0 && n % CLB_QK == 0);
     const size_t bs = t == CLB_TYPE_Q8 ? sizeof(clb_block_q8) : sizeof(clb_block_q4);
     const size_t qb = bs - sizeof(clb_f16), row = (size_t)(n / CLB_QK) * bs;

@@ -102,6 +102,9 @@ cdef extern from "clb_kernels.h" nogil:
     void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst)
     void clb_repack_x8_inplace(clb_type t, int64_t n, int64_t n_rows, void *w, void *scratch)
 
+cdef extern from "clb_kernels_isa.h" nogil:
+    void clb_repack_x8_ref(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst)
+
 cdef extern from "clb_pool.h" nogil:
     ctypedef struct clb_pool:
         pass
@@ -163,10 +166,10 @@ cdef clb_type _kernel_type(str name, bint product=False) except *:
     return <clb_type><int>types[name]
 
 
-def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False) -> bytes:
+def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False, bint ref=False) -> bytes:
     """The bytes of a [n_out, n_in] q8 or q4 matrix (n_out a multiple of 8) in the 8-row
     interleaved layout (type "q8x8" / "q4x8" for matmul), through the copying or the in-place
-    repack."""
+    repack (the CPU's fastest), or the plain C reference (ref)."""
     cdef clb_type t = _kernel_type(name)
     if t != CLB_TYPE_Q8 and t != CLB_TYPE_Q4:
         raise ValueError(f"only q8 and q4 weights have an interleaved layout, not {name!r}")
@@ -180,7 +183,9 @@ def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False) -> bytes:
     cdef unsigned char[::1] ov = out
     scratch = bytearray(8 * rs)
     cdef unsigned char[::1] sv = scratch
-    if in_place:
+    if ref:
+        clb_repack_x8_ref(t, n_in, n_out, &wv[0], &ov[0])
+    elif in_place:
         ov[:] = wv
         clb_repack_x8_inplace(t, n_in, n_out, &ov[0], &sv[0])
     else:
