@@ -99,6 +99,11 @@ struct clb_kv {
  * computed from zeros); CLB_OK when the fault was in another model's files. */
 clb_status clb_model_weight_fault(const clb_model *m, char *err);
 
+/* Whether matrix t is copied into the interleaved layout (repack.c): a q8/q4 matrix of whole
+ * 8-row groups that the active ISA's products read faster interleaved. The load-time repack
+ * and the expert cache's in-slot repack both ask this. */
+int clb_tensor_repacks(const clb_tensor *t);
+
 /* K (kind 0) or V (kind 1) row of layer il in block blk, slot `slot` (kv_dim values of the
  * cache's type, then the q8 scales). Block-major so one block's bytes are contiguous. */
 static inline unsigned char *clb_kv_row(const clb_kv *kv, int64_t blk, int64_t il, int kind,

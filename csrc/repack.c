@@ -19,8 +19,7 @@
 
 #define CLB_HUGE_PAGE ((uintptr_t)2 << 20)
 
-/* whether *t is copied: a q8/q4 matrix the active ISA reads faster interleaved */
-static int wants(const clb_tensor *t) {
+int clb_tensor_repacks(const clb_tensor *t) {
     return t && t->n_dims == 2 && clb_x8_type(t->type) != t->type &&
            clb_kernel_wants_x8(t->type) && t->shape[0] % 8 == 0;
 }
@@ -34,7 +33,7 @@ typedef struct {
 } plan;
 
 static void add(plan *p, const clb_tensor **tp) {
-    if (!wants(*tp)) return;
+    if (!clb_tensor_repacks(*tp)) return;
     if (p->slot) p->slot[p->n] = tp;
     p->n++;
     p->bytes += ((*tp)->nbytes + 63) / 64 * 64;

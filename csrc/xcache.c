@@ -49,10 +49,10 @@ struct clb_xcache {
     int64_t L, E, N;
     size_t slot_bytes;
     unsigned char *region;
+    size_t region_len;
     /* 8-row scratch of the in-slot repack, one per loader (the forward side and the prefetch
      * thread), sized at enable; NULL when no slot is repacked */
     void *scratch[2];
-    size_t region_len;
     xslot *slots;       /* [L * N] */
     int32_t *slot_of;   /* [L * E] slot within its layer, -1: not resident */
     uint8_t *pinned;    /* [L * E] */
@@ -615,8 +615,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
         for (int j = 0; j < 3; j++) {
             size_t g = 8 * clb_type_row_size(t[j]->type, t[j]->shape[1]);
-            if (clb_kernel_wants_x8(t[j]->type) && t[j]->shape[0] % 8 == 0 && g > group_max)
-                group_max = g;
+            if (clb_tensor_repacks(t[j]) && g > group_max) group_max = g;
         }
     }
     if (group_max > 0) {
@@ -638,8 +637,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
             c->data = NULL;
             /* slots are repacked as they are read when the kernels want the interleaved
              * layout; fixed here, so the type never changes under a reader */
-            if (clb_kernel_wants_x8(c->type) && c->shape[0] % 8 == 0)
-                c->type = clb_x8_type(c->type);
+            if (clb_tensor_repacks(c)) c->type = clb_x8_type(c->type);
         }
         w->w1 = &xc->tens[idx * 3];
         w->w3 = &xc->tens[idx * 3 + 1];
