@@ -48,10 +48,8 @@ def matmul_bench(name: str, w, int n_out, int n_in, x, int n_threads=1, int n_re
     with nogil:
         st = clb_matmul_bench(t, &wv[0], n_out, n_in, &xv[0, 0], n_tok, n_threads, n_reps,
                               &sv[0])
-    cdef bytes msg
     if st != CLB_OK:
-        msg = f"matmul bench failed with status {int(st)}".encode()
-        raise _status_error(st, msg)
+        raise _status_error(st, f"matmul bench failed with status {int(st)}")
     return secs.tolist()
 
 
@@ -62,8 +60,6 @@ def threadpool_bench(int n_threads, int n_runs=10000, int gap_us=0) -> float:
     cdef clb_status st
     with nogil:
         st = clb_threadpool_bench(n_threads, n_runs, gap_us, &ns)
-    cdef bytes msg
     if st != CLB_OK:
-        msg = f"thread-pool bench failed with status {int(st)}".encode()
-        raise _status_error(st, msg)
+        raise _status_error(st, f"thread-pool bench failed with status {int(st)}")
     return ns

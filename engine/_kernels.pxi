@@ -130,14 +130,13 @@ PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8}
 clb_kernels_init()
 
 
-cdef object _status_error(clb_status st, const char *err=NULL, object arg_cls=InputError,
-                          object range_cls=ContextOverflowError):
-    """The Python exception for a C status and its message: the one mapping every binding
-    raises through. Bad arguments are InputErrors (ValueErrors), a limit exceeded a
-    ContextOverflowError; a caller whose arguments are a configuration, not input, names
-    other classes for those two. A failed allocation is a MemoryError, a corrupt file a
-    FormatError, an I/O failure an OSError."""
-    msg = err.decode("utf-8", "replace") if err != NULL else ""
+def _status_error(int st, message=b"", arg_cls=InputError, range_cls=ContextOverflowError):
+    """The Python exception for a C status and its message (the C error buffer's bytes, or a
+    str): the one mapping every binding raises through. Bad arguments are InputErrors
+    (ValueErrors), a limit exceeded a ContextOverflowError; a caller whose arguments are a
+    configuration, not input, names other classes for those two. A failed allocation is a
+    MemoryError, a corrupt file a FormatError, an I/O failure an OSError."""
+    msg = message.decode("utf-8", "replace") if isinstance(message, bytes) else str(message)
     if not msg:
         msg = f"C core error {int(st)}"
     if st == CLB_E_IO:
@@ -326,10 +325,8 @@ cdef class ThreadPool:
 
     def __cinit__(self, int n_threads):
         cdef clb_status st = clb_threadpool_init(&self.tp, n_threads)
-        cdef bytes msg
         if st != CLB_OK:
-            msg = f"cannot start a thread pool of {n_threads} threads".encode()
-            raise _status_error(st, msg)
+            raise _status_error(st, f"cannot start a thread pool of {n_threads} threads")
 
     def __dealloc__(self):
         clb_threadpool_free(self.tp)
@@ -378,10 +375,8 @@ def matmul(name: str, w, int n_out, int n_in, x, bias=None, int n_threads=1, int
     cdef clb_status st
     with nogil:
         st = clb_matmul(t, &wv[0], n_out, n_in, xp, n_tok, yp, stride, bp, &sv[0], pool.tp)
-    cdef bytes msg
     if st != CLB_OK:
-        msg = f"clb_matmul failed with status {int(st)}".encode()
-        raise _status_error(st, msg)
+        raise _status_error(st, f"clb_matmul failed with status {int(st)}")
     return y if ldy > 0 else y[:, :n_out]
 
 
@@ -478,10 +473,8 @@ def threadpool_exercise(int n_threads, int n_runs):
             st = clb_threadpool_run(pool.tp, _tp_count_task, &ctx)
             if st != CLB_OK:
                 break
-    cdef bytes msg
     if st != CLB_OK:
-        msg = f"clb_threadpool_run failed with status {int(st)}".encode()
-        raise _status_error(st, msg)
+        raise _status_error(st, f"clb_threadpool_run failed with status {int(st)}")
     return counts, seen
 
 

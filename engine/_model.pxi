@@ -258,11 +258,11 @@ cdef class KVCache:
             raise ValueError(f"n_blocks must be in 1..{2**31 - 1}, got {n}")
         cdef clb_kv *kv = NULL
         cdef clb_status st = clb_kv_init(model.m, n, ty, &kv)
-        cdef bytes msg
         if st != CLB_OK:
-            msg = (f"a KV cache of {n} blocks does not fit the address space" if st == CLB_E_RANGE
-                   else f"cannot allocate a KV cache of {n} {kv_type} blocks").encode()
-            raise _status_error(st, msg, InputError, MemoryError)
+            raise _status_error(st, f"a KV cache of {n} blocks does not fit the address space"
+                                if st == CLB_E_RANGE
+                                else f"cannot allocate a KV cache of {n} {kv_type} blocks",
+                                range_cls=MemoryError)
         if self.kv != NULL:
             clb_kv_free(self.kv)
         self.kv = kv
@@ -321,7 +321,7 @@ cdef class CoreModel:
         with nogil:
             st = clb_model_load(cp, &hp, n_threads, &m, err)
         if st != CLB_OK:  # hparams refused at load are a config problem, not user input
-            raise _status_error(st, err, FormatError)
+            raise _status_error(st, err, arg_cls=FormatError)
         cdef CoreModel self = CoreModel.__new__(CoreModel)
         self.m = m
         return self
@@ -403,7 +403,7 @@ cdef class CoreModel:
             with nogil:
                 st = clb_xcache_enable(self.m, &cfg, pp, err)
         if st != CLB_OK:
-            raise _status_error(st, err, ValueError)
+            raise _status_error(st, err, arg_cls=ValueError)
 
     def expert_cache_stats(self):
         """None without an expert cache; else a dict of numpy arrays: per-layer counters
