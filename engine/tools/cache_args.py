@@ -34,7 +34,7 @@ def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) ->
     p.add_argument("--expert-huge-pages", action=argparse.BooleanOptionalAction,
                    default=argparse.SUPPRESS if suppress else True,
                    help="2 MiB transparent huge pages on the expert slots (default on: "
-                        "O_DIRECT reads into them, and products over them, run faster)")
+                        "O_DIRECT reads into them run faster)")
 
 
 def expert_cache_from_args(args: argparse.Namespace) -> ExpertCacheConfig:
