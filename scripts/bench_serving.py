@@ -4,7 +4,7 @@ real HTTP against Colibri and its peers, on the same weights, in one run.
     python scripts/bench_serving.py [--concurrency 1,2,4,8,16] [--prompt-tokens 256]
         [--gen-tokens 128] [--requests-per-client 2] [--threads 2]
         [--engines colibri,llama-server,llama-cpp-python] [--llama-server PATH]
-        [--json OUT] [model shape flags as in compare_llamacpp.py]
+        [--probes 16] [--json OUT] [model shape flags as in compare_llamacpp.py]
 
 Model: the random benchmark Mixtral of scripts/compare_llamacpp.py (same shape flags), as
 Colibri q8 and GGUF Q8_0 (llama.cpp's own converter and quantizer). Peers: llama.cpp's
@@ -16,7 +16,9 @@ streams /v1/completions with a fixed prompt of about --prompt-tokens tokens and
 output tokens/s (prompts included), output tokens/s while every stream decodes, the share of
 the time before every stream had its first token, TTFT, inter-token latency and TPOT at
 p50/p90/p99, failed requests; then the TTFT of a request that arrives while 7 streams
-decode, against its TTFT on an idle server.
+decode, against its TTFT on an idle server (--probes requests each). Every request of a run
+sends a prompt no other request sent, so prompts are computed, never found in a prefix
+cache, and every engine gets the same prompts in the same order.
 Beside the measured throughput it prints the model's physical ceiling at each concurrency:
 a step of B sequences touches E*(1-(1-k/E)^B) distinct experts per layer, which turns into
 weight bytes per token and a tokens/s bound at the measured read bandwidth.
@@ -152,7 +154,7 @@ class Result:
 
 
 async def one_request(client: httpx.AsyncClient, srv: Server, prompt: str,
-                      n_gen: int) -> Result:
+                      n_gen: int, first: asyncio.Event | None = None) -> Result:
     body = {"model": srv.model_name, "prompt": prompt, "max_tokens": n_gen, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -176,6 +178,8 @@ async def one_request(client: httpx.AsyncClient, srv: Server, prompt: str,
                 now = time.perf_counter()
                 if last is None:
                     res.ttft = now - t0
+                    if first is not None:
+                        first.set()
                 else:
                     res.itl.append(now - last)
                 last = now
@@ -190,15 +194,15 @@ async def one_request(client: httpx.AsyncClient, srv: Server, prompt: str,
     return res
 
 
-async def run_level(srv: Server, prompts: list[str], n_gen: int, conc: int,
+async def run_level(srv: Server, prompts: Prompts, n_gen: int, conc: int,
                     per_client: int) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=conc + 4)
+    mine = [prompts.take(per_client) for _ in range(conc)]
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def worker(w: int) -> list[Result]:
             out = []
-            for r in range(per_client):
-                out.append(await one_request(client, srv, prompts[(w * per_client + r)
-                                                                  % len(prompts)], n_gen))
+            for prompt in mine[w]:
+                out.append(await one_request(client, srv, prompt, n_gen))
             return out
 
         t0 = time.perf_counter()
@@ -209,7 +213,8 @@ async def run_level(srv: Server, prompts: list[str], n_gen: int, conc: int,
     itl = [x for r in good for x in r.itl]
     tpot = [(r.e2e - r.ttft) / (r.n_out - 1) for r in good if r.n_out > 1]
     ttft = [r.ttft for r in good]
-    return {**decode_phase(good, t0, wall),
+    first_round = [g[0] for g in groups if g and g[0].ok]
+    return {**decode_phase(first_round, t0, wall),
             "concurrency": conc, "requests": len(results), "failed": len(results) - len(good),
             "errors": sorted({r.error for r in results if not r.ok})[:3],
             "wall_s": wall, "output_tokens": sum(r.n_out for r in good),
@@ -220,9 +225,10 @@ async def run_level(srv: Server, prompts: list[str], n_gen: int, conc: int,
 
 
 def decode_phase(good: list[Result], t0: float, wall: float) -> dict[str, float]:
-    """Output tokens/s while every stream decodes (from the last first token to the first
-    last token) and the share of the wall time spent before every stream had its first token:
-    the prompts' share of the throughput above."""
+    """Over the first request of every client (they start together): output tokens/s while
+    every stream decodes (from the last first token to the first last token) and the share of
+    the wall time spent before every stream had its first token, the prompts' share of the
+    throughput above."""
     if not good or any(not r.times for r in good):
         return {"decode_tok_s": float("nan"), "prefill_share": float("nan")}
     start = max(r.times[0] for r in good)
@@ -232,29 +238,38 @@ def decode_phase(good: list[Result], t0: float, wall: float) -> dict[str, float]
             "prefill_share": (start - t0) / wall}
 
 
-async def ttft_under_load(srv: Server, prompts: list[str], n_gen: int, probes: int,
+async def ttft_under_load(srv: Server, prompts: Prompts, n_gen: int, probes: int,
                           background: int) -> dict[str, float]:
-    """TTFT of a new request on an idle server, then while `background` streams decode."""
+    """TTFT of a new request (a prompt no request sent before, so it is computed, not found in
+    a prefix cache) on an idle server, then while `background` streams decode. Each probe
+    waits for the previous one; the background streams start over with new prompts when they
+    finish."""
     async with httpx.AsyncClient(timeout=600) as client:
-        idle = [(await one_request(client, srv, prompts[i % len(prompts)], 2)).ttft
-                for i in range(probes)]
+        idle = [(await one_request(client, srv, prompts.take(1)[0], 2)).ttft
+                for _ in range(probes)]
         stop = asyncio.Event()
+        started = [asyncio.Event() for _ in range(background)]
 
         async def decoder(i: int) -> None:
             while not stop.is_set():
-                await one_request(client, srv, prompts[(i + 3) % len(prompts)], n_gen * 4)
+                await one_request(client, srv, prompts.take(1)[0], n_gen * 4, started[i])
 
         tasks = [asyncio.create_task(decoder(i)) for i in range(background)]
-        await asyncio.sleep(2.0)  # let every background stream get past its prompt
-        busy = [(await one_request(client, srv, prompts[i % len(prompts)], 2)).ttft
-                for i in range(probes)]
+        for ev in started:  # every background stream past its prompt, and decoding
+            await ev.wait()
+        await asyncio.sleep(0.5)
+        busy = [(await one_request(client, srv, prompts.take(1)[0], 2)).ttft
+                for _ in range(probes)]
         stop.set()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return {"idle_ttft_p50_ms": 1e3 * pct(idle, 0.5), "idle_ttft_p99_ms": 1e3 * pct(idle, 0.99),
-            "busy_ttft_p50_ms": 1e3 * pct(busy, 0.5), "busy_ttft_p99_ms": 1e3 * pct(busy, 0.99),
-            "ratio_p99": pct(busy, 0.99) / pct(idle, 0.99)}
+    out = {"probes": float(probes)}
+    for name, xs in (("idle", idle), ("busy", busy)):
+        out.update({f"{name}_ttft_p{q}_ms": 1e3 * pct(xs, q / 100) for q in (50, 90, 99)})
+    out.update({f"ratio_p{q}": out[f"busy_ttft_p{q}_ms"] / out[f"idle_ttft_p{q}_ms"]
+                for q in (50, 90, 99)})
+    return out
 
 
 # -- the physical ceiling ---------------------------------------------------------------------
@@ -281,20 +296,43 @@ def ceiling(model_dir: Path, dims: Dims, threads: int, levels: list[int]) -> dic
 
 # -- main -------------------------------------------------------------------------------------
 
-def make_prompts(tokenizer_dir: Path, n_tokens: int, count: int, seed: int) -> list[str]:
-    from tokenizers import Tokenizer
+class Prompts:
+    """Prompts of about n_tokens random words, each handed out once: no request of a run
+    shares a prompt with another (the words are drawn at random), so every prompt is
+    computed and no engine's prefix cache changes what a concurrency level measures. The
+    sequence depends only on the seed, so every engine gets the same prompts in the same
+    order; make() fills the pool ahead of the timed requests."""
 
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
+    def __init__(self, tokenizer_dir: Path, n_tokens: int, seed: int) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        self._rng = random.Random(seed)
+        self._n = n_tokens
+        self._made: list[str] = []
+        self._next = 0
+
+    def _one(self) -> str:
         words: list[str] = []
-        while len(tok.encode(" ".join(words)).ids) < n_tokens:
-            words += _words(rng, 16)
-        while len(tok.encode(" ".join(words)).ids) > n_tokens:
+        while len(self._tok.encode(" ".join(words)).ids) < self._n:
+            words += _words(self._rng, 16)
+        while len(self._tok.encode(" ".join(words)).ids) > self._n:
             words.pop()
-        prompts.append(" ".join(words))
-    return prompts
+        return " ".join(words)
+
+    def make(self, count: int) -> None:
+        while len(self._made) < self._next + count:
+            self._made.append(self._one())
+
+    def take(self, count: int) -> list[str]:
+        self.make(count)
+        out = self._made[self._next:self._next + count]
+        self._next += count
+        return out
+
+    def restart(self) -> None:
+        """The next engine gets the same prompts, from the first."""
+        self._next = 0
 
 
 def render(res: dict[str, Any]) -> str:
@@ -321,10 +359,12 @@ def render(res: dict[str, Any]) -> str:
                 f"{lv['failed']} |")
     lines.append("")
     for eng, t in res.get("ttft_under_load", {}).items():
-        lines.append(f"{eng}: TTFT idle p50/p99 {t['idle_ttft_p50_ms']:.0f}/"
-                     f"{t['idle_ttft_p99_ms']:.0f} ms, with 7 streams decoding "
-                     f"{t['busy_ttft_p50_ms']:.0f}/{t['busy_ttft_p99_ms']:.0f} ms "
-                     f"(p99 x{t['ratio_p99']:.2f})")
+        qs = (50, 90, 99)
+        lines.append(f"{eng}: TTFT of a new prompt ({t['probes']:.0f} probes), p50/p90/p99: idle "
+                     + "/".join(f"{t[f'idle_ttft_p{q}_ms']:.0f}" for q in qs)
+                     + " ms, with 7 streams decoding "
+                     + "/".join(f"{t[f'busy_ttft_p{q}_ms']:.0f}" for q in qs) + " ms (x"
+                     + "/x".join(f"{t[f'ratio_p{q}']:.2f}" for q in qs) + ")")
     return "\n".join(lines)
 
 
@@ -345,6 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (llama.cpp built with cmake, GGML_NATIVE=ON)")
     p.add_argument("--no-ttft-load", action="store_true", help="skip the TTFT-under-load run")
+    p.add_argument("--probes", type=int, default=16,
+                   help="requests timed for TTFT, on the idle server and under load (default 16)")
     p.add_argument("--workdir", default="/tmp/colibri_compare")
     p.add_argument("--llama-src", default=None)
     p.add_argument("--json", default=None, metavar="OUT")
@@ -370,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     gguf = None
     if any(e != "colibri" for e in engines):
         gguf = build_gguf(hf, work / "gguf", llama_source(work, args.llama_src))["Q8_0"]
-    prompts = make_prompts(hf, args.prompt_tokens, 64, dims.seed)
+    prompts = Prompts(hf, args.prompt_tokens, dims.seed)
+    background = 7
+    prompts.make(1 + sum(levels) * args.requests_per_client + 2 * args.probes + 2 * background)
     res: dict[str, Any] = {"cpu": cpu_model(), "threads": args.threads, "model": dims.tag(),
                            "dims": asdict(dims), "prompt_tokens": args.prompt_tokens,
                            "gen_tokens": args.gen_tokens, "engines": {},
@@ -393,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting {eng} ...", flush=True)
         try:
             srv.start(work)
+            prompts.restart()
             asyncio.run(run_level(srv, prompts, 8, 1, 1))  # warm-up
             out = []
             for c in levels:
@@ -404,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             res["engines"][eng] = out
             if not args.no_ttft_load:
                 res["ttft_under_load"][eng] = asyncio.run(
-                    ttft_under_load(srv, prompts, args.gen_tokens, 8, 7))
+                    ttft_under_load(srv, prompts, args.gen_tokens, args.probes, background))
         finally:
             srv.stop()
     print(render(res))
