@@ -89,6 +89,22 @@ float clb_vec_dot_f32(int64_t n, const float *x, const float *y);
 void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a);
 clb_vec_mad_fn clb_get_vec_mad_f32(void);
 
+/* Attention's inner loops over the rows of one KV block, for the active ISA:
+ * dots: s[r] = q . k_r for n >= 1 rows k_r = k + r * ldk (hd floats each). Each row's sum is
+ *   computed the same way whatever n and its place among the rows, so a query's scores do
+ *   not depend on how its keys are split into calls.
+ * mad_rows: out[d] += w[r] * v_r[d] for r = 0..n-1 in order, rows v_r = v + r * ldv: the same
+ *   result as n successive clb_vec_mad_f32 calls. */
+typedef void (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
+                                int64_t n, float *s);
+typedef void (*clb_att_mad_rows_fn)(int64_t hd, float *out, const float *v, int64_t ldv,
+                                    int64_t n, const float *w);
+typedef struct {
+    clb_att_dots_fn dots;
+    clb_att_mad_rows_fn mad_rows;
+} clb_att_kernels;
+const clb_att_kernels *clb_get_att_kernels(void);
+
 /* Copy row `row` of a [n_rows, n] weight matrix into y as f32 (embedding lookup). */
 void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y);
 

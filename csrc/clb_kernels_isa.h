@@ -48,6 +48,10 @@ float clb_vec_dot_bf16_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x);
 void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a);
+void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
+                          float *s);
+void clb_att_mad_rows_f32_ref(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
+                              const float *w);
 size_t clb_act_size_q8a(int64_t n); /* q8a row bytes: the packed layout of the reference */
 size_t clb_act_size_q8c(int64_t n); /* q8c row bytes: the packed layout of AVX2 and AVX-512 */
 void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
@@ -76,6 +80,12 @@ float clb_vec_dot_q8_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_avx2(int64_t n, const void *w, const void *x);
 void clb_quantize_q8a_avx2(int64_t n, const float *x, void *y);
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a);
+void clb_to_float_f16_avx2(int64_t n, const void *x, float *y); /* NaN stays NaN (quieted) */
+/* attention rows (clb_kernels.h), also the AVX-512 table's: hd is at most a few hundred */
+void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
+                           float *s);
+void clb_att_mad_rows_f32_avx2(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
+                               const float *w);
 void clb_act_pack_q8_avx2(int64_t n, const float *x, void *y); /* clb_block_q8c rows */
 void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y);
 /* one packed activation row (clb_block_q8c) against n_rows q8 rows: y[r]; bit-identical to the

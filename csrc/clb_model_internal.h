@@ -114,8 +114,8 @@ static inline unsigned char *clb_kv_row(const clb_kv *kv, int64_t blk, int64_t i
 
 /* Stores one row of kv_dim f32 values into a cache row in the cache's format (kv.c). */
 void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x);
-/* Row widening for attention (kv.c): n values into y. */
-void clb_kv_f16_to_f32(int64_t n, const clb_f16 *restrict x, float *restrict y);
+/* q8 KV values widened for attention (kv.c): n values into y (f16 rows go through the F16
+ * type's to_float of the active ISA). */
 void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y);
 
 #endif

@@ -17,6 +17,7 @@ static _Atomic int clb_isa_cur = CLB_ISA_REF;
 static pthread_once_t clb_init_once = PTHREAD_ONCE_INIT;
 
 static clb_vec_mad_fn clb_mad[CLB_ISA_COUNT];
+static clb_att_kernels clb_att[CLB_ISA_COUNT];
 
 static const char *const clb_isa_names[CLB_ISA_COUNT] = {"ref", "avx2", "avx512"};
 
@@ -94,6 +95,7 @@ static void clb_fill_avx2(clb_type_traits *t) {
     clb_fill_ref(t);
     t[CLB_TYPE_F32].vec_dot = clb_vec_dot_f32_avx2;
     t[CLB_TYPE_F16].vec_dot = clb_vec_dot_f16_avx2;
+    t[CLB_TYPE_F16].to_float = clb_to_float_f16_avx2;
     t[CLB_TYPE_BF16].vec_dot = clb_vec_dot_bf16_avx2;
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx2;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx2;
@@ -117,6 +119,7 @@ static void clb_fill_avx512(clb_type_traits *t) {
     clb_fill_ref(t);
     t[CLB_TYPE_F32].vec_dot = clb_vec_dot_f32_avx512;
     t[CLB_TYPE_F16].vec_dot = clb_vec_dot_f16_avx512;
+    t[CLB_TYPE_F16].to_float = clb_to_float_f16_avx2;
     t[CLB_TYPE_BF16].vec_dot = clb_vec_dot_bf16_avx512;
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx512;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx512;
@@ -134,6 +137,7 @@ static void clb_fill_avx512(clb_type_traits *t) {
 static void clb_init_impl(void) {
     clb_fill_ref(clb_traits[CLB_ISA_REF]);
     clb_mad[CLB_ISA_REF] = clb_vec_mad_f32_ref;
+    clb_att[CLB_ISA_REF] = (clb_att_kernels){clb_att_dots_f32_ref, clb_att_mad_rows_f32_ref};
     clb_isa_ok[CLB_ISA_REF] = 1;
     clb_isa_top = CLB_ISA_REF;
 #ifdef CLB_HAVE_X86
@@ -142,12 +146,15 @@ static void clb_init_impl(void) {
         /* F16C has no __builtin_cpu_supports name in older compilers; every AVX2 CPU has it */
         clb_fill_avx2(clb_traits[CLB_ISA_AVX2]);
         clb_mad[CLB_ISA_AVX2] = clb_vec_mad_f32_avx2;
+        clb_att[CLB_ISA_AVX2] = (clb_att_kernels){clb_att_dots_f32_avx2,
+                                                  clb_att_mad_rows_f32_avx2};
         clb_isa_ok[CLB_ISA_AVX2] = 1;
         clb_isa_top = CLB_ISA_AVX2;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
             clb_fill_avx512(clb_traits[CLB_ISA_AVX512]);
             clb_mad[CLB_ISA_AVX512] = clb_vec_mad_f32_avx512;
+            clb_att[CLB_ISA_AVX512] = clb_att[CLB_ISA_AVX2];
             clb_isa_ok[CLB_ISA_AVX512] = 1;
             clb_isa_top = CLB_ISA_AVX512;
         }
@@ -218,3 +225,5 @@ void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a) {
 }
 
 clb_vec_mad_fn clb_get_vec_mad_f32(void) { return clb_mad[clb_isa_active()]; }
+
+const clb_att_kernels *clb_get_att_kernels(void) { return &clb_att[clb_isa_active()]; }

@@ -82,16 +82,29 @@ typedef struct {
 } att_task;
 
 /* Widens rows [0, n) of one block (row stride kv->row_bytes) of kv head kvh to f32 rows of
- * hd in deq; q8 values stay unscaled (the scale is applied by the caller). */
-static void widen_rows(const clb_kv *kv, const unsigned char *row, int64_t n, int64_t kvh,
-                       float *deq) {
+ * hd in deq (f16: through the active ISA's conversion f16); q8 values stay unscaled (the scale
+ * is applied by the caller). */
+static void widen_rows(const clb_kv *kv, clb_to_float_fn f16, const unsigned char *row,
+                       int64_t n, int64_t kvh, float *deq) {
     const int64_t hd = kv->head_dim;
     for (int64_t r = 0; r < n; r++, row += kv->row_bytes) {
         if (kv->type == CLB_KV_F16)
-            clb_kv_f16_to_f32(hd, (const clb_f16 *)(const void *)row + kvh * hd, deq + r * hd);
+            f16(hd, (const clb_f16 *)(const void *)row + kvh * hd, deq + r * hd);
         else
             clb_kv_i8_to_f32(hd, (const int8_t *)row + kvh * hd, deq + r * hd);
     }
+}
+
+/* Asks for kv head kvh's part of every row of a block (kind and layer as row0) ahead of its
+ * turn: a block's rows for one head are short pieces one row stride apart, which the
+ * hardware prefetcher does not follow across blocks. */
+static void prefetch_rows(const clb_kv *kv, const unsigned char *row0, int64_t kvh) {
+    const size_t len = (size_t)kv->head_dim * (kv->type == CLB_KV_F32   ? sizeof(float)
+                                               : kv->type == CLB_KV_F16 ? sizeof(clb_f16)
+                                                                        : 1);
+    const unsigned char *p = row0 + (size_t)kvh * len;
+    for (int r = 0; r < CLB_KV_BLOCK; r++, p += kv->row_bytes)
+        for (size_t o = 0; o < len; o += 64) __builtin_prefetch(p + o);
 }
 
 static float q8_scale(const clb_kv *kv, const unsigned char *row, int64_t kvh) {
@@ -100,11 +113,12 @@ static float q8_scale(const clb_kv *kv, const unsigned char *row, int64_t kvh) {
 
 /* A work item is (token, kv head, nh query heads of its group); each query reads the keys of
  * its own sequence in [max(0, pos - window + 1), pos], all already in the cache, through the
- * sequence's block table, block by block (one table lookup per block). f16 and q8 rows are
- * widened to f32 once per block for all nh heads (q8: the scale multiplies the dot product
- * and the softmax weight) and read by the f32 dot / mad kernels. Each head's arithmetic is
- * the same whatever nh, the split over workers or the rest of the batch, so a token's output
- * never depends on its neighbours. */
+ * sequence's block table, block by block (one table lookup per block; the next block's rows
+ * are prefetched). f16 and q8 rows are widened to f32 once per block for all nh heads (q8:
+ * the scale multiplies the dot product and the softmax weight) and read by the active ISA's
+ * attention kernels, a block's rows per call. Each head's arithmetic is the same whatever
+ * nh, the split over workers or the rest of the batch, so a token's output never depends on
+ * its neighbours. */
 static void att_worker(void *vctx, int ith, int nth) {
     const att_task *a = vctx;
     const clb_model *m = a->m;
@@ -118,11 +132,13 @@ static void att_worker(void *vctx, int ith, int nth) {
     float *sc = m->scores + (int64_t)ith * group * span;        /* [nh, span] */
     float *mx = m->head_stat + (int64_t)ith * 2 * group, *inv = mx + group;
     float *deq = kv->deq + (int64_t)ith * CLB_KV_BLOCK * hd;    /* [CLB_KV_BLOCK, hd] */
-    const clb_vec_dot_fn vdot = clb_get_type_traits(CLB_TYPE_F32)->vec_dot;
-    const clb_vec_dot_fn vdot16 = clb_get_type_traits(CLB_TYPE_F16)->vec_dot;
-    const clb_vec_mad_fn vmad = clb_get_vec_mad_f32();
+    const clb_att_kernels *ak = clb_get_att_kernels();
+    const clb_to_float_fn f16 = clb_get_type_traits(CLB_TYPE_F16)->to_float;
     const clb_kv_type ty = kv->type;
     const size_t rb = kv->row_bytes;
+    /* a block's rows as the kernels read them: in the cache (f32) or widened into deq */
+    const int64_t ld = ty == CLB_KV_F32 ? (int64_t)(rb / sizeof(float)) : hd;
+    float wr[CLB_KV_BLOCK];
 
     for (int64_t it = i0; it < i1; it++) {
         const int64_t t = it / (Hkv * per_kv), r = it % (Hkv * per_kv);
@@ -139,19 +155,19 @@ static void att_worker(void *vctx, int ith, int nth) {
             const int64_t slot = j % CLB_KV_BLOCK;
             const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
             const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 0, slot);
-            if (ty != CLB_KV_F32) widen_rows(kv, row0, n, kvh, deq);
+            if (j + n <= p)
+                prefetch_rows(kv, clb_kv_row(kv, tab[(j + n) / CLB_KV_BLOCK], a->il, 0, 0), kvh);
+            const float *rows = (const float *)(const void *)row0 + kvh * hd;
+            if (ty != CLB_KV_F32) {
+                widen_rows(kv, f16, row0, n, kvh, deq);
+                rows = deq;
+            }
             for (int64_t g = 0; g < nh; g++) {
-                const float *q = q0 + g * hd;
                 float *s = sc + g * span + (j - lo);
-                const unsigned char *row = row0;
-                for (int64_t k = 0; k < n; k++, row += rb) {
-                    float dot;
-                    if (ty == CLB_KV_F32)
-                        dot = vdot(hd, q, (const float *)(const void *)row + kvh * hd);
-                    else if (ty == CLB_KV_F16)
-                        dot = vdot16(hd, (const clb_f16 *)(const void *)row + kvh * hd, q);
-                    else
-                        dot = vdot(hd, q, deq + k * hd) * q8_scale(kv, row, kvh);
+                ak->dots(hd, q0 + g * hd, rows, ld, n, s);
+                for (int64_t k = 0; k < n; k++) {
+                    float dot = s[k];
+                    if (ty == CLB_KV_Q8) dot *= q8_scale(kv, row0 + (size_t)k * rb, kvh);
                     dot *= scale;
                     s[k] = dot;
                     if (dot > mx[g]) mx[g] = dot;
@@ -173,20 +189,20 @@ static void att_worker(void *vctx, int ith, int nth) {
             const int64_t slot = j % CLB_KV_BLOCK;
             const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
             const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 1, slot);
-            if (ty == CLB_KV_F16 || ty == CLB_KV_Q8) widen_rows(kv, row0, n, kvh, deq);
+            if (j + n <= p)
+                prefetch_rows(kv, clb_kv_row(kv, tab[(j + n) / CLB_KV_BLOCK], a->il, 1, 0), kvh);
+            const float *rows = (const float *)(const void *)row0 + kvh * hd;
+            if (ty != CLB_KV_F32) {
+                widen_rows(kv, f16, row0, n, kvh, deq);
+                rows = deq;
+            }
             for (int64_t g = 0; g < nh; g++) {
-                float *out = out0 + g * hd;
                 const float *s = sc + g * span + (j - lo);
-                const unsigned char *row = row0;
-                for (int64_t k = 0; k < n; k++, row += rb) {
-                    float w = s[k] * inv[g];
-                    if (ty == CLB_KV_F32)
-                        vmad(hd, out, (const float *)(const void *)row + kvh * hd, w);
-                    else if (ty == CLB_KV_F16)
-                        vmad(hd, out, deq + k * hd, w);
-                    else
-                        vmad(hd, out, deq + k * hd, w * q8_scale(kv, row, kvh));
+                for (int64_t k = 0; k < n; k++) {
+                    wr[k] = s[k] * inv[g];
+                    if (ty == CLB_KV_Q8) wr[k] *= q8_scale(kv, row0 + (size_t)k * rb, kvh);
                 }
+                ak->mad_rows(hd, out0 + g * hd, rows, ld, n, wr);
             }
             j += n;
         }

@@ -452,6 +452,80 @@ CLB_GEMM8_AVX2(clb_gemm_q4_avx2, 1, 0)
 CLB_GEMM8_AVX2(clb_gemm_q8x8_avx2, 0, 1)
 CLB_GEMM8_AVX2(clb_gemm_q4x8_avx2, 1, 1)
 
+/* f16 -> f32 with F16C: exact for every number; a NaN stays a NaN (signalling ones come back
+ * quiet, where the reference keeps the payload as it is) */
+void clb_to_float_f16_avx2(int64_t n, const void *x, float *y) {
+    const clb_f16 *h = x;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, clb_load_f16x8(h + i));
+    for (; i < n; i++) y[i] = clb_f16_to_f32(h[i]);
+}
+
+/* Eight keys at a time, one accumulator each (lane j: the sum of elements j, j+8, ...), then
+ * one transposing reduction that gives every row the same addition tree; a call of fewer
+ * than eight rows repeats its last row, so a row's score is the same in any group. */
+void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
+                           float *s) {
+    const int64_t hv = hd - hd % 8;
+    for (int64_t r0 = 0; r0 < n; r0 += 8) {
+        const float *kr[8];
+        for (int i = 0; i < 8; i++) kr[i] = k + (r0 + i < n ? r0 + i : n - 1) * ldk;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hv; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kr[i] + d), qd, a[i]);
+        }
+        /* [a0..a7] -> lane i = sum of a[i]: pairs, quads within 128-bit halves, then halves */
+        const __m256 h03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        const __m256 h47 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        float sum[8];
+        _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20),
+                                            _mm256_permute2f128_ps(h03, h47, 0x31)));
+        const int64_t m = n - r0 < 8 ? n - r0 : 8;
+        for (int64_t i = 0; i < m; i++) {
+            float t = sum[i];
+            for (int64_t d = hv; d < hd; d++) t = fmaf(kr[i][d], q[d], t);
+            s[r0 + i] = t;
+        }
+    }
+}
+
+/* 32 output values at a time in registers across all the rows (then 8, then one by one):
+ * each element sees the same fused multiply-adds, in row order, as clb_vec_mad_f32_avx2
+ * called once per row */
+void clb_att_mad_rows_f32_avx2(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
+                               const float *w) {
+    int64_t d = 0;
+    for (; d + 32 <= hd; d += 32) {
+        __m256 o0 = _mm256_loadu_ps(out + d), o1 = _mm256_loadu_ps(out + d + 8);
+        __m256 o2 = _mm256_loadu_ps(out + d + 16), o3 = _mm256_loadu_ps(out + d + 24);
+        for (int64_t r = 0; r < n; r++) {
+            const float *vr = v + r * ldv + d;
+            const __m256 wr = _mm256_set1_ps(w[r]);
+            o0 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(vr), o0);
+            o1 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(vr + 8), o1);
+            o2 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(vr + 16), o2);
+            o3 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(vr + 24), o3);
+        }
+        _mm256_storeu_ps(out + d, o0);
+        _mm256_storeu_ps(out + d + 8, o1);
+        _mm256_storeu_ps(out + d + 16, o2);
+        _mm256_storeu_ps(out + d + 24, o3);
+    }
+    for (; d + 8 <= hd; d += 8) {
+        __m256 o = _mm256_loadu_ps(out + d);
+        for (int64_t r = 0; r < n; r++)
+            o = _mm256_fmadd_ps(_mm256_set1_ps(w[r]), _mm256_loadu_ps(v + r * ldv + d), o);
+        _mm256_storeu_ps(out + d, o);
+    }
+    for (; d < hd; d++) {
+        float o = out[d];
+        for (int64_t r = 0; r < n; r++) o = fmaf(w[r], v[r * ldv + d], o);
+        out[d] = o;
+    }
+}
+
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, one rounding per element) */
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a) {
     const __m256 va = _mm256_set1_ps(a);

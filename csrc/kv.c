@@ -119,25 +119,6 @@ void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x) {
     }
 }
 
-/* f16 -> f32 for attention's V rows, bit-identical to clb_f16_to_f32 (tested on all 65536
- * inputs against numpy) but branch-free so the compiler vectorises it: the f16 exponent and
- * mantissa bits, shifted into an f32, are the value times 2^-112 for normal and subnormal
- * inputs alike (subnormals become f32 subnormals, scaled exactly); inf and NaN are patched. */
-void clb_kv_f16_to_f32(int64_t n, const clb_f16 *restrict x, float *restrict y) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t h = x[i], em = h & 0x7fffu;
-        uint32_t u = em << 13, r;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        f *= 0x1p112f;
-        memcpy(&r, &f, sizeof r);
-        uint32_t special = 0u - (uint32_t)(em >= 0x7c00u); /* all ones for inf / NaN */
-        r = (r & ~special) | ((0x7f800000u | u) & special);
-        r |= (h & 0x8000u) << 16;
-        memcpy(&y[i], &r, sizeof r);
-    }
-}
-
 /* int8 -> f32 (q8 rows before the scale is applied) */
 void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y) {
     for (int64_t i = 0; i < n; i++) y[i] = (float)x[i];

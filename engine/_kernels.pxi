@@ -97,6 +97,14 @@ cdef extern from "clb_kernels.h" nogil:
                           const float *bias, void *scratch, clb_threadpool *tp)
     void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y)
     void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a)
+    ctypedef void (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
+                                     int64_t n, float *s)
+    ctypedef void (*clb_att_mad_rows_fn)(int64_t hd, float *out, const float *v, int64_t ldv,
+                                         int64_t n, const float *w)
+    ctypedef struct clb_att_kernels:
+        clb_att_dots_fn dots
+        clb_att_mad_rows_fn mad_rows
+    const clb_att_kernels *clb_get_att_kernels()
     clb_type clb_x8_type(clb_type t)
     int clb_kernel_wants_x8(clb_type t)
     void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst)
@@ -314,6 +322,34 @@ def vec_mad_f32(y, x, float a):
     if out.shape[0] > 0:
         clb_vec_mad_f32(out.shape[0], &ov[0], &xv[0], a)
     return out
+
+
+def att_dots(q, k):
+    """Attention scores q . k[r] for every row of k ([n, hd] float32, n >= 1) with the active
+    ISA's kernel, one call over all rows."""
+    cdef const float[::1] qv = np.ascontiguousarray(q, dtype=np.float32).reshape(-1)
+    cdef const float[:, ::1] kv = np.ascontiguousarray(k, dtype=np.float32)
+    if kv.shape[0] < 1 or kv.shape[1] != qv.shape[0] or qv.shape[0] < 1:
+        raise ValueError("k must be [n >= 1, len(q)] and q not empty")
+    out = np.empty(kv.shape[0], dtype=np.float32)
+    cdef float[::1] ov = out
+    clb_get_att_kernels().dots(qv.shape[0], &qv[0], &kv[0, 0], kv.shape[1], kv.shape[0], &ov[0])
+    return out
+
+
+def att_mad_rows(out, v, w):
+    """out + sum over r of w[r] * v[r] (v [n, hd], w [n], float32) with the active ISA's
+    kernel, one call over all rows; returns a new array."""
+    res = np.array(out, dtype=np.float32).reshape(-1)
+    cdef const float[:, ::1] vv = np.ascontiguousarray(v, dtype=np.float32)
+    cdef const float[::1] wv = np.ascontiguousarray(w, dtype=np.float32).reshape(-1)
+    if (vv.shape[0] < 1 or vv.shape[1] != res.shape[0] or wv.shape[0] != vv.shape[0]
+            or res.shape[0] < 1):
+        raise ValueError("v must be [n >= 1, len(out)] and w [n]")
+    cdef float[::1] rv = res
+    clb_get_att_kernels().mad_rows(rv.shape[0], &rv[0], &vv[0, 0], vv.shape[1], vv.shape[0],
+                                   &wv[0])
+    return res
 
 
 cdef dict _pools_by_threads = {}

@@ -78,14 +78,15 @@ def test_colibri_wrappers_match_model(model_dir: Path) -> None:
         lib.colibri_free(cm)
 
 
-def test_kv_f16_widening_matches_numpy_on_every_value() -> None:
-    """Attention's branch-free f16 -> f32 (clb_kv_f16_to_f32) equals numpy's conversion for
-    all 65536 bit patterns (NaN payloads included)."""
+def test_reference_f16_widening_matches_numpy_on_every_value() -> None:
+    """The reference's branch-free f16 -> f32 (clb_to_float_f16_ref, attention's f16 KV rows
+    on a CPU without AVX2) equals numpy's conversion for all 65536 bit patterns (NaN payloads
+    included)."""
     lib = ctypes.CDLL(_core.__file__)
-    lib.clb_kv_f16_to_f32.restype = None
-    lib.clb_kv_f16_to_f32.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.clb_to_float_f16_ref.restype = None
+    lib.clb_to_float_f16_ref.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     out = np.full(65536, np.nan, np.float32)
-    lib.clb_kv_f16_to_f32(bits.size, bits.ctypes.data, out.ctypes.data)
+    lib.clb_to_float_f16_ref(bits.size, bits.ctypes.data, out.ctypes.data)
     np.testing.assert_array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32)
                                   .view(np.uint32))

@@ -288,6 +288,54 @@ def test_vec_mad_f32_within_budget(isa: str) -> None:
             assert got.shape == (n,) and np.all(np.abs(got - exact) <= budget), (n, a)
 
 
+def test_f16_to_float_every_isa_all_patterns(isa: str) -> None:
+    # the active ISA's f16 conversion (attention's f16 KV rows): exact for every number, and a
+    # NaN stays a NaN (F16C quiets signalling NaNs; their payload is not kept)
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = core.to_float("f16", bits.tobytes(), bits.size)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("hd", [1, 7, 8, 64, 80, 100, 128, 256])
+def test_att_dots_within_budget_and_independent_of_grouping(hd: int, isa: str) -> None:
+    rng = np.random.default_rng(hd)
+    q = rng.standard_normal(hd).astype(np.float32)
+    k = (rng.standard_normal((21, hd)) * 10).astype(np.float32)
+    k[3] = 0.0
+    k[5] = q  # q . q: every product positive
+    got = core.att_dots(q, k)
+    exact = k.astype(np.float64) @ q.astype(np.float64)
+    # hd products and at most hd additions, each one rounding (FMA: fewer)
+    budget = (hd + 1) * U * (np.abs(k.astype(np.float64)) @ np.abs(q.astype(np.float64))) + TINY
+    assert got.shape == (21,) and np.all(np.abs(got - exact) <= budget)
+    # a row's score is the same bits in any call: alone, in any slice, at any place
+    for lo, hi in ((0, 1), (3, 4), (5, 13), (13, 21), (2, 21), (20, 21)):
+        assert np.array_equal(core.att_dots(q, k[lo:hi]).view(np.uint32),
+                              got[lo:hi].view(np.uint32)), (lo, hi)
+
+
+@pytest.mark.parametrize("hd", [1, 7, 8, 40, 64, 80, 128])
+def test_att_mad_rows_equal_one_mad_per_row(hd: int, isa: str) -> None:
+    rng = np.random.default_rng(100 + hd)
+    out = rng.standard_normal(hd).astype(np.float32)
+    v = (rng.standard_normal((16, hd)) * 3).astype(np.float32)
+    w = rng.random(16).astype(np.float32)
+    w[4] = 0.0
+    for n in (1, 5, 16):
+        want = out
+        for r in range(n):
+            want = core.vec_mad_f32(want, v[r], float(w[r]))
+        got = core.att_mad_rows(out, v[:n], w[:n])
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+    with pytest.raises(ValueError):
+        core.att_mad_rows(out, v[:2], w[:3])
+    with pytest.raises(ValueError):
+        core.att_dots(out, v[:0])
+
+
 # ---- matmul --------------------------------------------------------------------------------
 
 MATMUL_SHAPES = [  # (n_out, n_in, n_tokens)
