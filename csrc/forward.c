@@ -111,6 +111,32 @@ static float q8_scale(const clb_kv *kv, const unsigned char *row, int64_t kvh) {
     return ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
 }
 
+/* One block's part of a work item: positions [j, j + n) of j's block, up to p. */
+typedef struct {
+    int64_t n;
+    const unsigned char *row0; /* position j's cache row (K or V) */
+    const float *rows;         /* kv head kvh's n rows as f32: in the cache or widened in deq */
+} att_block;
+
+/* K (kind 0) or V (kind 1) of kv head kvh for the block holding position j, as the attention
+ * kernels read it; the next block's rows are asked for ahead. */
+static att_block att_block_at(const att_task *a, const int32_t *tab, int kind, int64_t j,
+                              int64_t p, int64_t kvh, clb_to_float_fn f16, float *deq) {
+    const clb_kv *kv = a->kv;
+    const int64_t slot = j % CLB_KV_BLOCK;
+    att_block b;
+    b.n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
+    b.row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, kind, slot);
+    if (j + b.n <= p)
+        prefetch_rows(kv, clb_kv_row(kv, tab[(j + b.n) / CLB_KV_BLOCK], a->il, kind, 0), kvh);
+    b.rows = (const float *)(const void *)b.row0 + kvh * kv->head_dim;
+    if (kv->type != CLB_KV_F32) {
+        widen_rows(kv, f16, b.row0, b.n, kvh, deq);
+        b.rows = deq;
+    }
+    return b;
+}
+
 /* A work item is (token, kv head, nh query heads of its group); each query reads the keys of
  * its own sequence in [max(0, pos - window + 1), pos], all already in the cache, through the
  * sequence's block table, block by block (one table lookup per block; the next block's rows
@@ -152,16 +178,10 @@ static void att_worker(void *vctx, int ith, int nth) {
 
         for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
         for (int64_t j = lo; j <= p;) {
-            const int64_t slot = j % CLB_KV_BLOCK;
-            const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
-            const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 0, slot);
-            if (j + n <= p)
-                prefetch_rows(kv, clb_kv_row(kv, tab[(j + n) / CLB_KV_BLOCK], a->il, 0, 0), kvh);
-            const float *rows = (const float *)(const void *)row0 + kvh * hd;
-            if (ty != CLB_KV_F32) {
-                widen_rows(kv, f16, row0, n, kvh, deq);
-                rows = deq;
-            }
+            const att_block bk = att_block_at(a, tab, 0, j, p, kvh, f16, deq);
+            const int64_t n = bk.n;
+            const unsigned char *row0 = bk.row0;
+            const float *rows = bk.rows;
             for (int64_t g = 0; g < nh; g++) {
                 float *s = sc + g * span + (j - lo);
                 ak->dots(hd, q0 + g * hd, rows, ld, n, s);
@@ -186,16 +206,10 @@ static void att_worker(void *vctx, int ith, int nth) {
             for (int64_t d = 0; d < hd; d++) out0[g * hd + d] = 0.0f;
         }
         for (int64_t j = lo; j <= p;) {
-            const int64_t slot = j % CLB_KV_BLOCK;
-            const int64_t n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
-            const unsigned char *row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, 1, slot);
-            if (j + n <= p)
-                prefetch_rows(kv, clb_kv_row(kv, tab[(j + n) / CLB_KV_BLOCK], a->il, 1, 0), kvh);
-            const float *rows = (const float *)(const void *)row0 + kvh * hd;
-            if (ty != CLB_KV_F32) {
-                widen_rows(kv, f16, row0, n, kvh, deq);
-                rows = deq;
-            }
+            const att_block bk = att_block_at(a, tab, 1, j, p, kvh, f16, deq);
+            const int64_t n = bk.n;
+            const unsigned char *row0 = bk.row0;
+            const float *rows = bk.rows;
             for (int64_t g = 0; g < nh; g++) {
                 const float *s = sc + g * span + (j - lo);
                 for (int64_t k = 0; k < n; k++) {
