@@ -82,12 +82,10 @@ typedef struct {
 /* Runs every job in one thread-pool dispatch (jobs must not write each other's inputs). */
 clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp);
 
-/* f32 vector helpers of the active ISA (attention): x . y, and y += a * x; hot loops fetch
- * the function once (clb_get_type_traits(CLB_TYPE_F32)->vec_dot, clb_get_vec_mad_f32()) */
+/* f32 vector helpers of the active ISA: x . y, and y += a * x */
 typedef void (*clb_vec_mad_fn)(int64_t n, float *y, const float *x, float a);
 float clb_vec_dot_f32(int64_t n, const float *x, const float *y);
 void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a);
-clb_vec_mad_fn clb_get_vec_mad_f32(void);
 
 /* Attention's inner loops over the rows of one KV block, for the active ISA:
  * dots: s[r] = q . k_r for n >= 1 rows k_r = k + r * ldk (hd floats each). Each row's sum is

@@ -104,6 +104,11 @@ clb_status clb_model_weight_fault(const clb_model *m, char *err);
  * and the expert cache's in-slot repack both ask this. */
 int clb_tensor_repacks(const clb_tensor *t);
 
+/* bytes of one cached value: f32, f16, or q8's int8 (whose scales follow the values) */
+static inline size_t clb_kv_elem_bytes(clb_kv_type t) {
+    return t == CLB_KV_F32 ? sizeof(float) : t == CLB_KV_F16 ? sizeof(clb_f16) : 1;
+}
+
 /* K (kind 0) or V (kind 1) row of layer il in block blk, slot `slot` (kv_dim values of the
  * cache's type, then the q8 scales). Block-major so one block's bytes are contiguous. */
 static inline unsigned char *clb_kv_row(const clb_kv *kv, int64_t blk, int64_t il, int kind,

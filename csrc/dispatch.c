@@ -224,6 +224,4 @@ void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a) {
     clb_mad[clb_isa_active()](n, y, x, a);
 }
 
-clb_vec_mad_fn clb_get_vec_mad_f32(void) { return clb_mad[clb_isa_active()]; }
-
 const clb_att_kernels *clb_get_att_kernels(void) { return &clb_att[clb_isa_active()]; }

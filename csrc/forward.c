@@ -99,9 +99,7 @@ static void widen_rows(const clb_kv *kv, clb_to_float_fn f16, const unsigned cha
  * turn: a block's rows for one head are short pieces one row stride apart, which the
  * hardware prefetcher does not follow across blocks. */
 static void prefetch_rows(const clb_kv *kv, const unsigned char *row0, int64_t kvh) {
-    const size_t len = (size_t)kv->head_dim * (kv->type == CLB_KV_F32   ? sizeof(float)
-                                               : kv->type == CLB_KV_F16 ? sizeof(clb_f16)
-                                                                        : 1);
+    const size_t len = (size_t)kv->head_dim * clb_kv_elem_bytes(kv->type);
     const unsigned char *p = row0 + (size_t)kvh * len;
     for (int r = 0; r < CLB_KV_BLOCK; r++, p += kv->row_bytes)
         for (size_t o = 0; o < len; o += 64) __builtin_prefetch(p + o);

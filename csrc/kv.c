@@ -16,10 +16,10 @@ static size_t row_layout(const clb_hparams *hp, clb_kv_type type, size_t *scale_
     size_t kvd = (size_t)hp->n_head_kv * (size_t)hp->head_dim;
     *scale_off = 0;
     switch (type) {
-    case CLB_KV_F32: return kvd * sizeof(float);
-    case CLB_KV_F16: return kvd * sizeof(clb_f16);
+    case CLB_KV_F32:
+    case CLB_KV_F16: return kvd * clb_kv_elem_bytes(type);
     case CLB_KV_Q8:
-        *scale_off = (kvd + 3) & ~(size_t)3;
+        *scale_off = (kvd * clb_kv_elem_bytes(type) + 3) & ~(size_t)3;
         return *scale_off + (size_t)hp->n_head_kv * sizeof(float);
     }
     return 0;
