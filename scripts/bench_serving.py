@@ -299,9 +299,9 @@ def ceiling(model_dir: Path, dims: Dims, threads: int, levels: list[int]) -> dic
 class Prompts:
     """Prompts of about n_tokens random words, each handed out once: no request of a run
     shares a prompt with another (the words are drawn at random), so every prompt is
-    computed and no engine's prefix cache changes what a concurrency level measures. The
-    sequence depends only on the seed, so every engine gets the same prompts in the same
-    order; make() fills the pool ahead of the timed requests."""
+    computed and no server's prefix cache changes what a concurrency level measures. The
+    seed fixes the prompts, so Colibri and each peer server are sent the same ones in the
+    same order; make() fills the pool ahead of the timed requests."""
 
     def __init__(self, tokenizer_dir: Path, n_tokens: int, seed: int) -> None:
         from tokenizers import Tokenizer
