@@ -1,6 +1,6 @@
 /* Colibri thread pool: persistent pthread workers; one task runs on all threads at once.
  * Guarantees: each ith in [0, nth) runs exactly once per clb_threadpool_run; the caller is
- * worker 0; idle workers spin for a few microseconds, then sleep on a condition variable; a
+ * worker 0; idle workers spin for up to 200 microseconds, then sleep on a condition variable; a
  * pool of one thread never touches pthreads; runs from different threads are serialized.
  * Refuses: a run issued from inside a task of any pool (CLB_E_ARG, it would deadlock). */
 #define _GNU_SOURCE
@@ -15,7 +15,11 @@
 #include "clb_threadpool.h"
 #include "clb_util.h"
 
-#define CLB_TP_SPIN_NS 20000 /* long enough to catch back-to-back runs, short enough to idle */
+/* spin budget before sleeping (workers waiting for a run, the caller waiting for the workers):
+ * longer than the gaps between the runs of one forward pass, where a sleeping thread costs a
+ * wake-up of 10 to 20 microseconds on a virtual machine; a pool left without work sleeps
+ * within a fifth of a millisecond */
+#define CLB_TP_SPIN_NS 200000
 #define CLB_TP_MAX_THREADS 1024
 
 typedef struct {
