@@ -115,6 +115,10 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     assert r["peak_rss_bytes"] > 0
     assert r["probe_bytes"] == 8 << 20
     assert r["bandwidth_gb_s"] > 0 and math.isfinite(r["bandwidth_gb_s"])
+    # one probe before loading, one after the runs; the bound takes the higher
+    probes = r["bandwidth_probes_gb_s"]
+    assert len(probes) == 2 and all(g > 0 and math.isfinite(g) for g in probes)
+    assert r["bandwidth_gb_s"] == max(probes)
     assert r["bound_tok_s"] == pytest.approx(r["bandwidth_gb_s"] * 1e9 / r["bytes_per_token"])
     assert r["percent_of_bound"] == pytest.approx(
         100 * r["decode_tok_s"]["median"] / r["bound_tok_s"])
