@@ -12,6 +12,9 @@ cdef extern from "clb_bench.h" nogil:
                                 const float *x, int64_t n_tok, int n_threads, int n_reps,
                                 double *secs)
     clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run)
+    clb_status clb_int8_loop_bench(int variant, double *gmacs)
+
+INT8_LOOP_VARIANTS = ("q8", "q8 without the sign step", "q4")
 
 
 def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
@@ -63,3 +66,19 @@ def threadpool_bench(int n_threads, int n_runs=10000, int gap_us=0) -> float:
     if st != CLB_OK:
         raise _status_error(st, f"thread-pool bench failed with status {int(st)}")
     return ns
+
+
+def int8_loop_bench(str variant) -> float:
+    """GMAC/s of one core running the AVX2 int8 products' inner loop on data in L1 (no memory
+    traffic): "q8" as the kernels compute it, "q8 without the sign step" (not an exact
+    product: the ceiling that step costs), or "q4". ValueError on a CPU without AVX2."""
+    if variant not in INT8_LOOP_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(INT8_LOOP_VARIANTS)}")
+    cdef int v = INT8_LOOP_VARIANTS.index(variant)
+    cdef double g = 0.0
+    cdef clb_status st
+    with nogil:
+        st = clb_int8_loop_bench(v, &g)
+    if st != CLB_OK:
+        raise ValueError("the int8 loop needs a CPU with AVX2")
+    return g

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Kernel micro-benchmark: GB/s of weights streamed and GMAC/s of one matrix product, per
 weight type, ISA path, thread count and number of tokens, timed in C (engine._core.matmul_bench),
-plus the thread pool's cost of one empty run (wake every worker, wait for all).
+plus the thread pool's cost of one empty run (wake every worker, wait for all) and, on AVX2
+CPUs, the ceiling of the products' arithmetic: their inner loop on data in L1, one core, for
+q8, q8 without its sign step (what exact signed int8 products cost on AVX2) and q4.
 
 A benchmark, not a test: it prints medians and asserts nothing. The machine should be quiet
 (the load average is printed). Example, the table of the README's performance section:
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
             idle = _core.threadpool_bench(th, 2000, 200)
             print(f"pool     {th} threads: empty run {busy / 1e3:.2f} us back to back, "
                   f"{idle / 1e3:.2f} us after 200 us of other work")
+    if "avx2" in _core.isa_supported():
+        loop = ", ".join(f"{v} {_core.int8_loop_bench(v):.1f}" for v in _core.INT8_LOOP_VARIANTS)
+        print(f"ceiling  int8 inner loop on L1 data, one core, GMAC/s (best of 15): {loop}")
     rng = np.random.default_rng(0)
     w32 = rng.standard_normal((args.rows, args.cols), dtype=np.float32)
     print(f"{'isa':8}{'type':6}{'thr':>4}{'tok':>5}{'ms':>9}{'x 1 tok':>9}{'GB/s':>8}"

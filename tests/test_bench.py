@@ -1,6 +1,7 @@
 """`colibri bench` and its probes: shapes of the output and exact byte counts, never speed.
 
-- the bandwidth probe returns a positive finite figure and refuses bad arguments;
+- the bandwidth probe and the int8 loop ceiling return positive finite figures and refuse
+  bad arguments;
 - `colibri bench --json` on tiny converted Mixtral models prints one JSON object with every
   field, and bytes per token equal a count made by hand from the model's dimensions and the
   format's block sizes (f32 and q4, tied and untied lm_head);
@@ -73,6 +74,18 @@ def test_bandwidth_probe_positive_and_finite_on_every_isa() -> None:
                 assert math.isfinite(gbps) and gbps > 0
     finally:
         _core.isa_force(before)
+
+
+def test_int8_loop_ceiling_positive_and_finite() -> None:
+    for variant in _core.INT8_LOOP_VARIANTS:
+        if "avx2" in _core.isa_supported():
+            g = _core.int8_loop_bench(variant)
+            assert g > 0 and math.isfinite(g)
+        else:  # the loop is AVX2 code
+            with pytest.raises(ValueError, match="needs a CPU with AVX2"):
+                _core.int8_loop_bench(variant)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        _core.int8_loop_bench("q5")
 
 
 @pytest.mark.parametrize("args", [(100, 1, 1), (1 << 20, 0, 1), (1 << 20, 1, 0)])
