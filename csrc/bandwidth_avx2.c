@@ -33,7 +33,7 @@ uint64_t clb_bw_sum_avx2(const uint64_t *w, size_t n) {
  * so the figure is what the instruction mix itself allows, with no memory in the way. Variant
  * 0 is q8 as the kernels compute it (the weight's sign moved onto the activation, because
  * vpmaddubsw multiplies unsigned by signed bytes); 1 is the same without that sign step (not
- * an exact product: the ceiling the step costs); 2 is q4 (unsigned nibbles, sums in int16).
+ * an exact product: the ceiling the step costs).
  * Returns a checksum of the results so that no work can be left out. */
 #define CLB_LOOP_TOK 8
 #define CLB_LOOP_BLOCKS 16
@@ -48,35 +48,13 @@ static inline __attribute__((always_inline)) uint64_t clb_int8_loop(int variant,
                                                                     const __m256i *wq,
                                                                     const int8_t *aq,
                                                                     const float *ad) {
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256 ws = _mm256_set1_ps(0.25f);
     __m256 acc[CLB_LOOP_TOK];
     for (int t = 0; t < CLB_LOOP_TOK; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n_blocks; b++) {
         const int64_t k = b % CLB_LOOP_BLOCKS;
         const __m256i *q = wq + k * 8;
-        if (variant == 2) {
-            __m256i v[8];
-            for (int j = 0; j < 4; j++) {
-                __m256i x = _mm256_loadu_si256(q + j);
-                v[j] = _mm256_and_si256(x, low4);
-                v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
-            }
-            for (int t = 0; t < CLB_LOOP_TOK; t++) {
-                const int8_t *a = aq + (k * CLB_LOOP_TOK + t) * 32;
-                __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32(a));
-                __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32(a + 16));
-                for (int d = 1; d < 4; d++) {
-                    h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(v[d], clb_bcast32(a + 4 * d)));
-                    h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(v[4 + d],
-                                                                   clb_bcast32(a + 16 + 4 * d)));
-                }
-                __m256i s = _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones);
-                __m256 sc = _mm256_mul_ps(ws, _mm256_set1_ps(ad[k * CLB_LOOP_TOK + t]));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(sc, _mm256_cvtepi32_ps(s)));
-            }
-            continue;
-        }
         __m256i part[CLB_LOOP_TOK];
         for (int h = 0; h < 2; h++) {
             __m256i sg[4], ab[4];
@@ -121,9 +99,6 @@ uint64_t clb_int8_loop_avx2(int variant, int64_t n_blocks) {
     for (int i = 0; i < CLB_LOOP_BLOCKS * 8; i++) wq[i] = _mm256_set1_epi8((char)(i * 7 - 60));
     for (int i = 0; i < CLB_LOOP_BLOCKS * CLB_LOOP_TOK * 32; i++) aq[i] = (int8_t)(i % 255 - 127);
     for (int i = 0; i < CLB_LOOP_BLOCKS * CLB_LOOP_TOK; i++) ad[i] = 1.0f / (float)(i + 1);
-    switch (variant) {
-    case 0: return clb_int8_loop(0, n_blocks, wq, aq, ad);
-    case 1: return clb_int8_loop(1, n_blocks, wq, aq, ad);
-    default: return clb_int8_loop(2, n_blocks, wq, aq, ad);
-    }
+    return variant == 0 ? clb_int8_loop(0, n_blocks, wq, aq, ad)
+                        : clb_int8_loop(1, n_blocks, wq, aq, ad);
 }

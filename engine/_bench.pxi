@@ -14,7 +14,7 @@ cdef extern from "clb_bench.h" nogil:
     clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run)
     clb_status clb_int8_loop_bench(int variant, double *gmacs)
 
-INT8_LOOP_VARIANTS = ("q8", "q8 without the sign step", "q4")
+INT8_LOOP_VARIANTS = ("q8", "q8 without the sign step")
 
 
 def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
@@ -70,8 +70,8 @@ def threadpool_bench(int n_threads, int n_runs=10000, int gap_us=0) -> float:
 
 def int8_loop_bench(str variant) -> float:
     """GMAC/s of one core running the AVX2 int8 products' inner loop on data in L1 (no memory
-    traffic): "q8" as the kernels compute it, "q8 without the sign step" (not an exact
-    product: the ceiling that step costs), or "q4". ValueError on a CPU without AVX2."""
+    traffic): "q8" as the kernels compute it, or "q8 without the sign step" (not an exact
+    product: the ceiling that step costs). ValueError on a CPU without AVX2."""
     if variant not in INT8_LOOP_VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(INT8_LOOP_VARIANTS)}")
     cdef int v = INT8_LOOP_VARIANTS.index(variant)

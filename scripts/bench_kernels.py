@@ -2,8 +2,8 @@
 """Kernel micro-benchmark: GB/s of weights streamed and GMAC/s of one matrix product, per
 weight type, ISA path, thread count and number of tokens, timed in C (engine._core.matmul_bench),
 plus the thread pool's cost of one empty run (wake every worker, wait for all) and, on AVX2
-CPUs, the ceiling of the products' arithmetic: their inner loop on data in L1, one core, for
-q8, q8 without its sign step (what exact signed int8 products cost on AVX2) and q4.
+CPUs, the ceiling of the q8 products' arithmetic: their inner loop on data in L1, one core,
+as computed and without its sign step (what exact signed int8 products cost on AVX2).
 
 A benchmark, not a test: it prints medians and asserts nothing. The machine should be quiet
 (the load average is printed). Example, the table of the README's performance section:
