@@ -1,5 +1,6 @@
-/* Kernel-side probes for the micro-benchmark (clb_bench.h): time clb_matmul on one matrix and
- * an empty thread-pool run, from C, so the figures hold no Python overhead.
+/* Kernel-side probes for the micro-benchmark (clb_bench.h): time clb_matmul on one matrix, an
+ * empty thread-pool run and the int8 products' inner loop on L1 data, from C, so the figures
+ * hold no Python overhead.
  * Guarantees: every timed product runs the same call the forward pass makes (clb_matmul with
  * the model's kind of pool); buffers are allocated before the clock starts and freed after.
  * Refuses: bad shapes or counts (CLB_E_ARG); it measures, it asserts nothing about speed. */

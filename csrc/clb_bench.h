@@ -40,7 +40,8 @@ clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_
                             double *secs);
 clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run);
 /* GMAC/s of clb_int8_loop_avx2(variant) on the calling thread, the best of 15 timed runs of
- * 512 M multiply-adds each (a ceiling: the best run is the one least disturbed). CLB_E_ARG for a variant outside 0..1 or a CPU without AVX2. */
+ * 512 M multiply-adds each (a ceiling: the best run is the one least disturbed). CLB_E_ARG
+ * for a variant outside 0..1 or a CPU without AVX2. */
 clb_status clb_int8_loop_bench(int variant, double *gmacs);
 
 #endif
