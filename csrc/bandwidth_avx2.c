@@ -68,7 +68,8 @@ static inline __attribute__((always_inline)) uint64_t clb_int8_loop(int variant,
                 for (int d = 0; d < 4; d++) {
                     __m256i x = clb_bcast32(a + 4 * d);
                     if (variant == 0) x = _mm256_sign_epi8(x, sg[d]);
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ab[d], x), ones));
+                    __m256i p = _mm256_maddubs_epi16(ab[d], x);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
                 }
                 if (h == 0) {
                     part[t] = s;
