@@ -25,12 +25,6 @@ clb_status clb_bandwidth_probe(size_t nbytes, int n_threads, int n_passes, doubl
 uint64_t clb_bw_sum_avx2(const uint64_t *w, size_t n);
 uint64_t clb_bw_sum_avx512(const uint64_t *w, size_t n);
 
-/* The int8 products' inner loop on data in L1 (bandwidth_avx2.c): n_blocks blocks of 8 rows
- * x 32 values against 8 tokens (2048 multiply-adds each); variant 0: q8 as the AVX2 kernels
- * compute it, 1: q8 without the sign step (not exact: its ceiling). Returns a checksum. */
-uint64_t clb_int8_loop_avx2(int variant, int64_t n_blocks);
-#define CLB_INT8_LOOP_MACS_PER_BLOCK (8 * 32 * 8)
-
 /* Micro-benchmark probes (bandwidth_kernels.c). clb_matmul_bench times n_reps calls of
  * clb_matmul(t, w, ...) on n_tok f32 rows x (a pool of n_threads of its own) into secs[n_reps];
  * clb_threadpool_bench writes the mean wall time of one empty clb_threadpool_run, each after
@@ -39,9 +33,9 @@ clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_
                             const float *x, int64_t n_tok, int n_threads, int n_reps,
                             double *secs);
 clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run);
-/* GMAC/s of clb_int8_loop_avx2(variant) on the calling thread, the best of 15 timed runs of
- * 512 M multiply-adds each (a ceiling: the best run is the one least disturbed). CLB_E_ARG
- * for a variant outside 0..1 or a CPU without AVX2. */
+/* GMAC/s of clb_int8_loop_avx2(variant) (clb_kernels_isa.h) on the calling thread, the best
+ * of 15 timed runs of 512 M multiply-adds each (a ceiling: the best run is the one least
+ * disturbed). CLB_E_ARG for a variant outside 0..1 or a CPU without AVX2. */
 clb_status clb_int8_loop_bench(int variant, double *gmacs);
 
 #endif

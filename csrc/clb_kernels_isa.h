@@ -87,6 +87,12 @@ void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t l
 void clb_att_mad_rows_f32_avx2(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
                                const float *w);
 void clb_act_pack_q8_avx2(int64_t n, const float *x, void *y); /* clb_block_q8c rows */
+/* the ceiling probe of the q8 products (bench_kernels): n_calls runs of the interleaved q8
+ * kernel on one 8-row group and 8 tokens held in L1, CLB_INT8_LOOP_MACS_PER_CALL
+ * multiply-adds each; variant 0 as the products compute, 1 without the sign step (not an
+ * exact product). Returns a checksum of the outputs. */
+uint64_t clb_int8_loop_avx2(int variant, int64_t n_calls);
+#define CLB_INT8_LOOP_MACS_PER_CALL (8 * 1024 * 8)
 void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y);
 /* one packed activation row (clb_block_q8c) against n_rows q8 rows: y[r]; bit-identical to the
  * reference, read row by row (the one-token q8 path of the AVX-512 product) */

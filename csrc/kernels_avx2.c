@@ -234,14 +234,17 @@ static inline __attribute__((always_inline)) __m256i clb_bcast32_avx2(const int8
 }
 
 /* exact int32 sums, per lane (row), of the four dwords d of activation bytes q against the
- * transposed q8 half sg (|w| * sign(w)*a: vpmaddubsw needs its first operand unsigned) */
+ * transposed q8 half sg (|w| * sign(w)*a: vpmaddubsw needs its first operand unsigned).
+ * SIGN is 1 in every product; 0 only in the ceiling probe (clb_int8_loop_avx2), which drops
+ * the sign step to measure its cost and computes no exact product. */
 static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i sg[4],
-                                                                 const int8_t *q) {
+                                                                 const int8_t *q, int SIGN) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int d = 0; d < 4; d++) {
-        __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(sg[d]),
-                                         _mm256_sign_epi8(clb_bcast32_avx2(q + 4 * d), sg[d]));
+        __m256i a = clb_bcast32_avx2(q + 4 * d);
+        if (SIGN) a = _mm256_sign_epi8(a, sg[d]);
+        __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(sg[d]), a);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
     }
     return s;
@@ -269,8 +272,8 @@ static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i s
 #define CLB_X8_PF_AHEAD 8
 #define CLB_X8_PF_AHEAD_Q8_FEW 32
 
-static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int64_t n,
-                                                            const char *const rp[8],
+static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int SIGN,
+                                                            int64_t n, const char *const rp[8],
                                                             const char *g, const char *act,
                                                             size_t act_row, int n_tok, float *y,
                                                             int64_t ldy, int nv, uintptr_t pf) {
@@ -331,7 +334,7 @@ static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int6
                 clb_load_t4(rp, off, sg);
             for (int t = 0; t < n_tok; t++) {
                 const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-                part[t] = clb_half_q8(sg, a->qs);
+                part[t] = clb_half_q8(sg, a->qs, SIGN);
             }
             if (X8)
                 for (int j = 0; j < 4; j++) sg[j] = _mm256_loadu_si256(q + 4 + j);
@@ -339,7 +342,7 @@ static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int6
                 clb_load_t4(rp, off + 16, sg);
             for (int t = 0; t < n_tok; t++) {
                 const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-                __m256i s = _mm256_add_epi32(part[t], clb_half_q8(sg, a->qs + 16));
+                __m256i s = _mm256_add_epi32(part[t], clb_half_q8(sg, a->qs + 16, SIGN));
                 __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
                 acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
             }
@@ -410,8 +413,8 @@ void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, c
  * through the same row groups: streamed with prefetching they run faster than rows read one
  * by one, and the float work per block is one vector add per 8 rows instead of 8 dependent
  * scalar adds. X8: interleaved weights (whole groups only; the matmul driver checks). */
-static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int X8, int64_t n,
-                                                            int64_t n_rows, const void *w,
+static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int X8, int SIGN,
+                                                            int64_t n, int64_t n_rows, const void *w,
                                                             size_t w_row, const void *act,
                                                             size_t act_row, int64_t n_tok,
                                                             float *y, int64_t ldy) {
@@ -433,10 +436,10 @@ static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int X8, int6
             /* a few tokens (the expert groups of a decode step): the count is a constant, so
              * the accumulators stay in registers */
             switch (tt) {
-            case 1: clb_pass8(Q4, X8, n, rp, g, at, act_row, 1, yt, ldy, nv, pt); break;
-            case 2: clb_pass8(Q4, X8, n, rp, g, at, act_row, 2, yt, ldy, nv, pt); break;
-            case 3: clb_pass8(Q4, X8, n, rp, g, at, act_row, 3, yt, ldy, nv, pt); break;
-            default: clb_pass8(Q4, X8, n, rp, g, at, act_row, tt, yt, ldy, nv, pt); break;
+            case 1: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, 1, yt, ldy, nv, pt); break;
+            case 2: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, 2, yt, ldy, nv, pt); break;
+            case 3: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, 3, yt, ldy, nv, pt); break;
+            default: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, tt, yt, ldy, nv, pt); break;
             }
         }
     }
@@ -445,12 +448,54 @@ static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int X8, int6
 #define CLB_GEMM8_AVX2(NAME, Q4, X8)                                                         \
     void NAME(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,       \
               size_t act_row, int64_t n_tok, float *y, int64_t ldy) {                        \
-        clb_gemm8(Q4, X8, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);                  \
+        clb_gemm8(Q4, X8, 1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);               \
     }
 CLB_GEMM8_AVX2(clb_gemm_q8_avx2, 0, 0)
 CLB_GEMM8_AVX2(clb_gemm_q4_avx2, 1, 0)
 CLB_GEMM8_AVX2(clb_gemm_q8x8_avx2, 0, 1)
 CLB_GEMM8_AVX2(clb_gemm_q4x8_avx2, 1, 1)
+
+/* ---- the ceiling of the q8 products' arithmetic -----------------------------------------
+ * n_calls products of the interleaved q8 kernel (clb_gemm8 as clb_gemm_q8x8_avx2 runs it, the
+ * token count read at run time as in a real call) on one 8-row group of CLB_LOOP_N values
+ * against CLB_LOOP_TOK tokens, all in L1: what the kernel's instruction mix allows with no
+ * memory in the way. Variant 1 drops the sign step (SIGN = 0: no exact product, the ceiling
+ * that step costs). Returns a checksum of the outputs, and each call sees a different input,
+ * so no call can be left out. */
+#define CLB_LOOP_N 1024
+#define CLB_LOOP_TOK 8
+_Static_assert(CLB_LOOP_N * CLB_LOOP_TOK * 8 == CLB_INT8_LOOP_MACS_PER_CALL, "probe size");
+
+static inline __attribute__((always_inline)) uint64_t clb_loop_run(int SIGN, int64_t n_calls) {
+    enum { NB = CLB_LOOP_N / CLB_QK, GB = 8 * sizeof(clb_block_q8) };
+    /* the group, then room for the blocks its prefetches ask for past its end */
+    unsigned char w[(NB + CLB_X8_PF_AHEAD_Q8_FEW) * GB] __attribute__((aligned(64)));
+    clb_block_q8c act[CLB_LOOP_TOK * NB];
+    float y[CLB_LOOP_TOK * 8];
+    for (size_t i = 0; i < sizeof w; i++) w[i] = (unsigned char)(i * 7 + 3);
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < 8; r++) memcpy(w + (size_t)b * GB + 2 * r, &(clb_f16){0x2c00}, 2);
+    for (int i = 0; i < CLB_LOOP_TOK * NB; i++) {
+        act[i].d = 1.0f / (float)(i + 1);
+        act[i].corr = 0;
+        for (int k = 0; k < CLB_QK; k++) act[i].qs[k] = (int8_t)((i * 31 + k * 5) % 255 - 127);
+    }
+    volatile int64_t n_tok = CLB_LOOP_TOK;
+    uint64_t sum = 0;
+    for (int64_t c = 0; c < n_calls; c++) {
+        act[0].d = (float)(c & 1023); /* a new input for every call */
+        clb_gemm8(0, 1, SIGN, CLB_LOOP_N, 8, w, NB * sizeof(clb_block_q8), act,
+                  NB * sizeof(clb_block_q8c), n_tok, y, 8);
+        uint32_t u;
+        memcpy(&u, &y[c % (CLB_LOOP_TOK * 8)], sizeof u);
+        sum = sum * 31 + u;
+    }
+    return sum;
+}
+
+uint64_t clb_int8_loop_avx2(int variant, int64_t n_calls) {
+    return variant == 0 ? clb_loop_run(1, n_calls) : clb_loop_run(0, n_calls);
+}
 
 /* f16 -> f32 with F16C: exact for every number; a NaN stays a NaN (signalling ones come back
  * quiet, where the reference keeps the payload as it is) */
