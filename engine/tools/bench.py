@@ -213,10 +213,10 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     # the memory's read rate drifts on shared machines: probe before loading and again after
     # the runs (with the model freed, so the buffer never competes with it) and take the
     # higher, which bounds the decode in between from above
-    probes = [_core.bandwidth_probe(s.probe_mib << 20, s.threads or _core.physical_cores(),
-                                    s.probe_passes)]
+    n_threads = s.threads or _core.physical_cores()
+    probes = [_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes)]
     t0 = time.perf_counter()
-    model = Model.load(path, threads=s.threads, n_ctx=s.prompt_tokens + s.gen_tokens)
+    model = Model.load(path, threads=n_threads, n_ctx=s.prompt_tokens + s.gen_tokens)
     monitor = start_expert_cache(model, path, s.expert_cache or ExpertCacheConfig.from_env(),
                                  model.n_kv_blocks * model.kv_block_bytes())
     load_s = time.perf_counter() - t0
@@ -230,7 +230,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
     decode = summarize([s.gen_tokens / r.decode_s for r in runs])
     rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
-    n_threads = model.n_threads
+    n_threads = model.n_threads  # what the model runs on (the core caps very large counts)
     n_repacked = model.core.n_repacked
     del model
 
