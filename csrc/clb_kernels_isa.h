@@ -123,5 +123,10 @@ void clb_gemm_q8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+/* interleaved weights (q8x8, q4x8), n_rows a multiple of 8, q8c rows with corr = -offset * sum */
+void clb_gemm_q8x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                          const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                          const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 #endif

@@ -130,7 +130,15 @@ static void clb_fill_avx512(clb_type_traits *t) {
     t[CLB_TYPE_Q4].act_size = clb_act_size_q8c;
     t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx512;
     t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx512;
-    clb_fill_x8_avx2(t); /* interleaved weights, should this table be chosen after a repack */
+    /* the interleaved layout spares the row groups' transposes (a dozen shuffles per block of
+     * 16 rows) and the one-token path's horizontal sums */
+    t[CLB_TYPE_Q8].prefer_x8 = 1;
+    t[CLB_TYPE_Q4].prefer_x8 = 1;
+    clb_fill_x8_avx2(t);
+    t[CLB_TYPE_Q8X8].act_pack = clb_act_pack_q8_avx512; /* corr = -128 * sum */
+    t[CLB_TYPE_Q8X8].gemm = clb_gemm_q8x8_avx512;
+    t[CLB_TYPE_Q4X8].act_pack = clb_act_pack_q4_avx512;
+    t[CLB_TYPE_Q4X8].gemm = clb_gemm_q4x8_avx512;
 }
 #endif
 

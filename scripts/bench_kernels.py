@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cols", type=int, default=4096, help="input columns (default 4096)")
     p.add_argument("--types", default="q8,q4,q8x8,q4x8",
                    help="weight types; q8x8 and q4x8 are q8 and q4 in the 8-row interleaved "
-                        "layout the AVX2 path repacks to at load (default q8,q4,q8x8,q4x8)")
+                        "layout the SIMD paths repack to at load (default q8,q4,q8x8,q4x8)")
     p.add_argument("--isa", default=None, help="ISA paths, e.g. avx512,avx2 (default: all)")
     p.add_argument("--tokens", default="1,2,4,8,16", help="rows of activations per product")
     p.add_argument("--threads", default="1,2", help="thread counts")

@@ -124,3 +124,41 @@ def test_block_products_equal_reference_bits(type_name: str, shape: tuple[int, i
     core.isa_force(isa)
     assert np.isfinite(want).all()
     np.testing.assert_array_equal(got, want)
+
+
+# The interleaved layouts the SIMD paths repack to at load: the same two promises, on whole
+# 8-row groups (40 rows: two 16-row pairs of groups and a lone group, as AVX-512 reads them).
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_interleaved_row_alone_equals_row_in_any_batch(kind: str, n_threads: int,
+                                                       isa: str) -> None:
+    n_out, n_in = 40, 288
+    data = core.repack_x8(kind, _raw_block_weights(kind, n_out, n_in, seed=31), n_out, n_in)
+    pool = _activations(17, n_in, seed=32)
+    alone = np.stack([core.matmul(kind + "x8", data, n_out, n_in, pool[i:i + 1], None,
+                                  n_threads)[0] for i in range(17)])
+    assert not np.isnan(alone).any()
+    for n_tok in range(2, 18):
+        for first in sorted({0, (17 - n_tok) // 2, 17 - n_tok}):
+            y = core.matmul(kind + "x8", data, n_out, n_in, pool[first:first + n_tok], None,
+                            n_threads)
+            np.testing.assert_array_equal(y, alone[first:first + n_tok],
+                                          err_msg=f"{n_tok} rows from {first}")
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("shape", [(8, 32, 1), (16, 64, 8), (40, 288, 17), (72, 4096, 3),
+                                   (24, 96, 9)])
+def test_interleaved_products_equal_reference_bits(kind: str, shape: tuple[int, int, int],
+                                                   isa: str) -> None:
+    # extreme bytes (q8 -128, every nibble, f16 scales from zero to the largest finite)
+    n_out, n_in, n_tok = shape
+    rows = _raw_block_weights(kind, n_out, n_in, seed=n_out + 1)
+    x = _activations(n_tok, n_in, seed=n_in + 1)
+    got = core.matmul(kind + "x8", core.repack_x8(kind, rows, n_out, n_in), n_out, n_in, x,
+                      None, 2)
+    core.isa_force("ref")
+    want = core.matmul(kind, rows, n_out, n_in, x, None, 1)
+    core.isa_force(isa)
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(got, want)

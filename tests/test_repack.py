@@ -1,7 +1,8 @@
-"""The 8-row interleaved weight layouts (q8x8, q4x8) that the AVX2 path repacks q8/q4 weights
-to at load: the layout against an independent numpy description, products on it equal the row
-layout's bit for bit on every ISA (so a repacked model decodes the same tokens and logits),
-the expert cache's slot repacking gives the all-resident output, and the refusals."""
+"""The 8-row interleaved weight layouts (q8x8, q4x8) that the SIMD paths repack q8/q4 weights
+to at load (AVX-512 reads two groups at once): the layout against an independent numpy
+description, products on it equal the row layout's bit for bit on every ISA (so a repacked
+model decodes the same tokens and logits), the expert cache's slot repacking gives the
+all-resident output, and the refusals."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_layout_matches_its_description(kind: str, shape: tuple[int, int]) -> No
     raw = _weights(kind, n_out, n_in, seed=n_out + n_in)
     want = numpy_x8(raw, kind, n_out, n_in)
     assert _core.repack_x8(kind, raw, n_out, n_in, ref=True) == want  # the specification
-    assert _core.repack_x8(kind, raw, n_out, n_in) == want  # the CPU's fastest (AVX2 here)
+    assert _core.repack_x8(kind, raw, n_out, n_in) == want  # the CPU's fastest copy (AVX2)
     assert _core.repack_x8(kind, raw, n_out, n_in, in_place=True) == want
 
 
