@@ -328,14 +328,16 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
  * each, shared by every token of the pass; so the products need no transposes and no sign
  * step (weights read unsigned: q8 xor 0x80, q4 raw nibbles, with corr in the activations),
  * and each token costs one broadcast and one vpdpbusd per 64 weight bytes. Each group is one
- * sequential stream, prefetched CLB_X16_PF_AHEAD blocks ahead (6 to 32 measured alike in
- * colibri bench's decode on Zen 4). A matrix with an odd number of groups pairs its last
+ * sequential stream, prefetched about 3.3 KB ahead (colibri bench's decode on Zen 4: q8
+ * ran alike from 6 to 32 blocks ahead; q4 one thread ran 30% faster 24 blocks ahead than 12,
+ * and no faster at 36 or 48). A matrix with an odd number of groups pairs its last
  * group with itself and stores the low half. Same per-lane arithmetic as clb_group, so the
  * same bits as the reference. */
 
 #define CLB_X16_PASS 8 /* tokens per pass: 8 accumulators + 8 weight registers */
 _Static_assert(CLB_X16_PASS == 8, "clb_gemm_x16's switch spells out passes of 1 to 7 tokens");
-#define CLB_X16_PF_AHEAD 12
+/* blocks ahead: about 3.3 KB of each stream for either type */
+#define CLB_X16_PF_AHEAD(Q4) ((Q4) ? 24 : 12)
 
 static inline __attribute__((always_inline)) __m512i clb_pair256(const char *p0, const char *p1) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
@@ -360,9 +362,9 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, i
          * the next pair's group, so the next pass starts from cache. Into L2 (T1): measured
          * faster than into L1 on Zen 4's decode, where each core has two streams to keep
          * in flight. */
-        const int64_t ahead = b + CLB_X16_PF_AHEAD;
-        const uintptr_t f0 = (uintptr_t)p0 + CLB_X16_PF_AHEAD * gb + (ahead >= nb ? next : 0);
-        const uintptr_t f1 = (uintptr_t)p1 + CLB_X16_PF_AHEAD * gb + (ahead >= nb ? next : 0);
+        const int64_t ahead = b + CLB_X16_PF_AHEAD(Q4);
+        const uintptr_t f0 = (uintptr_t)p0 + CLB_X16_PF_AHEAD(Q4) * gb + (ahead >= nb ? next : 0);
+        const uintptr_t f1 = (uintptr_t)p1 + CLB_X16_PF_AHEAD(Q4) * gb + (ahead >= nb ? next : 0);
         for (size_t l = 0; l < gb; l += 64) {
             _mm_prefetch((const char *)(f0 + l), _MM_HINT_T1);
             _mm_prefetch((const char *)(f1 + l), _MM_HINT_T1);
