@@ -131,6 +131,17 @@ int64_t clb_forward_max_batch(void);
 const clb_hparams *clb_model_hparams(const clb_model *m);
 int clb_model_n_threads(const clb_model *m);
 
+/* The weight products of every forward call since load, timed in place on the calling thread:
+ * calls, wall time (activation packing and the thread pool's hand-offs included) and weight
+ * bytes they read. What a decoded token spends outside them is attention over the cache,
+ * norms, routing and the caller's own work. Read it between forward calls. */
+typedef struct {
+    int64_t n_calls;
+    int64_t ns;
+    int64_t weight_bytes;
+} clb_product_stats;
+void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
+
 /* Expert cache: with it enabled, routed experts are no longer read through their mappings but
  * kept in a fixed number of slots per layer and loaded on demand (csrc/xcache.c). Every other
  * weight stays mapped. A step that routes several tokens to one expert loads it once; an

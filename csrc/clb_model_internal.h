@@ -46,6 +46,7 @@ struct clb_model {
     clb_wfile **expert_files;      /* [L * E] the file of each expert */
     struct clb_xcache *xc;         /* expert cache, NULL: every expert read through its mapping */
     int experts_x8;                /* routed experts repacked at load (clb_model_repack) */
+    clb_product_stats prod;        /* the forward pass's weight products (clb_forward) */
 
     /* scratch, B = CLB_MAX_BATCH rows each */
     float *x;        /* [B, D] residual stream */

@@ -29,10 +29,42 @@ static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float 
 
 static const float *f32(const clb_tensor *t) { return t ? (const float *)t->data : NULL; }
 
+/* Every weight product of the forward pass goes through these two, which count it in m->prod
+ * (clb_model_product_stats). */
+static void count_product(clb_model *m, int64_t t0, int64_t weight_bytes) {
+    m->prod.n_calls++;
+    m->prod.ns += clb_now_ns() - t0;
+    m->prod.weight_bytes += weight_bytes;
+}
+
+static int64_t weight_bytes(clb_type t, int64_t n_out, int64_t n_in) {
+    return (int64_t)clb_type_row_size(t, n_in) * n_out;
+}
+
+static clb_status mm_tp(clb_model *m, const clb_tensor *w, const float *x, int64_t T, float *y,
+                        int64_t ldy, const clb_tensor *bias, clb_threadpool *tp) {
+    const int64_t t0 = clb_now_ns();
+    clb_status st = clb_matmul(w->type, w->data, w->shape[0], w->shape[1], x, T, y, ldy,
+                               f32(bias), m->mm_scratch, tp);
+    count_product(m, t0, T > 0 ? weight_bytes(w->type, w->shape[0], w->shape[1]) : 0);
+    return st;
+}
+
 static clb_status mm(clb_model *m, const clb_tensor *w, const float *x, int64_t T, float *y,
                      int64_t ldy, const clb_tensor *bias) {
-    return clb_matmul(w->type, w->data, w->shape[0], w->shape[1], x, T, y, ldy, f32(bias),
-                      m->mm_scratch, m->tp);
+    return mm_tp(m, w, x, T, y, ldy, bias, m->tp);
+}
+
+static clb_status run_jobs(clb_model *m, int n_jobs) {
+    const int64_t t0 = clb_now_ns();
+    clb_status st = clb_matmul_jobs(m->jobs, n_jobs, m->tp);
+    int64_t bytes = 0;
+    for (int k = 0; k < n_jobs; k++) {
+        const clb_mm_job *j = &m->jobs[k];
+        if (j->n_tok > 0) bytes += weight_bytes(j->type, j->n_out, j->n_in) * (j->w_up ? 2 : 1);
+    }
+    count_product(m, t0, bytes);
+    return st;
 }
 
 #define TRY(expr)                         \
@@ -236,7 +268,7 @@ static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
         m->jobs[0] = job(l->wq, a, T, m->q, qd, l->bq);  /* [T, qd] */
         m->jobs[1] = job(l->wk, a, T, m->k, kvd, l->bk); /* [T, kvd] */
         m->jobs[2] = job(l->wv, a, T, m->v, kvd, l->bv); /* [T, kvd] */
-        TRY(clb_matmul_jobs(m->jobs, 3, m->tp));
+        TRY(run_jobs(m, 3));
     } else {
         TRY(mm(m, l->wq, m->xn, T, m->q, qd, l->bq));
         TRY(mm(m, l->wk, m->xn, T, m->k, kvd, l->bk));
@@ -357,7 +389,7 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
         j.y_up = m->h3 + r0 * F;
         m->jobs[nj++] = j; /* [c, F] silu(gate) * up */
     }
-    TRY(clb_matmul_jobs(m->jobs, (int)nj, m->tp));
+    TRY(run_jobs(m, (int)nj));
     size_t hrow = clb_act_row_size(w2->type, F);
     const void *h = act_for(w2, m->h1, F, n, m->act);
     nj = 0;
@@ -368,7 +400,7 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
         const void *hg = (const char *)h + h_off;
         m->jobs[nj++] = job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
     }
-    return clb_matmul_jobs(m->jobs, (int)nj, m->tp);
+    return run_jobs(m, (int)nj);
 }
 
 /* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
@@ -377,9 +409,8 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
 static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *nl = &m->layers[il + 1];
-    const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
-    TRY(clb_matmul(nl->gate_inp->type, nl->gate_inp->data, E, D, m->xn, T, m->probs, E, NULL,
-                   m->mm_scratch, NULL));
+    const int64_t E = hp->n_expert, K = hp->n_expert_used;
+    TRY(mm_tp(m, nl->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
     /* votes per expert in e_fill (free until the grouping below) */
     int64_t *votes = m->e_fill;
     for (int64_t e = 0; e < E; e++) votes[e] = 0;
@@ -411,8 +442,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         rmsnorm(m->x + t * D, f32(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
 
     /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
-    TRY(clb_matmul(l->gate_inp->type, l->gate_inp->data, E, D, m->xn, T, m->probs, E, NULL,
-                   m->mm_scratch, NULL));
+    TRY(mm_tp(m, l->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
     for (int64_t t = 0; t < T; t++)
         route_token(hp, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
     if (routes)

@@ -374,6 +374,8 @@ void clb_model_free(clb_model *m) {
 
 const clb_hparams *clb_model_hparams(const clb_model *m) { return &m->hp; }
 
+void clb_model_product_stats(const clb_model *m, clb_product_stats *out) { *out = m->prod; }
+
 int clb_model_n_threads(const clb_model *m) { return m->n_threads; }
 
 int64_t clb_forward_max_batch(void) { return CLB_MAX_BATCH; }

@@ -59,6 +59,11 @@ cdef extern from "clb_model.h" nogil:
     const clb_hparams *clb_model_hparams(const clb_model *m)
     int clb_model_n_threads(const clb_model *m)
     int64_t clb_forward_max_batch()
+    ctypedef struct clb_product_stats:
+        int64_t n_calls
+        int64_t ns
+        int64_t weight_bytes
+    void clb_model_product_stats(const clb_model *m, clb_product_stats *out)
 
     int CLB_KV_BLOCK
     ctypedef enum clb_kv_type:
@@ -329,6 +334,14 @@ cdef class CoreModel:
     @property
     def n_threads(self) -> int:
         return clb_model_n_threads(self.m)
+
+    def product_stats(self) -> dict:
+        """The forward pass's weight products since load, timed in place: calls, seconds
+        (activation packing and thread hand-offs included) and weight bytes read."""
+        cdef clb_product_stats ps
+        with self._lock:  # between forward calls
+            clb_model_product_stats(self.m, &ps)
+        return {"calls": ps.n_calls, "s": ps.ns * 1e-9, "weight_bytes": ps.weight_bytes}
 
     @property
     def n_vocab(self) -> int:

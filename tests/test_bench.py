@@ -135,6 +135,15 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     assert r["bound_tok_s"] == pytest.approx(r["bandwidth_gb_s"] * 1e9 / r["bytes_per_token"])
     assert r["percent_of_bound"] == pytest.approx(
         100 * r["decode_tok_s"]["median"] / r["bound_tok_s"])
+    # the products timed in place read every weight of a token once, all but the norms and
+    # the embedding row; the step they are set against is the median run's
+    pr = r["decode_products"]
+    norms = LAYERS * 2 * 4 * D + 4 * D
+    assert pr["bytes_per_token"] == _hand_count("q8", "q4") - norms - _row("q8", D)
+    assert 0 < pr["s_per_token"] < pr["step_s"]
+    assert any(1 / pr["step_s"] == pytest.approx(v) for v in r["decode_tok_s"]["runs"])
+    assert pr["other_s_per_token"] == pytest.approx(pr["step_s"] - pr["s_per_token"])
+    assert pr["gb_s"] == pytest.approx(pr["bytes_per_token"] / pr["s_per_token"] / 1e9)
     assert r["isa"] in _core.isa_supported()
     assert len(r["greedy_tokens"]) == 7 and all(0 <= t < VOCAB_SIZE for t in r["greedy_tokens"])
 
@@ -171,7 +180,7 @@ def test_bench_table_and_bad_arguments(tiny: dict[str, Path],
     assert rc == 0
     out = capsys.readouterr().out
     for label in ("prefill tok/s", "decode tok/s", "peak RSS", "weights/token", "bandwidth",
-                  "decode bound"):
+                  "decode bound", "products"):
         assert label in out
     assert main(["bench", "--model", str(tiny["f32"]), "--repeat", "0"]) == 2
     assert "repeat must be positive" in capsys.readouterr().err

@@ -117,6 +117,11 @@ class Model:
     def n_threads(self) -> int:
         return int(self.core.n_threads)
 
+    def product_stats(self) -> dict[str, float]:
+        """The weight products of every forward call so far, timed in place: calls, seconds
+        and weight bytes (engine._core.CoreModel.product_stats)."""
+        return dict(self.core.product_stats())
+
     def seq_len(self, seq_id: int) -> int:
         """Positions the cache holds for slot seq_id."""
         return int(self._len[self._slot(seq_id)])

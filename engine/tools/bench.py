@@ -117,6 +117,8 @@ class RunTiming:
     prefill_s: float
     decode_s: float
     tokens: list[int]  # greedy continuation: 1 from the prefill + one per decode call
+    decode_products_s: float  # of decode_s, in the weight products (timed in place, in C)
+    decode_product_bytes: int  # weight bytes those products read
 
 
 def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
@@ -134,16 +136,19 @@ def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
         logits = model.forward(prompt, np.zeros(n, np.int32), np.arange(n, dtype=np.int32), want)
         tok = int(np.argmax(logits[-1]))
         t1 = time.perf_counter()
+        p1 = model.product_stats()
         tokens = [tok]
         for step in range(n_gen):
             logits = model.forward(np.asarray([tok], np.int32), seq0,
                                    np.asarray([n + step], np.int32))
             tok = int(np.argmax(logits[0]))
             tokens.append(tok)
+        p2 = model.product_stats()
         t2 = time.perf_counter()
     finally:
         model.reset(0)
-    return RunTiming(t1 - t0, t2 - t1, tokens)
+    return RunTiming(t1 - t0, t2 - t1, tokens, p2["s"] - p1["s"],
+                     int(p2["weight_bytes"] - p1["weight_bytes"]))
 
 
 def summarize(values: list[float]) -> dict[str, Any]:
@@ -202,6 +207,17 @@ def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, Any] | No
     return out
 
 
+def decode_products(runs: list[RunTiming], n_gen: int) -> dict[str, float]:
+    """The weight products' part of a decoded token, from the run with the median decode:
+    seconds and bytes per token, their rate, and seconds per token outside them."""
+    r = sorted(runs, key=lambda x: x.decode_s)[len(runs) // 2]
+    s, step = r.decode_products_s / n_gen, r.decode_s / n_gen
+    nbytes = r.decode_product_bytes / n_gen
+    return {"s_per_token": s, "bytes_per_token": nbytes,
+            "gb_s": nbytes / s / 1e9 if s > 0 else 0.0, "step_s": step,
+            "other_s_per_token": step - s}
+
+
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Measure a model; returns the result object `--json` prints."""
     from engine import _core
@@ -229,6 +245,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     cache = expert_cache_report(monitor, before, s.repeat * (s.prompt_tokens + s.gen_tokens))
     prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
     decode = summarize([s.gen_tokens / r.decode_s for r in runs])
+    products = decode_products(runs, s.gen_tokens)
     rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
     n_threads = model.n_threads  # what the model runs on (the core caps very large counts)
     n_repacked = model.core.n_repacked
@@ -260,6 +277,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "probe_bytes": s.probe_mib << 20,
         "bound_tok_s": bound,
         "percent_of_bound": 100.0 * decode["median"] / bound if bound > 0 else math.nan,
+        "decode_products": products,
         "greedy_tokens": runs[0].tokens[:16],
         "expert_cache": cache,
     }
@@ -302,6 +320,12 @@ def render(r: dict[str, Any]) -> str:
         f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
         f"{r['percent_of_bound']:.1f}% of it",
     ]
+    pr = r["decode_products"]
+    lines.append(
+        f"products       {pr['s_per_token'] * 1e3:.3f} of {pr['step_s'] * 1e3:.3f} ms per decoded "
+        f"token, {_mb(pr['bytes_per_token'])} at {pr['gb_s']:.1f} GB/s; the other "
+        f"{pr['other_s_per_token'] * 1e3:.3f} ms: attention over the cache, norms, routing, "
+        "Python (timed in place, median run)")
     xc = r.get("expert_cache") or {}
     if xc.get("enabled"):
         lines.append(
