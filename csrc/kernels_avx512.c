@@ -239,6 +239,27 @@ static inline __attribute__((always_inline)) __m512i clb_bcast32(const int8_t *p
     return _mm512_set1_epi32(v);
 }
 
+/* Block b of TT tokens (a constant after inlining) against 16 rows' unsigned weights v (lane r:
+ * row r) with scales ws: each lane's exact integer block sum (started at corr), then the
+ * reference's order, acc += (d_w * d_a) * sum, a multiply, a multiply and an add. */
+static inline __attribute__((always_inline)) void clb_block_tokens(int TT, const __m512i v[8],
+                                                                   __m512 ws, const char *act,
+                                                                   size_t act_row, int64_t b,
+                                                                   __m512 *acc) {
+    for (int t = 0; t < TT; t++) {
+        const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
+        /* two chains of four: integer sums are exact in any order */
+        __m512i s0 = _mm512_set1_epi32(a->corr), s1 = _mm512_setzero_si512();
+        for (int d = 0; d < 4; d++) {
+            s0 = _mm512_dpbusd_epi32(s0, v[d], clb_bcast32(a->qs + 4 * d));
+            s1 = _mm512_dpbusd_epi32(s1, v[4 + d], clb_bcast32(a->qs + 16 + 4 * d));
+        }
+        __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(a->d));
+        __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(scale, sum));
+    }
+}
+
 /* TT tokens (a constant after inlining) against one row group; rp: the 16 row pointers (rows
  * past the matrix repeat a real row and are not stored), nv: rows to store */
 static inline __attribute__((always_inline)) void clb_group(int Q4, int TT, int64_t n,
@@ -252,18 +273,7 @@ static inline __attribute__((always_inline)) void clb_group(int Q4, int TT, int6
         __m512i v[8];
         clb_weights16(Q4, rp, b, v);
         __m512 ws = clb_scales16(Q4, rp[0], roff, b);
-        for (int t = 0; t < TT; t++) {
-            const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-            /* two chains of four: integer sums are exact in any order */
-            __m512i s0 = _mm512_set1_epi32(a->corr), s1 = _mm512_setzero_si512();
-            for (int d = 0; d < 4; d++) {
-                s0 = _mm512_dpbusd_epi32(s0, v[d], clb_bcast32(a->qs + 4 * d));
-                s1 = _mm512_dpbusd_epi32(s1, v[4 + d], clb_bcast32(a->qs + 16 + 4 * d));
-            }
-            __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(a->d));
-            __m512 p = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)));
-            acc[t] = _mm512_add_ps(acc[t], p);
-        }
+        clb_block_tokens(TT, v, ws, act, act_row, b, acc);
     }
     for (int t = 0; t < TT; t++) _mm512_mask_storeu_ps(y + t * ldy, keep, acc[t]);
 }
@@ -385,17 +395,7 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, i
             for (int d = 0; d < 8; d++)
                 v[d] = _mm512_xor_si512(clb_pair256(p0 + 16 + 32 * d, p1 + 16 + 32 * d), bias);
         }
-        for (int t = 0; t < TT; t++) {
-            const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-            __m512i s0 = _mm512_set1_epi32(a->corr), s1 = _mm512_setzero_si512();
-            for (int d = 0; d < 4; d++) {
-                s0 = _mm512_dpbusd_epi32(s0, v[d], clb_bcast32(a->qs + 4 * d));
-                s1 = _mm512_dpbusd_epi32(s1, v[4 + d], clb_bcast32(a->qs + 16 + 4 * d));
-            }
-            __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(a->d));
-            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(scale, sum));
-        }
+        clb_block_tokens(TT, v, ws, act, act_row, b, acc);
     }
     for (int t = 0; t < TT; t++) _mm512_mask_storeu_ps(y + t * ldy, keep, acc[t]);
 }
