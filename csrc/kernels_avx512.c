@@ -4,7 +4,6 @@
  * (vpdpbusd) and are exact, so results differ from the reference only by float summation order.
  * Refuses: to run on a CPU without AVX-512 F/BW/VL/VNNI; dispatch.c never selects it there. */
 #include <immintrin.h>
-#include <string.h>
 
 #include "clb_kernels_isa.h"
 
@@ -233,10 +232,18 @@ static inline __attribute__((always_inline)) __m512 clb_scales16(int Q4, const c
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
 }
 
-static inline __attribute__((always_inline)) __m512i clb_bcast32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
+/* acc += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane, with the
+ * broadcast folded into vpdpbusd's memory operand ({1to16}). GCC keeps _mm512_set1_epi32 +
+ * _mm512_dpbusd_epi32 as two instructions; folded, the products of 8 or 16 tokens ran 18 to
+ * 25% faster on one Zen 4 core (bench_kernels, L3-resident matrix). Same result bits. */
+typedef struct {
+    int8_t b[4];
+} clb_i8x4;
+
+static inline __attribute__((always_inline)) __m512i clb_dpbusd_bcast(__m512i acc, __m512i w,
+                                                                      const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const clb_i8x4 *)p));
+    return acc;
 }
 
 /* Block b of TT tokens (a constant after inlining) against 16 rows' unsigned weights v (lane r:
@@ -251,8 +258,8 @@ static inline __attribute__((always_inline)) void clb_block_tokens(int TT, const
         /* two chains of four: integer sums are exact in any order */
         __m512i s0 = _mm512_set1_epi32(a->corr), s1 = _mm512_setzero_si512();
         for (int d = 0; d < 4; d++) {
-            s0 = _mm512_dpbusd_epi32(s0, v[d], clb_bcast32(a->qs + 4 * d));
-            s1 = _mm512_dpbusd_epi32(s1, v[4 + d], clb_bcast32(a->qs + 16 + 4 * d));
+            s0 = clb_dpbusd_bcast(s0, v[d], a->qs + 4 * d);
+            s1 = clb_dpbusd_bcast(s1, v[4 + d], a->qs + 16 + 4 * d);
         }
         __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(a->d));
         __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
