@@ -344,7 +344,7 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
  * neighbouring groups' registers side by side make the 16-lane register, one 256-bit insert
  * each, shared by every token of the pass; so the products need no transposes and no sign
  * step (weights read unsigned: q8 xor 0x80, q4 raw nibbles, with corr in the activations),
- * and each token costs one broadcast and one vpdpbusd per 64 weight bytes. Each group is one
+ * and each token costs one vpdpbusd per 64 weight bytes (clb_dpbusd_bcast). Each group is one
  * sequential stream, prefetched about 3.3 KB ahead (colibri bench's decode on Zen 4: q8
  * ran alike from 6 to 32 blocks ahead; q4 one thread ran 30% faster 24 blocks ahead than 12,
  * and no faster at 36 or 48). A matrix with an odd number of groups pairs its last
