@@ -170,6 +170,26 @@ void clb_quantize_q8a_avx512(int64_t n, const float *x, void *vy) {
 
 /* tokens per pass over a row group: 8 accumulators + 8 weight registers stay in zmm */
 #define CLB_TT 8
+_Static_assert(CLB_TT == 8, "CLB_PASSES spells out passes of 1 to 7 tokens");
+
+/* The passes of n_tok tokens, CLB_TT at a time, each through PASS(tt, at, yt) with tt a
+ * compile-time constant (so a pass's accumulators stay in registers): at, yt are the pass's
+ * first activation row and output row; one spelling for both kinds of product. */
+#define CLB_PASSES(PASS)                                                                    \
+    for (int64_t t = 0; t < n_tok; t += CLB_TT) {                                           \
+        const char *at = (const char *)act + (size_t)t * act_row;                           \
+        float *yt = y + t * ldy + r0;                                                       \
+        switch (n_tok - t < CLB_TT ? n_tok - t : CLB_TT) {                                  \
+        case 1: PASS(1, at, yt); break;                                                     \
+        case 2: PASS(2, at, yt); break;                                                     \
+        case 3: PASS(3, at, yt); break;                                                     \
+        case 4: PASS(4, at, yt); break;                                                     \
+        case 5: PASS(5, at, yt); break;                                                     \
+        case 6: PASS(6, at, yt); break;                                                     \
+        case 7: PASS(7, at, yt); break;                                                     \
+        default: PASS(CLB_TT, at, yt); break;                                               \
+        }                                                                                   \
+    }
 
 static void clb_act_pack_q8c(int64_t n, const float *x, void *vy, int32_t offset) {
     clb_block_q8c *y = vy;
@@ -309,22 +329,9 @@ static inline __attribute__((always_inline)) void clb_gemm16(int Q4, int64_t n, 
         }
         const __m512i roff = _mm512_loadu_si512(offs);
         const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
-        int64_t t = 0;
-        for (; t + CLB_TT <= n_tok; t += CLB_TT)
-            clb_group(Q4, CLB_TT, n, rp, roff, (const char *)act + (size_t)t * act_row, act_row,
-                      y + t * ldy + r0, ldy, keep);
-        const char *at = (const char *)act + (size_t)t * act_row;
-        float *yt = y + t * ldy + r0;
-        switch (n_tok - t) {
-        case 7: clb_group(Q4, 7, n, rp, roff, at, act_row, yt, ldy, keep); break;
-        case 6: clb_group(Q4, 6, n, rp, roff, at, act_row, yt, ldy, keep); break;
-        case 5: clb_group(Q4, 5, n, rp, roff, at, act_row, yt, ldy, keep); break;
-        case 4: clb_group(Q4, 4, n, rp, roff, at, act_row, yt, ldy, keep); break;
-        case 3: clb_group(Q4, 3, n, rp, roff, at, act_row, yt, ldy, keep); break;
-        case 2: clb_group(Q4, 2, n, rp, roff, at, act_row, yt, ldy, keep); break;
-        case 1: clb_group(Q4, 1, n, rp, roff, at, act_row, yt, ldy, keep); break;
-        default: break;
-        }
+#define CLB_GROUP_PASS(TT, AT, YT) clb_group(Q4, TT, n, rp, roff, AT, act_row, YT, ldy, keep)
+        CLB_PASSES(CLB_GROUP_PASS)
+#undef CLB_GROUP_PASS
     }
 }
 
@@ -351,8 +358,6 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
  * group with itself and stores the low half. Same per-lane arithmetic as clb_group, so the
  * same bits as the reference. */
 
-#define CLB_X16_PASS 8 /* tokens per pass: 8 accumulators + 8 weight registers */
-_Static_assert(CLB_X16_PASS == 8, "clb_gemm_x16's switch spells out passes of 1 to 7 tokens");
 /* blocks ahead: about 3.3 KB of each stream for either type */
 #define CLB_X16_PF_AHEAD(Q4) ((Q4) ? 24 : 12)
 
@@ -369,8 +374,8 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, i
     const size_t gb = 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
     const int64_t nb = n / CLB_QK;
     /* past a group's end its stream goes on one group further: the next pair's same group */
-    const uintptr_t next = (uintptr_t)nb * gb;
-    __m512 acc[CLB_X16_PASS];
+    const uintptr_t next = (uintptr_t)nb * gb, ahead = CLB_X16_PF_AHEAD(Q4) * gb;
+    __m512 acc[CLB_TT]; /* 8 accumulators + 8 weight registers */
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const char *p0 = g0 + (size_t)b * gb, *p1 = g1 + (size_t)b * gb;
@@ -379,12 +384,10 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, i
          * the next pair's group, so the next pass starts from cache. Into L2 (T1): measured
          * faster than into L1 on Zen 4's decode, where each core has two streams to keep
          * in flight. */
-        const int64_t ahead = b + CLB_X16_PF_AHEAD(Q4);
-        const uintptr_t f0 = (uintptr_t)p0 + CLB_X16_PF_AHEAD(Q4) * gb + (ahead >= nb ? next : 0);
-        const uintptr_t f1 = (uintptr_t)p1 + CLB_X16_PF_AHEAD(Q4) * gb + (ahead >= nb ? next : 0);
+        const uintptr_t pf = ahead + (b + CLB_X16_PF_AHEAD(Q4) >= nb ? next : 0);
         for (size_t l = 0; l < gb; l += 64) {
-            _mm_prefetch((const char *)(f0 + l), _MM_HINT_T1);
-            _mm_prefetch((const char *)(f1 + l), _MM_HINT_T1);
+            _mm_prefetch((const char *)((uintptr_t)p0 + pf + l), _MM_HINT_T1);
+            _mm_prefetch((const char *)((uintptr_t)p1 + pf + l), _MM_HINT_T1);
         }
         const __m512 ws = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
@@ -417,20 +420,9 @@ static inline __attribute__((always_inline)) void clb_gemm_x16(int Q4, int64_t n
         const char *g0 = (const char *)w + (size_t)r0 * w_row;
         const char *g1 = two ? g0 + 8 * w_row : g0;
         const __mmask16 keep = two ? (__mmask16)0xffff : (__mmask16)0x00ff;
-        for (int64_t t = 0; t < n_tok; t += CLB_X16_PASS) {
-            const char *at = (const char *)act + (size_t)t * act_row;
-            float *yt = y + t * ldy + r0;
-            switch (n_tok - t < CLB_X16_PASS ? n_tok - t : CLB_X16_PASS) {
-            case 1: clb_pass_x16(Q4, 1, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            case 2: clb_pass_x16(Q4, 2, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            case 3: clb_pass_x16(Q4, 3, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            case 4: clb_pass_x16(Q4, 4, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            case 5: clb_pass_x16(Q4, 5, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            case 6: clb_pass_x16(Q4, 6, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            case 7: clb_pass_x16(Q4, 7, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            default: clb_pass_x16(Q4, CLB_X16_PASS, n, g0, g1, at, act_row, yt, ldy, keep); break;
-            }
-        }
+#define CLB_X16_PASS(TT, AT, YT) clb_pass_x16(Q4, TT, n, g0, g1, AT, act_row, YT, ldy, keep)
+        CLB_PASSES(CLB_X16_PASS)
+#undef CLB_X16_PASS
     }
 }
 
