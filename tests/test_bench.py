@@ -38,15 +38,20 @@ def _row(type_name: str, n: int) -> int:
     return {"f32": 4 * n, "f16": 2 * n, "q8": n // 32 * 34, "q4": n // 32 * 18}[type_name]
 
 
-def _hand_count(mat: str, expert: str) -> int:
-    """Weight bytes one decoded token reads, from the dimensions alone (tied or not: the
-    lm_head reads a [V, D] matrix of the embeddings' type either way)."""
+def _hand_count(vocab: str, mat: str, expert: str) -> int:
+    """Weight bytes one decoded token reads, from the dimensions alone: vocab is the type of
+    the embeddings and lm_head, mat of the attention matrices (tied or not: the lm_head reads
+    a [V, D] matrix of the embeddings' type either way)."""
     attention = (4 * D + _row(mat, D) * (H * HD + 2 * HKV * HD) + _row(mat, H * HD) * D)
     router = 4 * D + 4 * E * D  # ffn_norm + gate_inp, both f32
     one_expert = 2 * F * _row(expert, D) + D * _row(expert, F)
     per_layer = attention + router + K * one_expert
-    lm_head = VOCAB_SIZE * _row(mat, D)  # the output matrix, or the tied embedding matrix
-    return LAYERS * per_layer + _row(mat, D) + 4 * D + lm_head
+    lm_head = VOCAB_SIZE * _row(vocab, D)  # the output matrix, or the tied embedding matrix
+    return LAYERS * per_layer + _row(vocab, D) + 4 * D + lm_head
+
+
+# the q4 preset: embeddings and lm_head q8, every other matrix q4
+Q4 = ("q8", "q4", "q4")
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +99,19 @@ def test_bandwidth_probe_refuses_bad_arguments(args: tuple[int, int, int]) -> No
         _core.bandwidth_probe(*args)
 
 
-@pytest.mark.parametrize("name,mat,expert,tied", [
-    ("f32", "f32", "f32", False),
-    ("q4", "q8", "q4", False),
-    ("q4_tied", "q8", "q4", True),
+@pytest.mark.parametrize("name,types,tied", [
+    ("f32", ("f32", "f32", "f32"), False),
+    ("q4", Q4, False),
+    ("q4_tied", Q4, True),
 ])
-def test_bytes_per_token_match_hand_count(tiny: dict[str, Path], name: str, mat: str,
-                                          expert: str, tied: bool) -> None:
+def test_bytes_per_token_match_hand_count(tiny: dict[str, Path], name: str,
+                                          types: tuple[str, str, str], tied: bool) -> None:
     has_output = "output" in read_wfile(tiny[name] / "embeddings.bin").tensors
     assert has_output != tied  # the tied model really reads its lm_head from tok_embd
     parts = weight_bytes_per_token(tiny[name])
-    assert parts["total"] == _hand_count(mat, expert)
+    assert parts["total"] == _hand_count(*types)
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    expert = types[2]
     assert parts["experts"] == LAYERS * K * (2 * F * _row(expert, D) + D * _row(expert, F))
 
 
@@ -123,7 +129,7 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
         assert len(s["runs"]) == 2
         assert all(math.isfinite(v) and v > 0 for v in s["runs"])
         assert s["min"] <= s["median"] <= s["max"]
-    assert r["bytes_per_token"] == _hand_count("q8", "q4")
+    assert r["bytes_per_token"] == _hand_count(*Q4)
     assert sum(r["bytes_per_token_parts"].values()) == r["bytes_per_token"]
     assert r["peak_rss_bytes"] > 0
     assert r["probe_bytes"] == 8 << 20
@@ -139,7 +145,7 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     # the embedding row; the step they are set against is the median run's
     pr = r["decode_products"]
     norms = LAYERS * 2 * 4 * D + 4 * D
-    assert pr["bytes_per_token"] == _hand_count("q8", "q4") - norms - _row("q8", D)
+    assert pr["bytes_per_token"] == _hand_count(*Q4) - norms - _row("q8", D)
     assert 0 < pr["s_per_token"] < pr["step_s"]
     assert any(1 / pr["step_s"] == pytest.approx(v) for v in r["decode_tok_s"]["runs"])
     assert pr["other_s_per_token"] == pytest.approx(pr["step_s"] - pr["s_per_token"])
@@ -196,7 +202,7 @@ def test_bench_converts_a_hugging_face_folder(tiny: dict[str, Path], tmp_path: P
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     assert Path(r["model"]).parent == tmp_path and r["quant"] == "q4"
-    assert r["bytes_per_token"] == _hand_count("q8", "q4")
+    assert r["bytes_per_token"] == _hand_count(*Q4)
 
 
 def test_prompt_is_deterministic_and_valid() -> None:

@@ -58,11 +58,11 @@ def expected_layout(arch: str, src: dict[str, np.ndarray], hf_cfg: dict) -> dict
     E = hf_cfg.get("num_local_experts", hf_cfg.get("num_experts"))
     lay: dict[str, dict[str, tuple[str, str, np.ndarray]]] = {}
     lay["embeddings.bin"] = {
-        "tok_embd": ("embeddings", "dense", src["model.embed_tokens.weight"]),
+        "tok_embd": ("embeddings", "vocab", src["model.embed_tokens.weight"]),
         "output_norm": ("embeddings", "norm", src["model.norm.weight"]),
     }
     if not hf_cfg.get("tie_word_embeddings"):
-        lay["embeddings.bin"]["output"] = ("embeddings", "dense", src["lm_head.weight"])
+        lay["embeddings.bin"]["output"] = ("embeddings", "vocab", src["lm_head.weight"])
     for i in range(L):
         p = f"model.layers.{i}."
         att = {"attn_norm": ("attention", "norm", src[p + "input_layernorm.weight"])}
@@ -100,7 +100,7 @@ def expected_layout(arch: str, src: dict[str, np.ndarray], hf_cfg: dict) -> dict
 def expected_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
     if preset == "f32" or kind in ("norm", "bias", "router"):
         return "f32"
-    t = "q4" if (preset == "q4" and kind == "expert") else ("q8" if preset == "q4" else preset)
+    t = "q8" if (preset == "q4" and kind == "vocab") else preset
     if t in ("q4", "q8") and shape[-1] % 32:
         return "f16"
     return t

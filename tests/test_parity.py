@@ -9,7 +9,10 @@ kernel ISA:
 - f16: relative L2 error of the logits <= 1e-2 against transformers float32;
 - q8, q4: relative L2 error <= 3e-2 against transformers run with the same fake-quantized
   weights (engine.format.quant.fake_quantize per config.json tensor_types); the error against the
-  float model is printed for the record.
+  float model is printed for the record. Positions where that reference's routing is a near-tie
+  in some layer (k-th and next router logits within ROUTE_TIE) are left out, at most MAX_TIES of
+  the prompt: Colibri's int8 activations may pick the other expert there, which moves the
+  logits by far more than quantization noise (seen: 0.27 at one such position, 0.01 elsewhere).
 """
 
 from __future__ import annotations
@@ -238,20 +241,35 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
     return out
 
 
-_FQ_REFS: dict[tuple[str, str], np.ndarray] = {}
+ROUTE_TIE = 0.05
+MAX_TIES = 4
+_FQ_REFS: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _hf_logits_and_ties(model: Any, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logits, and per position whether some layer's top-k routing is a near-tie."""
+    with torch.no_grad():
+        out = model(torch.tensor(ids[None].astype(np.int64)), output_router_logits=True)
+    ties = np.zeros(ids.size, bool)
+    for r in out.router_logits:
+        s = -np.sort(-r.float().numpy(), axis=1)
+        ties |= s[:, k - 1] - s[:, k] < ROUTE_TIE
+    return out.logits[0].float().numpy(), ties
 
 
 @pytest.mark.parametrize("preset", ["q8", "q4"])
 def test_quantized_logits(case: Case, isa: str, preset: str) -> None:
     key = (case.name, preset)
     if key not in _FQ_REFS:
-        _FQ_REFS[key] = _hf_logits(_hf_model(_fake_quantized_checkpoint(case, preset)),
-                                   case.prompt)
-    ref = _FQ_REFS[key]
+        k = json.loads((case.converted(preset) / "config.json").read_text())["n_expert_used"]
+        _FQ_REFS[key] = _hf_logits_and_ties(
+            _hf_model(_fake_quantized_checkpoint(case, preset)), case.prompt, k)
+    ref, ties = _FQ_REFS[key]
+    assert ties.sum() <= MAX_TIES, f"too many routing near-ties to judge: {np.flatnonzero(ties)}"
     m = Model.load(case.converted(preset), threads=THREADS, n_ctx=N_CTX)
     logits = _prefill(m, case.prompt)
-    err = _rel_l2(logits, ref)
+    err = _rel_l2(logits[~ties], ref[~ties])
     err_float = _rel_l2(logits, case.ref_logits)
-    print(f"\n{case.name}/{isa} {preset}: rel L2 vs same-weights HF {err:.3e}, "
-          f"vs float HF {err_float:.3e}")
+    print(f"\n{case.name}/{isa} {preset}: rel L2 vs same-weights HF {err:.3e} "
+          f"(near-ties left out: {np.flatnonzero(ties).tolist()}), vs float HF {err_float:.3e}")
     assert err <= 3e-2

@@ -55,6 +55,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 # tensor kinds decide the stored type (see engine/format/convert.py)
 NORM, BIAS, ROUTER, DENSE, EXPERT, SHARED = "norm", "bias", "router", "dense", "expert", "shared"
+VOCAB = "vocab"  # the token embeddings and the lm_head: one row per vocabulary entry
 
 
 class UnsupportedModel(ValueError):
@@ -255,10 +256,10 @@ def plan(cfg: dict[str, Any], names: set[str]) -> list[Target]:
         out.append(Target(file, name, kind, shape, src))
 
     emb = "embeddings.bin"
-    add(emb, "tok_embd", DENSE, (V, D), Source("model.embed_tokens.weight"))
+    add(emb, "tok_embd", VOCAB, (V, D), Source("model.embed_tokens.weight"))
     add(emb, "output_norm", NORM, (D,), Source("model.norm.weight"))
     if not cfg["tie_embeddings"]:
-        add(emb, "output", DENSE, (V, D), Source("lm_head.weight"))
+        add(emb, "output", VOCAB, (V, D), Source("lm_head.weight"))
 
     for i in range(cfg["n_layer"]):
         p = f"model.layers.{i}."
