@@ -161,6 +161,7 @@ def _paced_core(real: Any, paced: PacedLLM) -> Any:
             finally:
                 self.model = model
             paced.produced += sum(1 for o in outs if o.token_id >= 0)
+            paced.steps += 1
             return outs
 
     core = object.__new__(PacedCore)
@@ -176,6 +177,7 @@ class PacedLLM:
         self._llm = llm
         self.permits = threading.Semaphore(0)
         self.produced = 0
+        self.steps = 0  # steps the test let run
         self.started = threading.Event()
         self.fail_next = False
         self.core = _paced_core(llm.core, self)

@@ -78,9 +78,43 @@ def test_batch_invariance_greedy_and_seeded(hf_dir: Path, quant: str) -> None:
               _params(max_tokens=8 + 3 * i, temperature=1.0, top_p=0.9, seed=100 + i)
               for i in range(len(prompts))]
     together = llm.generate_batch(prompts, params)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        assert _alone(llm, prompt, p) == together[i], f"request {i} changed in the batch"
     assert llm.core.blocks.n_free == llm.core.blocks.n_blocks
+    # alone: on an engine of its own, with no prefix cache that could hand it blocks the
+    # batch computed
+    solo = _llm(hf_dir, quant, max_num_seqs=8, max_num_batched_tokens=64,
+                enable_prefix_cache=False)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        assert _alone(solo, prompt, p) == together[i], f"request {i} changed in the batch"
+
+
+def test_a_step_samples_all_its_rows_in_one_call(llm: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling is batched: each step hands the logits of every request it finished a token
+    for to one sample_rows call, as one [B, V] array."""
+    import engine.core.engine as engine_core
+
+    calls: list[tuple[int, int]] = []
+    real = engine_core.sample_rows
+
+    def spy(logits: Any, samplers: Any, histories: Any) -> Any:
+        calls.append(logits.shape)
+        return real(logits, samplers, histories)
+
+    monkeypatch.setattr(engine_core, "sample_rows", spy)
+    core = llm.core
+    for i, p in enumerate(PROMPTS[:4]):
+        core.add_request(f"rows{i}", _ids(llm, p),
+                         _params(max_tokens=6, temperature=0.8, seed=i, top_k=20))
+    widest = 0
+    while core.has_work():
+        n_calls = len(calls)
+        sampled = [o for o in core.step() if o.token_id >= 0]
+        assert len(calls) - n_calls == (1 if sampled else 0)
+        if sampled:
+            assert calls[-1] == (len(sampled), llm.vocab_size)
+            widest = max(widest, len(sampled))
+    assert widest == 4  # the four requests were sampled together
+    assert core.blocks.n_free == core.blocks.n_blocks
 
 
 def test_more_requests_than_seats_wait_and_all_finish(llm: Any) -> None:

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_helpers import SubprocessServer, tiny_model, wait_for
+from tests.server_helpers import SubprocessServer, parse_metrics, tiny_model, wait_for
 
 MODEL = "tiny-mixtral"
 N_CTX = 512
@@ -43,6 +43,13 @@ def _client(server: SubprocessServer) -> openai.AsyncOpenAI:
 def _kv_free(server: SubprocessServer) -> tuple[float, float]:
     m = server.metrics()
     return m["colibri_kv_cache_blocks_free"], m["colibri_kv_cache_blocks_total"]
+
+
+def _vllm(m: dict[str, float], name: str) -> float:
+    """A vllm: sample of /metrics (they carry a model_name label)."""
+    hits = [v for k, v in m.items() if k.startswith(f"vllm:{name}{{")]
+    assert len(hits) == 1, (name, sorted(m))
+    return hits[0]
 
 
 def _messages(i: int) -> list[dict[str, str]]:
@@ -130,12 +137,41 @@ def test_disconnects_free_their_blocks(server: SubprocessServer) -> None:
     wait_for(lambda: server.metrics()["colibri_requests_waiting"] >= 2, 30, "2 waiting")
     free, total = _kv_free(server)
     assert free < total
+    # the same state under vLLM's names, which gateways route on
+    m = server.metrics()
+    assert _vllm(m, "num_requests_running") == m["colibri_requests_running"] == 8
+    assert _vllm(m, "num_requests_waiting") == m["colibri_requests_waiting"] >= 2
+    used = 1 - m["colibri_kv_cache_blocks_free"] / m["colibri_kv_cache_blocks_total"]
+    assert _vllm(m, "kv_cache_usage_perc") == pytest.approx(used) and 0 < used <= 1
     for s in socks:  # queued, in prefill, and mid-stream clients all leave at once
         s.close()
     wait_for(lambda: server.metrics()["colibri_requests_running"] == 0
              and server.metrics()["colibri_requests_waiting"] == 0, 15, "all aborted")
     free, total = _kv_free(server)
     assert free == total
+    m = server.metrics()
+    assert _vllm(m, "num_requests_running") == _vllm(m, "num_requests_waiting") == 0
+    assert _vllm(m, "kv_cache_usage_perc") == 0
+
+
+def test_metrics_names_are_the_documented_vllm_ones(server: SubprocessServer) -> None:
+    """Every vllm: name /metrics exports is in the README, and every one the README names
+    is exported, with the type a Prometheus scraper expects."""
+    import re
+    from pathlib import Path
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    types = dict(re.findall(r"^# TYPE (vllm:\S+) (\S+)$", text, re.M))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"`(vllm:[a-z_]+)`", readme))
+    assert documented == set(types), (documented, types)
+    assert types == {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries_total": "counter",
+        "vllm:prefix_cache_hits_total": "counter", "vllm:num_preemptions_total": "counter"}
+    m = parse_metrics(text)
+    assert _vllm(m, "prefix_cache_hits_total") <= _vllm(m, "prefix_cache_queries_total")
+    assert _vllm(m, "num_preemptions_total") >= 0
 
 
 def test_prompt_larger_than_the_kv_pool_is_a_400(tmp_path_factory: pytest.TempPathFactory

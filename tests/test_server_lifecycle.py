@@ -68,6 +68,22 @@ def paced(real_llm: Any) -> Iterator[tuple[InProcessServer, PacedLLM]]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def paced_pair(model_dir: Path) -> Iterator[tuple[InProcessServer, PacedLLM]]:
+    """Two seats and prompt chunks of at most 16 tokens: a long prompt takes several steps,
+    and a second request shares the running batch."""
+    from engine import LLM, EngineConfig
+
+    real = LLM(str(model_dir), n_ctx=N_CTX,
+               config=EngineConfig(max_num_seqs=2, max_num_batched_tokens=16))
+    llm = PacedLLM(real)
+    srv = InProcessServer(_app(lambda: llm)).start()
+    wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 30, "ready")
+    yield srv, llm
+    llm.release(10_000)
+    srv.stop()
+
+
 def _idle(srv: InProcessServer) -> bool:
     m = srv.metrics()
     return m["colibri_requests_running"] == 0 and m["colibri_requests_waiting"] == 0
@@ -242,6 +258,91 @@ def test_one_failure_is_a_500_for_that_request_only(
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
                       json={"prompt": "a", "max_tokens": 3, "stream": True}) as s:
         assert s.status_code == 500
+
+
+def test_disconnect_during_prefill_frees_its_blocks_without_another_step(
+        paced_pair: tuple[InProcessServer, PacedLLM]) -> None:
+    srv, llm = paced_pair
+    wait_for(lambda: _idle(srv), 10, "idle")
+    llm.drain()
+    before = srv.metrics()
+    steps0, produced0 = llm.steps, llm.produced
+    body = {"prompt": "Tell me everything about the river. " * 4, "max_tokens": 5,
+            "stream": True}  # 88 prompt tokens: six chunks of at most 16
+    s = _raw_request(srv.port, "/v1/completions", body)
+    try:
+        llm.release(2)  # two chunks of the prompt, nothing sampled yet
+        wait_for(lambda: llm.steps == steps0 + 2, 10, "two prefill steps")
+        mid = srv.metrics()
+        assert mid["colibri_requests_running"] == 1
+        assert mid["colibri_kv_cache_blocks_free"] < mid["colibri_kv_cache_blocks_total"]
+        assert llm.produced == produced0
+    finally:
+        s.close()
+    # no step is allowed to run: the engine frees the request between steps
+    wait_for(lambda: _idle(srv), 10, "request freed")
+    after = srv.metrics()
+    assert after["colibri_kv_cache_blocks_free"] == after["colibri_kv_cache_blocks_total"]
+    assert after["colibri_requests_aborted_total"] == before["colibri_requests_aborted_total"] + 1
+    assert llm.steps == steps0 + 2 and llm.produced == produced0
+
+
+class _ExplodingConstraint:
+    """A constraint whose first use raises, as a grammar engine bug would."""
+
+    def apply(self, logits: Any) -> None:
+        raise RuntimeError("constraint exploded in kernel.c")
+
+    def accept(self, token: int) -> None:
+        pass
+
+    def is_finished(self) -> bool:
+        return False
+
+
+def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
+        paced_pair: tuple[InProcessServer, PacedLLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.routes.chat as chat_route
+
+    srv, llm = paced_pair
+    wait_for(lambda: _idle(srv), 10, "idle")
+    llm.drain()
+    monkeypatch.setattr(chat_route, "compile_constraints", lambda _llm, spec, budgets: [
+        None if spec is None else _ExplodingConstraint() for _ in budgets])
+    before = srv.metrics()
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, body: dict[str, Any]) -> None:
+        results[name] = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+
+    steps0 = llm.steps
+    good = threading.Thread(target=post, args=("good", {**LONG, "max_tokens": 12}))
+    good.start()
+    llm.release(2)  # the good request's prompt and first token, then a second token
+    wait_for(lambda: llm.steps == steps0 + 2, 10, "the good request decoding")
+    bad = threading.Thread(target=post, args=("bad", {
+        **LONG, "max_tokens": 12, "response_format": {"type": "json_object"}}))
+    bad.start()
+    # queued until the next step, which takes it into the good request's batch
+    wait_for(lambda: srv.metrics()["colibri_requests_waiting"] == 1, 10, "the bad one queued")
+    llm.release(40)
+    good.join(60)
+    bad.join(60)
+    assert results["bad"].status_code == 500, results["bad"].text
+    err = results["bad"].json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "exploded" not in results["bad"].text and "kernel.c" not in results["bad"].text
+    ok = results["good"]
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 12
+    assert ok.json()["choices"][0]["finish_reason"] == "length"
+    after = srv.metrics()
+    # a step really carried both requests
+    two = 'colibri_batch_size_sequences_bucket{le="2"}'
+    one = 'colibri_batch_size_sequences_bucket{le="1"}'
+    assert (after[two] - after[one]) - (before[two] - before[one]) >= 1
+    assert after["colibri_kv_cache_blocks_free"] == after["colibri_kv_cache_blocks_total"]
+    assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def test_cors_when_configured(paced: tuple[InProcessServer, PacedLLM]) -> None:
