@@ -180,3 +180,28 @@ def test_the_cache_is_refused_after_the_experts_were_repacked(quant_dir: Path) -
         pytest.skip("this CPU's kernels read the row layout: nothing was repacked")
     with pytest.raises(ValueError, match="enable the expert cache first"):
         m.core.enable_expert_cache(m.config.n_expert_used)
+
+
+@pytest.mark.parametrize("isa", _core.isa_supported())
+def test_colibri_isa_chooses_the_kernel_path_at_load(quant_dir: Path, isa: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _core.isa_active()
+    monkeypatch.setenv("COLIBRI_ISA", f" {isa.upper()} ")
+    try:
+        m = Model.load(quant_dir, n_seq=1)
+        assert _core.isa_active() == isa
+        got = _decode(m, 3)
+        _core.isa_force(isa)
+        want = _decode(Model.load(quant_dir, n_seq=1), 3)
+    finally:
+        _core.isa_force(before)
+    assert got[0] == want[0]
+
+
+def test_colibri_isa_refuses_a_path_this_cpu_does_not_run(quant_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _core.isa_active()
+    monkeypatch.setenv("COLIBRI_ISA", "avx1024")
+    with pytest.raises(ValueError, match="COLIBRI_ISA='avx1024'.*choose one of ref"):
+        Model.load(quant_dir, n_seq=1)
+    assert _core.isa_active() == before

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,24 @@ from engine.format.verify import check_tensor_types
 from engine.models.config import ModelConfig
 
 log = logging.getLogger("colibri.engine")
+
+
+ISA_ENV = "COLIBRI_ISA"
+
+
+def kernels_from_env() -> str:
+    """The kernel path every product takes: COLIBRI_ISA (ref, avx2, avx512) when set, to
+    compare paths on one CPU or to keep off one; else the best this CPU runs. ValueError
+    names the paths this CPU and build support."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if name and name != _core.isa_active():
+        supported = _core.isa_supported()
+        if name not in supported:
+            raise ValueError(f"{ISA_ENV}={name!r} is not a kernel path this CPU runs; "
+                             f"choose one of {', '.join(supported)}")
+        _core.isa_force(name)
+        log.info("kernels: %s, as %s asks (the best here: %s)", name, ISA_ENV, _core.isa_best())
+    return _core.isa_active()
 
 
 def _i32(x: object, what: str) -> np.ndarray:
@@ -76,6 +95,7 @@ class Model:
         if kv_type not in _core.KV_TYPES:
             raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
                              f"{', '.join(_core.KV_TYPES)}")
+        kernels_from_env()
         p = Path(path)
         cfg = ModelConfig.from_dir(p)
         ctx = cfg.default_n_ctx() if n_ctx is None else n_ctx
