@@ -33,9 +33,10 @@ clb_status clb_matmul_bench(clb_type t, const void *w, int64_t n_out, int64_t n_
                             const float *x, int64_t n_tok, int n_threads, int n_reps,
                             double *secs);
 clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run);
-/* GMAC/s of clb_int8_loop_avx2(variant) (clb_kernels_isa.h) on the calling thread, the best
- * of 15 timed runs of 512 M multiply-adds each (a ceiling: the best run is the one least
- * disturbed). CLB_E_ARG for a variant outside 0..1 or a CPU without AVX2. */
+/* GMAC/s of an int8 loop on data in L1 (clb_kernels_isa.h), on the calling thread, the best of
+ * 15 timed runs of 512 M multiply-adds each (a ceiling: the best run is the one least
+ * disturbed): variants 0..1 are clb_int8_loop_avx2's, 2..4 clb_int8_loop_avx512's 0..2.
+ * CLB_E_ARG for a variant outside 0..4 or a CPU without that variant's ISA. */
 clb_status clb_int8_loop_bench(int variant, double *gmacs);
 
 #endif

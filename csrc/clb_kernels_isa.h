@@ -93,6 +93,10 @@ void clb_act_pack_q8_avx2(int64_t n, const float *x, void *y); /* clb_block_q8c 
  * exact product). Returns a checksum of the outputs. */
 uint64_t clb_int8_loop_avx2(int variant, int64_t n_calls);
 #define CLB_INT8_LOOP_MACS_PER_CALL (8 * 1024 * 8)
+/* the same for AVX-512: variant 0 the interleaved q8 kernel, 1 the interleaved q4 kernel (two
+ * 8-row groups, 512 values, 8 tokens, in L1), 2 vpdpbusd alone (the instruction's own rate:
+ * 8 independent sums, nothing else); CLB_INT8_LOOP_MACS_PER_CALL multiply-adds per call */
+uint64_t clb_int8_loop_avx512(int variant, int64_t n_calls);
 void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y);
 /* one packed activation row (clb_block_q8c) against n_rows q8 rows: y[r]; bit-identical to the
  * reference, read row by row (the one-token q8 path of the AVX-512 product) */

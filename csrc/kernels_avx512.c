@@ -4,6 +4,7 @@
  * (vpdpbusd) and are exact, so results differ from the reference only by float summation order.
  * Refuses: to run on a CPU without AVX-512 F/BW/VL/VNNI; dispatch.c never selects it there. */
 #include <immintrin.h>
+#include <string.h>
 
 #include "clb_kernels_isa.h"
 
@@ -434,6 +435,73 @@ void clb_gemm_q8x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row
 void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
     clb_gemm_x16(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
+
+/* ---- the ceiling of the interleaved products' arithmetic (bench_kernels) -----------------
+ * n_calls products of clb_gemm_x16 (as clb_gemm_q8x8_avx512 / clb_gemm_q4x8_avx512 run it, the
+ * token count read at run time as in a real call) on two 8-row groups of CLB_LOOP512_N values
+ * against 8 tokens, all in L1: what the kernel's instruction mix allows with no memory in the
+ * way; or vpdpbusd alone on 8 accumulators, the most any int8 product reaches on this core.
+ * Each call sees a different input and feeds a checksum, so none can be left out. */
+#define CLB_LOOP512_N 512
+_Static_assert(16 * CLB_LOOP512_N * 8 == CLB_INT8_LOOP_MACS_PER_CALL, "probe size");
+
+static uint64_t clb_loop512_kernel(int Q4, int64_t n_calls) {
+    enum { NB = CLB_LOOP512_N / CLB_QK };
+    const size_t gb = 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
+    unsigned char w[2 * NB * 8 * sizeof(clb_block_q8)] __attribute__((aligned(64)));
+    clb_block_q8c act[8 * NB];
+    float y[8 * 16];
+    for (size_t i = 0; i < sizeof w; i++) w[i] = (unsigned char)(i * 7 + 3);
+    for (size_t b = 0; b < 2 * NB; b++) /* every block's 8 scales: 0.0625 */
+        for (int r = 0; r < 8; r++) memcpy(w + b * gb + 2 * r, &(clb_f16){0x2c00}, 2);
+    for (int i = 0; i < 8 * NB; i++) {
+        act[i].d = 1.0f / (float)(i + 1);
+        act[i].corr = 0;
+        for (int k = 0; k < CLB_QK; k++) act[i].qs[k] = (int8_t)((i * 31 + k * 5) % 255 - 127);
+    }
+    volatile int64_t n_tok = 8;
+    uint64_t sum = 0;
+    for (int64_t c = 0; c < n_calls; c++) {
+        act[0].d = (float)(c & 1023); /* a new input for every call */
+        clb_gemm_x16(Q4, CLB_LOOP512_N, 16, w, NB * gb / 8, act, NB * sizeof(clb_block_q8c),
+                     n_tok, y, 16);
+        uint32_t u;
+        memcpy(&u, &y[c % (8 * 16)], sizeof u);
+        sum = sum * 31 + u;
+    }
+    return sum;
+}
+
+static uint64_t clb_loop512_dpbusd(int64_t n_calls) {
+    __m512i s0 = _mm512_set1_epi32(0), s1 = _mm512_set1_epi32(1), s2 = _mm512_set1_epi32(2),
+            s3 = _mm512_set1_epi32(3), s4 = _mm512_set1_epi32(4), s5 = _mm512_set1_epi32(5),
+            s6 = _mm512_set1_epi32(6), s7 = _mm512_set1_epi32(7);
+    const __m512i w = _mm512_set1_epi8(3);
+    uint64_t sum = 0;
+    for (int64_t c = 0; c < n_calls; c++) {
+        const int8_t a[4] = {(int8_t)c, 1, 2, 3};
+        /* CLB_INT8_LOOP_MACS_PER_CALL / 64 instructions, 8 independent chains */
+        for (int i = 0; i < CLB_INT8_LOOP_MACS_PER_CALL / 64 / 8; i++) {
+            s0 = clb_dpbusd_bcast(s0, w, a);
+            s1 = clb_dpbusd_bcast(s1, w, a);
+            s2 = clb_dpbusd_bcast(s2, w, a);
+            s3 = clb_dpbusd_bcast(s3, w, a);
+            s4 = clb_dpbusd_bcast(s4, w, a);
+            s5 = clb_dpbusd_bcast(s5, w, a);
+            s6 = clb_dpbusd_bcast(s6, w, a);
+            s7 = clb_dpbusd_bcast(s7, w, a);
+        }
+        __m512i t = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
+        t = _mm512_add_epi32(t, _mm512_add_epi32(_mm512_add_epi32(s4, s5),
+                                                 _mm512_add_epi32(s6, s7)));
+        sum = sum * 31 + (uint32_t)_mm512_reduce_add_epi32(t);
+    }
+    return sum;
+}
+
+uint64_t clb_int8_loop_avx512(int variant, int64_t n_calls) {
+    return variant == 2 ? clb_loop512_dpbusd(n_calls) : clb_loop512_kernel(variant, n_calls);
 }
 
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, masked tail) */

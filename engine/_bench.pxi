@@ -14,7 +14,9 @@ cdef extern from "clb_bench.h" nogil:
     clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run)
     clb_status clb_int8_loop_bench(int variant, double *gmacs)
 
-INT8_LOOP_VARIANTS = ("q8", "q8 without the sign step")
+# the AVX2 ones first, then the AVX-512 ones (clb_int8_loop_bench's order)
+INT8_LOOP_VARIANTS = ("q8", "q8 without the sign step", "avx512 q8", "avx512 q4",
+                      "avx512 vpdpbusd alone")
 
 
 def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
@@ -69,9 +71,11 @@ def threadpool_bench(int n_threads, int n_runs=10000, int gap_us=0) -> float:
 
 
 def int8_loop_bench(str variant) -> float:
-    """GMAC/s of one core running the AVX2 int8 products' inner loop on data in L1 (no memory
-    traffic): "q8" as the kernels compute it, or "q8 without the sign step" (not an exact
-    product: the ceiling that step costs). ValueError on a CPU without AVX2."""
+    """GMAC/s of one core running an int8 product's inner loop on data in L1 (no memory
+    traffic). AVX2: "q8" as the kernels compute it, or "q8 without the sign step" (not an
+    exact product: the ceiling that step costs). AVX-512: the interleaved "avx512 q8" and
+    "avx512 q4" kernels at 8 tokens, and "avx512 vpdpbusd alone" (the instruction's own rate,
+    the most any int8 product reaches). ValueError on a CPU without the variant's ISA."""
     if variant not in INT8_LOOP_VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(INT8_LOOP_VARIANTS)}")
     cdef int v = INT8_LOOP_VARIANTS.index(variant)
@@ -80,5 +84,6 @@ def int8_loop_bench(str variant) -> float:
     with nogil:
         st = clb_int8_loop_bench(v, &g)
     if st != CLB_OK:
-        raise ValueError("the int8 loop needs a CPU with AVX2")
+        need = "AVX-512" if variant.startswith("avx512") else "AVX2"
+        raise ValueError(f"the int8 loop {variant!r} needs a CPU with {need}")
     return g
