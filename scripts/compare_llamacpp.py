@@ -563,11 +563,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             agreement[f"{k} vs transformers f32"] = _agree(tokens[k], tokens["transformers f32"])
     import llama_cpp
 
+    from engine.executor.model import kernels_from_env
+
     return {
         "model": asdict(d), "workdir": str(base), "threads": args.threads, "cpu": cpu_model(),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
-        "llama_cpp_python": llama_cpp.__version__, "colibri_isa": _core.isa_active(),
+        "llama_cpp_python": llama_cpp.__version__, "colibri_isa": kernels_from_env(),
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,
