@@ -64,16 +64,21 @@ clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *n
     return st;
 }
 
-/* variants 0..1 on AVX2 (clb_int8_loop_avx2), 2..4 on AVX-512 (clb_int8_loop_avx512 0..2) */
+#ifdef CLB_HAVE_X86
+/* variants [0, CLB_INT8_LOOP_AVX2) on AVX2 (clb_int8_loop_avx2), the rest on AVX-512
+ * (clb_int8_loop_avx512 from 0) */
 static uint64_t clb_int8_loop(int variant, int64_t n_calls) {
-    return variant < 2 ? clb_int8_loop_avx2(variant, n_calls)
-                       : clb_int8_loop_avx512(variant - 2, n_calls);
+    return variant < CLB_INT8_LOOP_AVX2
+               ? clb_int8_loop_avx2(variant, n_calls)
+               : clb_int8_loop_avx512(variant - CLB_INT8_LOOP_AVX2, n_calls);
 }
+#endif
 
 clb_status clb_int8_loop_bench(int variant, double *gmacs) {
-    if (!gmacs || variant < 0 || variant > 4) return CLB_E_ARG;
+    if (!gmacs || variant < 0 || variant >= CLB_INT8_LOOP_VARIANTS) return CLB_E_ARG;
 #ifdef CLB_HAVE_X86
-    if (!clb_isa_supported(variant < 2 ? CLB_ISA_AVX2 : CLB_ISA_AVX512)) return CLB_E_ARG;
+    if (!clb_isa_supported(variant < CLB_INT8_LOOP_AVX2 ? CLB_ISA_AVX2 : CLB_ISA_AVX512))
+        return CLB_E_ARG;
     const int64_t n_calls = 8192; /* 512 M multiply-adds: about 10 ms at 50 GMAC/s */
     volatile uint64_t sink = clb_int8_loop(variant, n_calls / 10); /* warm-up */
     double best = 0.0;

@@ -37,6 +37,8 @@ clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *n
  * 15 timed runs of 512 M multiply-adds each (a ceiling: the best run is the one least
  * disturbed): variants 0..1 are clb_int8_loop_avx2's, 2..4 clb_int8_loop_avx512's 0..2.
  * CLB_E_ARG for a variant outside 0..4 or a CPU without that variant's ISA. */
+#define CLB_INT8_LOOP_AVX2 2     /* the AVX2 variants come first */
+#define CLB_INT8_LOOP_VARIANTS 5 /* in all */
 clb_status clb_int8_loop_bench(int variant, double *gmacs);
 
 #endif

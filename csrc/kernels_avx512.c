@@ -446,7 +446,9 @@ void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row
 #define CLB_LOOP512_N 512
 _Static_assert(16 * CLB_LOOP512_N * 8 == CLB_INT8_LOOP_MACS_PER_CALL, "probe size");
 
-static uint64_t clb_loop512_kernel(int Q4, int64_t n_calls) {
+/* Q4 a constant after inlining, as in the real products */
+static inline __attribute__((always_inline)) uint64_t clb_loop512_kernel(int Q4,
+                                                                         int64_t n_calls) {
     enum { NB = CLB_LOOP512_N / CLB_QK };
     const size_t gb = 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
     unsigned char w[2 * NB * 8 * sizeof(clb_block_q8)] __attribute__((aligned(64)));
@@ -501,7 +503,9 @@ static uint64_t clb_loop512_dpbusd(int64_t n_calls) {
 }
 
 uint64_t clb_int8_loop_avx512(int variant, int64_t n_calls) {
-    return variant == 2 ? clb_loop512_dpbusd(n_calls) : clb_loop512_kernel(variant, n_calls);
+    if (variant == 0) return clb_loop512_kernel(0, n_calls);
+    if (variant == 1) return clb_loop512_kernel(1, n_calls);
+    return clb_loop512_dpbusd(n_calls);
 }
 
 /* y += a * x (reference: clb_vec_mad_f32_ref; fused multiply-add, masked tail) */

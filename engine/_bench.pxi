@@ -13,10 +13,16 @@ cdef extern from "clb_bench.h" nogil:
                                 double *secs)
     clb_status clb_threadpool_bench(int n_threads, int n_runs, int gap_us, double *ns_per_run)
     clb_status clb_int8_loop_bench(int variant, double *gmacs)
+    int CLB_INT8_LOOP_AVX2
+    int CLB_INT8_LOOP_VARIANTS
 
-# the AVX2 ones first, then the AVX-512 ones (clb_int8_loop_bench's order)
+# clb_int8_loop_bench's order: the AVX2 ones first, then the AVX-512 ones; INT8_LOOP_ISA
+# names the kernel path each one needs
 INT8_LOOP_VARIANTS = ("q8", "q8 without the sign step", "avx512 q8", "avx512 q4",
                       "avx512 vpdpbusd alone")
+INT8_LOOP_ISA = tuple("avx2" if i < CLB_INT8_LOOP_AVX2 else "avx512"
+                      for i in range(CLB_INT8_LOOP_VARIANTS))
+assert len(INT8_LOOP_ISA) == len(INT8_LOOP_VARIANTS)
 
 
 def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
@@ -84,6 +90,6 @@ def int8_loop_bench(str variant) -> float:
     with nogil:
         st = clb_int8_loop_bench(v, &g)
     if st != CLB_OK:
-        need = "AVX-512" if variant.startswith("avx512") else "AVX2"
+        need = {"avx2": "AVX2", "avx512": "AVX-512"}[INT8_LOOP_ISA[v]]
         raise ValueError(f"the int8 loop {variant!r} needs a CPU with {need}")
     return g

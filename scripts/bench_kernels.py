@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pool     {th} threads: empty run {busy / 1e3:.2f} us back to back, "
                   f"{idle / 1e3:.2f} us after 200 us of other work")
     have = _core.isa_supported()
-    runs = [v for v in _core.INT8_LOOP_VARIANTS
-            if ("avx512" if v.startswith("avx512") else "avx2") in have]
+    runs = [v for v, isa in zip(_core.INT8_LOOP_VARIANTS, _core.INT8_LOOP_ISA, strict=True)
+            if isa in have]
     if runs:
         loop = ", ".join(f"{v} {_core.int8_loop_bench(v):.1f}" for v in runs)
         print(f"ceiling  int8 inner loop on L1 data, one core, GMAC/s (best of 15): {loop}")

@@ -82,8 +82,7 @@ def test_bandwidth_probe_positive_and_finite_on_every_isa() -> None:
 
 
 def test_int8_loop_ceiling_positive_and_finite() -> None:
-    for variant in _core.INT8_LOOP_VARIANTS:
-        isa = "avx512" if variant.startswith("avx512") else "avx2"
+    for variant, isa in zip(_core.INT8_LOOP_VARIANTS, _core.INT8_LOOP_ISA, strict=True):
         if isa in _core.isa_supported():
             g = _core.int8_loop_bench(variant)
             assert g > 0 and math.isfinite(g)
@@ -147,7 +146,7 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     # the embedding row; the step they are set against is the median run's
     pr = r["decode_products"]
     norms = LAYERS * 2 * 4 * D + 4 * D
-    assert pr["bytes_per_token"] == _hand_count(*Q4) - norms - _row("q8", D)
+    assert pr["bytes_per_token"] == _hand_count(*Q4) - norms - _row(Q4[0], D)
     assert 0 < pr["s_per_token"] < pr["step_s"]
     assert any(1 / pr["step_s"] == pytest.approx(v) for v in r["decode_tok_s"]["runs"])
     assert pr["other_s_per_token"] == pytest.approx(pr["step_s"] - pr["s_per_token"])
