@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs root and the cgroup v1 memory controller at "
                          f"{CGROUP_ROOT} (to cap memory and drop the page cache)")
 
-    from engine.format.convert import convert
+    from engine.format.convert import convert_once
 
     d = cl.Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts,
                 args.top_k, dflt.heads, dflt.kv_heads, dflt.seed)
@@ -282,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = cl.build_checkpoint(base / "hf", d)
     ggufs = cl.build_gguf(hf, base / "gguf", cl.llama_source(work, None))
     gguf = ggufs["Q8_0" if args.quant == "q8" else "Q4_0"]
-    model = base / f"colibri-{args.quant}"
-    if not (model / "config.json").is_file():
-        convert(hf, model, quant=args.quant, progress=False)
+    model = convert_once(hf, base / f"colibri-{args.quant}", args.quant)
     expert_files = sorted((model / "experts").glob("*.bin"))
     expert_bytes = sum(f.stat().st_size for f in expert_files)
     other_bytes = sum(f.stat().st_size for f in model.rglob("*.bin")

@@ -469,8 +469,10 @@ def _spawn(args: argparse.Namespace, engine: str, path: Path) -> tuple[float, fl
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     from engine import _core
-    from engine.format.convert import convert
+    from engine.executor.model import kernels_from_env
+    from engine.format.convert import convert_once
 
+    isa = kernels_from_env()  # a COLIBRI_ISA this CPU cannot run fails here, not after the runs
     d = Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts, args.top_k,
              args.heads, args.kv_heads, args.seed)
     work = Path(args.workdir)
@@ -480,11 +482,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     ggufs = build_gguf(hf, base / "gguf", src)
     colibri_dirs = {}
     for q in ("q8", "q4"):
-        out = base / f"colibri-{q}"
-        if not (out / "config.json").is_file():
-            print(f"converting to Colibri {q} ...", flush=True)
-            convert(hf, out, quant=q, progress=False)
-        colibri_dirs[q] = out
+        print(f"Colibri {q} ...", flush=True)
+        colibri_dirs[q] = convert_once(hf, base / f"colibri-{q}", q)
 
     llama_preflight(ggufs["Q4_0"], args.threads)
     load0 = os.getloadavg()
@@ -563,13 +562,11 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             agreement[f"{k} vs transformers f32"] = _agree(tokens[k], tokens["transformers f32"])
     import llama_cpp
 
-    from engine.executor.model import kernels_from_env
-
     return {
         "model": asdict(d), "workdir": str(base), "threads": args.threads, "cpu": cpu_model(),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
-        "llama_cpp_python": llama_cpp.__version__, "colibri_isa": kernels_from_env(),
+        "llama_cpp_python": llama_cpp.__version__, "colibri_isa": isa,
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,

@@ -59,14 +59,11 @@ def build_checkpoint(hf_dir: Path) -> None:
 
 
 def ensure(base: Path, quant: str) -> Path:
-    from engine.format.convert import convert
+    from engine.format.convert import convert_once
 
     hf = base / "hf"
     build_checkpoint(hf)
-    out = base / quant
-    if not (out / "config.json").is_file():
-        convert(hf, out, quant=quant, progress=False)
-    return out
+    return convert_once(hf, base / quant, quant)
 
 
 def time_model(path: Path, threads: int, n_prompt: int, n_decode: int,

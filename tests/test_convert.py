@@ -572,3 +572,30 @@ def test_wfile_truncated(tmp_path: Path) -> None:
         path.write_bytes(data[:n])
         with pytest.raises(ValueError, match="w.bin"):
             read_wfile(path)
+
+
+def test_convert_once_keeps_a_current_folder_and_redoes_a_stale_one(tmp_path: Path) -> None:
+    from engine.format.convert import PRESET_REVISION, convert_once, follows_current_preset
+
+    hf = make_checkpoint("mixtral", tmp_path / "hf", seed=5)
+    out = convert_once(hf, tmp_path / "out", "q4")
+    assert follows_current_preset(out)
+    cfg_path = out / "config.json"
+    stamp = cfg_path.stat().st_mtime_ns
+    assert convert_once(hf, out, "q4") == out and cfg_path.stat().st_mtime_ns == stamp
+    # a folder from an earlier preset revision (no revision recorded) is converted again
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["preset_revision"]
+    cfg_path.write_text(json.dumps(cfg))
+    assert not follows_current_preset(out)
+    convert_once(hf, out, "q4")
+    assert json.loads(cfg_path.read_text())["preset_revision"] == PRESET_REVISION
+    # so is one of another precision
+    convert_once(hf, out, "q8")
+    assert json.loads(cfg_path.read_text())["quant"] == "q8"
+    # a folder that is not a conversion is left alone
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="already exists"):
+        convert_once(hf, tmp_path / "other", "q4")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"

@@ -62,6 +62,26 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return read_json_object(path, what, CONFIG_MAX_BYTES)
 
 
+def follows_current_preset(folder: str | Path) -> bool:
+    """Whether a converted folder's types are what its preset chooses today (False for one
+    converted under an earlier choice, which still loads and runs)."""
+    cfg = _read_json(Path(folder) / "config.json", "config.json")
+    return cfg.get("preset_revision", 1) == PRESET_REVISION
+
+
+def convert_once(hf_dir: str | Path, out_dir: str | Path, quant: str) -> Path:
+    """out_dir as a conversion of hf_dir at quant: kept when it already is one under today's
+    preset, converted again when an earlier preset or another quant made it (benchmark work
+    folders); a folder there that is not a Colibri one is refused as convert() refuses it."""
+    out = Path(out_dir)
+    if is_colibri_dir(out):
+        cfg = _read_json(out / "config.json", "config.json")
+        if cfg.get("quant") == quant and follows_current_preset(out):
+            return out
+        shutil.rmtree(out)
+    return convert(hf_dir, out, quant=quant, progress=False)
+
+
 def is_colibri_dir(path: str | Path) -> bool:
     """True if path holds a Colibri config.json."""
     cfg = Path(path) / "config.json"
@@ -169,6 +189,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
             config["tokenizer_files"] = text_files
             config["converted_hparams"] = converted_hparams(config)
             config["quant"] = preset
+            config["preset_revision"] = PRESET_REVISION
             config["tensor_types"] = tensor_types
             config["files"] = files
             _write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
@@ -305,9 +326,9 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
                      progress: bool = False) -> Path:
     """A Colibri folder for path: path itself if it is one, else a cached conversion.
 
-    The cache entry is keyed by the source's absolute path, file sizes and mtimes and the
-    preset; a file lock serialises concurrent converters, and the atomic rename in
-    convert() means a reader never sees a half-written entry.
+    The cache entry is keyed by the source's absolute path, file sizes and mtimes, the
+    preset and PRESET_REVISION; a file lock serialises concurrent converters, and the atomic
+    rename in convert() means a reader never sees a half-written entry.
     """
     path = Path(path)
     if is_colibri_dir(path):
