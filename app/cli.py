@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import signal
 import socket
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -80,10 +82,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+# read by the engine from the environment, not by Settings; a .env file sets them too
+ENGINE_VARIABLES = ("COLIBRI_CACHE_DIR", "COLIBRI_REPACK", "COLIBRI_ISA")
+
+
+def engine_variables_from_file(env_file: str | None) -> None:
+    """Copy ENGINE_VARIABLES from env_file into the environment where it has none."""
+    if not env_file or not Path(env_file).is_file():
+        return
+    from dotenv import dotenv_values
+
+    for key, value in dotenv_values(env_file, encoding="utf-8").items():
+        if key in ENGINE_VARIABLES and value is not None and key not in os.environ:
+            os.environ[key] = value
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings: given options first, then COLIBRI_* variables, then the .env file."""
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     env_file = getattr(args, "env_file", ".env")
+    engine_variables_from_file(env_file)
     try:
         return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]
     except ValidationError as e:  # one line for the user, like every other start-up error

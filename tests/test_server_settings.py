@@ -45,6 +45,26 @@ def test_precedence_options_env_dotenv(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert "from-file" not in repr(s)  # the key never shows in logs
 
 
+def test_dotenv_sets_the_engine_variables_too(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """The engine reads COLIBRI_ISA, COLIBRI_REPACK and COLIBRI_CACHE_DIR from the
+    environment; .env sets them where the environment does not."""
+    import os
+
+    from app.cli import settings_from_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("COLIBRI_ISA=ref\nCOLIBRI_REPACK=false\n"
+                                   f"COLIBRI_CACHE_DIR={tmp_path / 'cache'}\n")
+    monkeypatch.delenv("COLIBRI_ISA", raising=False)
+    monkeypatch.delenv("COLIBRI_CACHE_DIR", raising=False)
+    monkeypatch.setenv("COLIBRI_REPACK", "true")
+    settings_from_args(_parse(["serve"]))
+    assert os.environ["COLIBRI_ISA"] == "ref"
+    assert os.environ["COLIBRI_CACHE_DIR"] == str(tmp_path / "cache")
+    assert os.environ["COLIBRI_REPACK"] == "true"  # the environment over .env
+
+
 def test_env_example_lists_every_setting() -> None:
     from app.settings import Settings
 
