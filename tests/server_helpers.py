@@ -127,6 +127,20 @@ class SubprocessServer:
         return int(self.proc.returncode)
 
 
+class ExplodingConstraint:
+    """A constraint whose first use raises, as a bug in a grammar engine would; its message
+    names internals a client must never see."""
+
+    def apply(self, logits: Any) -> None:
+        raise RuntimeError("constraint exploded in kernel.c")
+
+    def accept(self, token: int) -> None:
+        pass
+
+    def is_finished(self) -> bool:
+        return False
+
+
 class _FailingModel:
     """A model whose forward pass raises, for one step."""
 

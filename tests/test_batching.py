@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.server_helpers import ExplodingConstraint
 from tests.tiny_models import make_checkpoint
 
 PROMPTS = [
@@ -292,18 +293,8 @@ def test_one_bad_request_fails_alone(llm: Any) -> None:
     """An exception while sampling one request fails that request; the others go on."""
     core = llm.core
 
-    class Broken:
-        def apply(self, logits: Any) -> None:
-            raise RuntimeError("constraint exploded")
-
-        def accept(self, token: int) -> None:
-            pass
-
-        def is_finished(self) -> bool:
-            return False
-
     bad = _params(max_tokens=5)
-    bad.constraint = Broken()  # type: ignore[attr-defined]
+    bad.constraint = ExplodingConstraint()  # type: ignore[attr-defined]
     core.add_request("good", _ids(llm, "Water"), _params(max_tokens=5))
     core.add_request("bad", _ids(llm, "Hello"), bad)
     results: dict[str, list[Any]] = {"good": [], "bad": []}

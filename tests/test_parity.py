@@ -13,6 +13,8 @@ kernel ISA:
   in some layer (k-th and next router logits within ROUTE_TIE) are left out, at most MAX_TIES of
   the prompt: Colibri's int8 activations may pick the other expert there, which moves the
   logits by far more than quantization noise (seen: 0.27 at one such position, 0.01 elsewhere).
+  Over all positions, near-ties included, the error stays within ALL_POSITIONS_L2 (one flip
+  among 24 positions gave 0.054).
 """
 
 from __future__ import annotations
@@ -243,6 +245,7 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
 
 ROUTE_TIE = 0.05
 MAX_TIES = 4
+ALL_POSITIONS_L2 = 0.1
 _FQ_REFS: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
 
 
@@ -273,3 +276,4 @@ def test_quantized_logits(case: Case, isa: str, preset: str) -> None:
     print(f"\n{case.name}/{isa} {preset}: rel L2 vs same-weights HF {err:.3e} "
           f"(near-ties left out: {np.flatnonzero(ties).tolist()}), vs float HF {err_float:.3e}")
     assert err <= 3e-2
+    assert _rel_l2(logits, ref) <= ALL_POSITIONS_L2

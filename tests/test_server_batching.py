@@ -6,10 +6,12 @@ than the KV pool refused, and SIGTERM under 8 streams draining cleanly."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -156,10 +158,14 @@ def test_disconnects_free_their_blocks(server: SubprocessServer) -> None:
 
 def test_metrics_names_are_the_documented_vllm_ones(server: SubprocessServer) -> None:
     """Every vllm: name /metrics exports is in the README, and every one the README names
-    is exported, with the type a Prometheus scraper expects."""
-    import re
-    from pathlib import Path
-
+    is exported, with the type a Prometheus scraper expects; the prefix cache counters count
+    a shared prompt's tokens."""
+    before = server.metrics()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    system = {"role": "system", "content": "Answer as a lighthouse keeper would. " * 12}
+    usage = [client.chat.completions.create(
+        model=MODEL, messages=[system, {"role": "user", "content": q}], max_tokens=2,
+        temperature=0).usage for q in ("Any ships?", "Any storms?")]
     text = httpx.get(server.url + "/metrics", timeout=10).text
     types = dict(re.findall(r"^# TYPE (vllm:\S+) (\S+)$", text, re.M))
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
@@ -170,8 +176,11 @@ def test_metrics_names_are_the_documented_vllm_ones(server: SubprocessServer) ->
         "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries_total": "counter",
         "vllm:prefix_cache_hits_total": "counter", "vllm:num_preemptions_total": "counter"}
     m = parse_metrics(text)
-    assert _vllm(m, "prefix_cache_hits_total") <= _vllm(m, "prefix_cache_queries_total")
-    assert _vllm(m, "num_preemptions_total") >= 0
+    queries = _vllm(m, "prefix_cache_queries_total") - _vllm(before, "prefix_cache_queries_total")
+    hits = _vllm(m, "prefix_cache_hits_total") - _vllm(before, "prefix_cache_hits_total")
+    assert queries >= sum(u.prompt_tokens for u in usage)
+    assert hits >= usage[1].prompt_tokens_details.cached_tokens >= 64
+    assert _vllm(m, "num_preemptions_total") == _vllm(before, "num_preemptions_total")
 
 
 def test_prompt_larger_than_the_kv_pool_is_a_400(tmp_path_factory: pytest.TempPathFactory

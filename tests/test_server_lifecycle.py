@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.server_helpers import (
+    ExplodingConstraint,
     InProcessServer,
     PacedLLM,
     SubprocessServer,
@@ -35,17 +36,18 @@ LONG = {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "seed": 1}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import os
+
+    # the engines below convert into a cache of this run's own
+    os.environ.setdefault("COLIBRI_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     return tiny_model(tmp_path_factory.mktemp("lifecycle") / "model",
                       max_position_embeddings=N_CTX)
 
 
 @pytest.fixture(scope="module")
-def real_llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import os
-
+def real_llm(model_dir: Path) -> Any:
     from engine import LLM, EngineConfig
 
-    os.environ.setdefault("COLIBRI_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     # one sequence at a time, so that one running and one waiting request fill the queue
     return LLM(str(model_dir), n_ctx=N_CTX, config=EngineConfig(max_num_seqs=1))
 
@@ -87,6 +89,15 @@ def paced_pair(model_dir: Path) -> Iterator[tuple[InProcessServer, PacedLLM]]:
 def _idle(srv: InProcessServer) -> bool:
     m = srv.metrics()
     return m["colibri_requests_running"] == 0 and m["colibri_requests_waiting"] == 0
+
+
+def _quiet(pair: tuple[InProcessServer, PacedLLM]) -> tuple[InProcessServer, PacedLLM,
+                                                             dict[str, float]]:
+    """Wait for an idle server, take back unused permits; the metrics at that point."""
+    srv, llm = pair
+    wait_for(lambda: _idle(srv), 10, "idle")
+    llm.drain()
+    return srv, llm, srv.metrics()
 
 
 def _raw_request(port: int, path: str, body: dict[str, Any]) -> socket.socket:
@@ -192,10 +203,7 @@ def test_queue_full_is_503_with_retry_after(paced: tuple[InProcessServer, PacedL
 
 def test_disconnect_mid_stream_stops_within_one_token(
         paced: tuple[InProcessServer, PacedLLM]) -> None:
-    srv, llm = paced
-    wait_for(lambda: _idle(srv), 10, "idle")
-    llm.drain()
-    before = srv.metrics()
+    srv, llm, before = _quiet(paced)
     produced0 = llm.produced
     client = httpx.Client(timeout=30)
     llm.release(3)
@@ -262,10 +270,7 @@ def test_one_failure_is_a_500_for_that_request_only(
 
 def test_disconnect_during_prefill_frees_its_blocks_without_another_step(
         paced_pair: tuple[InProcessServer, PacedLLM]) -> None:
-    srv, llm = paced_pair
-    wait_for(lambda: _idle(srv), 10, "idle")
-    llm.drain()
-    before = srv.metrics()
+    srv, llm, before = _quiet(paced_pair)
     steps0, produced0 = llm.steps, llm.produced
     body = {"prompt": "Tell me everything about the river. " * 4, "max_tokens": 5,
             "stream": True}  # 88 prompt tokens: six chunks of at most 16
@@ -287,29 +292,13 @@ def test_disconnect_during_prefill_frees_its_blocks_without_another_step(
     assert llm.steps == steps0 + 2 and llm.produced == produced0
 
 
-class _ExplodingConstraint:
-    """A constraint whose first use raises, as a grammar engine bug would."""
-
-    def apply(self, logits: Any) -> None:
-        raise RuntimeError("constraint exploded in kernel.c")
-
-    def accept(self, token: int) -> None:
-        pass
-
-    def is_finished(self) -> bool:
-        return False
-
-
 def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
         paced_pair: tuple[InProcessServer, PacedLLM], monkeypatch: pytest.MonkeyPatch) -> None:
     import app.routes.chat as chat_route
 
-    srv, llm = paced_pair
-    wait_for(lambda: _idle(srv), 10, "idle")
-    llm.drain()
+    srv, llm, before = _quiet(paced_pair)
     monkeypatch.setattr(chat_route, "compile_constraints", lambda _llm, spec, budgets: [
-        None if spec is None else _ExplodingConstraint() for _ in budgets])
-    before = srv.metrics()
+        None if spec is None else ExplodingConstraint() for _ in budgets])
     results: dict[str, httpx.Response] = {}
 
     def post(name: str, body: dict[str, Any]) -> None:
@@ -328,6 +317,7 @@ def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
     llm.release(40)
     good.join(60)
     bad.join(60)
+    assert not good.is_alive() and not bad.is_alive()
     assert results["bad"].status_code == 500, results["bad"].text
     err = results["bad"].json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -336,6 +326,11 @@ def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] == 12
     assert ok.json()["choices"][0]["finish_reason"] == "length"
+    # and it is the text the same request gets alone
+    llm.release(40)
+    post("alone", {**LONG, "max_tokens": 12})
+    assert results["alone"].json()["choices"][0]["message"]["content"] == \
+        ok.json()["choices"][0]["message"]["content"]
     after = srv.metrics()
     # a step really carried both requests
     two = 'colibri_batch_size_sequences_bucket{le="2"}'
