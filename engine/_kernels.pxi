@@ -227,7 +227,7 @@ def isa_active() -> str:
 
 
 def isa_force(name: str) -> None:
-    """Test hook: make every kernel call use this ISA's table (process-wide)."""
+    """Make every kernel call use this ISA's table (process-wide): tests, and COLIBRI_ISA."""
     if clb_isa_force(_isa_of(name)) != CLB_OK:
         raise ValueError(f"ISA {name!r} is not supported on this CPU/build")
 

@@ -153,9 +153,10 @@ class Result:
     error: str = ""
 
 
-# a new connection per request: llama-server closes a kept-alive connection after a stream,
-# and a request sent on it just then fails with "Server disconnected" (seen at 1 stream)
-FRESH = httpx.Limits(max_keepalive_connections=0)
+def fresh_connections(max_connections: int | None = None) -> httpx.Limits:
+    """A new connection per request: llama-server closes a kept-alive connection after a
+    stream, and a request sent on it just then fails with "Server disconnected"."""
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
 
 
 async def one_request(client: httpx.AsyncClient, srv: Server, prompt: str,
@@ -201,7 +202,7 @@ async def one_request(client: httpx.AsyncClient, srv: Server, prompt: str,
 
 async def run_level(srv: Server, prompts: Prompts, n_gen: int, conc: int,
                     per_client: int) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=0)  # see FRESH
+    limits = fresh_connections(conc + 4)
     mine = [prompts.take(per_client) for _ in range(conc)]
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def worker(w: int) -> list[Result]:
@@ -249,7 +250,7 @@ async def ttft_under_load(srv: Server, prompts: Prompts, n_gen: int, probes: int
     a prefix cache) on an idle server, then while `background` streams decode. Each probe
     waits for the previous one; the background streams start over with new prompts when they
     finish."""
-    async with httpx.AsyncClient(timeout=600, limits=FRESH) as client:
+    async with httpx.AsyncClient(timeout=600, limits=fresh_connections()) as client:
         idle = [(await one_request(client, srv, prompts.take(1)[0], 2)).ttft
                 for _ in range(probes)]
         stop = asyncio.Event()

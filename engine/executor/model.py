@@ -30,8 +30,9 @@ ISA_ENV = "COLIBRI_ISA"
 
 def kernels_from_env() -> str:
     """The kernel path every product takes: COLIBRI_ISA (ref, avx2, avx512) when set, to
-    compare paths on one CPU or to keep off one; else the best this CPU runs. ValueError
-    names the paths this CPU and build support."""
+    compare paths on one CPU or to keep off one; else the active one (the best this CPU runs,
+    unless something forced another). Process-wide. ValueError names the paths this CPU and
+    build support."""
     name = os.environ.get(ISA_ENV, "").strip().lower()
     if name and name != _core.isa_active():
         supported = _core.isa_supported()
