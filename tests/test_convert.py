@@ -488,6 +488,12 @@ def test_ensure_converted_caches(ckpts: dict[str, Path], tmp_path: Path,
     again = ensure_converted(hf, "q8")
     assert again == first
     verify(again, full=True)
+    # an entry an earlier choice of the preset's types made is converted again, in place
+    cfg = json.loads((first / "config.json").read_text())
+    del cfg["preset_revision"]
+    (first / "config.json").write_text(json.dumps(cfg))
+    assert ensure_converted(hf, "q8") == first
+    assert json.loads((first / "config.json").read_text())["preset_revision"] >= 2
 
 
 def test_ensure_converted_concurrent(ckpts: dict[str, Path], tmp_path: Path) -> None:
@@ -575,11 +581,11 @@ def test_wfile_truncated(tmp_path: Path) -> None:
 
 
 def test_convert_once_keeps_a_current_folder_and_redoes_a_stale_one(tmp_path: Path) -> None:
-    from engine.format.convert import PRESET_REVISION, convert_once, follows_current_preset
+    from engine.format.convert import PRESET_REVISION, convert_once, is_current_conversion
 
     hf = make_checkpoint("mixtral", tmp_path / "hf", seed=5)
     out = convert_once(hf, tmp_path / "out", "q4")
-    assert follows_current_preset(out)
+    assert is_current_conversion(out, "q4") and not is_current_conversion(out, "q8")
     cfg_path = out / "config.json"
     stamp = cfg_path.stat().st_mtime_ns
     assert convert_once(hf, out, "q4") == out and cfg_path.stat().st_mtime_ns == stamp
@@ -587,7 +593,7 @@ def test_convert_once_keeps_a_current_folder_and_redoes_a_stale_one(tmp_path: Pa
     cfg = json.loads(cfg_path.read_text())
     del cfg["preset_revision"]
     cfg_path.write_text(json.dumps(cfg))
-    assert not follows_current_preset(out)
+    assert not is_current_conversion(out, "q4")
     convert_once(hf, out, "q4")
     assert json.loads(cfg_path.read_text())["preset_revision"] == PRESET_REVISION
     # so is one of another precision

@@ -29,7 +29,8 @@ from engine.models import archs
 PRESETS = ("f32", "f16", "q8", "q4")
 DEFAULT_QUANT = "q8"  # the one default of every command, of convert() and of engine.LLM
 QUANT_PRESETS = PRESETS
-# raised whenever a preset's choice of types changes, so cached conversions are redone
+# raised whenever a preset's choice of types changes, so conversions made before are redone
+# (recorded in config.json; see is_current_conversion)
 PRESET_REVISION = 2
 # Copied beside the weights. Chat templates live in any of three places (transformers'
 # order of precedence: chat_template.jinja and additional_chat_templates/*.jinja, then
@@ -62,22 +63,28 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return read_json_object(path, what, CONFIG_MAX_BYTES)
 
 
-def follows_current_preset(folder: str | Path) -> bool:
-    """Whether a converted folder's types are what its preset chooses today (False for one
-    converted under an earlier choice, which still loads and runs)."""
-    cfg = _read_json(Path(folder) / "config.json", "config.json")
-    return cfg.get("preset_revision", 1) == PRESET_REVISION
+def is_current_conversion(folder: str | Path, quant: str) -> bool:
+    """Whether folder holds a Colibri conversion at quant with the types that preset chooses
+    today (False for one an earlier choice made: it still loads and runs)."""
+    cfg = Path(folder) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        c = _read_json(cfg, "config.json")
+    except ValueError:
+        return False
+    return (c.get("format") == "colibri" and c.get("quant") == quant
+            and c.get("preset_revision", 1) == PRESET_REVISION)
 
 
 def convert_once(hf_dir: str | Path, out_dir: str | Path, quant: str) -> Path:
-    """out_dir as a conversion of hf_dir at quant: kept when it already is one under today's
-    preset, converted again when an earlier preset or another quant made it (benchmark work
-    folders); a folder there that is not a Colibri one is refused as convert() refuses it."""
+    """out_dir as a conversion of hf_dir at quant: kept when it is a current one, converted
+    again over another Colibri folder (an earlier preset, another quant); a folder there that
+    is not a Colibri one is refused as convert() refuses it."""
     out = Path(out_dir)
+    if is_current_conversion(out, quant):
+        return out
     if is_colibri_dir(out):
-        cfg = _read_json(out / "config.json", "config.json")
-        if cfg.get("quant") == quant and follows_current_preset(out):
-            return out
         shutil.rmtree(out)
     return convert(hf_dir, out, quant=quant, progress=False)
 
@@ -318,7 +325,7 @@ def _source_key(hf_dir: Path, preset: str) -> str:
         if p.is_file():
             st = p.stat()
             h.update(f"\0{p.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    h.update(f"{preset}:{PRESET_REVISION}".encode())
+    h.update(preset.encode())
     return h.hexdigest()[:16]
 
 
@@ -326,9 +333,10 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
                      progress: bool = False) -> Path:
     """A Colibri folder for path: path itself if it is one, else a cached conversion.
 
-    The cache entry is keyed by the source's absolute path, file sizes and mtimes, the
-    preset and PRESET_REVISION; a file lock serialises concurrent converters, and the atomic
-    rename in convert() means a reader never sees a half-written entry.
+    The cache entry is keyed by the source's absolute path, file sizes and mtimes and the
+    preset, and converted again in place when an earlier choice of the preset's types made
+    it; a file lock serialises concurrent converters, and the atomic rename in convert()
+    means a reader never sees a half-written entry.
     """
     path = Path(path)
     if is_colibri_dir(path):
@@ -344,12 +352,12 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         for stale in root.glob(f".{dest.name}.tmp-*"):  # left by a killed converter
             shutil.rmtree(stale, ignore_errors=True)
-        if is_colibri_dir(dest):
+        if is_current_conversion(dest, quant):
             try:
                 verify(dest)
                 return dest
             except ValueError:
-                shutil.rmtree(dest)  # damaged cache entry: convert again
-        elif dest.exists():
+                pass  # damaged cache entry: convert again
+        if dest.exists():  # damaged, or made by an earlier choice of types
             shutil.rmtree(dest)
         return convert(path, dest, quant=quant, progress=progress)
