@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "clb_kernels_isa.h"
+#include "clb_probe.h"
 
 static float clb_hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -472,23 +473,14 @@ static inline __attribute__((always_inline)) uint64_t clb_loop_run(int SIGN, int
     unsigned char w[(NB + CLB_X8_PF_AHEAD_Q8_FEW) * GB] __attribute__((aligned(64)));
     clb_block_q8c act[CLB_LOOP_TOK * NB];
     float y[CLB_LOOP_TOK * 8];
-    for (size_t i = 0; i < sizeof w; i++) w[i] = (unsigned char)(i * 7 + 3);
-    for (int b = 0; b < NB; b++)
-        for (int r = 0; r < 8; r++) memcpy(w + (size_t)b * GB + 2 * r, &(clb_f16){0x2c00}, 2);
-    for (int i = 0; i < CLB_LOOP_TOK * NB; i++) {
-        act[i].d = 1.0f / (float)(i + 1);
-        act[i].corr = 0;
-        for (int k = 0; k < CLB_QK; k++) act[i].qs[k] = (int8_t)((i * 31 + k * 5) % 255 - 127);
-    }
+    clb_probe_fill(w, NB + CLB_X8_PF_AHEAD_Q8_FEW, GB, act, CLB_LOOP_TOK * NB);
     volatile int64_t n_tok = CLB_LOOP_TOK;
     uint64_t sum = 0;
     for (int64_t c = 0; c < n_calls; c++) {
         act[0].d = (float)(c & 1023); /* a new input for every call */
         clb_gemm8(0, 1, SIGN, CLB_LOOP_N, 8, w, NB * sizeof(clb_block_q8), act,
                   NB * sizeof(clb_block_q8c), n_tok, y, 8);
-        uint32_t u;
-        memcpy(&u, &y[c % (CLB_LOOP_TOK * 8)], sizeof u);
-        sum = sum * 31 + u;
+        sum = clb_probe_mix(sum, y, CLB_LOOP_TOK * 8, c);
     }
     return sum;
 }

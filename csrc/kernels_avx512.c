@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "clb_kernels_isa.h"
+#include "clb_probe.h"
 
 /* float weights: masked loads handle the tail, so every n runs through the vector loop */
 static __m512 clb_load_f32x16(const float *p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
@@ -454,23 +455,14 @@ static inline __attribute__((always_inline)) uint64_t clb_loop512_kernel(int Q4,
     unsigned char w[2 * NB * 8 * sizeof(clb_block_q8)] __attribute__((aligned(64)));
     clb_block_q8c act[8 * NB];
     float y[8 * 16];
-    for (size_t i = 0; i < sizeof w; i++) w[i] = (unsigned char)(i * 7 + 3);
-    for (size_t b = 0; b < 2 * NB; b++) /* every block's 8 scales: 0.0625 */
-        for (int r = 0; r < 8; r++) memcpy(w + b * gb + 2 * r, &(clb_f16){0x2c00}, 2);
-    for (int i = 0; i < 8 * NB; i++) {
-        act[i].d = 1.0f / (float)(i + 1);
-        act[i].corr = 0;
-        for (int k = 0; k < CLB_QK; k++) act[i].qs[k] = (int8_t)((i * 31 + k * 5) % 255 - 127);
-    }
+    clb_probe_fill(w, 2 * NB, gb, act, 8 * NB);
     volatile int64_t n_tok = 8;
     uint64_t sum = 0;
     for (int64_t c = 0; c < n_calls; c++) {
         act[0].d = (float)(c & 1023); /* a new input for every call */
         clb_gemm_x16(Q4, CLB_LOOP512_N, 16, w, NB * gb / 8, act, NB * sizeof(clb_block_q8c),
                      n_tok, y, 16);
-        uint32_t u;
-        memcpy(&u, &y[c % (8 * 16)], sizeof u);
-        sum = sum * 31 + u;
+        sum = clb_probe_mix(sum, y, 8 * 16, c);
     }
     return sum;
 }
