@@ -42,6 +42,19 @@ class DevTools:
         return res["result"].get("value")
 
 
+def _devtools_port(port_file: Path) -> int:
+    """The port Chromium writes to `port_file` once it listens. The file appears before its
+    text is whole, so wait for the port line and the browser path line after it."""
+    lines: list[str] = []
+
+    def written() -> bool:
+        lines[:] = port_file.read_text().splitlines() if port_file.exists() else []
+        return len(lines) >= 2 and lines[0].strip().isdigit()
+
+    wait_for(written, 60, "chromium's DevTools port")
+    return int(lines[0])
+
+
 @contextmanager
 def chromium_page(profile: Path) -> Iterator[DevTools]:
     """Headless Chromium with a fresh profile in `profile`; yields its first page."""
@@ -53,9 +66,7 @@ def chromium_page(profile: Path) -> Iterator[DevTools]:
          "about:blank"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        port_file = Path(profile) / "DevToolsActivePort"
-        wait_for(port_file.exists, 60, "chromium's DevTools port")
-        port = int(port_file.read_text().split()[0])
+        port = _devtools_port(Path(profile) / "DevToolsActivePort")
         targets: list[dict[str, Any]] = []
 
         def has_page() -> bool:
