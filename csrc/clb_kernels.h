@@ -25,13 +25,14 @@ const clb_type_traits *clb_get_type_traits_isa(clb_isa isa, clb_type t);
 /* reference quantizers (bit-exact with engine/format/quant.py); n multiple of 32 */
 void clb_quantize_q8_ref(int64_t n, const float *x, clb_block_q8 *y);
 void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y);
+void clb_quantize_q6_ref(int64_t n, const float *x, clb_block_q6 *y);
 void clb_quantize_q8a_ref(int64_t n, const float *x, clb_block_q8a *y);
 void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y);
 
-/* The 8-row interleaved layouts (clb_types.h). clb_x8_type: the interleaved type of q8/q4 (t
+/* The 8-row interleaved layouts (clb_types.h). clb_x8_type: the interleaved type of q8/q4/q6 (t
  * itself for any other type); clb_x8_base: back. clb_kernel_wants_x8: whether the active
  * ISA's products run faster on the interleaved layout than on rows (repack at load then).
- * clb_repack_x8 writes n_rows (a multiple of 8) rows of n columns of type t (q8 or q4) from
+ * clb_repack_x8 writes n_rows (a multiple of 8) rows of n columns of type t (q8, q4 or q6) from
  * src into dst (distinct buffers, same size); _inplace does it in w itself, one group at a
  * time through scratch (8 rows' bytes). */
 clb_type clb_x8_type(clb_type t);

@@ -29,24 +29,35 @@ typedef struct {
 } clb_block_q8c;
 _Static_assert(sizeof(clb_block_q8c) == 40, "q8c block must be 40 bytes");
 
+/* The quantized weight kinds of the SIMD products, a compile-time parameter of their inlined
+ * templates: q8 (signed bytes), q4 (nibbles, offset 8), q6 (nibbles plus two high bits,
+ * offset 32; the q4 loop with the high bits merged in). */
+enum { CLB_QT_Q8 = 0, CLB_QT_Q4 = 1, CLB_QT_Q6 = 2 };
+#define CLB_QT_BLOCK(QT)                                                                       \
+    ((QT) == CLB_QT_Q8 ? sizeof(clb_block_q8)                                                 \
+                       : (QT) == CLB_QT_Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q6))
+
 /* reference (kernels_ref.c) */
 void clb_to_float_f32_ref(int64_t n, const void *x, float *y);
 void clb_to_float_f16_ref(int64_t n, const void *x, float *y);
 void clb_to_float_bf16_ref(int64_t n, const void *x, float *y);
 void clb_to_float_q8_ref(int64_t n, const void *x, float *y);
 void clb_to_float_q4_ref(int64_t n, const void *x, float *y);
+void clb_to_float_q6_ref(int64_t n, const void *x, float *y);
 void clb_to_float_q8a_ref(int64_t n, const void *x, float *y);
 void clb_from_float_f32_ref(int64_t n, const float *x, void *y);
 void clb_from_float_f16_ref(int64_t n, const float *x, void *y);
 void clb_from_float_bf16_ref(int64_t n, const float *x, void *y);
 void clb_from_float_q8_ref(int64_t n, const float *x, void *y);
 void clb_from_float_q4_ref(int64_t n, const float *x, void *y);
+void clb_from_float_q6_ref(int64_t n, const float *x, void *y);
 void clb_from_float_q8a_ref(int64_t n, const float *x, void *y);
 float clb_vec_dot_f32_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_f16_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_bf16_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x);
+float clb_vec_dot_q6_ref(int64_t n, const void *w, const void *x);
 void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a);
 void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
                           float *s);
@@ -58,11 +69,15 @@ void clb_gemm_q8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q6_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                     size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
-/* the interleaved twins (q8x8, q4x8 weights, q8a rows): same results as the row products */
+/* the interleaved twins (q8x8, q4x8, q6x8 weights, q8a rows): same results as the row products */
 void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q6x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 /* the interleaved layout's specification, one 4-byte copy at a time (clb_repack_x8 picks it or
  * the AVX2 twin, which writes the same bytes) */
@@ -98,6 +113,7 @@ uint64_t clb_int8_loop_avx2(int variant, int64_t n_calls);
  * 8 independent sums, nothing else); CLB_INT8_LOOP_MACS_PER_CALL multiply-adds per call */
 uint64_t clb_int8_loop_avx512(int variant, int64_t n_calls);
 void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y);
+void clb_act_pack_q6_avx2(int64_t n, const float *x, void *y);
 /* one packed activation row (clb_block_q8c) against n_rows q8 rows: y[r]; bit-identical to the
  * reference, read row by row (the one-token q8 path of the AVX-512 product) */
 void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
@@ -106,10 +122,14 @@ void clb_gemm_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, co
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
-/* interleaved weights (q8x8, q4x8), n_rows a multiple of 8, q8c rows */
+void clb_gemm_q6_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+/* interleaved weights (q8x8, q4x8, q6x8), n_rows a multiple of 8, q8c rows */
 void clb_gemm_q8x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q6x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 /* AVX-512 F/BW/VL/VNNI (kernels_avx512.c) */
@@ -123,14 +143,18 @@ void clb_vec_mad_f32_avx512(int64_t n, float *y, const float *x, float a);
 /* packed activations (clb_block_q8c rows) and the kernels that read them */
 void clb_act_pack_q8_avx512(int64_t n, const float *x, void *y);
 void clb_act_pack_q4_avx512(int64_t n, const float *x, void *y);
+void clb_act_pack_q6_avx512(int64_t n, const float *x, void *y);
 void clb_gemm_q8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
-/* interleaved weights (q8x8, q4x8), n_rows a multiple of 8, q8c rows with corr = -offset * sum */
+/* interleaved weights (q8x8, q4x8, q6x8), n_rows a multiple of 8, q8c rows with
+ * corr = -offset * sum */
 void clb_gemm_q8x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                          const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_q6x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 
 #endif

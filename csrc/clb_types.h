@@ -32,6 +32,8 @@ typedef enum {
      * of 8) still starts at r0 * row size. */
     CLB_TYPE_Q8X8 = 6,
     CLB_TYPE_Q4X8 = 7,
+    CLB_TYPE_Q6 = 8,
+    CLB_TYPE_Q6X8 = 9, /* q6 rows interleaved like q8x8 / q4x8 (never stored in files) */
     CLB_TYPE_COUNT
 } clb_type;
 
@@ -51,6 +53,16 @@ typedef struct {
     uint8_t qs[CLB_QK / 2]; /* element j<16: low nibble of qs[j]; element j+16: high nibble */
 } clb_block_q4;
 _Static_assert(sizeof(clb_block_q4) == 18, "q4 block must be 18 bytes");
+
+/* 6 bits: u = lo | hi << 4 in 0..63, value d * (u - 32). lo as in q4 (element j<16: low nibble
+ * of qs[j], element j+16: high nibble); hi of element 16h + 4k + i (h 0..1, k 0..3, i 0..3):
+ * bits 2k..2k+1 of qs[16 + 4h + i]. So each 4 quant bytes are whole (the interleaved layout
+ * moves them as dwords) and the hi parts of one dword of nibble bytes sit in one dword. */
+typedef struct {
+    clb_f16 d;
+    uint8_t qs[CLB_QK / 2 + CLB_QK / 4];
+} clb_block_q6;
+_Static_assert(sizeof(clb_block_q6) == 26, "q6 block must be 26 bytes");
 
 typedef struct {
     float d;

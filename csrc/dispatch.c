@@ -55,6 +55,15 @@ static void clb_fill_ref(clb_type_traits *t) {
                                        .act_size = clb_act_size_q8a,
                                        .act_pack = clb_from_float_q8a_ref,
                                        .gemm = clb_gemm_q4_ref};
+    t[CLB_TYPE_Q6] = (clb_type_traits){.name = "q6", .blck_size = CLB_QK,
+                                       .type_size = sizeof(clb_block_q6),
+                                       .act_type = CLB_TYPE_Q8A,
+                                       .to_float = clb_to_float_q6_ref,
+                                       .vec_dot = clb_vec_dot_q6_ref,
+                                       .from_float = clb_from_float_q6_ref,
+                                       .act_size = clb_act_size_q8a,
+                                       .act_pack = clb_from_float_q8a_ref,
+                                       .gemm = clb_gemm_q6_ref};
     t[CLB_TYPE_Q8A] = (clb_type_traits){.name = "q8a", .blck_size = CLB_QK,
                                         .type_size = sizeof(clb_block_q8a),
                                         .act_type = CLB_TYPE_Q8A,
@@ -74,6 +83,12 @@ static void clb_fill_ref(clb_type_traits *t) {
                                          .act_size = clb_act_size_q8a,
                                          .act_pack = clb_from_float_q8a_ref,
                                          .gemm = clb_gemm_q4x8_ref};
+    t[CLB_TYPE_Q6X8] = (clb_type_traits){.name = "q6x8", .blck_size = CLB_QK,
+                                         .type_size = sizeof(clb_block_q6),
+                                         .act_type = CLB_TYPE_Q8A,
+                                         .act_size = clb_act_size_q8a,
+                                         .act_pack = clb_from_float_q8a_ref,
+                                         .gemm = clb_gemm_q6x8_ref};
 }
 
 #ifdef CLB_HAVE_X86
@@ -87,6 +102,16 @@ static void clb_fill_x8_avx2(clb_type_traits *t) {
     t[CLB_TYPE_Q4X8].act_pack = clb_act_pack_q4_avx2;
     t[CLB_TYPE_Q4X8].gemm = clb_gemm_q4x8_avx2;
     t[CLB_TYPE_Q4X8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+    t[CLB_TYPE_Q6X8].act_size = clb_act_size_q8c;
+    t[CLB_TYPE_Q6X8].act_pack = clb_act_pack_q6_avx2;
+    t[CLB_TYPE_Q6X8].gemm = clb_gemm_q6x8_avx2;
+    t[CLB_TYPE_Q6X8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+    /* q6 rows (kept when they cannot be interleaved) use the AVX2 row groups on both paths */
+    t[CLB_TYPE_Q6].act_size = clb_act_size_q8c;
+    t[CLB_TYPE_Q6].act_pack = clb_act_pack_q6_avx2;
+    t[CLB_TYPE_Q6].gemm = clb_gemm_q6_avx2;
+    t[CLB_TYPE_Q6].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+    t[CLB_TYPE_Q6].prefer_x8 = 1;
 }
 #endif
 
@@ -139,6 +164,8 @@ static void clb_fill_avx512(clb_type_traits *t) {
     t[CLB_TYPE_Q8X8].gemm = clb_gemm_q8x8_avx512;
     t[CLB_TYPE_Q4X8].act_pack = clb_act_pack_q4_avx512;
     t[CLB_TYPE_Q4X8].gemm = clb_gemm_q4x8_avx512;
+    t[CLB_TYPE_Q6X8].act_pack = clb_act_pack_q6_avx512;
+    t[CLB_TYPE_Q6X8].gemm = clb_gemm_q6x8_avx512;
 }
 #endif
 

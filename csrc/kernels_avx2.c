@@ -156,11 +156,14 @@ void clb_act_pack_q8_avx2(int64_t n, const float *x, void *vy) {
     clb_quantize_q8a_avx2(n, x, vy); /* corr unused by the q8 kernel: sum kept as is */
 }
 
-void clb_act_pack_q4_avx2(int64_t n, const float *x, void *vy) {
+static void clb_act_pack_offset(int64_t n, const float *x, void *vy, int32_t offset) {
     clb_block_q8c *y = vy;
     clb_quantize_q8a_avx2(n, x, y);
-    for (int64_t b = 0; b < n / CLB_QK; b++) y[b].corr *= -8;
+    for (int64_t b = 0; b < n / CLB_QK; b++) y[b].corr *= -offset;
 }
+
+void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y) { clb_act_pack_offset(n, x, y, 8); }
+void clb_act_pack_q6_avx2(int64_t n, const float *x, void *y) { clb_act_pack_offset(n, x, y, 32); }
 
 static inline __attribute__((always_inline)) void clb_t4x4_avx2(__m256i z[4]) {
     __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
@@ -190,8 +193,7 @@ static inline __attribute__((always_inline)) void clb_load_t4(const char *const 
  * stored registers are the ones clb_pass8 builds from rows, so each group is written in
  * sequential 32-byte stores; the same bytes as clb_repack_x8_ref. */
 void clb_repack_x8_avx2(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
-    const int q4 = t == CLB_TYPE_Q4;
-    const size_t bs = q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8);
+    const size_t bs = clb_type_row_size(t, CLB_QK), qb = bs - sizeof(clb_f16);
     const size_t row = (size_t)(n / CLB_QK) * bs;
     for (int64_t g = 0; g < n_rows / 8; g++) {
         const char *s = (const char *)src + (size_t)g * 8 * row;
@@ -202,11 +204,14 @@ void clb_repack_x8_avx2(clb_type t, int64_t n, int64_t n_rows, const void *src, 
             char *db = d + (size_t)b * 8 * bs;
             const size_t off = (size_t)b * bs;
             for (int r = 0; r < 8; r++) memcpy(db + 2 * r, rp[r] + off, sizeof(clb_f16));
-            for (int h = 0; h < (q4 ? 1 : 2); h++) {
+            /* 16 quant bytes of each row at a time; q6's last 8 (its high bits) as the upper
+             * half of a 16-byte read that starts 8 bytes earlier */
+            for (size_t q = 0; q < qb; q += 16) {
+                const size_t start = q + 16 <= qb ? q : qb - 16, skip = (q - start) / 4;
                 __m256i v[4];
-                clb_load_t4(rp, off + 2 + 16 * (size_t)h, v);
-                for (int j = 0; j < 4; j++)
-                    _mm256_storeu_si256((__m256i *)(db + 16 + 128 * h + 32 * j), v[j]);
+                clb_load_t4(rp, off + 2 + start, v);
+                for (size_t j = skip; j < 4; j++)
+                    _mm256_storeu_si256((__m256i *)(db + 16 + 8 * start + 32 * j), v[j]);
             }
         }
     }
@@ -214,9 +219,9 @@ void clb_repack_x8_avx2(clb_type t, int64_t n, int64_t n_rows, const void *src, 
 
 /* the f16 scales of block b of the 8 rows as f32: eight 2-byte reads combined in general
  * registers, which these loops leave idle (cheaper than a gather), then one conversion */
-static inline __attribute__((always_inline)) __m256 clb_scales8(int Q4, const char *const rp[8],
+static inline __attribute__((always_inline)) __m256 clb_scales8(size_t bs, const char *const rp[8],
                                                                 int64_t b) {
-    const size_t off = (size_t)b * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
+    const size_t off = (size_t)b * bs;
     uint64_t lo = 0, hi = 0;
     for (int r = 0; r < 4; r++) {
         uint16_t d0, d1;
@@ -269,19 +274,32 @@ static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i s
  * it lifted the small expert matrices, where each worker's stream is short; q4 and passes of
  * more tokens, which are compute-bound, ran no faster or slower with it). Both layouts do the
  * same arithmetic, so they give the same bits. */
-#define CLB_PF_LINES(Q4) ((Q4) ? 3 : 5) /* 64-byte lines per block: >= 8 * 18 or 8 * 34 bytes */
+#define CLB_PF_LINES(QT) ((8 * CLB_QT_BLOCK(QT) + 63) / 64) /* 64-byte lines per group block */
 #define CLB_X8_PF_AHEAD 8
 #define CLB_X8_PF_AHEAD_Q8_FEW 32
 
-static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int SIGN,
+/* (h >> 2j) & 3 moved to bits 4..5 of every byte: q6's high bits for nibble register j (16-bit
+ * shifts: what crosses into a neighbouring byte lands outside bits 4..5 and is masked off) */
+static inline __attribute__((always_inline)) __m256i clb_q6_hi(__m256i h, int j) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    switch (j) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    case 2: return _mm256_and_si256(h, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+    }
+}
+
+static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int SIGN,
                                                             int64_t n, const char *const rp[8],
                                                             const char *g, const char *act,
                                                             size_t act_row, int n_tok, float *y,
                                                             int64_t ldy, int nv, uintptr_t pf) {
     __m256 acc[CLB_PASS_TOK];
     __m256i part[CLB_PASS_TOK];
-    const size_t bs = Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8), gb = 8 * bs;
-    const size_t ahead = (!Q4 && n_tok <= 2 ? CLB_X8_PF_AHEAD_Q8_FEW : CLB_X8_PF_AHEAD) * gb;
+    const size_t bs = CLB_QT_BLOCK(QT), gb = 8 * bs;
+    const size_t ahead =
+        (QT == CLB_QT_Q8 && n_tok <= 2 ? CLB_X8_PF_AHEAD_Q8_FEW : CLB_X8_PF_AHEAD) * gb;
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const char *blk = X8 ? g + (size_t)b * gb : NULL;
@@ -292,14 +310,15 @@ static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int 
             for (size_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
         } else if (pf) {
             const uintptr_t p = pf + (uintptr_t)b * gb;
-            for (int l = 0; l < CLB_PF_LINES(Q4); l++)
+            for (int l = 0; l < (int)CLB_PF_LINES(QT); l++)
                 _mm_prefetch((const char *)(p + 64 * (uintptr_t)l), _MM_HINT_T0);
         }
         const __m256 ws = X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))
-                             : clb_scales8(Q4, rp, b);
-        if (Q4) {
-            /* nibbles read unsigned (w + 8): sixteen products of 15 * 127 fit int16, so the whole
-             * block sums in int16 and the accumulator starts from corr = -8 * sum(a) */
+                             : clb_scales8(bs, rp, b);
+        if (QT != CLB_QT_Q8) {
+            /* nibbles read unsigned (w + 8, or q6's w + 32 with its high bits or'ed in) and the
+             * accumulator started from corr = -offset * sum(a). q4: sixteen products of
+             * 15 * 127 fit int16, so the whole block sums in int16; q6: four of 63 * 127 */
             const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
             __m256i v[8];
             if (X8)
@@ -310,18 +329,43 @@ static inline __attribute__((always_inline)) void clb_pass8(int Q4, int X8, int 
                 v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low4);
                 v[j] = _mm256_and_si256(v[j], low4);
             }
+            if (QT == CLB_QT_Q6) {
+                __m256i h[4]; /* h[2], h[3]: the high bits of elements 0..15 and 16..31 */
+                if (X8) {
+                    h[2] = _mm256_loadu_si256(q + 4);
+                    h[3] = _mm256_loadu_si256(q + 5);
+                } else {
+                    clb_load_t4(rp, off + 8, h);
+                }
+                for (int j = 0; j < 4; j++) {
+                    v[j] = _mm256_or_si256(v[j], clb_q6_hi(h[2], j));
+                    v[4 + j] = _mm256_or_si256(v[4 + j], clb_q6_hi(h[3], j));
+                }
+            }
             for (int t = 0; t < n_tok; t++) {
                 const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-                __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(a->qs));
-                __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(a->qs + 16));
-                for (int d = 1; d < 4; d++) {
-                    h0 = _mm256_add_epi16(
-                        h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(a->qs + 4 * d)));
-                    h1 = _mm256_add_epi16(
-                        h1, _mm256_maddubs_epi16(v[4 + d], clb_bcast32_avx2(a->qs + 16 + 4 * d)));
+                __m256i s;
+                if (QT == CLB_QT_Q4) {
+                    __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(a->qs));
+                    __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(a->qs + 16));
+                    for (int d = 1; d < 4; d++) {
+                        h0 = _mm256_add_epi16(
+                            h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(a->qs + 4 * d)));
+                        h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(
+                                                      v[4 + d], clb_bcast32_avx2(a->qs + 16 + 4 * d)));
+                    }
+                    s = _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones);
+                } else {
+                    s = _mm256_setzero_si256();
+                    for (int d = 0; d < 8; d += 2) {
+                        const int8_t *qa = a->qs + 4 * (d % 4) + 16 * (d / 4);
+                        __m256i p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(qa)),
+                            _mm256_maddubs_epi16(v[d + 1], clb_bcast32_avx2(qa + 4)));
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                    }
                 }
-                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones),
-                                             _mm256_set1_epi32(a->corr));
+                s = _mm256_add_epi32(s, _mm256_set1_epi32(a->corr));
                 __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
                 acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
             }
@@ -414,7 +458,7 @@ void clb_rows1_q8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, c
  * through the same row groups: streamed with prefetching they run faster than rows read one
  * by one, and the float work per block is one vector add per 8 rows instead of 8 dependent
  * scalar adds. X8: interleaved weights (whole groups only; the matmul driver checks). */
-static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int X8, int SIGN,
+static inline __attribute__((always_inline)) void clb_gemm8(int QT, int X8, int SIGN,
                                                             int64_t n, int64_t n_rows, const void *w,
                                                             size_t w_row, const void *act,
                                                             size_t act_row, int64_t n_tok,
@@ -437,24 +481,26 @@ static inline __attribute__((always_inline)) void clb_gemm8(int Q4, int X8, int 
             /* a few tokens (the expert groups of a decode step): the count is a constant, so
              * the accumulators stay in registers */
             switch (tt) {
-            case 1: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, 1, yt, ldy, nv, pt); break;
-            case 2: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, 2, yt, ldy, nv, pt); break;
-            case 3: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, 3, yt, ldy, nv, pt); break;
-            default: clb_pass8(Q4, X8, SIGN, n, rp, g, at, act_row, tt, yt, ldy, nv, pt); break;
+            case 1: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 1, yt, ldy, nv, pt); break;
+            case 2: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 2, yt, ldy, nv, pt); break;
+            case 3: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 3, yt, ldy, nv, pt); break;
+            default: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, tt, yt, ldy, nv, pt); break;
             }
         }
     }
 }
 
-#define CLB_GEMM8_AVX2(NAME, Q4, X8)                                                         \
+#define CLB_GEMM8_AVX2(NAME, QT, X8)                                                         \
     void NAME(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,       \
               size_t act_row, int64_t n_tok, float *y, int64_t ldy) {                        \
-        clb_gemm8(Q4, X8, 1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);               \
+        clb_gemm8(QT, X8, 1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);               \
     }
-CLB_GEMM8_AVX2(clb_gemm_q8_avx2, 0, 0)
-CLB_GEMM8_AVX2(clb_gemm_q4_avx2, 1, 0)
-CLB_GEMM8_AVX2(clb_gemm_q8x8_avx2, 0, 1)
-CLB_GEMM8_AVX2(clb_gemm_q4x8_avx2, 1, 1)
+CLB_GEMM8_AVX2(clb_gemm_q8_avx2, CLB_QT_Q8, 0)
+CLB_GEMM8_AVX2(clb_gemm_q4_avx2, CLB_QT_Q4, 0)
+CLB_GEMM8_AVX2(clb_gemm_q6_avx2, CLB_QT_Q6, 0)
+CLB_GEMM8_AVX2(clb_gemm_q8x8_avx2, CLB_QT_Q8, 1)
+CLB_GEMM8_AVX2(clb_gemm_q4x8_avx2, CLB_QT_Q4, 1)
+CLB_GEMM8_AVX2(clb_gemm_q6x8_avx2, CLB_QT_Q6, 1)
 
 /* ---- the ceiling of the q8 products' arithmetic -----------------------------------------
  * n_calls products of the interleaved q8 kernel (clb_gemm8 as clb_gemm_q8x8_avx2 runs it, the
@@ -478,7 +524,7 @@ static inline __attribute__((always_inline)) uint64_t clb_loop_run(int SIGN, int
     uint64_t sum = 0;
     for (int64_t c = 0; c < n_calls; c++) {
         act[0].d = (float)(c & 1023); /* a new input for every call */
-        clb_gemm8(0, 1, SIGN, CLB_LOOP_N, 8, w, NB * sizeof(clb_block_q8), act,
+        clb_gemm8(CLB_QT_Q8, 1, SIGN, CLB_LOOP_N, 8, w, NB * sizeof(clb_block_q8), act,
                   NB * sizeof(clb_block_q8c), n_tok, y, 8);
         sum = clb_probe_mix(sum, y, CLB_LOOP_TOK * 8, c);
     }

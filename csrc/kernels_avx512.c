@@ -203,6 +203,7 @@ static void clb_act_pack_q8c(int64_t n, const float *x, void *vy, int32_t offset
 
 void clb_act_pack_q8_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 128); }
 void clb_act_pack_q4_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 8); }
+void clb_act_pack_q6_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 32); }
 
 /* in every 128-bit lane, dword j of z[k] -> dword k of z[j] (a 4x4 transpose) */
 static inline __attribute__((always_inline)) void clb_t4x4(__m512i z[4]) {
@@ -360,23 +361,35 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
  * group with itself and stores the low half. Same per-lane arithmetic as clb_group, so the
  * same bits as the reference. */
 
-/* blocks ahead: about 3.3 KB of each stream for either type */
-#define CLB_X16_PF_AHEAD(Q4) ((Q4) ? 24 : 12)
+/* blocks ahead: about 3.3 KB of each stream for every type */
+#define CLB_X16_PF_AHEAD(QT) ((QT) == CLB_QT_Q8 ? 12 : (QT) == CLB_QT_Q4 ? 24 : 16)
+
+/* (h >> 2j) & 3 moved to bits 4..5 of every byte: q6's high bits for nibble register j
+ * (kernels_avx2.c clb_q6_hi at double width) */
+static inline __attribute__((always_inline)) __m512i clb_q6_hi16(__m512i h, int j) {
+    const __m512i m = _mm512_set1_epi8(0x30);
+    switch (j) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), m);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), m);
+    case 2: return _mm512_and_si512(h, m);
+    default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), m);
+    }
+}
 
 static inline __attribute__((always_inline)) __m512i clb_pair256(const char *p0, const char *p1) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
                               _mm256_loadu_si256((const __m256i *)p1), 1);
 }
 
-static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, int64_t n,
+static inline __attribute__((always_inline)) void clb_pass_x16(int QT, int TT, int64_t n,
                                                                const char *g0, const char *g1,
                                                                const char *act, size_t act_row,
                                                                float *y, int64_t ldy,
                                                                __mmask16 keep) {
-    const size_t gb = 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
+    const size_t gb = 8 * CLB_QT_BLOCK(QT);
     const int64_t nb = n / CLB_QK;
     /* past a group's end its stream goes on one group further: the next pair's same group */
-    const uintptr_t next = (uintptr_t)nb * gb, ahead = CLB_X16_PF_AHEAD(Q4) * gb;
+    const uintptr_t next = (uintptr_t)nb * gb, ahead = CLB_X16_PF_AHEAD(QT) * gb;
     __m512 acc[CLB_TT]; /* 8 accumulators + 8 weight registers */
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -386,7 +399,7 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, i
          * the next pair's group, so the next pass starts from cache. Into L2 (T1): measured
          * faster than into L1 on Zen 4's decode, where each core has two streams to keep
          * in flight. */
-        const uintptr_t pf = ahead + (b + CLB_X16_PF_AHEAD(Q4) >= nb ? next : 0);
+        const uintptr_t pf = ahead + (b + CLB_X16_PF_AHEAD(QT) >= nb ? next : 0);
         for (size_t l = 0; l < gb; l += 64) {
             _mm_prefetch((const char *)((uintptr_t)p0 + pf + l), _MM_HINT_T1);
             _mm_prefetch((const char *)((uintptr_t)p1 + pf + l), _MM_HINT_T1);
@@ -395,12 +408,20 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, i
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
             _mm_loadu_si128((const __m128i *)p1), 1));
         __m512i v[8];
-        if (Q4) {
+        if (QT != CLB_QT_Q8) {
             const __m512i low4 = _mm512_set1_epi8(0x0f);
             for (int j = 0; j < 4; j++) {
                 __m512i z = clb_pair256(p0 + 16 + 32 * j, p1 + 16 + 32 * j);
                 v[j] = _mm512_and_si512(z, low4);
                 v[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
+            }
+            if (QT == CLB_QT_Q6) { /* the high bits of elements 0..15, then of 16..31 */
+                const __m512i h0 = clb_pair256(p0 + 144, p1 + 144);
+                const __m512i h1 = clb_pair256(p0 + 176, p1 + 176);
+                for (int j = 0; j < 4; j++) {
+                    v[j] = _mm512_or_si512(v[j], clb_q6_hi16(h0, j));
+                    v[4 + j] = _mm512_or_si512(v[4 + j], clb_q6_hi16(h1, j));
+                }
             }
         } else {
             const __m512i bias = _mm512_set1_epi8((char)0x80);
@@ -412,7 +433,7 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int Q4, int TT, i
     for (int t = 0; t < TT; t++) _mm512_mask_storeu_ps(y + t * ldy, keep, acc[t]);
 }
 
-static inline __attribute__((always_inline)) void clb_gemm_x16(int Q4, int64_t n, int64_t n_rows,
+static inline __attribute__((always_inline)) void clb_gemm_x16(int QT, int64_t n, int64_t n_rows,
                                                                const void *w, size_t w_row,
                                                                const void *act, size_t act_row,
                                                                int64_t n_tok, float *y,
@@ -422,7 +443,7 @@ static inline __attribute__((always_inline)) void clb_gemm_x16(int Q4, int64_t n
         const char *g0 = (const char *)w + (size_t)r0 * w_row;
         const char *g1 = two ? g0 + 8 * w_row : g0;
         const __mmask16 keep = two ? (__mmask16)0xffff : (__mmask16)0x00ff;
-#define CLB_X16_PASS(TT, AT, YT) clb_pass_x16(Q4, TT, n, g0, g1, AT, act_row, YT, ldy, keep)
+#define CLB_X16_PASS(TT, AT, YT) clb_pass_x16(QT, TT, n, g0, g1, AT, act_row, YT, ldy, keep)
         CLB_PASSES(CLB_X16_PASS)
 #undef CLB_X16_PASS
     }
@@ -430,12 +451,17 @@ static inline __attribute__((always_inline)) void clb_gemm_x16(int Q4, int64_t n
 
 void clb_gemm_q8x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm_x16(0, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+    clb_gemm_x16(CLB_QT_Q8, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm_x16(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+    clb_gemm_x16(CLB_QT_Q4, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
+
+void clb_gemm_q6x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                          const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_x16(CLB_QT_Q6, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 /* ---- the ceiling of the interleaved products' arithmetic (bench_kernels) -----------------
@@ -447,11 +473,11 @@ void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row
 #define CLB_LOOP512_N 512
 _Static_assert(16 * CLB_LOOP512_N * 8 == CLB_INT8_LOOP_MACS_PER_CALL, "probe size");
 
-/* Q4 a constant after inlining, as in the real products */
-static inline __attribute__((always_inline)) uint64_t clb_loop512_kernel(int Q4,
+/* QT a constant after inlining, as in the real products */
+static inline __attribute__((always_inline)) uint64_t clb_loop512_kernel(int QT,
                                                                          int64_t n_calls) {
     enum { NB = CLB_LOOP512_N / CLB_QK };
-    const size_t gb = 8 * (Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q8));
+    const size_t gb = 8 * CLB_QT_BLOCK(QT);
     unsigned char w[2 * NB * 8 * sizeof(clb_block_q8)] __attribute__((aligned(64)));
     clb_block_q8c act[8 * NB];
     float y[8 * 16];
@@ -460,7 +486,7 @@ static inline __attribute__((always_inline)) uint64_t clb_loop512_kernel(int Q4,
     uint64_t sum = 0;
     for (int64_t c = 0; c < n_calls; c++) {
         act[0].d = (float)(c & 1023); /* a new input for every call */
-        clb_gemm_x16(Q4, CLB_LOOP512_N, 16, w, NB * gb / 8, act, NB * sizeof(clb_block_q8c),
+        clb_gemm_x16(QT, CLB_LOOP512_N, 16, w, NB * gb / 8, act, NB * sizeof(clb_block_q8c),
                      n_tok, y, 16);
         sum = clb_probe_mix(sum, y, 8 * 16, c);
     }
@@ -495,8 +521,8 @@ static uint64_t clb_loop512_dpbusd(int64_t n_calls) {
 }
 
 uint64_t clb_int8_loop_avx512(int variant, int64_t n_calls) {
-    if (variant == 0) return clb_loop512_kernel(0, n_calls);
-    if (variant == 1) return clb_loop512_kernel(1, n_calls);
+    if (variant == 0) return clb_loop512_kernel(CLB_QT_Q8, n_calls);
+    if (variant == 1) return clb_loop512_kernel(CLB_QT_Q4, n_calls);
     return clb_loop512_dpbusd(n_calls);
 }
 

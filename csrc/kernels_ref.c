@@ -86,6 +86,37 @@ void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y) {
     }
 }
 
+/* element j of a q6 block as stored, 0..63 (clb_types.h) */
+static int clb_q6_u(const clb_block_q6 *b, int j) {
+    const int jl = j % (CLB_QK / 2), h = j / (CLB_QK / 2), k = jl / 4, i = jl % 4;
+    const int lo = j < CLB_QK / 2 ? b->qs[jl] & 15 : b->qs[jl] >> 4;
+    return lo | ((b->qs[CLB_QK / 2 + 4 * h + i] >> (2 * k)) & 3) << 4;
+}
+
+void clb_quantize_q6_ref(int64_t n, const float *x, clb_block_q6 *y) {
+    assert(n % CLB_QK == 0);
+    for (int64_t b = 0; b < n / CLB_QK; b++) {
+        const float *xb = x + b * CLB_QK;
+        float amax = 0.0f, m = 0.0f;
+        for (int j = 0; j < CLB_QK; j++) { /* strict > keeps the first index on ties */
+            if (fabsf(xb[j]) > amax) {
+                amax = fabsf(xb[j]);
+                m = xb[j];
+            }
+        }
+        float d = m / -32.0f;
+        float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = clb_f32_to_f16(d);
+        memset(y[b].qs, 0, sizeof y[b].qs);
+        for (int j = 0; j < CLB_QK; j++) {
+            int u = (int)clb_clampf(nearbyintf(xb[j] * inv) + 32.0f, 0.0f, 63.0f);
+            const int jl = j % (CLB_QK / 2), h = j / (CLB_QK / 2), k = jl / 4, i = jl % 4;
+            y[b].qs[jl] |= (uint8_t)((u & 15) << (j < CLB_QK / 2 ? 0 : 4));
+            y[b].qs[CLB_QK / 2 + 4 * h + i] |= (uint8_t)((u >> 4) << (2 * k));
+        }
+    }
+}
+
 void clb_from_float_f32_ref(int64_t n, const float *x, void *y) {
     memcpy(y, x, (size_t)n * sizeof(float));
 }
@@ -102,6 +133,7 @@ void clb_from_float_bf16_ref(int64_t n, const float *x, void *y) {
 
 void clb_from_float_q8_ref(int64_t n, const float *x, void *y) { clb_quantize_q8_ref(n, x, y); }
 void clb_from_float_q4_ref(int64_t n, const float *x, void *y) { clb_quantize_q4_ref(n, x, y); }
+void clb_from_float_q6_ref(int64_t n, const float *x, void *y) { clb_quantize_q6_ref(n, x, y); }
 void clb_from_float_q8a_ref(int64_t n, const float *x, void *y) { clb_quantize_q8a_ref(n, x, y); }
 
 /* ---- to float (spec: engine/format/quant.py decode) ---- */
@@ -157,6 +189,14 @@ void clb_to_float_q4_ref(int64_t n, const void *x, float *y) {
     }
 }
 
+void clb_to_float_q6_ref(int64_t n, const void *x, float *y) {
+    const clb_block_q6 *b = x;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        float d = clb_f16_to_f32(b[i].d);
+        for (int j = 0; j < CLB_QK; j++) y[i * CLB_QK + j] = d * (float)(clb_q6_u(&b[i], j) - 32);
+    }
+}
+
 void clb_to_float_q8a_ref(int64_t n, const void *x, float *y) {
     const clb_block_q8a *b = x;
     for (int64_t i = 0; i < n / CLB_QK; i++)
@@ -170,6 +210,7 @@ void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y) {
     case CLB_TYPE_BF16: clb_to_float_bf16_ref(n, x, y); break;
     case CLB_TYPE_Q8: clb_to_float_q8_ref(n, x, y); break;
     case CLB_TYPE_Q4: clb_to_float_q4_ref(n, x, y); break;
+    case CLB_TYPE_Q6: clb_to_float_q6_ref(n, x, y); break;
     case CLB_TYPE_Q8A: clb_to_float_q8a_ref(n, x, y); break;
     default: assert(!"clb_dequantize_row: invalid type");
     }
@@ -227,6 +268,18 @@ float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x) {
     return s;
 }
 
+float clb_vec_dot_q6_ref(int64_t n, const void *w, const void *x) {
+    const clb_block_q6 *a = w;
+    const clb_block_q8a *b = x;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        int32_t sumi = 0;
+        for (int j = 0; j < CLB_QK; j++) sumi += (int32_t)(clb_q6_u(&a[i], j) - 32) * b[i].qs[j];
+        s += clb_f16_to_f32(a[i].d) * b[i].d * (float)sumi;
+    }
+    return s;
+}
+
 /* ---- multi-row products on q8a rows (the packed layout of the reference) ---- */
 
 size_t clb_act_size_q8a(int64_t n) { return (size_t)(n / CLB_QK) * sizeof(clb_block_q8a); }
@@ -242,19 +295,34 @@ void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
     clb_gemm_by_dot(clb_vec_dot_q4_ref, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
-/* ---- 8-row interleaved layouts (q8x8, q4x8; see clb_types.h) ---- */
+void clb_gemm_q6_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                     size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_by_dot(clb_vec_dot_q6_ref, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
+
+/* ---- 8-row interleaved layouts (q8x8, q4x8, q6x8; see clb_types.h) ---- */
 
 clb_type clb_x8_type(clb_type t) {
-    return t == CLB_TYPE_Q8 ? CLB_TYPE_Q8X8 : t == CLB_TYPE_Q4 ? CLB_TYPE_Q4X8 : t;
+    switch (t) {
+    case CLB_TYPE_Q8: return CLB_TYPE_Q8X8;
+    case CLB_TYPE_Q4: return CLB_TYPE_Q4X8;
+    case CLB_TYPE_Q6: return CLB_TYPE_Q6X8;
+    default: return t;
+    }
 }
 
 clb_type clb_x8_base(clb_type t) {
-    return t == CLB_TYPE_Q8X8 ? CLB_TYPE_Q8 : t == CLB_TYPE_Q4X8 ? CLB_TYPE_Q4 : t;
+    switch (t) {
+    case CLB_TYPE_Q8X8: return CLB_TYPE_Q8;
+    case CLB_TYPE_Q4X8: return CLB_TYPE_Q4;
+    case CLB_TYPE_Q6X8: return CLB_TYPE_Q6;
+    default: return t;
+    }
 }
 
 void clb_repack_x8_ref(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
-    assert((t == CLB_TYPE_Q8 || t == CLB_TYPE_Q4) && n_rows % 8 == 0 && n % CLB_QK == 0);
-    const size_t bs = t == CLB_TYPE_Q8 ? sizeof(clb_block_q8) : sizeof(clb_block_q4);
+    assert(clb_x8_type(t) != t && n_rows % 8 == 0 && n % CLB_QK == 0);
+    const size_t bs = clb_type_row_size(t, CLB_QK);
     const size_t qb = bs - sizeof(clb_f16), row = (size_t)(n / CLB_QK) * bs;
     for (int64_t g = 0; g < n_rows / 8; g++) {
         const char *s = (const char *)src + (size_t)g * 8 * row;
@@ -318,6 +386,12 @@ void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, c
 void clb_gemm_q4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
     clb_gemm_x8_ref(clb_vec_dot_q4_ref, sizeof(clb_block_q4), n, n_rows, w, w_row, act, act_row,
+                    n_tok, y, ldy);
+}
+
+void clb_gemm_q6x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                       size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_x8_ref(clb_vec_dot_q6_ref, sizeof(clb_block_q6), n, n_rows, w, w_row, act, act_row,
                     n_tok, y, ldy);
 }
 

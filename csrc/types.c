@@ -78,6 +78,8 @@ static const struct {
     [CLB_TYPE_Q8A] = {CLB_QK, sizeof(clb_block_q8a)},
     [CLB_TYPE_Q8X8] = {CLB_QK, sizeof(clb_block_q8)},
     [CLB_TYPE_Q4X8] = {CLB_QK, sizeof(clb_block_q4)},
+    [CLB_TYPE_Q6] = {CLB_QK, sizeof(clb_block_q6)},
+    [CLB_TYPE_Q6X8] = {CLB_QK, sizeof(clb_block_q6)},
 };
 
 size_t clb_type_row_size(clb_type t, int64_t n) {
@@ -88,4 +90,6 @@ size_t clb_type_row_size(clb_type t, int64_t n) {
     return (size_t)(n / bs) * clb_type_sizes[t].bytes;
 }
 
-int clb_type_valid_for_file(uint32_t t) { return t < (uint32_t)CLB_TYPE_Q8A; }
+int clb_type_valid_for_file(uint32_t t) {
+    return t < (uint32_t)CLB_TYPE_Q8A || t == (uint32_t)CLB_TYPE_Q6;
+}

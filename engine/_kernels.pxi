@@ -39,6 +39,8 @@ cdef extern from "clb_types.h" nogil:
         CLB_TYPE_Q8A
         CLB_TYPE_Q8X8
         CLB_TYPE_Q4X8
+        CLB_TYPE_Q6
+        CLB_TYPE_Q6X8
         CLB_TYPE_COUNT
 
     int CLB_QK
@@ -130,10 +132,11 @@ cdef extern from "clb_pool.h" nogil:
 
 
 KERNEL_TYPES = {"f32": CLB_TYPE_F32, "f16": CLB_TYPE_F16, "bf16": CLB_TYPE_BF16,
-                "q8": CLB_TYPE_Q8, "q4": CLB_TYPE_Q4, "q8a": CLB_TYPE_Q8A}
+                "q8": CLB_TYPE_Q8, "q4": CLB_TYPE_Q4, "q6": CLB_TYPE_Q6, "q8a": CLB_TYPE_Q8A}
 ISA_NAMES = ("ref", "avx2", "avx512")
-# in-memory layouts of q8/q4 weights that only the matrix products read (see repack_x8)
-PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8}
+# in-memory layouts of q8/q4/q6 weights that only the matrix products read (see repack_x8)
+PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8,
+                 "q6x8": CLB_TYPE_Q6X8}
 
 clb_kernels_init()
 
@@ -174,12 +177,12 @@ cdef clb_type _kernel_type(str name, bint product=False) except *:
 
 
 def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False, bint ref=False) -> bytes:
-    """The bytes of a [n_out, n_in] q8 or q4 matrix (n_out a multiple of 8) in the 8-row
-    interleaved layout (type "q8x8" / "q4x8" for matmul), through the copying or the in-place
-    repack (the CPU's fastest), or the plain C reference (ref)."""
+    """The bytes of a [n_out, n_in] q8, q4 or q6 matrix (n_out a multiple of 8) in the 8-row
+    interleaved layout (type "q8x8" / "q4x8" / "q6x8" for matmul), through the copying or the
+    in-place repack (the CPU's fastest), or the plain C reference (ref)."""
     cdef clb_type t = _kernel_type(name)
-    if t != CLB_TYPE_Q8 and t != CLB_TYPE_Q4:
-        raise ValueError(f"only q8 and q4 weights have an interleaved layout, not {name!r}")
+    if clb_x8_type(t) == t:
+        raise ValueError(f"only q8, q4 and q6 weights have an interleaved layout, not {name!r}")
     if n_out <= 0 or n_out % 8:
         raise ValueError(f"rows must be a positive multiple of 8, got {n_out}")
     cdef size_t rs = _row_bytes(t, n_in)

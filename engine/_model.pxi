@@ -112,7 +112,7 @@ XC_LOADS = ("pread", "direct", "mmap")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns")
 
-_TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4"}
+_TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4", 8: "q6"}
 
 _HPARAM_INT_KEYS = (
     "arch", "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",

@@ -2,7 +2,7 @@
 
 A row's result must not depend on how many rows (tokens) share the call or where the row sits
 among them: prefill, decode, continuous batching and the expert groups of a step all give a
-token the same numbers. The q8/q4 products of every ISA path must also equal the plain C
+token the same numbers. The q8/q4/q6 products of every ISA path must also equal the plain C
 reference (`ref`) bit for bit: they compute each row's exact integer block sums and scale and
 add them in the reference's order. Outputs are pre-filled with NaN by engine._core.matmul, so
 an element a kernel fails to write cannot pass.
@@ -16,7 +16,7 @@ import pytest
 from engine import _core as core
 from engine.format import quant
 
-WEIGHT_TYPES = ["f32", "f16", "bf16", "q8", "q4"]
+WEIGHT_TYPES = ["f32", "f16", "bf16", "q8", "q4", "q6"]
 ISAS = core.isa_supported()
 F16_MAX = 65504.0
 
@@ -39,8 +39,8 @@ def _weights(type_name: str, n_out: int, n_in: int, seed: int) -> bytes:
 
 
 def _raw_block_weights(type_name: str, n_out: int, n_in: int, seed: int) -> bytes:
-    """Arbitrary q8/q4 bytes, beyond what the quantizer writes: q8 values -128..127, every q4
-    nibble, f16 scales from zero and subnormal up to the largest finite."""
+    """Arbitrary q8/q4/q6 bytes, beyond what the quantizer writes: q8 values -128..127, every
+    q4 nibble, every q6 byte, f16 scales from zero and subnormal up to the largest finite."""
     rng = np.random.default_rng(seed)
     nb = n_out * n_in // quant.QK
     scales = rng.standard_normal(nb).astype(np.float32) * np.float32(0.02)
@@ -53,9 +53,11 @@ def _raw_block_weights(type_name: str, n_out: int, n_in: int, seed: int) -> byte
         qs[1::5] = -128
         dt = np.dtype([("d", "<u2"), ("qs", "i1", (quant.QK,))])
     else:
-        qs = rng.integers(0, 256, (nb, quant.QK // 2)).astype(np.uint8)
-        qs[2::5] = 0x08  # both nibbles 8 (value 0)
-        dt = np.dtype([("d", "<u2"), ("qs", "u1", (quant.QK // 2,))])
+        n_bytes = quant.BLOCK_BYTES[type_name] - 2
+        qs = rng.integers(0, 256, (nb, n_bytes)).astype(np.uint8)
+        qs[2::5] = 0x08 if type_name == "q4" else 0  # q4: value 0; q6: all -32
+        qs[4::9] = 0xFF  # the largest values: 7, or 31
+        dt = np.dtype([("d", "<u2"), ("qs", "u1", (n_bytes,))])
     out = np.empty(nb, dtype=dt)
     out["d"] = d
     out["qs"] = qs
@@ -108,7 +110,7 @@ def test_output_rows_do_not_depend_on_the_row_range(type_name: str, isa: str) ->
         np.testing.assert_array_equal(part, full[:, r0:r1], err_msg=f"rows {r0}..{r1}")
 
 
-@pytest.mark.parametrize("type_name", ["q8", "q4"])
+@pytest.mark.parametrize("type_name", ["q8", "q4", "q6"])
 @pytest.mark.parametrize("shape", [(1, 32, 1), (16, 64, 8), (45, 288, 17), (70, 4096, 3),
                                    (33, 96, 9)])
 @pytest.mark.parametrize("raw", [False, True])
@@ -128,7 +130,7 @@ def test_block_products_equal_reference_bits(type_name: str, shape: tuple[int, i
 
 # The interleaved layouts the SIMD paths repack to at load: the same two promises, on whole
 # 8-row groups (40 rows: two 16-row pairs of groups and a lone group, as AVX-512 reads them).
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_interleaved_row_alone_equals_row_in_any_batch(kind: str, n_threads: int,
                                                        isa: str) -> None:
@@ -146,7 +148,7 @@ def test_interleaved_row_alone_equals_row_in_any_batch(kind: str, n_threads: int
                                           err_msg=f"{n_tok} rows from {first}")
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
 @pytest.mark.parametrize("shape", [(8, 32, 1), (16, 64, 8), (40, 288, 17), (72, 4096, 3),
                                    (24, 96, 9)])
 def test_interleaved_products_equal_reference_bits(kind: str, shape: tuple[int, int, int],

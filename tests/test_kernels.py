@@ -32,7 +32,8 @@ def DOT_ROUNDING_UNITS(n: int) -> float:  # noqa: N802 - a named constant of the
 
 
 # Quantization budgets, per element, in units of the block's float32 scale d (q8, q8a: d =
-# amax / 127; q4: |d| = amax / 8) plus an absolute floor for subnormal f16 scales:
+# amax / 127; q4: |d| = amax / 8; q6: |d| = amax / 32) plus an absolute floor for subnormal
+# f16 scales:
 # - q8: rint is off by at most d/2; the f16 scale adds at most 2^-11 * d per unit of |q| <= 127.
 Q8_ERR_PER_SCALE = 0.5 + 127 * 2.0**-11 + 1e-5
 Q8_ERR_ABS = 127 * 2.0**-25  # f16 subnormal spacing is 2^-24: rounding error <= 2^-25 per unit
@@ -40,6 +41,9 @@ Q8_ERR_ABS = 127 * 2.0**-25  # f16 subnormal spacing is 2^-24: rounding error <=
 #   the f16 scale adds 2^-11 * |d| per unit of |q| <= 8.
 Q4_ERR_PER_SCALE = 1.0 + 8 * 2.0**-11 + 1e-5
 Q4_ERR_ABS = 8 * 2.0**-25
+# - q6: the same with [-32, 32], +32 clamped to 31.
+Q6_ERR_PER_SCALE = 1.0 + 32 * 2.0**-11 + 1e-5
+Q6_ERR_ABS = 32 * 2.0**-25
 # - q8a: the scale stays float32, so only the rint half step (and float32 rounding of x / d).
 Q8A_ERR_PER_SCALE = 0.5 + 1e-5
 # - f16: relative 2^-11 for normal values, absolute 2^-25 in the subnormal range.
@@ -47,8 +51,8 @@ F16_ERR_REL, F16_ERR_ABS = 2.0**-11, 2.0**-25
 # - bf16: relative 2^-8 (8 significant bits).
 BF16_ERR_REL = 2.0**-8
 
-WEIGHT_TYPES = ["f32", "f16", "bf16", "q8", "q4"]
-BLOCK_TYPES = ["q8", "q4"]
+WEIGHT_TYPES = ["f32", "f16", "bf16", "q8", "q4", "q6"]
+BLOCK_TYPES = ["q8", "q4", "q6"]
 ISAS = core.isa_supported()
 Q8A_DTYPE = np.dtype([("d", "<f4"), ("sum", "<i4"), ("qs", "i1", (quant.QK,))])
 
@@ -86,6 +90,9 @@ def make_cases(n: int, seed: int, max_abs: float = 1e4) -> dict[str, np.ndarray]
     halves4 = (rng.integers(-7, 7, n) + 0.5).astype(np.float32)
     halves4.reshape(-1, 32)[:, 9] = -8.0
     cases["halves_q4"] = halves4
+    halves6 = (rng.integers(-31, 31, n) + 0.5).astype(np.float32)
+    halves6.reshape(-1, 32)[:, 17] = -32.0
+    cases["halves_q6"] = halves6
     # q4 ties on |x|: +a first, then -a: the first one sets the sign of d
     ties = normal.copy()
     ties.reshape(-1, 32)[:, 3] = 9.0
@@ -150,7 +157,9 @@ def test_type_sizes() -> None:
     assert core.type_row_size("q8a", 64) == 80
     assert core.type_row_size("q8", 33) == 0
     assert core.type_row_size("f16", 33) == 66
-    assert [core.type_valid_for_file(i) for i in range(7)] == [True] * 5 + [False] * 2
+    # 5..7: the activation type and the interleaved in-memory layouts; 8: q6; 9: q6 interleaved
+    assert [core.type_valid_for_file(i) for i in range(11)] == (
+        [True] * 5 + [False] * 3 + [True] + [False] * 2)
 
 
 # ---- scalar conversions --------------------------------------------------------------------
@@ -224,6 +233,18 @@ def test_q4_all_bytes_through_lookup_table() -> None:
     assert np.array_equal(core.dequantize("q4", data, 16 * 32), want)
 
 
+def test_q6_every_value_in_every_position() -> None:
+    """Every 6-bit value at every element: the C reference's unpacking against numpy's and
+    against the values themselves."""
+    u = (np.arange(64 * 32) % 64).reshape(64, 32).astype(np.float32)
+    u = (u + np.arange(64, dtype=np.float32)[:, None]) % 64  # block k: value (j + k) % 64
+    x = (u - 32) * np.float32(0.25)
+    x[:, 0] = -32 * 0.25  # the block's largest magnitude, negative: d = 0.25 exactly
+    data = quant.encode(x, "q6")
+    assert np.array_equal(quant.decode(data, "q6", x.shape), x)
+    assert np.array_equal(core.dequantize("q6", data, x.size), x.reshape(-1))
+
+
 @pytest.mark.parametrize("n", [32, 64, 96, 224, 4096])
 def test_q8a_every_isa_matches_spec(n: int, isa: str) -> None:
     for name, x in make_cases(n, seed=n + 7).items():
@@ -237,6 +258,7 @@ def test_quantization_error_budgets() -> None:
         for t, per_scale, floor, scale in (
             ("q8", Q8_ERR_PER_SCALE, Q8_ERR_ABS, amax / 127),
             ("q4", Q4_ERR_PER_SCALE, Q4_ERR_ABS, amax / 8),
+            ("q6", Q6_ERR_PER_SCALE, Q6_ERR_ABS, amax / 32),
         ):
             err = np.abs(quant.fake_quantize(x, t).reshape(-1, 32) - b)
             assert np.all(err <= per_scale * scale + floor), (t, name)

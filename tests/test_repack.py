@@ -1,4 +1,4 @@
-"""The 8-row interleaved weight layouts (q8x8, q4x8) that the SIMD paths repack q8/q4 weights
+"""The 8-row interleaved weight layouts (q8x8, q4x8, q6x8) that the SIMD paths repack weights
 to at load (AVX-512 reads two groups at once): the layout against an independent numpy
 description, products on it equal the row layout's bit for bit on every ISA (so a repacked
 model decodes the same tokens and logits), the expert cache's slot repacking gives the
@@ -16,7 +16,7 @@ from engine.demo import default_model_path
 from engine.executor.model import Model
 from engine.format.convert import convert, ensure_converted
 
-BLOCK = {"q8": 34, "q4": 18}  # bytes per 32-value block: f16 scale, then the quants
+BLOCK = {"q8": 34, "q4": 18, "q6": 26}  # bytes per 32-value block: f16 scale, then the quants
 
 
 def numpy_x8(raw: bytes, kind: str, n_out: int, n_in: int) -> bytes:
@@ -40,7 +40,7 @@ def _weights(kind: str, n_out: int, n_in: int, seed: int) -> bytes:
     return bytes(raw)
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
 @pytest.mark.parametrize("shape", [(8, 32), (16, 64), (24, 1024), (200, 160)])
 def test_layout_matches_its_description(kind: str, shape: tuple[int, int]) -> None:
     n_out, n_in = shape
@@ -52,7 +52,7 @@ def test_layout_matches_its_description(kind: str, shape: tuple[int, int]) -> No
 
 
 @pytest.mark.parametrize("isa", _core.isa_supported())
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
 def test_products_equal_the_row_layout_bit_for_bit(isa: str, kind: str) -> None:
     rng = np.random.default_rng(7)
     before = _core.isa_active()
@@ -81,7 +81,7 @@ def test_refusals() -> None:
     raw = _weights("q8", 12, 64, seed=1)
     with pytest.raises(ValueError, match="multiple of 8"):
         _core.repack_x8("q8", raw, 12, 64)
-    with pytest.raises(ValueError, match="only q8 and q4"):
+    with pytest.raises(ValueError, match="only q8, q4 and q6"):
         _core.repack_x8("f32", np.zeros(64, np.float32).tobytes(), 8, 8)
     with pytest.raises(ValueError, match="weight bytes"):
         _core.repack_x8("q8", raw[:-1], 8, 64)

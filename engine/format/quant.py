@@ -9,14 +9,16 @@ from __future__ import annotations
 import numpy as np
 
 QK = 32
-TYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
+TYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 8}
 TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
-BLOCK_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8": 34, "q4": 18}
-BLOCK_SIZE = {"f32": 1, "f16": 1, "bf16": 1, "q8": QK, "q4": QK}
+BLOCK_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8": 34, "q4": 18, "q6": 26}
+BLOCK_SIZE = {"f32": 1, "f16": 1, "bf16": 1, "q8": QK, "q4": QK, "q6": QK}
 
 Q8_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 Q4_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
-assert Q8_DTYPE.itemsize == 34 and Q4_DTYPE.itemsize == 18
+# q6: the low nibbles as in q4, then 8 bytes of 2-bit high parts (see quantize_q6)
+Q6_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2 + QK // 4,))])
+assert Q8_DTYPE.itemsize == 34 and Q4_DTYPE.itemsize == 18 and Q6_DTYPE.itemsize == 26
 
 
 def row_bytes(type_name: str, n: int) -> int:
@@ -53,17 +55,39 @@ def quantize_q8(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _signed_max_scale(b: np.ndarray, levels: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per block: d = (the value of largest magnitude, first on ties) / -levels, and 1/d."""
+    idx = np.argmax(np.abs(b), axis=1)
+    m = b[np.arange(b.shape[0]), idx]
+    d = (m / np.float32(-levels)).astype(np.float32)
+    return d, _inverse(d)
+
+
 def quantize_q4(x: np.ndarray) -> np.ndarray:
     """x[..., n] float -> structured array of q4 blocks (see docs/INTERNALS.md)."""
     b = _blocks(x)
-    idx = np.argmax(np.abs(b), axis=1)  # first index on ties
-    m = b[np.arange(b.shape[0]), idx]
-    d = (m / np.float32(-8.0)).astype(np.float32)
-    inv = _inverse(d)
+    d, inv = _signed_max_scale(b, 8.0)
     q = np.clip(np.rint(b * inv[:, None]) + 8, 0, 15).astype(np.uint8)
     out = np.empty(b.shape[0], dtype=Q4_DTYPE)
     out["d"] = d.astype(np.float16)
     out["qs"] = q[:, : QK // 2] | (q[:, QK // 2 :] << 4)
+    return out
+
+
+def quantize_q6(x: np.ndarray) -> np.ndarray:
+    """x[..., n] float -> structured array of q6 blocks: u = rint(x / d) + 32 in 0..63 with
+    d = (the value of largest magnitude) / -32, stored as a low nibble (element j < 16: low
+    nibble of qs[j], j + 16: its high nibble) and two high bits (element 16h + 4k + i: bits
+    2k, 2k + 1 of qs[16 + 4h + i])."""
+    b = _blocks(x)
+    d, inv = _signed_max_scale(b, 32.0)
+    u = np.clip(np.rint(b * inv[:, None]) + 32, 0, 63).astype(np.uint8)
+    out = np.empty(b.shape[0], dtype=Q6_DTYPE)
+    out["d"] = d.astype(np.float16)
+    out["qs"][:, : QK // 2] = (u[:, : QK // 2] & 15) | ((u[:, QK // 2 :] & 15) << 4)
+    hi = (u >> 4).reshape(-1, 2, 4, 4)  # [block, h, k, i]
+    packed = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    out["qs"][:, QK // 2 :] = packed.reshape(-1, QK // 4)
     return out
 
 
@@ -78,6 +102,16 @@ def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
     hi = (blocks["qs"] >> 4).astype(np.int8) - 8
     q = np.concatenate([lo, hi], axis=1).astype(np.float32)
     return (d[:, None] * q).reshape(-1)
+
+
+def dequantize_q6(blocks: np.ndarray) -> np.ndarray:
+    d = blocks["d"].astype(np.float32)
+    nib = blocks["qs"][:, : QK // 2]
+    lo = np.concatenate([nib & 15, nib >> 4], axis=1)
+    packed = blocks["qs"][:, QK // 2 :].reshape(-1, 2, 1, 4)  # [block, h, -, i]
+    hi = (packed >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    u = lo | (hi.reshape(-1, QK) << 4)
+    return (d[:, None] * (u.astype(np.float32) - 32)).reshape(-1)
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -107,6 +141,8 @@ def encode(x: np.ndarray, type_name: str) -> bytes:
         return quantize_q8(x).tobytes()
     if type_name == "q4":
         return quantize_q4(x).tobytes()
+    if type_name == "q6":
+        return quantize_q6(x).tobytes()
     raise ValueError(f"unknown type {type_name!r}")
 
 
@@ -123,6 +159,8 @@ def decode(data: bytes | np.ndarray, type_name: str, shape: tuple[int, ...]) -> 
         out = dequantize_q8(buf.view(Q8_DTYPE))
     elif type_name == "q4":
         out = dequantize_q4(buf.view(Q4_DTYPE))
+    elif type_name == "q6":
+        out = dequantize_q6(buf.view(Q6_DTYPE))
     else:
         raise ValueError(f"unknown type {type_name!r}")
     return out.reshape(shape)

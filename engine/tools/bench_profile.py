@@ -36,7 +36,7 @@ def _matrices(path: Path, names: tuple[str, ...] | None = None,
         if len(t.shape) != 2 or (names is not None and name not in names):
             continue
         kind, raw, n_out, n_in = t.type_name, wf.raw(name), int(t.shape[0]), int(t.shape[1])
-        if (repack and repack_enabled() and kind in ("q8", "q4") and n_out % 8 == 0
+        if (repack and repack_enabled() and kind in ("q8", "q4", "q6") and n_out % 8 == 0
                 and _core.wants_x8(kind)):
             kind, raw = kind + "x8", _core.repack_x8(kind, raw, n_out, n_in)
         out.append((kind, raw, n_out, n_in))
