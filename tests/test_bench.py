@@ -35,7 +35,8 @@ D, F, LAYERS, H, HKV, HD, E, K = 64, 96, 2, 4, 2, 16, 4, 2
 
 def _row(type_name: str, n: int) -> int:
     """Bytes of one row of n elements (docs/INTERNALS.md's type table)."""
-    return {"f32": 4 * n, "f16": 2 * n, "q8": n // 32 * 34, "q4": n // 32 * 18}[type_name]
+    return {"f32": 4 * n, "f16": 2 * n, "q8": n // 32 * 34, "q6": n // 32 * 26,
+            "q4": n // 32 * 18}[type_name]
 
 
 def _hand_count(vocab: str, mat: str, expert: str) -> int:
@@ -50,8 +51,8 @@ def _hand_count(vocab: str, mat: str, expert: str) -> int:
     return LAYERS * per_layer + _row(vocab, D) + 4 * D + lm_head
 
 
-# the q4 preset: embeddings and lm_head q8, every other matrix q4
-Q4 = ("q8", "q4", "q4")
+# the q4 preset: embeddings and lm_head q6, every other matrix q4
+Q4 = ("q6", "q4", "q4")
 
 
 @pytest.fixture(scope="module")

@@ -100,8 +100,8 @@ def expected_layout(arch: str, src: dict[str, np.ndarray], hf_cfg: dict) -> dict
 def expected_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
     if preset == "f32" or kind in ("norm", "bias", "router"):
         return "f32"
-    t = "q8" if (preset == "q4" and kind == "vocab") else preset
-    if t in ("q4", "q8") and shape[-1] % 32:
+    t = "q6" if (preset == "q4" and kind == "vocab") else preset
+    if t in ("q4", "q6", "q8") and shape[-1] % 32:
         return "f16"
     return t
 

@@ -31,7 +31,7 @@ DEFAULT_QUANT = "q8"  # the one default of every command, of convert() and of en
 QUANT_PRESETS = PRESETS
 # raised whenever a preset's choice of types changes, so conversions made before are redone
 # (recorded in config.json; see is_current_conversion)
-PRESET_REVISION = 2
+PRESET_REVISION = 3
 # Copied beside the weights. Chat templates live in any of three places (transformers'
 # order of precedence: chat_template.jinja and additional_chat_templates/*.jinja, then
 # chat_template.json, then tokenizer_config.json); engine.text.tokenizer reads them in that order.
@@ -51,8 +51,8 @@ def choose_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
     if preset == "q4" and kind == archs.VOCAB:
         # where 4 bits cost quality: on the bundled model's validation text, q4 attention
         # adds 0.10% perplexity to q4 experts' 0.15%, a q4 lm_head another 0.44%
-        want = "q8"
-    if want in ("q8", "q4") and shape[-1] % quant.QK:
+        want = "q6"
+    if want in ("q8", "q4", "q6") and shape[-1] % quant.QK:
         return "f16"
     return want
 
