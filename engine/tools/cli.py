@@ -47,7 +47,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="output Colibri model folder (new)")
     p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
                    help=f"weight types (default {DEFAULT_QUANT}; "
-                        "q4: embeddings and lm_head q8, the rest q4)")
+                        "q4: embeddings and lm_head q6, the rest q4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
