@@ -63,19 +63,26 @@ void clb_quantize_q8a_ref(int64_t n, const float *x, clb_block_q8a *y) {
     }
 }
 
+/* q4 and q6: d = (the block's value of largest magnitude, the first on ties) / -levels */
+static float clb_signed_max_scale(const float *xb, float levels, float *inv) {
+    float amax = 0.0f, m = 0.0f;
+    for (int j = 0; j < CLB_QK; j++) { /* strict > keeps the first index on ties */
+        if (fabsf(xb[j]) > amax) {
+            amax = fabsf(xb[j]);
+            m = xb[j];
+        }
+    }
+    float d = m / -levels;
+    *inv = d != 0.0f ? 1.0f / d : 0.0f;
+    return d;
+}
+
 void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y) {
     assert(n % CLB_QK == 0);
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const float *xb = x + b * CLB_QK;
-        float amax = 0.0f, m = 0.0f;
-        for (int j = 0; j < CLB_QK; j++) { /* strict > keeps the first index on ties */
-            if (fabsf(xb[j]) > amax) {
-                amax = fabsf(xb[j]);
-                m = xb[j];
-            }
-        }
-        float d = m / -8.0f;
-        float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        float inv;
+        float d = clb_signed_max_scale(xb, 8.0f, &inv);
         y[b].d = clb_f32_to_f16(d);
         for (int j = 0; j < CLB_QK / 2; j++) {
             uint8_t lo = (uint8_t)clb_clampf(nearbyintf(xb[j] * inv) + 8.0f, 0.0f, 15.0f);
@@ -97,15 +104,8 @@ void clb_quantize_q6_ref(int64_t n, const float *x, clb_block_q6 *y) {
     assert(n % CLB_QK == 0);
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const float *xb = x + b * CLB_QK;
-        float amax = 0.0f, m = 0.0f;
-        for (int j = 0; j < CLB_QK; j++) { /* strict > keeps the first index on ties */
-            if (fabsf(xb[j]) > amax) {
-                amax = fabsf(xb[j]);
-                m = xb[j];
-            }
-        }
-        float d = m / -32.0f;
-        float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        float inv;
+        float d = clb_signed_max_scale(xb, 32.0f, &inv);
         y[b].d = clb_f32_to_f16(d);
         memset(y[b].qs, 0, sizeof y[b].qs);
         for (int j = 0; j < CLB_QK; j++) {
