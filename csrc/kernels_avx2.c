@@ -149,8 +149,9 @@ void clb_quantize_q8a_avx2(int64_t n, const float *x, void *vy) {
  * rows or tokens in the call. Without VNNI the products go through vpmaddubsw (unsigned x
  * signed -> int16 pairs): q8 moves the weight's sign onto the activation (|w| * sign(w)*a, no
  * pair passes 2*128*127), q4 reads raw nibbles w + 8 (sixteen products of 15*127 fit int16,
- * so a whole block is summed in int16) and starts from corr = -8 * sum(a). Activations are
- * clb_block_q8c rows (q8 ignores corr). */
+ * so a whole block is summed in int16) and starts from corr = -8 * sum(a); q6 reads w + 32
+ * (0..63, its two high bits or'ed onto the nibbles), sums pairs of products in int16 and
+ * starts from corr = -32 * sum(a). Activations are clb_block_q8c rows (q8 ignores corr). */
 
 void clb_act_pack_q8_avx2(int64_t n, const float *x, void *vy) {
     clb_quantize_q8a_avx2(n, x, vy); /* corr unused by the q8 kernel: sum kept as is */
@@ -351,8 +352,9 @@ static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int 
                     for (int d = 1; d < 4; d++) {
                         h0 = _mm256_add_epi16(
                             h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(a->qs + 4 * d)));
-                        h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(
-                                                      v[4 + d], clb_bcast32_avx2(a->qs + 16 + 4 * d)));
+                        h1 = _mm256_add_epi16(
+                            h1, _mm256_maddubs_epi16(v[4 + d],
+                                                     clb_bcast32_avx2(a->qs + 16 + 4 * d)));
                     }
                     s = _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones);
                 } else {

@@ -348,16 +348,17 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
     clb_gemm16(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
-/* ---- interleaved weights (q8x8, q4x8): two 8-row groups in the two 256-bit halves -------
+/* ---- interleaved weights (q8x8, q4x8, q6x8): two 8-row groups in the 256-bit halves -----
  * The layout (clb_types.h) already holds, per group and block, the registers the row-group
  * kernel above builds by transposing: 32 bytes whose dword r is row r's bytes 4d..4d+3. Two
  * neighbouring groups' registers side by side make the 16-lane register, one 256-bit insert
  * each, shared by every token of the pass; so the products need no transposes and no sign
- * step (weights read unsigned: q8 xor 0x80, q4 raw nibbles, with corr in the activations),
- * and each token costs one vpdpbusd per 64 weight bytes (clb_dpbusd_bcast). Each group is one
- * sequential stream, prefetched about 3.3 KB ahead (colibri bench's decode on Zen 4: q8
- * ran alike from 6 to 32 blocks ahead; q4 one thread ran 30% faster 24 blocks ahead than 12,
- * and no faster at 36 or 48). A matrix with an odd number of groups pairs its last
+ * step (weights read unsigned: q8 xor 0x80, q4 raw nibbles, q6 nibbles with its high bits
+ * or'ed in; corr in the activations), and each token costs one vpdpbusd per 64 weight bytes
+ * (clb_dpbusd_bcast). Each group is one sequential stream, prefetched about 3.3 KB ahead
+ * (colibri bench's decode on Zen 4: q8 ran alike from 6 to 32 blocks ahead; q4 one thread ran
+ * 30% faster 24 blocks ahead than 12, and no faster at 36 or 48; q6 takes the same distance
+ * in bytes, not measured on its own). A matrix with an odd number of groups pairs its last
  * group with itself and stores the low half. Same per-lane arithmetic as clb_group, so the
  * same bits as the reference. */
 
