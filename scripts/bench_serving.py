@@ -91,7 +91,9 @@ class Server:
 
     def start(self, workdir: Path, timeout: float = 300.0) -> None:
         self.log = workdir / f"{self.name}.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # this checkout first, then the caller's path (a llama-cpp-python built with --target)
+        path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "wb"),  # noqa: SIM115
                                      stderr=subprocess.STDOUT, env=env, cwd=workdir)
         end = time.monotonic() + timeout
