@@ -93,11 +93,21 @@ void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y) {
     }
 }
 
-/* element j of a q6 block as stored, 0..63 (clb_types.h) */
+/* Where element j of a q6 block lives (clb_types.h): its low 4 bits at bit lo_shift of
+ * qs[lo_byte], its high 2 bits at bit hi_shift of qs[hi_byte]. */
+typedef struct {
+    int lo_byte, lo_shift, hi_byte, hi_shift;
+} clb_q6_pos;
+
+static clb_q6_pos clb_q6_at(int j) {
+    const int jl = j % (CLB_QK / 2), h = j / (CLB_QK / 2);
+    return (clb_q6_pos){jl, 4 * h, CLB_QK / 2 + 4 * h + jl % 4, 2 * (jl / 4)};
+}
+
+/* element j of a q6 block as stored, 0..63 */
 static int clb_q6_u(const clb_block_q6 *b, int j) {
-    const int jl = j % (CLB_QK / 2), h = j / (CLB_QK / 2), k = jl / 4, i = jl % 4;
-    const int lo = j < CLB_QK / 2 ? b->qs[jl] & 15 : b->qs[jl] >> 4;
-    return lo | ((b->qs[CLB_QK / 2 + 4 * h + i] >> (2 * k)) & 3) << 4;
+    const clb_q6_pos p = clb_q6_at(j);
+    return ((b->qs[p.lo_byte] >> p.lo_shift) & 15) | ((b->qs[p.hi_byte] >> p.hi_shift) & 3) << 4;
 }
 
 void clb_quantize_q6_ref(int64_t n, const float *x, clb_block_q6 *y) {
@@ -109,10 +119,10 @@ void clb_quantize_q6_ref(int64_t n, const float *x, clb_block_q6 *y) {
         y[b].d = clb_f32_to_f16(d);
         memset(y[b].qs, 0, sizeof y[b].qs);
         for (int j = 0; j < CLB_QK; j++) {
-            int u = (int)clb_clampf(nearbyintf(xb[j] * inv) + 32.0f, 0.0f, 63.0f);
-            const int jl = j % (CLB_QK / 2), h = j / (CLB_QK / 2), k = jl / 4, i = jl % 4;
-            y[b].qs[jl] |= (uint8_t)((u & 15) << (j < CLB_QK / 2 ? 0 : 4));
-            y[b].qs[CLB_QK / 2 + 4 * h + i] |= (uint8_t)((u >> 4) << (2 * k));
+            const int u = (int)clb_clampf(nearbyintf(xb[j] * inv) + 32.0f, 0.0f, 63.0f);
+            const clb_q6_pos p = clb_q6_at(j);
+            y[b].qs[p.lo_byte] |= (uint8_t)((u & 15) << p.lo_shift);
+            y[b].qs[p.hi_byte] |= (uint8_t)((u >> 4) << p.hi_shift);
         }
     }
 }
