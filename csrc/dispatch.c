@@ -21,6 +21,21 @@ static clb_att_kernels clb_att[CLB_ISA_COUNT];
 
 static const char *const clb_isa_names[CLB_ISA_COUNT] = {"ref", "avx2", "avx512"};
 
+/* a quantized block type of the reference table: row access, products on q8a rows */
+static clb_type_traits clb_block_ref(const char *name, size_t size, clb_to_float_fn to_float,
+                                     clb_vec_dot_fn dot, clb_from_float_fn from_float,
+                                     clb_gemm_fn gemm) {
+    return (clb_type_traits){.name = name, .blck_size = CLB_QK, .type_size = size,
+                             .act_type = CLB_TYPE_Q8A, .to_float = to_float, .vec_dot = dot,
+                             .from_float = from_float, .act_size = clb_act_size_q8a,
+                             .act_pack = clb_from_float_q8a_ref, .gemm = gemm};
+}
+
+/* an interleaved twin: the same products, no row access */
+static clb_type_traits clb_x8_ref(const char *name, size_t size, clb_gemm_fn gemm) {
+    return clb_block_ref(name, size, NULL, NULL, NULL, gemm);
+}
+
 static void clb_fill_ref(clb_type_traits *t) {
     t[CLB_TYPE_F32] = (clb_type_traits){.name = "f32", .blck_size = 1, .type_size = 4,
                                         .act_type = CLB_TYPE_F32,
@@ -37,33 +52,12 @@ static void clb_fill_ref(clb_type_traits *t) {
                                          .to_float = clb_to_float_bf16_ref,
                                          .vec_dot = clb_vec_dot_bf16_ref,
                                          .from_float = clb_from_float_bf16_ref};
-    t[CLB_TYPE_Q8] = (clb_type_traits){.name = "q8", .blck_size = CLB_QK,
-                                       .type_size = sizeof(clb_block_q8),
-                                       .act_type = CLB_TYPE_Q8A,
-                                       .to_float = clb_to_float_q8_ref,
-                                       .vec_dot = clb_vec_dot_q8_ref,
-                                       .from_float = clb_from_float_q8_ref,
-                                       .act_size = clb_act_size_q8a,
-                                       .act_pack = clb_from_float_q8a_ref,
-                                       .gemm = clb_gemm_q8_ref};
-    t[CLB_TYPE_Q4] = (clb_type_traits){.name = "q4", .blck_size = CLB_QK,
-                                       .type_size = sizeof(clb_block_q4),
-                                       .act_type = CLB_TYPE_Q8A,
-                                       .to_float = clb_to_float_q4_ref,
-                                       .vec_dot = clb_vec_dot_q4_ref,
-                                       .from_float = clb_from_float_q4_ref,
-                                       .act_size = clb_act_size_q8a,
-                                       .act_pack = clb_from_float_q8a_ref,
-                                       .gemm = clb_gemm_q4_ref};
-    t[CLB_TYPE_Q6] = (clb_type_traits){.name = "q6", .blck_size = CLB_QK,
-                                       .type_size = sizeof(clb_block_q6),
-                                       .act_type = CLB_TYPE_Q8A,
-                                       .to_float = clb_to_float_q6_ref,
-                                       .vec_dot = clb_vec_dot_q6_ref,
-                                       .from_float = clb_from_float_q6_ref,
-                                       .act_size = clb_act_size_q8a,
-                                       .act_pack = clb_from_float_q8a_ref,
-                                       .gemm = clb_gemm_q6_ref};
+    t[CLB_TYPE_Q8] = clb_block_ref("q8", sizeof(clb_block_q8), clb_to_float_q8_ref,
+                                   clb_vec_dot_q8_ref, clb_from_float_q8_ref, clb_gemm_q8_ref);
+    t[CLB_TYPE_Q4] = clb_block_ref("q4", sizeof(clb_block_q4), clb_to_float_q4_ref,
+                                   clb_vec_dot_q4_ref, clb_from_float_q4_ref, clb_gemm_q4_ref);
+    t[CLB_TYPE_Q6] = clb_block_ref("q6", sizeof(clb_block_q6), clb_to_float_q6_ref,
+                                   clb_vec_dot_q6_ref, clb_from_float_q6_ref, clb_gemm_q6_ref);
     t[CLB_TYPE_Q8A] = (clb_type_traits){.name = "q8a", .blck_size = CLB_QK,
                                         .type_size = sizeof(clb_block_q8a),
                                         .act_type = CLB_TYPE_Q8A,
@@ -71,51 +65,32 @@ static void clb_fill_ref(clb_type_traits *t) {
                                         .vec_dot = NULL,
                                         .from_float = clb_from_float_q8a_ref};
     /* interleaved weights: products only (no row access), on the row type's activations */
-    t[CLB_TYPE_Q8X8] = (clb_type_traits){.name = "q8x8", .blck_size = CLB_QK,
-                                         .type_size = sizeof(clb_block_q8),
-                                         .act_type = CLB_TYPE_Q8A,
-                                         .act_size = clb_act_size_q8a,
-                                         .act_pack = clb_from_float_q8a_ref,
-                                         .gemm = clb_gemm_q8x8_ref};
-    t[CLB_TYPE_Q4X8] = (clb_type_traits){.name = "q4x8", .blck_size = CLB_QK,
-                                         .type_size = sizeof(clb_block_q4),
-                                         .act_type = CLB_TYPE_Q8A,
-                                         .act_size = clb_act_size_q8a,
-                                         .act_pack = clb_from_float_q8a_ref,
-                                         .gemm = clb_gemm_q4x8_ref};
-    t[CLB_TYPE_Q6X8] = (clb_type_traits){.name = "q6x8", .blck_size = CLB_QK,
-                                         .type_size = sizeof(clb_block_q6),
-                                         .act_type = CLB_TYPE_Q8A,
-                                         .act_size = clb_act_size_q8a,
-                                         .act_pack = clb_from_float_q8a_ref,
-                                         .gemm = clb_gemm_q6x8_ref};
+    t[CLB_TYPE_Q8X8] = clb_x8_ref("q8x8", sizeof(clb_block_q8), clb_gemm_q8x8_ref);
+    t[CLB_TYPE_Q4X8] = clb_x8_ref("q4x8", sizeof(clb_block_q4), clb_gemm_q4x8_ref);
+    t[CLB_TYPE_Q6X8] = clb_x8_ref("q6x8", sizeof(clb_block_q6), clb_gemm_q6x8_ref);
 }
 
 #ifdef CLB_HAVE_X86
-/* the AVX2 interleaved products, also the AVX-512 table's (every AVX-512 CPU has AVX2) */
-static void clb_fill_x8_avx2(clb_type_traits *t) {
-    t[CLB_TYPE_Q8X8].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q8X8].act_pack = clb_act_pack_q8_avx2;
-    t[CLB_TYPE_Q8X8].gemm = clb_gemm_q8x8_avx2;
-    t[CLB_TYPE_Q8X8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
-    t[CLB_TYPE_Q4X8].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q4X8].act_pack = clb_act_pack_q4_avx2;
-    t[CLB_TYPE_Q4X8].gemm = clb_gemm_q4x8_avx2;
-    t[CLB_TYPE_Q4X8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
-    t[CLB_TYPE_Q6X8].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q6X8].act_pack = clb_act_pack_q6_avx2;
-    t[CLB_TYPE_Q6X8].gemm = clb_gemm_q6x8_avx2;
-    t[CLB_TYPE_Q6X8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
-    /* q6 rows (kept when they cannot be interleaved) use the AVX2 row groups on both paths */
-    t[CLB_TYPE_Q6].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q6].act_pack = clb_act_pack_q6_avx2;
-    t[CLB_TYPE_Q6].gemm = clb_gemm_q6_avx2;
-    t[CLB_TYPE_Q6].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+/* a SIMD product on packed q8c rows; block_bytes 0: the matmul driver's default */
+static void clb_products(clb_type_traits *tr, clb_from_float_fn pack, clb_gemm_fn gemm,
+                         size_t block_bytes) {
+    tr->act_size = clb_act_size_q8c;
+    tr->act_pack = pack;
+    tr->gemm = gemm;
+    tr->gemm_block_bytes = block_bytes;
+}
+
+/* the AVX2 products that the AVX-512 table uses too (every AVX-512 CPU has AVX2): the
+ * interleaved layouts, and q6 rows (kept when they cannot be interleaved) */
+static void clb_fill_shared_avx2(clb_type_traits *t) {
+    const size_t bb = CLB_AVX2_GEMM_BLOCK_BYTES;
+    clb_products(&t[CLB_TYPE_Q8X8], clb_act_pack_q8_avx2, clb_gemm_q8x8_avx2, bb);
+    clb_products(&t[CLB_TYPE_Q4X8], clb_act_pack_q4_avx2, clb_gemm_q4x8_avx2, bb);
+    clb_products(&t[CLB_TYPE_Q6X8], clb_act_pack_q6_avx2, clb_gemm_q6x8_avx2, bb);
+    clb_products(&t[CLB_TYPE_Q6], clb_act_pack_q6_avx2, clb_gemm_q6_avx2, bb);
     t[CLB_TYPE_Q6].prefer_x8 = 1;
 }
-#endif
 
-#ifdef CLB_HAVE_X86
 static void clb_fill_avx2(clb_type_traits *t) {
     clb_fill_ref(t);
     t[CLB_TYPE_F32].vec_dot = clb_vec_dot_f32_avx2;
@@ -125,19 +100,15 @@ static void clb_fill_avx2(clb_type_traits *t) {
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx2;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx2;
     t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx2;
-    t[CLB_TYPE_Q8].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q8].act_pack = clb_act_pack_q8_avx2;
-    t[CLB_TYPE_Q8].gemm = clb_gemm_q8_avx2;
-    t[CLB_TYPE_Q4].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx2;
-    t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx2;
-    t[CLB_TYPE_Q8].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
-    t[CLB_TYPE_Q4].gemm_block_bytes = CLB_AVX2_GEMM_BLOCK_BYTES;
+    clb_products(&t[CLB_TYPE_Q8], clb_act_pack_q8_avx2, clb_gemm_q8_avx2,
+                 CLB_AVX2_GEMM_BLOCK_BYTES);
+    clb_products(&t[CLB_TYPE_Q4], clb_act_pack_q4_avx2, clb_gemm_q4_avx2,
+                 CLB_AVX2_GEMM_BLOCK_BYTES);
     /* the row groups' loads, inserts and unpacks are a third of a one-token product's vector
      * work; the interleaved layout has none */
     t[CLB_TYPE_Q8].prefer_x8 = 1;
     t[CLB_TYPE_Q4].prefer_x8 = 1;
-    clb_fill_x8_avx2(t);
+    clb_fill_shared_avx2(t);
 }
 
 static void clb_fill_avx512(clb_type_traits *t) {
@@ -149,23 +120,18 @@ static void clb_fill_avx512(clb_type_traits *t) {
     t[CLB_TYPE_Q8].vec_dot = clb_vec_dot_q8_avx512;
     t[CLB_TYPE_Q4].vec_dot = clb_vec_dot_q4_avx512;
     t[CLB_TYPE_Q8A].from_float = clb_quantize_q8a_avx512;
-    t[CLB_TYPE_Q8].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q8].act_pack = clb_act_pack_q8_avx512;
-    t[CLB_TYPE_Q8].gemm = clb_gemm_q8_avx512;
-    t[CLB_TYPE_Q4].act_size = clb_act_size_q8c;
-    t[CLB_TYPE_Q4].act_pack = clb_act_pack_q4_avx512;
-    t[CLB_TYPE_Q4].gemm = clb_gemm_q4_avx512;
+    clb_products(&t[CLB_TYPE_Q8], clb_act_pack_q8_avx512, clb_gemm_q8_avx512, 0);
+    clb_products(&t[CLB_TYPE_Q4], clb_act_pack_q4_avx512, clb_gemm_q4_avx512, 0);
     /* the interleaved layout spares the row groups' transposes (a dozen shuffles per block of
      * 16 rows) and the one-token path's horizontal sums */
     t[CLB_TYPE_Q8].prefer_x8 = 1;
     t[CLB_TYPE_Q4].prefer_x8 = 1;
-    clb_fill_x8_avx2(t);
-    t[CLB_TYPE_Q8X8].act_pack = clb_act_pack_q8_avx512; /* corr = -128 * sum */
-    t[CLB_TYPE_Q8X8].gemm = clb_gemm_q8x8_avx512;
-    t[CLB_TYPE_Q4X8].act_pack = clb_act_pack_q4_avx512;
-    t[CLB_TYPE_Q4X8].gemm = clb_gemm_q4x8_avx512;
-    t[CLB_TYPE_Q6X8].act_pack = clb_act_pack_q6_avx512;
-    t[CLB_TYPE_Q6X8].gemm = clb_gemm_q6x8_avx512;
+    clb_fill_shared_avx2(t);
+    const size_t bb = CLB_AVX2_GEMM_BLOCK_BYTES; /* as the AVX2 interleaved products */
+    /* corr = -offset * sum: q8 128, q4 8, q6 32 */
+    clb_products(&t[CLB_TYPE_Q8X8], clb_act_pack_q8_avx512, clb_gemm_q8x8_avx512, bb);
+    clb_products(&t[CLB_TYPE_Q4X8], clb_act_pack_q4_avx512, clb_gemm_q4x8_avx512, bb);
+    clb_products(&t[CLB_TYPE_Q6X8], clb_act_pack_q6_avx512, clb_gemm_q6x8_avx512, bb);
 }
 #endif
 
