@@ -291,6 +291,42 @@ static inline __attribute__((always_inline)) __m256i clb_q6_hi(__m256i h, int j)
     }
 }
 
+/* the nibble registers v (unsigned, 0..15) of a q6 block made whole (0..63) with its high
+ * bits: h0 of elements 0..15 (v[0..3]), h1 of elements 16..31 (v[4..7]) */
+static inline __attribute__((always_inline)) void clb_q6_merge(__m256i v[8], __m256i h0,
+                                                               __m256i h1) {
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_or_si256(v[j], clb_q6_hi(h0, j));
+        v[4 + j] = _mm256_or_si256(v[4 + j], clb_q6_hi(h1, j));
+    }
+}
+
+/* per lane (row), the exact int32 sum of a block's unsigned weights v (q4: 0..15, q6: 0..63;
+ * v[d] elements 4d.., v[4 + d] elements 16 + 4d..) times the activation bytes qa. q4: sixteen
+ * products of 15 * 127 fit int16, so the whole block sums in int16; q6: four of 63 * 127 */
+static inline __attribute__((always_inline)) __m256i clb_sum_u8(int QT, const __m256i v[8],
+                                                                const int8_t *qa) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (QT == CLB_QT_Q4) {
+        __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(qa));
+        __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(qa + 16));
+        for (int d = 1; d < 4; d++) {
+            h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(qa + 4 * d)));
+            h1 = _mm256_add_epi16(
+                h1, _mm256_maddubs_epi16(v[4 + d], clb_bcast32_avx2(qa + 16 + 4 * d)));
+        }
+        return _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones);
+    }
+    __m256i s = _mm256_setzero_si256();
+    for (int d = 0; d < 8; d += 2) {
+        const int8_t *q = qa + 4 * (d % 4) + 16 * (d / 4);
+        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[d], clb_bcast32_avx2(q)),
+                                     _mm256_maddubs_epi16(v[d + 1], clb_bcast32_avx2(q + 4)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    }
+    return s;
+}
+
 static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int SIGN,
                                                             int64_t n, const char *const rp[8],
                                                             const char *g, const char *act,
@@ -318,9 +354,8 @@ static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int 
                              : clb_scales8(bs, rp, b);
         if (QT != CLB_QT_Q8) {
             /* nibbles read unsigned (w + 8, or q6's w + 32 with its high bits or'ed in) and the
-             * accumulator started from corr = -offset * sum(a). q4: sixteen products of
-             * 15 * 127 fit int16, so the whole block sums in int16; q6: four of 63 * 127 */
-            const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+             * sum started from corr = -offset * sum(a) */
+            const __m256i low4 = _mm256_set1_epi8(0x0f);
             __m256i v[8];
             if (X8)
                 for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_si256(q + j);
@@ -338,35 +373,11 @@ static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int 
                 } else {
                     clb_load_t4(rp, off + 8, h);
                 }
-                for (int j = 0; j < 4; j++) {
-                    v[j] = _mm256_or_si256(v[j], clb_q6_hi(h[2], j));
-                    v[4 + j] = _mm256_or_si256(v[4 + j], clb_q6_hi(h[3], j));
-                }
+                clb_q6_merge(v, h[2], h[3]);
             }
             for (int t = 0; t < n_tok; t++) {
                 const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
-                __m256i s;
-                if (QT == CLB_QT_Q4) {
-                    __m256i h0 = _mm256_maddubs_epi16(v[0], clb_bcast32_avx2(a->qs));
-                    __m256i h1 = _mm256_maddubs_epi16(v[4], clb_bcast32_avx2(a->qs + 16));
-                    for (int d = 1; d < 4; d++) {
-                        h0 = _mm256_add_epi16(
-                            h0, _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(a->qs + 4 * d)));
-                        h1 = _mm256_add_epi16(
-                            h1, _mm256_maddubs_epi16(v[4 + d],
-                                                     clb_bcast32_avx2(a->qs + 16 + 4 * d)));
-                    }
-                    s = _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones);
-                } else {
-                    s = _mm256_setzero_si256();
-                    for (int d = 0; d < 8; d += 2) {
-                        const int8_t *qa = a->qs + 4 * (d % 4) + 16 * (d / 4);
-                        __m256i p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(v[d], clb_bcast32_avx2(qa)),
-                            _mm256_maddubs_epi16(v[d + 1], clb_bcast32_avx2(qa + 4)));
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-                    }
-                }
+                __m256i s = clb_sum_u8(QT, v, a->qs);
                 s = _mm256_add_epi32(s, _mm256_set1_epi32(a->corr));
                 __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));
                 acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
