@@ -37,7 +37,7 @@ def _seed_weight_file() -> bytes:
 
     p = _TMP / "seed.bin"
     write_wfile(p, [spec("a", "f32", (4, 8)), spec("bb", "q8", (3, 64)),
-                    spec("c", "q4", (2, 32)), spec("d", "f16", (5,))])
+                    spec("c", "q4", (2, 32)), spec("d", "f16", (5,)), spec("e", "q6", (2, 64))])
     return p.read_bytes()
 
 
