@@ -1,11 +1,13 @@
 /* Colibri matrix products: y[T, n_out] = x[T, n_in] @ W[n_out, n_in]^T (+ bias).
  * Guarantees: activations are converted once per row into the layout the active ISA's kernel
  * reads (clb_act_pack), then shared by every matrix that reads the same rows; several
- * matrices run in one thread-pool dispatch (clb_matmul_jobs); each job's rows are split over
- * the workers (ith/nth), each worker reads its weight rows once for all the job's tokens;
- * every y[t, 0..n_out) is written exactly once, with a result that does not depend on the
- * number of threads. Refuses: bad shapes/pointers (CLB_E_ARG); never allocates. */
+ * matrices run in one thread-pool dispatch (clb_matmul_jobs); the workers claim spans of
+ * rows from all the jobs in turn (clb_mm_claim), each reads its weight rows once for all the
+ * job's tokens; every y[t, 0..n_out) is written exactly once, with a result that does not
+ * depend on the number of threads or on which worker computed it.
+ * Refuses: bad shapes/pointers (CLB_E_ARG); never allocates. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -16,6 +18,9 @@
 #define CLB_MM_BLOCK_BYTES (96 * 1024)
 /* rows are handed out in multiples of this (the SIMD kernels' row tile) */
 #define CLB_MM_ROW_ALIGN 16
+/* the smallest span of rows a worker claims, in weight bytes: each span is a new stream that
+ * the prefetchers ramp up on */
+#define CLB_MM_MIN_SPAN_BYTES (64 * 1024)
 
 static int64_t clb_block_rows(const clb_type_traits *tr, size_t w_row) {
     size_t bytes = tr->gemm_block_bytes ? tr->gemm_block_bytes : CLB_MM_BLOCK_BYTES;
@@ -49,10 +54,19 @@ void clb_act_pack(clb_type t, int64_t n_in, const float *x, int64_t ldx, int64_t
         tr->act_pack(n_in, x + i * ldx, (char *)act + (size_t)i * row);
 }
 
+/* The dispatch's rows as one sequence of row tiles, job after job, handed out from one
+ * counter. */
 typedef struct {
     const clb_mm_job *jobs;
     int n_jobs;
+    int64_t n_tiles;   /* over all jobs */
+    int64_t min_span;  /* tiles per claim at least */
+    _Atomic int64_t next; /* the first tile not yet claimed */
 } clb_mm_ctx;
+
+static int64_t clb_job_tiles(const clb_mm_job *j) {
+    return j->n_tok > 0 ? (j->n_out + CLB_MM_ROW_ALIGN - 1) / CLB_MM_ROW_ALIGN : 0;
+}
 
 static float clb_silu(float x) { return x / (1.0f + expf(-x)); }
 
@@ -92,20 +106,49 @@ static void clb_mm_rows(const clb_mm_job *j, const clb_type_traits *tr, size_t w
         }
 }
 
+/* tiles [t0, t1) of job j, walked in blocks of the type's size */
+static void clb_mm_tiles(const clb_mm_job *j, int64_t t0, int64_t t1) {
+    const clb_type_traits *tr = clb_get_type_traits(j->type);
+    size_t w_row = clb_type_row_size(j->type, j->n_in);
+    int64_t r_end = t1 * CLB_MM_ROW_ALIGN < j->n_out ? t1 * CLB_MM_ROW_ALIGN : j->n_out;
+    int64_t blk = clb_block_rows(tr, w_row);
+    for (int64_t r = t0 * CLB_MM_ROW_ALIGN; r < r_end; r += blk)
+        clb_mm_rows(j, tr, w_row, r, r + blk < r_end ? r + blk : r_end);
+}
+
+/* Claims the next span of tiles into [*t0, *t1); 0 when none is left. A span is a share of
+ * what is left (guided scheduling: large spans first, smaller ones towards the end), so a
+ * worker that started late or ran slower (a busy core, a descheduled virtual CPU) ends up with
+ * fewer rows instead of keeping the others waiting at the end of the dispatch. */
+static int clb_mm_claim(clb_mm_ctx *c, int nth, int64_t *t0, int64_t *t1) {
+    int64_t t = atomic_load_explicit(&c->next, memory_order_relaxed), n;
+    do {
+        const int64_t left = c->n_tiles - t;
+        if (left <= 0) return 0;
+        n = left / (2 * (int64_t)nth);
+        n = n < c->min_span ? c->min_span : n;
+        n = n > left ? left : n;
+    } while (!atomic_compare_exchange_weak_explicit(&c->next, &t, t + n, memory_order_relaxed,
+                                                    memory_order_relaxed));
+    *t0 = t;
+    *t1 = t + n;
+    return 1;
+}
+
 static void clb_mm_task(void *vctx, int ith, int nth) {
-    const clb_mm_ctx *c = vctx;
-    for (int k = 0; k < c->n_jobs; k++) {
-        const clb_mm_job *j = &c->jobs[k];
-        if (j->n_tok == 0) continue;
-        const clb_type_traits *tr = clb_get_type_traits(j->type);
-        size_t w_row = clb_type_row_size(j->type, j->n_in);
-        /* contiguous row ranges in whole row tiles; each worker walks its range in blocks */
-        int64_t n_units = (j->n_out + CLB_MM_ROW_ALIGN - 1) / CLB_MM_ROW_ALIGN;
-        int64_t u0 = n_units * ith / nth, u1 = n_units * (ith + 1) / nth;
-        int64_t r_end = u1 * CLB_MM_ROW_ALIGN < j->n_out ? u1 * CLB_MM_ROW_ALIGN : j->n_out;
-        int64_t blk = clb_block_rows(tr, w_row);
-        for (int64_t r = u0 * CLB_MM_ROW_ALIGN; r < r_end; r += blk)
-            clb_mm_rows(j, tr, w_row, r, r + blk < r_end ? r + blk : r_end);
+    clb_mm_ctx *c = vctx;
+    (void)ith;
+    int k = 0;
+    int64_t base = 0; /* job k holds the tiles [base, base + its tiles); claims only grow */
+    int64_t t0, t1;
+    while (clb_mm_claim(c, nth, &t0, &t1)) {
+        while (t0 < t1) { /* a span may cross from one job into the next */
+            while (t0 >= base + clb_job_tiles(&c->jobs[k])) base += clb_job_tiles(&c->jobs[k++]);
+            const int64_t end = base + clb_job_tiles(&c->jobs[k]);
+            const int64_t stop = t1 < end ? t1 : end;
+            clb_mm_tiles(&c->jobs[k], t0 - base, stop - base);
+            t0 = stop;
+        }
     }
 }
 
@@ -124,14 +167,20 @@ static clb_status clb_job_check(const clb_mm_job *j) {
 
 clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp) {
     if (n_jobs < 0 || (n_jobs > 0 && !jobs)) return CLB_E_ARG;
-    int64_t work = 0;
+    clb_mm_ctx c = {.jobs = jobs, .n_jobs = n_jobs, .min_span = 1};
+    size_t w_row = 0;
     for (int k = 0; k < n_jobs; k++) {
         clb_status st = clb_job_check(&jobs[k]);
         if (st != CLB_OK) return st;
-        work += jobs[k].n_tok;
+        c.n_tiles += clb_job_tiles(&jobs[k]);
+        if (jobs[k].n_tok > 0 && w_row == 0)
+            w_row = clb_type_row_size(jobs[k].type, jobs[k].n_in);
     }
-    if (work == 0) return CLB_OK;
-    clb_mm_ctx c = {jobs, n_jobs};
+    if (c.n_tiles == 0) return CLB_OK;
+    const size_t tile_bytes = w_row * CLB_MM_ROW_ALIGN; /* of the first job: spans are rough */
+    if (tile_bytes < CLB_MM_MIN_SPAN_BYTES)
+        c.min_span = (int64_t)(CLB_MM_MIN_SPAN_BYTES / tile_bytes);
+    atomic_init(&c.next, 0);
     /* a matmul issued from inside a pool task (work already split over the workers) gets
      * CLB_E_ARG from the pool and runs on the calling worker alone */
     if (tp && clb_threadpool_n_threads(tp) > 1 &&

@@ -7,6 +7,7 @@
 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memset
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 import numpy as np
 
@@ -98,6 +99,21 @@ cdef extern from "clb_kernels.h" nogil:
                           const float *x, int64_t n_tokens, float *y, int64_t ldy,
                           const float *bias, void *scratch, clb_threadpool *tp)
     void clb_get_row(clb_type t, const void *w, int64_t n, int64_t row, float *y)
+    size_t clb_act_row_size(clb_type t, int64_t n_in)
+    void clb_act_pack(clb_type t, int64_t n_in, const float *x, int64_t ldx, int64_t n_tok,
+                      void *act)
+    ctypedef struct clb_mm_job:
+        clb_type type
+        const void *w
+        int64_t n_out, n_in
+        const void *act
+        int64_t n_tok
+        float *y
+        int64_t ldy
+        const float *bias
+        const void *w_up
+        float *y_up
+    clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp)
     void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a)
     ctypedef void (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
                                      int64_t n, float *s)
@@ -417,6 +433,74 @@ def matmul(name: str, w, int n_out, int n_in, x, bias=None, int n_threads=1, int
     if st != CLB_OK:
         raise _status_error(st, f"clb_matmul failed with status {int(st)}")
     return y if ldy > 0 else y[:, :n_out]
+
+
+def matmul_jobs(jobs, int n_threads=1):
+    """Several products in one thread-pool dispatch, as the forward pass runs them. jobs: a list
+    of (name, w, n_out, n_in, x, w_up), w_up None or the up matrix of a gated job (then the
+    result is silu(x @ W^T) * (x @ W_up^T)). Returns one [T, n_out] array per job."""
+    cdef int n = len(jobs)
+    cdef clb_mm_job *js = <clb_mm_job *>PyMem_Malloc(max(1, n) * sizeof(clb_mm_job))
+    if js == NULL:
+        raise MemoryError()
+    keep = []  # the buffers the jobs point into, alive until the dispatch returns
+    outs = []
+    cdef clb_type t
+    cdef const unsigned char[::1] wv
+    cdef const unsigned char[::1] uv
+    cdef const float[:, ::1] xv
+    cdef unsigned char[::1] av
+    cdef float[:, ::1] yv
+    cdef float[:, ::1] upv
+    cdef size_t rs, arow
+    cdef int k
+    cdef clb_status st
+    cdef clb_threadpool *tp
+    try:
+        for k in range(n):
+            name, w, n_out, n_in, x, w_up = jobs[k]
+            t = _kernel_type(name, True)
+            rs = _row_bytes(t, n_in)
+            wv = memoryview(w).cast("B")
+            if <size_t>wv.shape[0] != rs * <size_t>n_out:
+                raise ValueError(f"job {k}: expected {rs * n_out} weight bytes, got {wv.shape[0]}")
+            xa = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n_in)
+            xv = xa
+            y = np.full((xa.shape[0], n_out), np.nan, dtype=np.float32)
+            up = np.empty_like(y)
+            yv = y
+            upv = up
+            js[k] = clb_mm_job(type=t, w=&wv[0], n_out=n_out, n_in=n_in, act=NULL,
+                               n_tok=xa.shape[0], y=NULL, ldy=n_out, bias=NULL, w_up=NULL,
+                               y_up=NULL)
+            if xa.shape[0] > 0:
+                js[k].y = &yv[0, 0]
+                js[k].y_up = &upv[0, 0]
+                arow = clb_act_row_size(t, n_in)
+                if arow:
+                    act = bytearray(arow * <size_t>xa.shape[0])
+                    av = act
+                    clb_act_pack(t, n_in, &xv[0, 0], n_in, xa.shape[0], &av[0])
+                    js[k].act = &av[0]
+                    keep.append(act)
+                else:
+                    js[k].act = &xv[0, 0]
+            if w_up is not None:
+                uv = memoryview(w_up).cast("B")
+                if uv.shape[0] != wv.shape[0]:
+                    raise ValueError(f"job {k}: the up matrix must match the gate matrix")
+                js[k].w_up = &uv[0]
+                keep.append(w_up)
+            keep.extend((w, xa, up))
+            outs.append(y)
+        tp = _shared_pool(n_threads).tp
+        with nogil:
+            st = clb_matmul_jobs(js, n, tp)
+        if st != CLB_OK:
+            raise _status_error(st, f"clb_matmul_jobs failed with status {int(st)}")
+        return outs
+    finally:
+        PyMem_Free(js)
 
 
 def get_row(name: str, w, int n, int row):

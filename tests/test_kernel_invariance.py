@@ -148,6 +148,43 @@ def test_interleaved_row_alone_equals_row_in_any_batch(kind: str, n_threads: int
                                           err_msg=f"{n_tok} rows from {first}")
 
 
+# Several products in one dispatch, as the forward pass runs a layer's projections and experts:
+# the workers claim spans of row tiles across all the jobs, so a span may begin in one job and
+# end in the next, and which worker computes a row depends on timing. Every job must come out
+# exactly as it does alone on one thread. n_in = 4096 makes a row tile (16 rows) big enough
+# that spans are one to a few tiles, so every job is split between workers.
+@pytest.mark.parametrize("kind", ["f32", "q8", "q4x8", "q6x8"])
+@pytest.mark.parametrize("n_threads", [2, 3, 4])
+def test_jobs_in_one_dispatch_equal_each_job_alone(kind: str, n_threads: int,
+                                                   isa: str) -> None:
+    n_in = 4096
+    base = kind.removesuffix("x8")
+    # (rows, tokens, gated): a partial last tile, a job with no tokens, single groups
+    shapes = [(200, 3, False), (24, 1, True), (8, 0, False), (136, 5, True), (40, 17, False)]
+    jobs = []
+    for i, (n_out, n_tok, gated) in enumerate(shapes):
+        mats = [_weights(base, n_out, n_in, seed=50 + 2 * i + u) for u in range(1 + gated)]
+        if kind != base:
+            mats = [core.repack_x8(base, m, n_out, n_in) for m in mats]
+        x = _activations(n_tok, n_in, seed=70 + i)
+        jobs.append((kind, mats[0], n_out, n_in, x, mats[1] if gated else None))
+    together = core.matmul_jobs(jobs, n_threads)
+    for job, got in zip(jobs, together, strict=True):
+        name, w, n_out, _, x, w_up = job
+        alone = core.matmul_jobs([job], 1)[0]
+        assert got.shape == (len(x), n_out)
+        assert np.isfinite(alone).all()
+        np.testing.assert_array_equal(got, alone)
+        gate = core.matmul(name, w, n_out, n_in, x, None, 1)
+        if w_up is None:
+            np.testing.assert_array_equal(got, gate)
+        else:  # silu(gate) * up, from the products alone
+            up = core.matmul(name, w_up, n_out, n_in, x, None, 1)
+            with np.errstate(over="ignore"):  # exp(-gate) of a large negative gate: inf
+                want = gate / (np.float32(1) + np.exp(-gate)) * up
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
 @pytest.mark.parametrize("shape", [(8, 32, 1), (16, 64, 8), (40, 288, 17), (72, 4096, 3),
                                    (24, 96, 9)])
