@@ -119,13 +119,14 @@ static void clb_mm_tiles(const clb_mm_job *j, int64_t t0, int64_t t1) {
 /* Claims the next span of tiles into [*t0, *t1); 0 when none is left. A span is a share of
  * what is left (guided scheduling: large spans first, smaller ones towards the end), so a
  * worker that started late or ran slower (a busy core, a descheduled virtual CPU) ends up with
- * fewer rows instead of keeping the others waiting at the end of the dispatch. */
+ * fewer rows instead of keeping the others waiting at the end of the dispatch. A lone worker
+ * takes everything at once: one stream per matrix. */
 static int clb_mm_claim(clb_mm_ctx *c, int nth, int64_t *t0, int64_t *t1) {
     int64_t t = atomic_load_explicit(&c->next, memory_order_relaxed), n;
     do {
         const int64_t left = c->n_tiles - t;
         if (left <= 0) return 0;
-        n = left / (2 * (int64_t)nth);
+        n = nth > 1 ? left / (2 * (int64_t)nth) : left;
         n = n < c->min_span ? c->min_span : n;
         n = n > left ? left : n;
     } while (!atomic_compare_exchange_weak_explicit(&c->next, &t, t + n, memory_order_relaxed,
