@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Kernel micro-benchmark: GB/s of weights streamed and GMAC/s of one matrix product, per
 weight type, ISA path, thread count and number of tokens, timed in C (engine._core.matmul_bench),
-plus the thread pool's cost of one empty run (wake every worker, wait for all) and, on AVX2
-CPUs, the ceiling of the q8 products' arithmetic: their inner loop on data in L1, one core,
-as computed and without its sign step (what exact signed int8 products cost on AVX2).
+plus the thread pool's cost of one empty run (wake every worker, wait for all), a plain read
+of as many bytes as the matrix on the same threads (the bandwidth probe, the higher of one run
+before and one after each type's rows: how close the product comes to reading alone, in the
+same minute) and, on AVX2 CPUs, the ceiling of the q8 products' arithmetic: their inner loop
+on data in L1, one core, as computed and without its sign step (what exact signed int8
+products cost on AVX2).
 
 A benchmark, not a test: it prints medians and asserts nothing. The machine should be quiet
 (the load average is printed). Example, the table of the README's performance section:
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     w32 = rng.standard_normal((args.rows, args.cols), dtype=np.float32)
     print(f"{'isa':8}{'type':6}{'thr':>4}{'tok':>5}{'ms':>9}{'x 1 tok':>9}{'GB/s':>8}"
-          f"{'GMAC/s':>8}")
+          f"{'GMAC/s':>8}{'read':>7}{'% read':>8}")
     for isa in isas:
         _core.isa_force(isa)
         for name in args.types.split(","):
@@ -75,15 +78,21 @@ def main(argv: list[str] | None = None) -> int:
                 w = _core.repack_x8(base, w, args.rows, args.cols)
             for th in ints(args.threads):
                 one = None
+                before = _core.bandwidth_probe(len(w), th, 3)
+                rows = []
                 for t in ints(args.tokens):
                     x = rng.standard_normal((t, args.cols), dtype=np.float32)
                     secs = _core.matmul_bench(name, w, args.rows, args.cols, x, th,
                                               args.reps + 1)[1:]
                     s = statistics.median(secs)
                     one = s if t == 1 or one is None else one
-                    print(f"{isa:8}{name:6}{th:>4}{t:>5}{s * 1e3:>9.2f}{s / one:>9.2f}"
-                          f"{len(w) / s / 1e9:>8.1f}{args.rows * args.cols * t / s / 1e9:>8.1f}",
-                          flush=True)
+                    rows.append((t, s, s / one))
+                read = max(before, _core.bandwidth_probe(len(w), th, 3))
+                for t, s, ratio in rows:
+                    gbs = len(w) / s / 1e9
+                    print(f"{isa:8}{name:6}{th:>4}{t:>5}{s * 1e3:>9.2f}{ratio:>9.2f}"
+                          f"{gbs:>8.1f}{args.rows * args.cols * t / s / 1e9:>8.1f}"
+                          f"{read:>7.1f}{100 * gbs / read:>8.1f}", flush=True)
     _core.isa_force(_core.isa_best())
     print(f"load     {os.getloadavg()[0]:.2f} at end")
     return 0
