@@ -63,8 +63,9 @@ void clb_quantize_q8a_ref(int64_t n, const float *x, clb_block_q8a *y) {
     }
 }
 
-/* q4 and q6: d = (the block's value of largest magnitude, the first on ties) / -levels */
-static float clb_signed_max_scale(const float *xb, float levels, float *inv) {
+/* q4 and q6: stores the block's scale d = (its value of largest magnitude, the first on ties)
+ * / -levels as f16 and returns 1 / d (0 for an all-zero block) */
+static float clb_signed_max_scale(const float *xb, float levels, clb_f16 *d_out) {
     float amax = 0.0f, m = 0.0f;
     for (int j = 0; j < CLB_QK; j++) { /* strict > keeps the first index on ties */
         if (fabsf(xb[j]) > amax) {
@@ -72,24 +73,24 @@ static float clb_signed_max_scale(const float *xb, float levels, float *inv) {
             m = xb[j];
         }
     }
-    float d = m / -levels;
-    *inv = d != 0.0f ? 1.0f / d : 0.0f;
-    return d;
+    const float d = m / -levels;
+    *d_out = clb_f32_to_f16(d);
+    return d != 0.0f ? 1.0f / d : 0.0f;
+}
+
+/* q4 and q6: x's stored level, rint(x / d) + levels clamped to 0..2 * levels - 1 */
+static int clb_level(float x, float inv, float levels) {
+    return (int)clb_clampf(nearbyintf(x * inv) + levels, 0.0f, 2.0f * levels - 1.0f);
 }
 
 void clb_quantize_q4_ref(int64_t n, const float *x, clb_block_q4 *y) {
     assert(n % CLB_QK == 0);
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const float *xb = x + b * CLB_QK;
-        float inv;
-        float d = clb_signed_max_scale(xb, 8.0f, &inv);
-        y[b].d = clb_f32_to_f16(d);
-        for (int j = 0; j < CLB_QK / 2; j++) {
-            uint8_t lo = (uint8_t)clb_clampf(nearbyintf(xb[j] * inv) + 8.0f, 0.0f, 15.0f);
-            uint8_t hi = (uint8_t)clb_clampf(nearbyintf(xb[j + CLB_QK / 2] * inv) + 8.0f, 0.0f,
-                                             15.0f);
-            y[b].qs[j] = (uint8_t)(lo | (hi << 4));
-        }
+        const float inv = clb_signed_max_scale(xb, 8.0f, &y[b].d);
+        for (int j = 0; j < CLB_QK / 2; j++)
+            y[b].qs[j] = (uint8_t)(clb_level(xb[j], inv, 8.0f) |
+                                   clb_level(xb[j + CLB_QK / 2], inv, 8.0f) << 4);
     }
 }
 
@@ -114,12 +115,10 @@ void clb_quantize_q6_ref(int64_t n, const float *x, clb_block_q6 *y) {
     assert(n % CLB_QK == 0);
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const float *xb = x + b * CLB_QK;
-        float inv;
-        float d = clb_signed_max_scale(xb, 32.0f, &inv);
-        y[b].d = clb_f32_to_f16(d);
+        const float inv = clb_signed_max_scale(xb, 32.0f, &y[b].d);
         memset(y[b].qs, 0, sizeof y[b].qs);
         for (int j = 0; j < CLB_QK; j++) {
-            const int u = (int)clb_clampf(nearbyintf(xb[j] * inv) + 32.0f, 0.0f, 63.0f);
+            const int u = clb_level(xb[j], inv, 32.0f);
             const clb_q6_pos p = clb_q6_at(j);
             y[b].qs[p.lo_byte] |= (uint8_t)((u & 15) << p.lo_shift);
             y[b].qs[p.hi_byte] |= (uint8_t)((u >> 4) << p.hi_shift);
