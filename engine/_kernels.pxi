@@ -192,6 +192,15 @@ cdef clb_type _kernel_type(str name, bint product=False) except *:
     return <clb_type><int>types[name]
 
 
+cdef const unsigned char[::1] _matrix_bytes(clb_type t, w, int64_t n_out, int64_t n_in) except *:
+    """w's bytes, refused unless they hold exactly a [n_out, n_in] matrix of type t."""
+    cdef size_t rs = _row_bytes(t, n_in)
+    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
+    if <size_t>wv.shape[0] != rs * <size_t>n_out:
+        raise ValueError(f"expected {rs * n_out} weight bytes, got {wv.shape[0]}")
+    return wv
+
+
 def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False, bint ref=False) -> bytes:
     """The bytes of a [n_out, n_in] q8, q4 or q6 matrix (n_out a multiple of 8) in the 8-row
     interleaved layout (type "q8x8" / "q4x8" / "q6x8" for matmul), through the copying or the
@@ -202,9 +211,7 @@ def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False, bint ref=F
     if n_out <= 0 or n_out % 8:
         raise ValueError(f"rows must be a positive multiple of 8, got {n_out}")
     cdef size_t rs = _row_bytes(t, n_in)
-    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
-    if <size_t>wv.shape[0] != rs * <size_t>n_out:
-        raise ValueError(f"expected {rs * n_out} weight bytes, got {wv.shape[0]}")
+    cdef const unsigned char[::1] wv = _matrix_bytes(t, w, n_out, n_in)
     out = bytearray(wv.shape[0])
     cdef unsigned char[::1] ov = out
     scratch = bytearray(8 * rs)
@@ -406,10 +413,7 @@ def matmul(name: str, w, int n_out, int n_in, x, bias=None, int n_threads=1, int
     cdef clb_type t = _kernel_type(name, True)
     cdef const float[:, ::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n_in)
     cdef int64_t n_tok = xv.shape[0]
-    cdef size_t rs = _row_bytes(t, n_in)
-    cdef const unsigned char[::1] wv = memoryview(w).cast("B")
-    if <size_t>wv.shape[0] != rs * <size_t>n_out:
-        raise ValueError(f"expected {rs * n_out} weight bytes, got {wv.shape[0]}")
+    cdef const unsigned char[::1] wv = _matrix_bytes(t, w, n_out, n_in)
     cdef int64_t stride = ldy if ldy > 0 else n_out
     y = np.full((n_tok, stride), np.nan, dtype=np.float32)
     if stride > n_out:
@@ -452,7 +456,7 @@ def matmul_jobs(jobs, int n_threads=1):
     cdef unsigned char[::1] av
     cdef float[:, ::1] yv
     cdef float[:, ::1] upv
-    cdef size_t rs, arow
+    cdef size_t arow
     cdef int k
     cdef clb_status st
     cdef clb_threadpool *tp
@@ -460,22 +464,16 @@ def matmul_jobs(jobs, int n_threads=1):
         for k in range(n):
             name, w, n_out, n_in, x, w_up = jobs[k]
             t = _kernel_type(name, True)
-            rs = _row_bytes(t, n_in)
-            wv = memoryview(w).cast("B")
-            if <size_t>wv.shape[0] != rs * <size_t>n_out:
-                raise ValueError(f"job {k}: expected {rs * n_out} weight bytes, got {wv.shape[0]}")
+            wv = _matrix_bytes(t, w, n_out, n_in)
             xa = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n_in)
             xv = xa
             y = np.full((xa.shape[0], n_out), np.nan, dtype=np.float32)
-            up = np.empty_like(y)
             yv = y
-            upv = up
             js[k] = clb_mm_job(type=t, w=&wv[0], n_out=n_out, n_in=n_in, act=NULL,
                                n_tok=xa.shape[0], y=NULL, ldy=n_out, bias=NULL, w_up=NULL,
                                y_up=NULL)
             if xa.shape[0] > 0:
                 js[k].y = &yv[0, 0]
-                js[k].y_up = &upv[0, 0]
                 arow = clb_act_row_size(t, n_in)
                 if arow:
                     act = bytearray(arow * <size_t>xa.shape[0])
@@ -485,13 +483,15 @@ def matmul_jobs(jobs, int n_threads=1):
                     keep.append(act)
                 else:
                     js[k].act = &xv[0, 0]
-            if w_up is not None:
-                uv = memoryview(w_up).cast("B")
-                if uv.shape[0] != wv.shape[0]:
-                    raise ValueError(f"job {k}: the up matrix must match the gate matrix")
+            if w_up is not None:  # the up product's own output: scratch for the gated result
+                uv = _matrix_bytes(t, w_up, n_out, n_in)
+                up = np.empty_like(y)
+                upv = up
                 js[k].w_up = &uv[0]
-                keep.append(w_up)
-            keep.extend((w, xa, up))
+                if xa.shape[0] > 0:
+                    js[k].y_up = &upv[0, 0]
+                keep.extend((w_up, up))
+            keep.extend((w, xa))
             outs.append(y)
         tp = _shared_pool(n_threads).tp
         with nogil:
