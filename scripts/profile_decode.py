@@ -1,6 +1,6 @@
 """Private timing harness for the forward pass: prefill and decode tokens/s of a random Mixtral.
 
-Builds (once, cached) a random Mixtral of the issue-4 benchmark size with transformers
+Builds (once, cached) a small random Mixtral with transformers
 (vocab 32000, hidden 1024, intermediate 3584, 8 layers, 8 experts, top-2, 16 heads, 8 KV
 heads), converts it to Colibri q8 and q4, then times through engine.executor.model.Model:
 prefill of a P-token prompt (one forward call) and N single-token decode steps.
