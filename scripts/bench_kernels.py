@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
-"""Kernel micro-benchmark: GB/s of weights streamed and GMAC/s of one matrix product, per
-weight type, ISA path, thread count and number of tokens, timed in C (engine._core.matmul_bench),
-plus the thread pool's cost of one empty run (wake every worker, wait for all), a plain read
-of as many bytes as the matrix on the same threads (the bandwidth probe, the higher of one run
-before and one after each type's rows: how close the product comes to reading alone, in the
-same minute) and, on AVX2 CPUs, the ceiling of the q8 products' arithmetic: their inner loop
-on data in L1, one core, as computed and without its sign step (what exact signed int8
-products cost on AVX2).
+"""Kernel micro-benchmark: how fast one matrix product streams its weights.
+
+For each weight type, ISA path, thread count and number of tokens it prints the product's time
+(timed in C by engine._core.matmul_bench, the median of --reps calls), GB/s of weights streamed,
+GMAC/s, and a plain read of as many bytes on the same threads (the bandwidth probe) with the
+product's GB/s as a % of it. It also prints the thread pool's cost of one empty run (wake every
+worker, wait for all) and the ceiling of each int8 product's arithmetic: its inner loop on data
+in L1, one core (on AVX2, also without the q8 sign step: what exact signed int8 products cost
+there).
+
+A virtual machine's read rate can drift by half from one minute to the next. With --rounds N
+every point is measured N times, the ISA paths and the plain read taking turns within each
+round, and the medians are printed: % read and the last column (the first ISA path's time over
+this one's, when several run) are medians of each round's own ratio, so they compare what ran
+in the same minute.
 
 A benchmark, not a test: it prints medians and asserts nothing. The machine should be quiet
-(the load average is printed). Example, the table of the README's performance section:
+(the load average is printed). Examples:
 
     python scripts/bench_kernels.py --rows 16384 --cols 4096 --tokens 1,4,8,16 --threads 1,2
+    python scripts/bench_kernels.py --rows 32768 --types q8x8,q4x8 --tokens 1,8 --rounds 9
 """
 
 from __future__ import annotations
@@ -36,6 +44,44 @@ def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
+def measure(name: str, w: bytes, args: argparse.Namespace, xs: list[np.ndarray], th: int,
+            isas: list[str]) -> list[dict[str, list[float]]]:
+    """Seconds per product (median of --reps calls) of each ISA path and token count, and the
+    plain read's seconds for the matrix's bytes, once per round; the paths take turns within a
+    round (in reverse order every other round), so all of them see the same minutes of a
+    machine whose memory bandwidth drifts."""
+    rounds = []
+    for r in range(args.rounds):
+        secs: dict[str, list[float]] = {"read": [len(w) / (_core.bandwidth_probe(len(w), th, 3)
+                                                           * 1e9)]}
+        for isa in isas if r % 2 == 0 else isas[::-1]:
+            _core.isa_force(isa)
+            secs[isa] = [statistics.median(_core.matmul_bench(name, w, args.rows, args.cols, x,
+                                                              th, args.reps + 1)[1:])
+                         for x in xs]
+        rounds.append(secs)
+    return rounds
+
+
+def report(name: str, w: bytes, args: argparse.Namespace, xs: list[np.ndarray], th: int,
+           isas: list[str], rounds: list[dict[str, list[float]]]) -> None:
+    """One line per ISA path and token count: medians over the rounds; % read and the ratio to
+    the first path are medians of each round's own ratio."""
+    med = statistics.median
+    read = med(len(w) / r["read"][0] / 1e9 for r in rounds)
+    for isa in isas:
+        one = med(r[isa][0] for r in rounds)
+        for i, x in enumerate(xs):
+            s = med(r[isa][i] for r in rounds)
+            pct = med(100 * r["read"][0] / r[isa][i] for r in rounds)
+            line = (f"{isa:8}{name:6}{th:>4}{len(x):>5}{s * 1e3:>9.2f}{s / one:>9.2f}"
+                    f"{len(w) / s / 1e9:>8.1f}{args.rows * args.cols * len(x) / s / 1e9:>8.1f}"
+                    f"{read:>7.1f}{pct:>8.1f}")
+            if len(isas) > 1:
+                line += f"{med(r[isas[0]][i] / r[isa][i] for r in rounds):>11.2f}"
+            print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=16384, help="output rows (default 16384)")
@@ -47,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,2,4,8,16", help="rows of activations per product")
     p.add_argument("--threads", default="1,2", help="thread counts")
     p.add_argument("--reps", type=int, default=9, help="timed calls per point (median kept)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every point this many times, the ISA paths and the plain read "
+                        "taking turns within each round, and print medians (default 1)")
     args = p.parse_args(argv)
 
     isas = args.isa.split(",") if args.isa else [i for i in _core.isa_supported() if i != "ref"]
@@ -67,32 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ceiling  int8 inner loop on L1 data, one core, GMAC/s (best of 15): {loop}")
     rng = np.random.default_rng(0)
     w32 = rng.standard_normal((args.rows, args.cols), dtype=np.float32)
+    versus = f"{'vs ' + isas[0]:>11}" if len(isas) > 1 else ""
     print(f"{'isa':8}{'type':6}{'thr':>4}{'tok':>5}{'ms':>9}{'x 1 tok':>9}{'GB/s':>8}"
-          f"{'GMAC/s':>8}{'read':>7}{'% read':>8}")
-    for isa in isas:
-        _core.isa_force(isa)
-        for name in args.types.split(","):
-            base = name.removesuffix("x8")
-            w = _core.quantize(base, w32)
-            if base != name:
-                w = _core.repack_x8(base, w, args.rows, args.cols)
-            for th in ints(args.threads):
-                one = None
-                before = _core.bandwidth_probe(len(w), th, 3)
-                rows = []
-                for t in ints(args.tokens):
-                    x = rng.standard_normal((t, args.cols), dtype=np.float32)
-                    secs = _core.matmul_bench(name, w, args.rows, args.cols, x, th,
-                                              args.reps + 1)[1:]
-                    s = statistics.median(secs)
-                    one = s if t == 1 or one is None else one
-                    rows.append((t, s, s / one))
-                read = max(before, _core.bandwidth_probe(len(w), th, 3))
-                for t, s, ratio in rows:
-                    gbs = len(w) / s / 1e9
-                    print(f"{isa:8}{name:6}{th:>4}{t:>5}{s * 1e3:>9.2f}{ratio:>9.2f}"
-                          f"{gbs:>8.1f}{args.rows * args.cols * t / s / 1e9:>8.1f}"
-                          f"{read:>7.1f}{100 * gbs / read:>8.1f}", flush=True)
+          f"{'GMAC/s':>8}{'read':>7}{'% read':>8}{versus}")
+    for name in args.types.split(","):
+        base = name.removesuffix("x8")
+        w = _core.quantize(base, w32)
+        if base != name:
+            w = _core.repack_x8(base, w, args.rows, args.cols)
+        for th in ints(args.threads):
+            xs = [rng.standard_normal((t, args.cols), dtype=np.float32) for t in ints(args.tokens)]
+            runs = measure(name, w, args, xs, th, isas)
+            report(name, w, args, xs, th, isas, runs)
     _core.isa_force(_core.isa_best())
     print(f"load     {os.getloadavg()[0]:.2f} at end")
     return 0
