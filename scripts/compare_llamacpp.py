@@ -10,10 +10,18 @@ run is a fresh child process (model load and one warm-up run untimed), so neithe
 idle threads (llama.cpp's OpenMP workers spin while waiting) can slow the other. Everything
 built is cached in --workdir, keyed by the model dimensions and seed.
 
+The bandwidth bound is the weight bytes per token against a plain read of memory on the same
+threads (the probe). A virtual machine's read rate can drift by half within minutes, so besides
+the % of the bound at the higher of the probes before and after all runs, the script reads
+memory again after every repeat and prints each engine's median "same-minute" % (every run
+against the higher of the reads just before and after its repeat), and the decode ratio repeat
+by repeat (each Colibri run against the llama.cpp run just before it) beside the ratio of the
+medians.
+
 Needs the bench extra: pip install -e '.[bench]' (llama-cpp-python, sentencepiece, gguf)
 (llama-cpp-python compiles llama.cpp, about ten minutes on a 2-core machine).
 
-    python scripts/compare_llamacpp.py                      # defaults of the issue
+    python scripts/compare_llamacpp.py                      # the default benchmark model
     python scripts/compare_llamacpp.py --layers 2 --repeat 3 --skip-transformers --json out.json
 
 Pitfalls met on a 2-vCPU Xeon with AMX: a GGML_NATIVE build of llama.cpp dies with SIGILL in
@@ -488,21 +496,27 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     llama_preflight(ggufs["Q4_0"], args.threads)
     load0 = os.getloadavg()
     probe = [_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3)]
+    between = probe[:]  # the first probe, then one after every repeat
     prompt = bench_prompt(d.vocab, args.prompt_tokens)
     rows: list[dict[str, Any]] = []
     tokens: dict[str, list[int]] = {}
+    pairs: dict[str, list[float]] = {}  # colibri / llama.cpp decode speed, repeat by repeat
     for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
         runners = {
             "llama.cpp": lambda lq=lq: _spawn(args, "llama.cpp", ggufs[lq]),
             "colibri": lambda q=q: _spawn(args, "colibri", colibri_dirs[q]),
         }
         res: dict[str, list[tuple[float, float, list[int]]]] = {k: [] for k in runners}
+        reads: list[float] = []  # per repeat: the higher of the reads just before and after it
         for rep in range(args.repeat):
             for name, run in runners.items():  # alternate: llama.cpp, colibri, llama.cpp, ...
                 res[name].append(run())
+            between.append(_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3))
+            reads.append(max(between[-2:]))
             print(f"  {q} repeat {rep + 1}/{args.repeat}: " + ", ".join(
                 f"{k} prefill {args.prompt_tokens / v[-1][0]:.1f} decode "
-                f"{args.gen_tokens / v[-1][1]:.1f} tok/s" for k, v in res.items()), flush=True)
+                f"{args.gen_tokens / v[-1][1]:.1f} tok/s" for k, v in res.items())
+                + f"; read {between[-1]:.1f} GB/s", flush=True)
         lbytes = gguf_bytes_per_token(ggufs[lq], d.top_k)
         cbytes = weight_bytes_per_token(colibri_dirs[q])
         for name, prec, nbytes, types in (
@@ -510,14 +524,18 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                 ("colibri", q, cbytes["total"], json.loads(
                     (colibri_dirs[q] / "config.json").read_text())["tensor_types"])):
             runs = res[name]
+            same_minute = [100 * args.gen_tokens / r[1] / (g * 1e9 / nbytes)
+                           for r, g in zip(runs, reads, strict=True)]
             rows.append({"engine": name, "precision": prec, "bytes_per_token": nbytes,
                          "tensor_types": types,
                          "bytes_per_token_parts": (lbytes["parts"] if name == "llama.cpp"
                                                    else {k: v for k, v in cbytes.items()
                                                          if k != "total"}),
                          "prefill_tok_s": _median([args.prompt_tokens / r[0] for r in runs]),
-                         "decode_tok_s": _median([args.gen_tokens / r[1] for r in runs])})
+                         "decode_tok_s": _median([args.gen_tokens / r[1] for r in runs]),
+                         "percent_of_bound_same_minute": _median(same_minute)})
             tokens[f"{name} {prec}"] = runs[0][2]
+        pairs[q] = [ll[1] / c[1] for ll, c in zip(res["llama.cpp"], res["colibri"], strict=True)]
 
     if not args.skip_transformers:
         import torch
@@ -551,6 +569,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
         c, ll = by[("colibri", q)], by[("llama.cpp", lq)]
         ratios[q] = {k: c[k]["median"] / ll[k]["median"] for k in ("prefill_tok_s", "decode_tok_s")}
+        ratios[q]["decode_pairs"] = _median(pairs[q])
     agreement = {
         "q8 colibri vs llama.cpp": _agree(tokens["colibri q8"], tokens["llama.cpp Q8_0"]),
         "q4 colibri vs llama.cpp": _agree(tokens["colibri q4"], tokens["llama.cpp Q4_0"]),
@@ -570,6 +589,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,
+        "bandwidth_between_repeats_gb_s": between,
         "loadavg_start": load0, "loadavg_end": os.getloadavg(),
         "rows": rows, "ratios_colibri_over_llama": ratios,
         "greedy_agreement_first16": agreement, "greedy_tokens_first16": {
@@ -594,19 +614,26 @@ def render(res: dict[str, Any]) -> str:
         f"{res['loadavg_end'][0]:.2f} at end",
         "",
         f"{'engine':13}{'precision':11}{'MB/token':>10}{'prefill tok/s':>15}"
-        f"{'decode tok/s':>14}{'(min-max)':>15}{'bound tok/s':>13}{'% bound':>9}",
+        f"{'decode tok/s':>14}{'(min-max)':>17}{'bound tok/s':>13}{'% bound':>9}"
+        f"{'same-minute %':>15}",
     ]
     for r in res["rows"]:
         p, dd = r["prefill_tok_s"], r["decode_tok_s"]
         spread = f"{dd['min']:.1f}-{dd['max']:.1f}"
         lines.append(
             f"{r['engine']:13}{r['precision']:11}{r['bytes_per_token'] / 1e6:>10.1f}"
-            f"{p['median']:>15.1f}{dd['median']:>14.1f}{spread:>15}"
-            f"{r['bound_tok_s']:>13.1f}{r['percent_of_bound']:>9.1f}")
+            f"{p['median']:>15.1f}{dd['median']:>14.1f}{spread:>17}"
+            f"{r['bound_tok_s']:>13.1f}{r['percent_of_bound']:>9.1f}"
+            + (f"{r['percent_of_bound_same_minute']['median']:>15.1f}"
+               if "percent_of_bound_same_minute" in r else ""))
     lines.append("")
     for q, rr in res["ratios_colibri_over_llama"].items():
+        dp = rr["decode_pairs"]
         lines.append(f"colibri / llama.cpp at {q}: prefill x{rr['prefill_tok_s']:.2f}, "
-                     f"decode x{rr['decode_tok_s']:.2f}")
+                     f"decode x{rr['decode_tok_s']:.2f} (repeat by repeat: median "
+                     f"x{dp['median']:.2f}, x{dp['min']:.2f} to x{dp['max']:.2f})")
+    lines.append("% bound: at the higher of the first and last probes; same-minute %: each "
+                 "run at the higher of the reads just before and after its repeat, median")
     lines.append(f"llama.cpp build: {res['llama_cpp_system_info'].strip()} "
                  f"(OMP_WAIT_POLICY={res['omp_wait_policy']})")
     lines.append("greedy tokens agreeing among the first 16: " + ", ".join(
