@@ -10,11 +10,19 @@
 #include "clb_kernels.h"
 #include "clb_kernels_isa.h"
 
+#ifdef CLB_HAVE_X86
+#include <cpuid.h>
+#endif
+
 static clb_type_traits clb_traits[CLB_ISA_COUNT][CLB_TYPE_COUNT];
 static int clb_isa_ok[CLB_ISA_COUNT];
 static clb_isa clb_isa_top = CLB_ISA_REF;
 static _Atomic int clb_isa_cur = CLB_ISA_REF;
 static pthread_once_t clb_init_once = PTHREAD_ONCE_INIT;
+
+static clb_stream_hint clb_stream_top = CLB_STREAM_L2;
+static _Atomic int clb_stream_cur = CLB_STREAM_L2;
+static const char *const clb_stream_names[CLB_STREAM_COUNT] = {"l2", "nta"};
 
 static clb_vec_mad_fn clb_mad[CLB_ISA_COUNT];
 static clb_att_kernels clb_att[CLB_ISA_COUNT];
@@ -135,6 +143,17 @@ static void clb_fill_avx512(clb_type_traits *t) {
 }
 #endif
 
+#ifdef CLB_HAVE_X86
+/* the CPU family of an AMD processor (base plus extended family, as AMD numbers them), 0 for
+ * any other vendor */
+static unsigned clb_amd_family(void) {
+    unsigned a, b, c, d;
+    if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xf;
+    return base == 0xf ? base + ((a >> 20) & 0xff) : base;
+}
+#endif
+
 static void clb_init_impl(void) {
     clb_fill_ref(clb_traits[CLB_ISA_REF]);
     clb_mad[CLB_ISA_REF] = clb_vec_mad_f32_ref;
@@ -158,10 +177,12 @@ static void clb_init_impl(void) {
             clb_att[CLB_ISA_AVX512] = clb_att[CLB_ISA_AVX2];
             clb_isa_ok[CLB_ISA_AVX512] = 1;
             clb_isa_top = CLB_ISA_AVX512;
+            clb_stream_top = clb_amd_family() >= 0x1a ? CLB_STREAM_NTA : CLB_STREAM_L2;
         }
     }
 #endif
     atomic_store(&clb_isa_cur, (int)clb_isa_top);
+    atomic_store(&clb_stream_cur, (int)clb_stream_top);
 }
 
 void clb_kernels_init(void) { pthread_once(&clb_init_once, clb_init_impl); }
@@ -185,6 +206,28 @@ clb_status clb_isa_force(clb_isa isa) {
 clb_isa clb_isa_active(void) {
     clb_kernels_init();
     return (clb_isa)atomic_load(&clb_isa_cur);
+}
+
+clb_stream_hint clb_stream_hint_best(void) {
+    clb_kernels_init();
+    return clb_stream_top;
+}
+
+clb_status clb_stream_hint_force(clb_stream_hint h) {
+    if ((int)h < 0 || h >= CLB_STREAM_COUNT) return CLB_E_ARG;
+    clb_kernels_init();
+    atomic_store(&clb_stream_cur, (int)h);
+    return CLB_OK;
+}
+
+clb_stream_hint clb_stream_hint_active(void) {
+    clb_kernels_init();
+    return (clb_stream_hint)atomic_load_explicit(&clb_stream_cur, memory_order_relaxed);
+}
+
+const char *clb_stream_hint_name(clb_stream_hint h) {
+    if ((int)h < 0 || h >= CLB_STREAM_COUNT) return "unknown";
+    return clb_stream_names[h];
 }
 
 const char *clb_isa_name(clb_isa isa) {

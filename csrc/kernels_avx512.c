@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "clb_kernels.h"
 #include "clb_kernels_isa.h"
 #include "clb_probe.h"
 
@@ -382,7 +383,7 @@ static inline __attribute__((always_inline)) __m512i clb_pair256(const char *p0,
                               _mm256_loadu_si256((const __m256i *)p1), 1);
 }
 
-static inline __attribute__((always_inline)) void clb_pass_x16(int QT, int TT, int64_t n,
+static inline __attribute__((always_inline)) void clb_pass_x16(int QT, int NTA, int TT, int64_t n,
                                                                const char *g0, const char *g1,
                                                                const char *act, size_t act_row,
                                                                float *y, int64_t ldy,
@@ -399,11 +400,16 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int QT, int TT, i
          * integers, not as pointers past their object). Near its end each stream moves on to
          * the next pair's group, so the next pass starts from cache. Into L2 (T1): measured
          * faster than into L1 on Zen 4's decode, where each core has two streams to keep
-         * in flight. */
+         * in flight; non-temporal (NTA) where clb_stream_hint_active() says so. */
         const uintptr_t pf = ahead + (b + CLB_X16_PF_AHEAD(QT) >= nb ? next : 0);
         for (size_t l = 0; l < gb; l += 64) {
-            _mm_prefetch((const char *)((uintptr_t)p0 + pf + l), _MM_HINT_T1);
-            _mm_prefetch((const char *)((uintptr_t)p1 + pf + l), _MM_HINT_T1);
+            if (NTA) {
+                _mm_prefetch((const char *)((uintptr_t)p0 + pf + l), _MM_HINT_NTA);
+                _mm_prefetch((const char *)((uintptr_t)p1 + pf + l), _MM_HINT_NTA);
+            } else {
+                _mm_prefetch((const char *)((uintptr_t)p0 + pf + l), _MM_HINT_T1);
+                _mm_prefetch((const char *)((uintptr_t)p1 + pf + l), _MM_HINT_T1);
+            }
         }
         const __m512 ws = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
@@ -434,20 +440,34 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int QT, int TT, i
     for (int t = 0; t < TT; t++) _mm512_mask_storeu_ps(y + t * ldy, keep, acc[t]);
 }
 
-static inline __attribute__((always_inline)) void clb_gemm_x16(int QT, int64_t n, int64_t n_rows,
-                                                               const void *w, size_t w_row,
-                                                               const void *act, size_t act_row,
-                                                               int64_t n_tok, float *y,
-                                                               int64_t ldy) {
+static inline __attribute__((always_inline)) void clb_gemm_x16_hint(int QT, int NTA, int64_t n,
+                                                                    int64_t n_rows,
+                                                                    const void *w, size_t w_row,
+                                                                    const void *act,
+                                                                    size_t act_row,
+                                                                    int64_t n_tok, float *y,
+                                                                    int64_t ldy) {
     for (int64_t r0 = 0; r0 + 8 <= n_rows; r0 += 16) {
         const int two = n_rows - r0 >= 16;
         const char *g0 = (const char *)w + (size_t)r0 * w_row;
         const char *g1 = two ? g0 + 8 * w_row : g0;
         const __mmask16 keep = two ? (__mmask16)0xffff : (__mmask16)0x00ff;
-#define CLB_X16_PASS(TT, AT, YT) clb_pass_x16(QT, TT, n, g0, g1, AT, act_row, YT, ldy, keep)
+#define CLB_X16_PASS(TT, AT, YT) \
+    clb_pass_x16(QT, NTA, TT, n, g0, g1, AT, act_row, YT, ldy, keep)
         CLB_PASSES(CLB_X16_PASS)
 #undef CLB_X16_PASS
     }
+}
+
+static inline __attribute__((always_inline)) void clb_gemm_x16(int QT, int64_t n, int64_t n_rows,
+                                                               const void *w, size_t w_row,
+                                                               const void *act, size_t act_row,
+                                                               int64_t n_tok, float *y,
+                                                               int64_t ldy) {
+    if (clb_stream_hint_active() == CLB_STREAM_NTA)
+        clb_gemm_x16_hint(QT, 1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+    else
+        clb_gemm_x16_hint(QT, 0, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 void clb_gemm_q8x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,

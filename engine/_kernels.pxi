@@ -92,6 +92,14 @@ cdef extern from "clb_kernels.h" nogil:
     clb_status clb_isa_force(clb_isa isa)
     clb_isa clb_isa_active()
     const char *clb_isa_name(clb_isa isa)
+    ctypedef enum clb_stream_hint:
+        CLB_STREAM_L2
+        CLB_STREAM_NTA
+        CLB_STREAM_COUNT
+    clb_stream_hint clb_stream_hint_best()
+    clb_status clb_stream_hint_force(clb_stream_hint h)
+    clb_stream_hint clb_stream_hint_active()
+    const char *clb_stream_hint_name(clb_stream_hint h)
     const clb_type_traits *clb_get_type_traits(clb_type t)
     void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y)
     size_t clb_matmul_scratch_size(clb_type t, int64_t n_in, int64_t n_tokens)
@@ -150,6 +158,7 @@ cdef extern from "clb_pool.h" nogil:
 KERNEL_TYPES = {"f32": CLB_TYPE_F32, "f16": CLB_TYPE_F16, "bf16": CLB_TYPE_BF16,
                 "q8": CLB_TYPE_Q8, "q4": CLB_TYPE_Q4, "q6": CLB_TYPE_Q6, "q8a": CLB_TYPE_Q8A}
 ISA_NAMES = ("ref", "avx2", "avx512")
+STREAM_HINTS = ("l2", "nta")
 # in-memory layouts of q8/q4/q6 weights that only the matrix products read (see repack_x8)
 PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8,
                  "q6x8": CLB_TYPE_Q6X8}
@@ -256,6 +265,25 @@ def isa_force(name: str) -> None:
     """Make every kernel call use this ISA's table (process-wide): tests, and COLIBRI_ISA."""
     if clb_isa_force(_isa_of(name)) != CLB_OK:
         raise ValueError(f"ISA {name!r} is not supported on this CPU/build")
+
+
+def stream_hint_best() -> str:
+    """How the AVX-512 interleaved products prefetch weights, as picked from CPUID at start-up:
+    "l2" (into L2) or "nta" (non-temporal)."""
+    return clb_stream_hint_name(clb_stream_hint_best()).decode()
+
+
+def stream_hint_active() -> str:
+    """The prefetch hint the AVX-512 interleaved products use now."""
+    return clb_stream_hint_name(clb_stream_hint_active()).decode()
+
+
+def stream_hint_force(name: str) -> None:
+    """Make the AVX-512 interleaved products prefetch this way (process-wide): benchmarks,
+    tests and COLIBRI_PREFETCH. Results do not depend on it."""
+    if name not in STREAM_HINTS:
+        raise ValueError(f"unknown prefetch hint {name!r}; choose one of {', '.join(STREAM_HINTS)}")
+    clb_stream_hint_force(<clb_stream_hint><int>STREAM_HINTS.index(name))
 
 
 def type_row_size(name: str, n: int) -> int:

@@ -29,6 +29,15 @@ def isa(request: pytest.FixtureRequest):
     core.isa_force(core.isa_best())
 
 
+@pytest.fixture(params=core.STREAM_HINTS)
+def hint(request: pytest.FixtureRequest):
+    """Forces one prefetch hint of the AVX-512 interleaved products (the other paths ignore
+    it), then restores the one picked at start."""
+    core.stream_hint_force(request.param)
+    yield request.param
+    core.stream_hint_force(core.stream_hint_best())
+
+
 def _weights(type_name: str, n_out: int, n_in: int, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n_out, n_in)).astype(np.float32)
@@ -189,7 +198,7 @@ def test_jobs_in_one_dispatch_equal_each_job_alone(kind: str, n_threads: int,
 @pytest.mark.parametrize("shape", [(8, 32, 1), (16, 64, 8), (40, 288, 17), (72, 4096, 3),
                                    (24, 96, 9)])
 def test_interleaved_products_equal_reference_bits(kind: str, shape: tuple[int, int, int],
-                                                   isa: str) -> None:
+                                                   isa: str, hint: str) -> None:
     # extreme bytes (q8 -128, every nibble, f16 scales from zero to the largest finite)
     n_out, n_in, n_tok = shape
     rows = _raw_block_weights(kind, n_out, n_in, seed=n_out + 1)
