@@ -83,7 +83,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 # read by the engine from the environment, not by Settings; a .env file sets them too
-ENGINE_VARIABLES = ("COLIBRI_CACHE_DIR", "COLIBRI_REPACK", "COLIBRI_ISA")
+ENGINE_VARIABLES = ("COLIBRI_CACHE_DIR", "COLIBRI_REPACK", "COLIBRI_ISA", "COLIBRI_PREFETCH")
 
 
 def engine_variables_from_file(env_file: str | None) -> None:

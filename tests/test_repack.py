@@ -206,3 +206,28 @@ def test_colibri_isa_refuses_a_path_this_cpu_does_not_run(quant_dir: Path,
     with pytest.raises(ValueError, match="COLIBRI_ISA='avx1024'.*choose one of ref"):
         Model.load(quant_dir, n_seq=1)
     assert _core.isa_active() == before
+
+
+@pytest.mark.parametrize("hint", _core.STREAM_HINTS)
+def test_colibri_prefetch_sets_the_hint_and_keeps_the_tokens(quant_dir: Path, hint: str,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Either prefetch hint runs the model with the greedy tokens of the one picked here."""
+    want = _decode(Model.load(quant_dir, n_seq=1), 3)
+    monkeypatch.setenv("COLIBRI_PREFETCH", f" {hint.upper()} ")
+    try:
+        m = Model.load(quant_dir, n_seq=1)
+        assert _core.stream_hint_active() == hint
+        got = _decode(m, 3)
+    finally:
+        _core.stream_hint_force(_core.stream_hint_best())
+    assert got[0] == want[0]
+
+
+def test_colibri_prefetch_refuses_an_unknown_hint(quant_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _core.stream_hint_active()
+    monkeypatch.setenv("COLIBRI_PREFETCH", "t7")
+    with pytest.raises(ValueError, match="COLIBRI_PREFETCH='t7'.*choose one of l2, nta"):
+        Model.load(quant_dir, n_seq=1)
+    assert _core.stream_hint_active() == before

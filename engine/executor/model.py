@@ -25,13 +25,15 @@ log = logging.getLogger("colibri.engine")
 
 
 ISA_ENV = "COLIBRI_ISA"
+PREFETCH_ENV = "COLIBRI_PREFETCH"
 
 
 def kernels_from_env() -> str:
     """The kernel path every product takes: COLIBRI_ISA (ref, avx2, avx512) when set, to
     compare paths on one CPU or to keep off one; else the active one (the best this CPU runs,
-    unless something forced another). Process-wide. ValueError names the paths this CPU and
-    build support."""
+    unless something forced another). COLIBRI_PREFETCH (l2, nta) likewise sets how the AVX-512
+    products prefetch weights. Process-wide. ValueError names the paths this CPU and build
+    support, or the hints there are."""
     name = os.environ.get(ISA_ENV, "").strip().lower()
     if name and name != _core.isa_active():
         supported = _core.isa_supported()
@@ -40,6 +42,14 @@ def kernels_from_env() -> str:
                              f"choose one of {', '.join(supported)}")
         _core.isa_force(name)
         log.info("kernels: %s, as %s asks (the best here: %s)", name, ISA_ENV, _core.isa_best())
+    hint = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    if hint and hint != _core.stream_hint_active():
+        if hint not in _core.STREAM_HINTS:
+            raise ValueError(f"{PREFETCH_ENV}={hint!r} is not a prefetch hint; choose one of "
+                             f"{', '.join(_core.STREAM_HINTS)}")
+        _core.stream_hint_force(hint)
+        log.info("prefetch: %s, as %s asks (the pick here: %s)", hint, PREFETCH_ENV,
+                 _core.stream_hint_best())
     return _core.isa_active()
 
 
