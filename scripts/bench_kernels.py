@@ -44,41 +44,57 @@ def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
+def kernel_paths(isas: list[str], hints: list[str]) -> list[str]:
+    """The variants to time: each ISA path, the AVX-512 one once per prefetch hint when several
+    are asked for (as "avx512/nta")."""
+    out: list[str] = []
+    for isa in isas:
+        out += [f"{isa}/{h}" for h in hints] if isa == "avx512" and len(hints) > 1 else [isa]
+    return out
+
+
+def use(path: str, hints: list[str]) -> None:
+    """Make the products run as the variant `path` names."""
+    isa, _, hint = path.partition("/")
+    _core.isa_force(isa)
+    _core.stream_hint_force(hint or hints[0])
+
+
 def measure(name: str, w: bytes, args: argparse.Namespace, xs: list[np.ndarray], th: int,
-            isas: list[str]) -> list[dict[str, list[float]]]:
-    """Seconds per product (median of --reps calls) of each ISA path and token count, and the
-    plain read's seconds for the matrix's bytes, once per round; the paths take turns within a
-    round (in reverse order every other round), so all of them see the same minutes of a
+            paths: list[str], hints: list[str]) -> list[dict[str, list[float]]]:
+    """Seconds per product (median of --reps calls) of each variant and token count, and the
+    plain read's seconds for the matrix's bytes, once per round; the variants take turns within
+    a round (in reverse order every other round), so all of them see the same minutes of a
     machine whose memory bandwidth drifts."""
     rounds = []
     for r in range(args.rounds):
         secs: dict[str, list[float]] = {"read": [len(w) / (_core.bandwidth_probe(len(w), th, 3)
                                                            * 1e9)]}
-        for isa in isas if r % 2 == 0 else isas[::-1]:
-            _core.isa_force(isa)
-            secs[isa] = [statistics.median(_core.matmul_bench(name, w, args.rows, args.cols, x,
-                                                              th, args.reps + 1)[1:])
-                         for x in xs]
+        for path in paths if r % 2 == 0 else paths[::-1]:
+            use(path, hints)
+            secs[path] = [statistics.median(_core.matmul_bench(name, w, args.rows, args.cols, x,
+                                                               th, args.reps + 1)[1:])
+                          for x in xs]
         rounds.append(secs)
     return rounds
 
 
 def report(name: str, w: bytes, args: argparse.Namespace, xs: list[np.ndarray], th: int,
-           isas: list[str], rounds: list[dict[str, list[float]]]) -> None:
-    """One line per ISA path and token count: medians over the rounds; % read and the ratio to
-    the first path are medians of each round's own ratio."""
+           paths: list[str], rounds: list[dict[str, list[float]]]) -> None:
+    """One line per variant and token count: medians over the rounds; % read and the ratio to
+    the first variant are medians of each round's own ratio."""
     med = statistics.median
     read = med(len(w) / r["read"][0] / 1e9 for r in rounds)
-    for isa in isas:
-        one = med(r[isa][0] for r in rounds)
+    for path in paths:
+        one = med(r[path][0] for r in rounds)
         for i, x in enumerate(xs):
-            s = med(r[isa][i] for r in rounds)
-            pct = med(100 * r["read"][0] / r[isa][i] for r in rounds)
-            line = (f"{isa:8}{name:6}{th:>4}{len(x):>5}{s * 1e3:>9.2f}{s / one:>9.2f}"
+            s = med(r[path][i] for r in rounds)
+            pct = med(100 * r["read"][0] / r[path][i] for r in rounds)
+            line = (f"{path:11}{name:6}{th:>4}{len(x):>5}{s * 1e3:>9.2f}{s / one:>9.2f}"
                     f"{len(w) / s / 1e9:>8.1f}{args.rows * args.cols * len(x) / s / 1e9:>8.1f}"
                     f"{read:>7.1f}{pct:>8.1f}")
-            if len(isas) > 1:
-                line += f"{med(r[isas[0]][i] / r[isa][i] for r in rounds):>11.2f}"
+            if len(paths) > 1:
+                line += f"{med(r[paths[0]][i] / r[path][i] for r in rounds):>15.2f}"
             print(line, flush=True)
 
 
@@ -93,15 +109,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,2,4,8,16", help="rows of activations per product")
     p.add_argument("--threads", default="1,2", help="thread counts")
     p.add_argument("--reps", type=int, default=9, help="timed calls per point (median kept)")
+    p.add_argument("--prefetch", default=None,
+                   help="prefetch hints of the AVX-512 interleaved products, e.g. l2,nta: "
+                        "several are timed as variants (default: the one picked at start)")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every point this many times, the ISA paths and the plain read "
                         "taking turns within each round, and print medians (default 1)")
     args = p.parse_args(argv)
 
     isas = args.isa.split(",") if args.isa else [i for i in _core.isa_supported() if i != "ref"]
+    hints = args.prefetch.split(",") if args.prefetch else [_core.stream_hint_best()]
+    for h in hints:
+        if h not in _core.STREAM_HINTS:
+            p.error(f"unknown prefetch hint {h!r}; choose from {', '.join(_core.STREAM_HINTS)}")
+    paths = kernel_paths(isas, hints)
     print(f"cpu      {cpu_model()}")
     print(f"load     {os.getloadavg()[0]:.2f} (1-minute load average at start)")
     print(f"matrix   {args.rows} x {args.cols}")
+    print(f"prefetch {', '.join(hints)} (AVX-512 interleaved products; picked at start: "
+          f"{_core.stream_hint_best()})")
     for th in ints(args.threads):
         if th > 1:
             busy = _core.threadpool_bench(th, 20000, 0)
@@ -116,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ceiling  int8 inner loop on L1 data, one core, GMAC/s (best of 15): {loop}")
     rng = np.random.default_rng(0)
     w32 = rng.standard_normal((args.rows, args.cols), dtype=np.float32)
-    versus = f"{'vs ' + isas[0]:>11}" if len(isas) > 1 else ""
-    print(f"{'isa':8}{'type':6}{'thr':>4}{'tok':>5}{'ms':>9}{'x 1 tok':>9}{'GB/s':>8}"
+    versus = f"{'vs ' + paths[0]:>15}" if len(paths) > 1 else ""
+    print(f"{'kernels':11}{'type':6}{'thr':>4}{'tok':>5}{'ms':>9}{'x 1 tok':>9}{'GB/s':>8}"
           f"{'GMAC/s':>8}{'read':>7}{'% read':>8}{versus}")
     for name in args.types.split(","):
         base = name.removesuffix("x8")
@@ -126,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             w = _core.repack_x8(base, w, args.rows, args.cols)
         for th in ints(args.threads):
             xs = [rng.standard_normal((t, args.cols), dtype=np.float32) for t in ints(args.tokens)]
-            runs = measure(name, w, args, xs, th, isas)
-            report(name, w, args, xs, th, isas, runs)
+            runs = measure(name, w, args, xs, th, paths, hints)
+            report(name, w, args, xs, th, paths, runs)
     _core.isa_force(_core.isa_best())
+    _core.stream_hint_force(_core.stream_hint_best())
     print(f"load     {os.getloadavg()[0]:.2f} at end")
     return 0
 

@@ -586,6 +586,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
         "llama_cpp_python": llama_cpp.__version__, "colibri_isa": isa,
+        "colibri_prefetch": _core.stream_hint_active(),
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,
@@ -607,7 +608,8 @@ def render(res: dict[str, Any]) -> str:
         f"{res['threads']} threads, {res['prompt_tokens']}-token prompt, {res['gen_tokens']} "
         f"greedy tokens, medians of {res['repeat']} alternating repeats "
         f"(transformers: {res['tf_repeat']}); llama-cpp-python {res['llama_cpp_python']}, "
-        f"colibri kernels {res['colibri_isa']}",
+        f"colibri kernels {res['colibri_isa']}"
+        + (f", prefetch {res['colibri_prefetch']}" if res["colibri_isa"] == "avx512" else ""),
         f"read bandwidth {res['bandwidth_gb_s']:.1f} GB/s (probes "
         + ", ".join(f"{x:.1f}" for x in res["bandwidth_probes_gb_s"])
         + f"); load average {res['loadavg_start'][0]:.2f} at start, "

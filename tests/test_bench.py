@@ -153,6 +153,7 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     assert pr["other_s_per_token"] == pytest.approx(pr["step_s"] - pr["s_per_token"])
     assert pr["gb_s"] == pytest.approx(pr["bytes_per_token"] / pr["s_per_token"] / 1e9)
     assert r["isa"] in _core.isa_supported()
+    assert r["prefetch"] in _core.STREAM_HINTS
     assert len(r["greedy_tokens"]) == 7 and all(0 <= t < VOCAB_SIZE for t in r["greedy_tokens"])
 
 

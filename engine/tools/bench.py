@@ -261,6 +261,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "quant": cfg.quant,
         "tensor_types": dict(cfg.tensor_types),
         "isa": _core.isa_active(),
+        "prefetch": _core.stream_hint_active(),
         "repacked_matrices": n_repacked,
         "threads": n_threads,
         "prompt_tokens": s.prompt_tokens,
@@ -305,6 +306,7 @@ def render(r: dict[str, Any]) -> str:
         f"model          {r['model']}",
         f"               {r['architecture']}, {r['quant']}, {r['threads']} threads, "
         f"kernels {r['isa']}"
+        + (f", prefetch {r['prefetch']}" if r["isa"] == "avx512" else "")
         + (f" ({r['repacked_matrices']} matrices repacked)" if r["repacked_matrices"] else "")
         + f", loaded in {r['load_s']:.2f} s",
         f"workload       {r['prompt_tokens']}-token prompt, {r['gen_tokens']} greedy tokens, "
