@@ -182,52 +182,43 @@ def test_the_cache_is_refused_after_the_experts_were_repacked(quant_dir: Path) -
         m.core.enable_expert_cache(m.config.n_expert_used)
 
 
-@pytest.mark.parametrize("isa", _core.isa_supported())
-def test_colibri_isa_chooses_the_kernel_path_at_load(quant_dir: Path, isa: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The path the variable names runs the model, and the greedy tokens are those of the
-    best path (the products give the same bits on every path)."""
-    before = _core.isa_active()
+KERNEL_CHOICES = {"COLIBRI_ISA": (_core.isa_active, _core.isa_force),
+                  "COLIBRI_PREFETCH": (_core.stream_hint_active, _core.stream_hint_force)}
+
+
+@pytest.mark.parametrize(("variable", "value"),
+                         [("COLIBRI_ISA", isa) for isa in _core.isa_supported()]
+                         + [("COLIBRI_PREFETCH", hint) for hint in _core.STREAM_HINTS])
+def test_kernel_variables_choose_at_load_and_keep_the_tokens(
+        quant_dir: Path, variable: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel path (or AVX-512 prefetch hint) the variable names runs the model, and the
+    greedy tokens are those of the ones picked here (the products give the same bits on every
+    path, and prefetches change no result)."""
+    active, force = KERNEL_CHOICES[variable]
+    before = active()
     want = _decode(Model.load(quant_dir, n_seq=1), 3)
-    monkeypatch.setenv("COLIBRI_ISA", f" {isa.upper()} ")
+    monkeypatch.setenv(variable, f" {value.upper()} ")
     try:
         m = Model.load(quant_dir, n_seq=1)
-        assert _core.isa_active() == isa
+        assert active() == value
         got = _decode(m, 3)
     finally:
-        _core.isa_force(before)
+        force(before)
     assert got[0] == want[0]
 
 
-def test_colibri_isa_refuses_a_path_this_cpu_does_not_run(quant_dir: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    before = _core.isa_active()
-    monkeypatch.setenv("COLIBRI_ISA", "avx1024")
-    with pytest.raises(ValueError, match="COLIBRI_ISA='avx1024'.*choose one of ref"):
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("COLIBRI_ISA", "avx1024", "COLIBRI_ISA='avx1024' is not a kernel path this CPU runs; "
+                               "choose one of ref"),
+    ("COLIBRI_PREFETCH", "t7", "COLIBRI_PREFETCH='t7' is not a prefetch hint; choose one of "
+                               "l2, nta"),
+])
+def test_kernel_variables_refuse_an_unknown_choice(quant_dir: Path, variable: str, value: str,
+                                                   message: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    active, _ = KERNEL_CHOICES[variable]
+    before = active()
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=message):
         Model.load(quant_dir, n_seq=1)
-    assert _core.isa_active() == before
-
-
-@pytest.mark.parametrize("hint", _core.STREAM_HINTS)
-def test_colibri_prefetch_sets_the_hint_and_keeps_the_tokens(quant_dir: Path, hint: str,
-                                                             monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
-    """Either prefetch hint runs the model with the greedy tokens of the one picked here."""
-    want = _decode(Model.load(quant_dir, n_seq=1), 3)
-    monkeypatch.setenv("COLIBRI_PREFETCH", f" {hint.upper()} ")
-    try:
-        m = Model.load(quant_dir, n_seq=1)
-        assert _core.stream_hint_active() == hint
-        got = _decode(m, 3)
-    finally:
-        _core.stream_hint_force(_core.stream_hint_best())
-    assert got[0] == want[0]
-
-
-def test_colibri_prefetch_refuses_an_unknown_hint(quant_dir: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    before = _core.stream_hint_active()
-    monkeypatch.setenv("COLIBRI_PREFETCH", "t7")
-    with pytest.raises(ValueError, match="COLIBRI_PREFETCH='t7'.*choose one of l2, nta"):
-        Model.load(quant_dir, n_seq=1)
-    assert _core.stream_hint_active() == before
+    assert active() == before

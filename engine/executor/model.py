@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,28 +29,31 @@ ISA_ENV = "COLIBRI_ISA"
 PREFETCH_ENV = "COLIBRI_PREFETCH"
 
 
+def _choose_from_env(variable: str, label: str, what: str, active: Callable[[], str],
+                     choices: Sequence[str], force: Callable[[str], None],
+                     picked: Callable[[], str]) -> None:
+    """Force the choice `variable` names, when set and not already active; ValueError says it
+    is not a `what` and lists the choices."""
+    name = os.environ.get(variable, "").strip().lower()
+    if not name or name == active():
+        return
+    if name not in choices:
+        raise ValueError(f"{variable}={name!r} is not a {what}; choose one of "
+                         f"{', '.join(choices)}")
+    force(name)
+    log.info("%s: %s, as %s asks (picked at start: %s)", label, name, variable, picked())
+
+
 def kernels_from_env() -> str:
     """The kernel path every product takes: COLIBRI_ISA (ref, avx2, avx512) when set, to
     compare paths on one CPU or to keep off one; else the active one (the best this CPU runs,
     unless something forced another). COLIBRI_PREFETCH (l2, nta) likewise sets how the AVX-512
     products prefetch weights. Process-wide. ValueError names the paths this CPU and build
     support, or the hints there are."""
-    name = os.environ.get(ISA_ENV, "").strip().lower()
-    if name and name != _core.isa_active():
-        supported = _core.isa_supported()
-        if name not in supported:
-            raise ValueError(f"{ISA_ENV}={name!r} is not a kernel path this CPU runs; "
-                             f"choose one of {', '.join(supported)}")
-        _core.isa_force(name)
-        log.info("kernels: %s, as %s asks (the best here: %s)", name, ISA_ENV, _core.isa_best())
-    hint = os.environ.get(PREFETCH_ENV, "").strip().lower()
-    if hint and hint != _core.stream_hint_active():
-        if hint not in _core.STREAM_HINTS:
-            raise ValueError(f"{PREFETCH_ENV}={hint!r} is not a prefetch hint; choose one of "
-                             f"{', '.join(_core.STREAM_HINTS)}")
-        _core.stream_hint_force(hint)
-        log.info("prefetch: %s, as %s asks (the pick here: %s)", hint, PREFETCH_ENV,
-                 _core.stream_hint_best())
+    _choose_from_env(ISA_ENV, "kernels", "kernel path this CPU runs", _core.isa_active,
+                     _core.isa_supported(), _core.isa_force, _core.isa_best)
+    _choose_from_env(PREFETCH_ENV, "prefetch", "prefetch hint", _core.stream_hint_active,
+                     _core.STREAM_HINTS, _core.stream_hint_force, _core.stream_hint_best)
     return _core.isa_active()
 
 
