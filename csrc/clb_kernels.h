@@ -18,9 +18,9 @@ clb_isa clb_isa_active(void);
 const char *clb_isa_name(clb_isa isa);
 
 /* How the AVX-512 interleaved products prefetch the weights they stream: into L2 (T1), or as
- * non-temporal data (NTA), which bypasses the caches' normal fill and eviction. Picked once
- * from CPUID: NTA on AMD family 26 (Zen 5), where it streamed faster, L2 elsewhere. Results
- * never depend on it. */
+ * non-temporal data (NTA: read once, so the CPU may keep it out of the outer caches). Picked
+ * once from CPUID: NTA on AMD family 26 (Zen 5) and later, where it streamed faster, L2
+ * elsewhere. Results never depend on it. */
 typedef enum { CLB_STREAM_L2 = 0, CLB_STREAM_NTA = 1, CLB_STREAM_COUNT } clb_stream_hint;
 clb_stream_hint clb_stream_hint_best(void);
 clb_status clb_stream_hint_force(clb_stream_hint h); /* bench and test hook */

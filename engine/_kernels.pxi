@@ -282,7 +282,8 @@ def stream_hint_force(name: str) -> None:
     """Make the AVX-512 interleaved products prefetch this way (process-wide): benchmarks,
     tests and COLIBRI_PREFETCH. Results do not depend on it."""
     if name not in STREAM_HINTS:
-        raise ValueError(f"unknown prefetch hint {name!r}; choose one of {', '.join(STREAM_HINTS)}")
+        raise ValueError(f"unknown prefetch hint {name!r}; choose one of "
+                         f"{', '.join(STREAM_HINTS)}")
     clb_stream_hint_force(<clb_stream_hint><int>STREAM_HINTS.index(name))
 
 

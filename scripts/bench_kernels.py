@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """Kernel micro-benchmark: how fast one matrix product streams its weights.
 
-For each weight type, ISA path, thread count and number of tokens it prints the product's time
-(timed in C by engine._core.matmul_bench, the median of --reps calls), GB/s of weights streamed,
-GMAC/s, and a plain read of as many bytes on the same threads (the bandwidth probe) with the
-product's GB/s as a % of it. It also prints the thread pool's cost of one empty run (wake every
+For each weight type, ISA path (and, with --prefetch, AVX-512 prefetch hint), thread count and
+number of tokens it prints the product's time (timed in C by engine._core.matmul_bench, the
+median of --reps calls), GB/s of weights streamed, GMAC/s, and a plain read of as many bytes on
+the same threads (the bandwidth probe) with the product's GB/s as a % of it. It also prints the thread pool's cost of one empty run (wake every
 worker, wait for all) and the ceiling of each int8 product's arithmetic: its inner loop on data
 in L1, one core (on AVX2, also without the q8 sign step: what exact signed int8 products cost
 there).
 
 A virtual machine's read rate can drift by half from one minute to the next. With --rounds N
-every point is measured N times, the ISA paths and the plain read taking turns within each
-round, and the medians are printed: % read and the last column (the first ISA path's time over
+every point is measured N times, the variants and the plain read taking turns within each
+round, and the medians are printed: % read and the last column (the first variant's time over
 this one's, when several run) are medians of each round's own ratio, so they compare what ran
 in the same minute.
 
@@ -20,6 +20,8 @@ A benchmark, not a test: it prints medians and asserts nothing. The machine shou
 
     python scripts/bench_kernels.py --rows 16384 --cols 4096 --tokens 1,4,8,16 --threads 1,2
     python scripts/bench_kernels.py --rows 32768 --types q8x8,q4x8 --tokens 1,8 --rounds 9
+    python scripts/bench_kernels.py --rows 32768 --types q8x8 --isa avx512 --prefetch l2,nta \
+        --tokens 1 --rounds 9
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="prefetch hints of the AVX-512 interleaved products, e.g. l2,nta: "
                         "several are timed as variants (default: the one picked at start)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="measure every point this many times, the ISA paths and the plain read "
+                   help="measure every point this many times, the variants and the plain read "
                         "taking turns within each round, and print medians (default 1)")
     args = p.parse_args(argv)
 
