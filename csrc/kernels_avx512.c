@@ -390,17 +390,19 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int QT, int NTA, 
                                                                __mmask16 keep) {
     const size_t gb = 8 * CLB_QT_BLOCK(QT);
     const int64_t nb = n / CLB_QK;
-    /* past a group's end its stream goes on one group further: the next pair's same group */
+    /* past a group's end its prefetch goes on one group further: the first group's into the
+     * second (read already by the other stream), the second's into the next pair's first
+     * group. Aiming both at the next pair measured slower on Zen 5. */
     const uintptr_t next = (uintptr_t)nb * gb, ahead = CLB_X16_PF_AHEAD(QT) * gb;
     __m512 acc[CLB_TT]; /* 8 accumulators + 8 weight registers */
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const char *p0 = g0 + (size_t)b * gb, *p1 = g1 + (size_t)b * gb;
         /* prefetches never fault, so the addresses may lie past the matrix (computed as
-         * integers, not as pointers past their object). Near its end each stream moves on to
-         * the next pair's group, so the next pass starts from cache. Into L2 (T1): measured
-         * faster than into L1 on Zen 4's decode, where each core has two streams to keep
-         * in flight; non-temporal (NTA) where clb_stream_hint_active() says so. */
+         * integers, not as pointers past their object). Near its end each stream moves on one
+         * group, so the next pass starts with one of its two groups in cache. Into L2 (T1):
+         * measured faster than into L1 on Zen 4's decode, where each core has two streams to
+         * keep in flight; non-temporal (NTA) where clb_stream_hint_active() says so. */
         const uintptr_t pf = ahead + (b + CLB_X16_PF_AHEAD(QT) >= nb ? next : 0);
         for (size_t l = 0; l < gb; l += 64) {
             if (NTA) {
