@@ -4,10 +4,10 @@
 For each weight type, ISA path (and, with --prefetch, AVX-512 prefetch hint), thread count and
 number of tokens it prints the product's time (timed in C by engine._core.matmul_bench, the
 median of --reps calls), GB/s of weights streamed, GMAC/s, and a plain read of as many bytes on
-the same threads (the bandwidth probe) with the product's GB/s as a % of it. It also prints the thread pool's cost of one empty run (wake every
-worker, wait for all) and the ceiling of each int8 product's arithmetic: its inner loop on data
-in L1, one core (on AVX2, also without the q8 sign step: what exact signed int8 products cost
-there).
+the same threads (the bandwidth probe) with the product's GB/s as a % of it. It also prints
+the thread pool's cost of one empty run (wake every worker, wait for all) and the ceiling of
+each int8 product's arithmetic: its inner loop on data in L1, one core (on AVX2, also without
+the q8 sign step: what exact signed int8 products cost there).
 
 A virtual machine's read rate can drift by half from one minute to the next. With --rounds N
 every point is measured N times, the variants and the plain read taking turns within each
