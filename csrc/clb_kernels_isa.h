@@ -5,6 +5,9 @@
 #ifndef CLB_KERNELS_ISA_H
 #define CLB_KERNELS_ISA_H
 
+#include <math.h>
+#include <string.h>
+
 #include "clb_types.h"
 
 /* The multi-row product of the ref and AVX2 paths: one vec_dot per (row, token), rows inner so
@@ -37,6 +40,51 @@ enum { CLB_QT_Q8 = 0, CLB_QT_Q4 = 1, CLB_QT_Q6 = 2 };
     ((QT) == CLB_QT_Q8 ? sizeof(clb_block_q8)                                                 \
                        : (QT) == CLB_QT_Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q6))
 
+/* The softmax exponent of the attention kernels (exp_sum), one definition for every ISA: the
+ * argument clamped to [-87, 88] (so 2^n stays a normal float; NaN passes through), n =
+ * round(x * log2(e)) to nearest even, r = x - n * ln2 in two fused steps (ln2 split so n * hi
+ * is exact), a degree-7 Taylor polynomial in Horner form by fused multiply-adds (error below
+ * 2 units in the last place on |r| <= ln2 / 2), times 2^n built in the exponent bits. The
+ * SIMD versions run the same operations lane by lane, so every lane equals clb_exp1. */
+#define CLB_EXP_LO (-87.0f)
+#define CLB_EXP_HI 88.0f
+#define CLB_EXP_LOG2E 1.44269502f
+#define CLB_EXP_LN2_HI 0.693145752f
+#define CLB_EXP_LN2_LO 1.42860677e-6f
+#define CLB_EXP_LANES 16
+#define CLB_EXP_C7 (1.0f / 5040.0f)
+#define CLB_EXP_C6 (1.0f / 720.0f)
+#define CLB_EXP_C5 (1.0f / 120.0f)
+#define CLB_EXP_C4 (1.0f / 24.0f)
+#define CLB_EXP_C3 (1.0f / 6.0f)
+
+static inline float clb_exp1(float x) {
+    if (x != x) return x;
+    x = x < CLB_EXP_LO ? CLB_EXP_LO : x;
+    x = x > CLB_EXP_HI ? CLB_EXP_HI : x;
+    const float n = rintf(x * CLB_EXP_LOG2E);
+    float r = fmaf(n, -CLB_EXP_LN2_HI, x);
+    r = fmaf(n, -CLB_EXP_LN2_LO, r);
+    float p = fmaf(CLB_EXP_C7, r, CLB_EXP_C6);
+    p = fmaf(p, r, CLB_EXP_C5);
+    p = fmaf(p, r, CLB_EXP_C4);
+    p = fmaf(p, r, CLB_EXP_C3);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* the 16 running sums of exp_sum folded in a fixed tree: lanes i and i + w, w = 8, 4, 2, 1 */
+static inline float clb_exp_fold(float part[CLB_EXP_LANES]) {
+    for (int w = CLB_EXP_LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) part[i] += part[i + w];
+    return part[0];
+}
+
 /* reference (kernels_ref.c) */
 void clb_to_float_f32_ref(int64_t n, const void *x, float *y);
 void clb_to_float_f16_ref(int64_t n, const void *x, float *y);
@@ -59,6 +107,7 @@ float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q6_ref(int64_t n, const void *w, const void *x);
 void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a);
+float clb_att_exp_sum_ref(int64_t n, float *s, float top);
 void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
                           float *s);
 void clb_att_mad_rows_f32_ref(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
@@ -97,6 +146,7 @@ void clb_quantize_q8a_avx2(int64_t n, const float *x, void *y);
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a);
 void clb_to_float_f16_avx2(int64_t n, const void *x, float *y); /* NaN stays NaN (quieted) */
 /* attention rows (clb_kernels.h), also the AVX-512 table's: hd is at most a few hundred */
+float clb_att_exp_sum_avx2(int64_t n, float *s, float top);
 void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
                            float *s);
 void clb_att_mad_rows_f32_avx2(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,

@@ -157,7 +157,8 @@ static unsigned clb_amd_family(void) {
 static void clb_init_impl(void) {
     clb_fill_ref(clb_traits[CLB_ISA_REF]);
     clb_mad[CLB_ISA_REF] = clb_vec_mad_f32_ref;
-    clb_att[CLB_ISA_REF] = (clb_att_kernels){clb_att_dots_f32_ref, clb_att_mad_rows_f32_ref};
+    clb_att[CLB_ISA_REF] = (clb_att_kernels){clb_att_dots_f32_ref, clb_att_mad_rows_f32_ref,
+                                             clb_att_exp_sum_ref};
     clb_isa_ok[CLB_ISA_REF] = 1;
     clb_isa_top = CLB_ISA_REF;
 #ifdef CLB_HAVE_X86
@@ -167,7 +168,8 @@ static void clb_init_impl(void) {
         clb_fill_avx2(clb_traits[CLB_ISA_AVX2]);
         clb_mad[CLB_ISA_AVX2] = clb_vec_mad_f32_avx2;
         clb_att[CLB_ISA_AVX2] = (clb_att_kernels){clb_att_dots_f32_avx2,
-                                                  clb_att_mad_rows_f32_avx2};
+                                                  clb_att_mad_rows_f32_avx2,
+                                                  clb_att_exp_sum_avx2};
         clb_isa_ok[CLB_ISA_AVX2] = 1;
         clb_isa_top = CLB_ISA_AVX2;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

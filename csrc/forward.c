@@ -215,24 +215,22 @@ static void att_worker(void *vctx, int ith, int nth) {
             for (int64_t g = 0; g < nh; g++) {
                 float *s = sc + g * span + (j - lo);
                 ak->dots(hd, q0 + g * hd, rows, ld, n, s);
-                for (int64_t k = 0; k < n; k++) {
-                    float dot = s[k];
-                    if (ty == CLB_KV_Q8) dot *= q8_scale(kv, row0 + (size_t)k * rb, kvh);
-                    dot *= scale;
-                    s[k] = dot;
-                    if (dot > mx[g]) mx[g] = dot;
-                }
+                /* the running maximum in a local (mx[g] could alias s, so the compiler kept
+                 * it in memory) and the cache type's branch outside the loops */
+                float top = mx[g];
+                if (ty == CLB_KV_Q8)
+                    for (int64_t k = 0; k < n; k++)
+                        s[k] = s[k] * q8_scale(kv, row0 + (size_t)k * rb, kvh) * scale;
+                else
+                    for (int64_t k = 0; k < n; k++) s[k] = s[k] * scale;
+                for (int64_t k = 0; k < n; k++) top = s[k] > top ? s[k] : top;
+                mx[g] = top;
             }
             j += n;
         }
         for (int64_t g = 0; g < nh; g++) {
-            float *s = sc + g * span, sum = 0.0f;
-            for (int64_t j = 0; j <= p - lo; j++) {
-                float e = expf(s[j] - mx[g]);
-                s[j] = e;
-                sum += e;
-            }
-            inv[g] = 1.0f / sum; /* sum >= 1: the maximum contributes exp(0) */
+            /* sum >= 1: the maximum contributes exp(0) = 1 */
+            inv[g] = 1.0f / ak->exp_sum(p - lo + 1, sc + g * span, mx[g]);
             for (int64_t d = 0; d < hd; d++) out0[g * hd + d] = 0.0f;
         }
         for (int64_t j = lo; j <= p;) {
@@ -242,10 +240,12 @@ static void att_worker(void *vctx, int ith, int nth) {
             const float *rows = bk.rows;
             for (int64_t g = 0; g < nh; g++) {
                 const float *s = sc + g * span + (j - lo);
-                for (int64_t k = 0; k < n; k++) {
-                    wr[k] = s[k] * inv[g];
-                    if (ty == CLB_KV_Q8) wr[k] *= q8_scale(kv, row0 + (size_t)k * rb, kvh);
-                }
+                const float ig = inv[g];
+                if (ty == CLB_KV_Q8)
+                    for (int64_t k = 0; k < n; k++)
+                        wr[k] = s[k] * ig * q8_scale(kv, row0 + (size_t)k * rb, kvh);
+                else
+                    for (int64_t k = 0; k < n; k++) wr[k] = s[k] * ig;
                 ak->mad_rows(hd, out0 + g * hd, rows, ld, n, wr);
             }
             j += n;

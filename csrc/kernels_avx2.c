@@ -590,6 +590,51 @@ void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t l
 /* 32 output values at a time in registers across all the rows (then 8, then one by one):
  * each element sees the same fused multiply-adds, in row order, as clb_vec_mad_f32_avx2
  * called once per row */
+/* clb_exp1 on 8 lanes, the same operations in the same order (max/min return their second
+ * operand, x, when it is NaN, as clb_exp1 passes NaN through) */
+static inline __m256 clb_exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(CLB_EXP_LO), x);
+    x = _mm256_min_ps(_mm256_set1_ps(CLB_EXP_HI), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(CLB_EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-CLB_EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-CLB_EXP_LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(CLB_EXP_C7), r, _mm256_set1_ps(CLB_EXP_C6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(CLB_EXP_C5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(CLB_EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(CLB_EXP_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* clb_att_exp_sum_ref's results: whole groups of 16 by two registers (lanes j % 16), the rest
+ * by clb_exp1 into the same running sums */
+float clb_att_exp_sum_avx2(int64_t n, float *s, float top) {
+    const __m256 t = _mm256_set1_ps(top);
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + CLB_EXP_LANES <= n; j += CLB_EXP_LANES) {
+        const __m256 e0 = clb_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
+        const __m256 e1 = clb_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), t));
+        _mm256_storeu_ps(s + j, e0);
+        _mm256_storeu_ps(s + j + 8, e1);
+        sum0 = _mm256_add_ps(sum0, e0);
+        sum1 = _mm256_add_ps(sum1, e1);
+    }
+    float part[CLB_EXP_LANES];
+    _mm256_storeu_ps(part, sum0);
+    _mm256_storeu_ps(part + 8, sum1);
+    for (; j < n; j++) {
+        s[j] = clb_exp1(s[j] - top);
+        part[j % CLB_EXP_LANES] += s[j];
+    }
+    return clb_exp_fold(part);
+}
+
 void clb_att_mad_rows_f32_avx2(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
                                const float *w) {
     int64_t d = 0;

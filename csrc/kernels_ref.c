@@ -415,6 +415,15 @@ void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ld
     for (int64_t r = 0; r < n; r++) s[r] = clb_vec_dot_f32_ref(hd, k + r * ldk, q);
 }
 
+float clb_att_exp_sum_ref(int64_t n, float *s, float top) {
+    float part[CLB_EXP_LANES] = {0};
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = clb_exp1(s[j] - top);
+        part[j % CLB_EXP_LANES] += s[j];
+    }
+    return clb_exp_fold(part);
+}
+
 void clb_att_mad_rows_f32_ref(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
                               const float *w) {
     for (int64_t r = 0; r < n; r++) clb_vec_mad_f32_ref(hd, out, v + r * ldv, w[r]);

@@ -127,9 +127,11 @@ cdef extern from "clb_kernels.h" nogil:
                                      int64_t n, float *s)
     ctypedef void (*clb_att_mad_rows_fn)(int64_t hd, float *out, const float *v, int64_t ldv,
                                          int64_t n, const float *w)
+    ctypedef float (*clb_att_exp_sum_fn)(int64_t n, float *s, float top)
     ctypedef struct clb_att_kernels:
         clb_att_dots_fn dots
         clb_att_mad_rows_fn mad_rows
+        clb_att_exp_sum_fn exp_sum
     const clb_att_kernels *clb_get_att_kernels()
     clb_type clb_x8_type(clb_type t)
     int clb_kernel_wants_x8(clb_type t)
@@ -405,6 +407,17 @@ def att_mad_rows(out, v, w):
     clb_get_att_kernels().mad_rows(rv.shape[0], &rv[0], &vv[0, 0], vv.shape[1], vv.shape[0],
                                    &wv[0])
     return res
+
+
+def att_exp_sum(s, float top):
+    """(exp(s - top), their sum) for float32 scores s [n >= 1] with the active ISA's softmax
+    kernel; s itself is not changed."""
+    res = np.array(s, dtype=np.float32).reshape(-1)
+    if res.shape[0] < 1:
+        raise ValueError("s must hold at least one score")
+    cdef float[::1] rv = res
+    cdef float total = clb_get_att_kernels().exp_sum(rv.shape[0], &rv[0], top)
+    return res, total
 
 
 cdef dict _pools_by_threads = {}

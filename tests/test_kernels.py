@@ -358,6 +358,44 @@ def test_att_mad_rows_equal_one_mad_per_row(hd: int, isa: str) -> None:
         core.att_dots(out, v[:0])
 
 
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33, 300])
+def test_att_exp_sum_is_exp_within_two_units_and_the_same_bits_on_every_isa(n: int,
+                                                                            isa: str) -> None:
+    rng = np.random.default_rng(200 + n)
+    s = rng.uniform(-80.0, 3.0, n).astype(np.float32)
+    s[0] = 3.0  # the maximum: exp(0) is exactly 1
+    if n > 4:
+        s[1:5] = [-1e-30, -0.0, 3.0 - 87.0, -400.0]  # near 0, at the clamp, far below it
+    got, total = core.att_exp_sum(s, 3.0)
+    assert not np.array_equal(got, s) and np.array_equal(core.att_exp_sum(s, 3.0)[0], got)
+    exact = np.exp((s - np.float32(3.0)).astype(np.float64))  # of the f32 difference, as computed
+    normal = exact >= np.float64(np.exp(-87.0))
+    assert got[0] == 1.0
+    assert np.all(np.abs(got[normal] - exact[normal]) <= 2 * U * exact[normal])
+    # below the clamp the weight is exp(-87), about 1.6e-38: nothing next to the maximum's 1
+    assert np.all((got[~normal] > 0) & (got[~normal] <= np.float32(1.7e-38)))
+    assert abs(total - exact.sum()) <= 2 * n * U * exact.sum()
+    # every ISA gives the reference's bits, sum included, and each value is the same in any
+    # call (its lane among 16 decides only where it is added)
+    core.isa_force("ref")
+    ref, ref_total = core.att_exp_sum(s, 3.0)
+    core.isa_force(isa)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)) and total == ref_total
+    for lo in sorted({0, min(1, n - 1), n // 2}):
+        assert np.array_equal(core.att_exp_sum(s[lo:], 3.0)[0].view(np.uint32),
+                              got[lo:].view(np.uint32)), lo
+
+
+def test_att_exp_sum_keeps_a_nan(isa: str) -> None:
+    s = np.zeros(40, np.float32)
+    s[21] = np.nan
+    got, total = core.att_exp_sum(s, 0.0)
+    assert np.isnan(got[21]) and np.isnan(total)
+    assert np.all(np.delete(got, 21) == 1.0)
+    with pytest.raises(ValueError):
+        core.att_exp_sum(s[:0], 0.0)
+
+
 # ---- matmul --------------------------------------------------------------------------------
 
 MATMUL_SHAPES = [  # (n_out, n_in, n_tokens)
