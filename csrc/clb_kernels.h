@@ -93,10 +93,14 @@ typedef struct {
 /* Runs every job in one thread-pool dispatch (jobs must not write each other's inputs). */
 clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp);
 
-/* f32 vector helpers of the active ISA: x . y, and y += a * x */
+/* f32 vector helpers of the active ISA: x . y; y += a * x; and the gated product's
+ * g[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i], its exponent clb_exp1's
+ * (clb_kernels_isa.h), so every ISA gives the same bits */
 typedef void (*clb_vec_mad_fn)(int64_t n, float *y, const float *x, float a);
+typedef void (*clb_silu_mul_fn)(int64_t n, float *g, const float *u);
 float clb_vec_dot_f32(int64_t n, const float *x, const float *y);
 void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a);
+void clb_silu_mul_f32(int64_t n, float *g, const float *u);
 
 /* Attention's inner loops over the rows of one KV block, for the active ISA:
  * dots: s[r] = q . k_r for n >= 1 rows k_r = k + r * ldk (hd floats each). Each row's sum is

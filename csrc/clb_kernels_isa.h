@@ -107,6 +107,7 @@ float clb_vec_dot_q8_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_ref(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q6_ref(int64_t n, const void *w, const void *x);
 void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a);
+void clb_silu_mul_f32_ref(int64_t n, float *g, const float *u);
 float clb_att_exp_sum_ref(int64_t n, float *s, float top);
 void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
                           float *s);
@@ -144,6 +145,7 @@ float clb_vec_dot_q8_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_avx2(int64_t n, const void *w, const void *x);
 void clb_quantize_q8a_avx2(int64_t n, const float *x, void *y);
 void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a);
+void clb_silu_mul_f32_avx2(int64_t n, float *g, const float *u);
 void clb_to_float_f16_avx2(int64_t n, const void *x, float *y); /* NaN stays NaN (quieted) */
 /* attention rows (clb_kernels.h), also the AVX-512 table's: hd is at most a few hundred */
 float clb_att_exp_sum_avx2(int64_t n, float *s, float top);

@@ -25,6 +25,7 @@ static _Atomic int clb_stream_cur = CLB_STREAM_L2;
 static const char *const clb_stream_names[CLB_STREAM_COUNT] = {"l2", "nta"};
 
 static clb_vec_mad_fn clb_mad[CLB_ISA_COUNT];
+static clb_silu_mul_fn clb_silu_mul[CLB_ISA_COUNT];
 static clb_att_kernels clb_att[CLB_ISA_COUNT];
 
 static const char *const clb_isa_names[CLB_ISA_COUNT] = {"ref", "avx2", "avx512"};
@@ -157,6 +158,7 @@ static unsigned clb_amd_family(void) {
 static void clb_init_impl(void) {
     clb_fill_ref(clb_traits[CLB_ISA_REF]);
     clb_mad[CLB_ISA_REF] = clb_vec_mad_f32_ref;
+    clb_silu_mul[CLB_ISA_REF] = clb_silu_mul_f32_ref;
     clb_att[CLB_ISA_REF] = (clb_att_kernels){clb_att_dots_f32_ref, clb_att_mad_rows_f32_ref,
                                              clb_att_exp_sum_ref};
     clb_isa_ok[CLB_ISA_REF] = 1;
@@ -167,6 +169,7 @@ static void clb_init_impl(void) {
         /* F16C has no __builtin_cpu_supports name in older compilers; every AVX2 CPU has it */
         clb_fill_avx2(clb_traits[CLB_ISA_AVX2]);
         clb_mad[CLB_ISA_AVX2] = clb_vec_mad_f32_avx2;
+        clb_silu_mul[CLB_ISA_AVX2] = clb_silu_mul_f32_avx2;
         clb_att[CLB_ISA_AVX2] = (clb_att_kernels){clb_att_dots_f32_avx2,
                                                   clb_att_mad_rows_f32_avx2,
                                                   clb_att_exp_sum_avx2};
@@ -176,6 +179,7 @@ static void clb_init_impl(void) {
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
             clb_fill_avx512(clb_traits[CLB_ISA_AVX512]);
             clb_mad[CLB_ISA_AVX512] = clb_vec_mad_f32_avx512;
+            clb_silu_mul[CLB_ISA_AVX512] = clb_silu_mul_f32_avx2;
             clb_att[CLB_ISA_AVX512] = clb_att[CLB_ISA_AVX2];
             clb_isa_ok[CLB_ISA_AVX512] = 1;
             clb_isa_top = CLB_ISA_AVX512;
@@ -268,6 +272,10 @@ float clb_vec_dot_f32(int64_t n, const float *x, const float *y) {
 
 void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a) {
     clb_mad[clb_isa_active()](n, y, x, a);
+}
+
+void clb_silu_mul_f32(int64_t n, float *g, const float *u) {
+    clb_silu_mul[clb_isa_active()](n, g, u);
 }
 
 const clb_att_kernels *clb_get_att_kernels(void) { return &clb_att[clb_isa_active()]; }

@@ -362,8 +362,7 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
                        (size_t)D * sizeof(float));
             TRY(mm(m, w[g]->w1, m->xg, c, m->h1, F, NULL));
             TRY(mm(m, w[g]->w3, m->xg, c, m->h3, F, NULL));
-            for (int64_t i = 0; i < c * F; i++)
-                m->h1[i] = m->h1[i] / (1.0f + expf(-m->h1[i])) * m->h3[i]; /* silu * up */
+            clb_silu_mul_f32(c * F, m->h1, m->h3);
             TRY(mm(m, w[g]->w2, m->h1, c, out + r0 * D, D, NULL));
         }
         return CLB_OK;

@@ -587,9 +587,6 @@ void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t l
     }
 }
 
-/* 32 output values at a time in registers across all the rows (then 8, then one by one):
- * each element sees the same fused multiply-adds, in row order, as clb_vec_mad_f32_avx2
- * called once per row */
 /* clb_exp1 on 8 lanes, the same operations in the same order (max/min return their second
  * operand, x, when it is NaN, as clb_exp1 passes NaN through) */
 static inline __m256 clb_exp8(__m256 x) {
@@ -635,6 +632,23 @@ float clb_att_exp_sum_avx2(int64_t n, float *s, float top) {
     return clb_exp_fold(part);
 }
 
+/* clb_silu_mul_f32_ref's operations, 8 lanes at a time (the sign flipped exactly, as unary
+ * minus does) */
+void clb_silu_mul_f32_avx2(int64_t n, float *g, const float *u) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = clb_exp8(_mm256_xor_ps(x, sign));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.0f + clb_exp1(-g[i])) * u[i];
+}
+
+/* 32 output values at a time in registers across all the rows (then 8, then one by one):
+ * each element sees the same fused multiply-adds, in row order, as clb_vec_mad_f32_avx2
+ * called once per row */
 void clb_att_mad_rows_f32_avx2(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
                                const float *w) {
     int64_t d = 0;

@@ -415,6 +415,10 @@ void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ld
     for (int64_t r = 0; r < n; r++) s[r] = clb_vec_dot_f32_ref(hd, k + r * ldk, q);
 }
 
+void clb_silu_mul_f32_ref(int64_t n, float *g, const float *u) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + clb_exp1(-g[i])) * u[i];
+}
+
 float clb_att_exp_sum_ref(int64_t n, float *s, float top) {
     float part[CLB_EXP_LANES] = {0};
     for (int64_t j = 0; j < n; j++) {

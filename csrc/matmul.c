@@ -6,7 +6,6 @@
  * job's tokens; every y[t, 0..n_out) is written exactly once, with a result that does not
  * depend on the number of threads or on which worker computed it.
  * Refuses: bad shapes/pointers (CLB_E_ARG); never allocates. */
-#include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -68,8 +67,6 @@ static int64_t clb_job_tiles(const clb_mm_job *j) {
     return j->n_tok > 0 ? (j->n_out + CLB_MM_ROW_ALIGN - 1) / CLB_MM_ROW_ALIGN : 0;
 }
 
-static float clb_silu(float x) { return x / (1.0f + expf(-x)); }
-
 /* rows [r0, r1) of one matrix w (the job's W or W_up) into y */
 static void clb_mm_rows_of(const clb_mm_job *j, const clb_type_traits *tr, size_t w_row,
                            const char *w, float *y, int64_t r0, int64_t r1) {
@@ -93,11 +90,8 @@ static void clb_mm_rows(const clb_mm_job *j, const clb_type_traits *tr, size_t w
         /* gate and up rows of a block are computed back to back by the same worker, so the
          * gated product needs no extra pass over memory and no barrier */
         clb_mm_rows_of(j, tr, w_row, j->w_up, j->y_up, r0, r1);
-        for (int64_t t = 0; t < j->n_tok; t++) {
-            float *g = j->y + t * j->ldy;
-            const float *u = j->y_up + t * j->ldy;
-            for (int64_t r = r0; r < r1; r++) g[r] = clb_silu(g[r]) * u[r];
-        }
+        for (int64_t t = 0; t < j->n_tok; t++)
+            clb_silu_mul_f32(r1 - r0, j->y + t * j->ldy + r0, j->y_up + t * j->ldy + r0);
     }
     if (j->bias)
         for (int64_t t = 0; t < j->n_tok; t++) {

@@ -123,6 +123,7 @@ cdef extern from "clb_kernels.h" nogil:
         float *y_up
     clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp)
     void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a)
+    void clb_silu_mul_f32(int64_t n, float *g, const float *u)
     ctypedef void (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
                                      int64_t n, float *s)
     ctypedef void (*clb_att_mad_rows_fn)(int64_t hd, float *out, const float *v, int64_t ldv,
@@ -378,6 +379,19 @@ def vec_mad_f32(y, x, float a):
     cdef float[::1] ov = out
     if out.shape[0] > 0:
         clb_vec_mad_f32(out.shape[0], &ov[0], &xv[0], a)
+    return out
+
+
+def silu_mul(g, u):
+    """silu(g) * u = g / (1 + exp(-g)) * u (float32 vectors of one length) with the active
+    ISA's kernel, as the gated expert products apply it; returns a new array."""
+    out = np.array(g, dtype=np.float32).reshape(-1)
+    cdef const float[::1] uv = np.ascontiguousarray(u, dtype=np.float32).reshape(-1)
+    if uv.shape[0] != out.shape[0]:
+        raise ValueError("g and u must have the same length")
+    cdef float[::1] ov = out
+    if out.shape[0] > 0:
+        clb_silu_mul_f32(out.shape[0], &ov[0], &uv[0])
     return out
 
 

@@ -396,6 +396,40 @@ def test_att_exp_sum_keeps_a_nan(isa: str) -> None:
         core.att_exp_sum(s[:0], 0.0)
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 64, 301])
+def test_silu_mul_is_silu_times_up_and_the_same_bits_on_every_isa(n: int, isa: str) -> None:
+    rng = np.random.default_rng(300 + n)
+    g = (rng.standard_normal(n) * 6).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    if n > 6:
+        g[:6] = [0.0, -0.0, 90.0, -86.0, -120.0, 1e-30]  # large, at and past the clamp, tiny
+    got = core.silu_mul(g, u)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    exact = g64 / (1.0 + np.exp(-g64)) * u64
+    inside = g >= -87.0  # exp(-g) is clamped at exp(88) beyond: the result is about 0 there
+    # the exponent's 2 units, then the add, the division and the product's roundings
+    tol = 4 * U * np.abs(exact[inside]) + np.finfo(np.float32).tiny
+    assert np.all(np.abs(got[inside] - exact[inside]) <= tol)
+    assert np.all(np.abs(got[~inside]) <= np.abs(g64 * u64)[~inside] * 1e-37)
+    # every ISA gives the reference's bits, and each element depends on its own inputs alone
+    core.isa_force("ref")
+    ref = core.silu_mul(g, u)
+    core.isa_force(isa)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    for lo in sorted({0, min(1, n - 1), n // 2}):
+        assert np.array_equal(core.silu_mul(g[lo:], u[lo:]).view(np.uint32),
+                              got[lo:].view(np.uint32)), lo
+
+
+def test_silu_mul_keeps_a_nan_and_refuses_lengths_that_differ(isa: str) -> None:
+    g = np.ones(20, np.float32)
+    g[11] = np.nan
+    got = core.silu_mul(g, np.full(20, 2.0, np.float32))
+    assert np.isnan(got[11]) and np.all(np.isfinite(np.delete(got, 11)))
+    with pytest.raises(ValueError):
+        core.silu_mul(g, g[:19])
+
+
 # ---- matmul --------------------------------------------------------------------------------
 
 MATMUL_SHAPES = [  # (n_out, n_in, n_tokens)
