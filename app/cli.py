@@ -26,7 +26,14 @@ from app.http import uvicorn_options
 from app.server import create_app
 from app.settings import Settings
 from app.state import ServerState
-from engine import DEFAULT_QUANT, QUANT_PRESETS, add_expert_cache_args, check_model, cli_main
+from engine import (
+    DEFAULT_QUANT,
+    KV_CACHE_TYPES,
+    QUANT_PRESETS,
+    add_expert_cache_args,
+    check_model,
+    cli_main,
+)
 
 _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--model", dict(help="model folder (Colibri or Hugging Face); default: the demo model")),
@@ -52,8 +59,7 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-cache-mb", dict(type=float, help="KV cache pool in MB (default: room for "
                                             "max-num-seqs full contexts, at most a quarter "
                                             "of free memory)")),
-    ("--kv-cache-type", dict(choices=["f32", "f16", "q8"], help="KV element type "
-                                                                 "(default f16)")),
+    ("--kv-cache-type", dict(choices=KV_CACHE_TYPES, help="KV element type (default f16)")),
     ("--max-n", dict(type=int, help="largest n per request (default 8)")),
     ("--max-body-bytes", dict(type=int, help="largest request body (default 1 MiB)")),
     ("--cors-origins", dict(nargs="+", help="origins allowed by CORS (default: none)")),

@@ -25,6 +25,7 @@ _EXPORTS = {
     "EngineConfig": "engine.core.loader",
     "ExpertCacheConfig": "engine.executor.expert_cache",
     "add_expert_cache_args": "engine.tools.cache_args",
+    "KV_CACHE_TYPES": "engine.tools.cache_args",
     "ModelFaultError": "engine.errors",
     "TokenIdError": "engine.errors",
     "check_token_ids": "engine.errors",
@@ -54,6 +55,7 @@ _EXPORTS = {
 
 __all__ = [
     "DEFAULT_QUANT",
+    "KV_CACHE_TYPES",
     "LLM",
     "MIN_REPETITION_PENALTY",
     "ConstraintCompiler",
@@ -121,7 +123,7 @@ if TYPE_CHECKING:  # pragma: no cover
         history_call_text,
         template_tools,
     )
-    from engine.tools.cache_args import add_expert_cache_args
+    from engine.tools.cache_args import KV_CACHE_TYPES, add_expert_cache_args
     from engine.tools.cli import main as cli_main
 
 

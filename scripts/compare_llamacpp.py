@@ -64,6 +64,7 @@ from engine.tools.bench import (  # noqa: E402
     timed_greedy_run,
     weight_bytes_per_token,
 )
+from engine.tools.cache_args import DEFAULT_KV_CACHE_TYPE  # noqa: E402
 
 INSTALL_HINT = ("llama-cpp-python is not installed. Install the benchmark extra with\n"
                 "    pip install 'llama-cpp-python==0.3.36' sentencepiece gguf\n"
@@ -453,8 +454,9 @@ def child_run(args: argparse.Namespace) -> int:
         from engine.executor.expert_cache import ExpertCacheConfig
         from engine.executor.model import Model
 
-        # loaded as the server and colibri bench load it: the expert budget, the repacking
-        cm = Model.load(path, threads=args.threads, n_ctx=n_ctx)
+        # loaded as the server and colibri bench load it: the expert budget, the repacking,
+        # the f16 KV cache (llama.cpp's default too)
+        cm = Model.load(path, threads=args.threads, n_ctx=n_ctx, kv_type=DEFAULT_KV_CACHE_TYPE)
         start_expert_cache(cm, path, ExpertCacheConfig.from_env(),
                            cm.n_kv_blocks * cm.kv_block_bytes())
         timed_greedy_run(cm, prompt, 8)
@@ -586,7 +588,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
         "llama_cpp_python": llama_cpp.__version__, "colibri_isa": isa,
-        "colibri_prefetch": _core.stream_hint_active(),
+        "colibri_prefetch": _core.stream_hint_active(), "kv_cache_type": DEFAULT_KV_CACHE_TYPE,
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,
@@ -609,7 +611,8 @@ def render(res: dict[str, Any]) -> str:
         f"greedy tokens, medians of {res['repeat']} alternating repeats "
         f"(transformers: {res['tf_repeat']}); llama-cpp-python {res['llama_cpp_python']}, "
         f"colibri kernels {res['colibri_isa']}"
-        + (f", prefetch {res['colibri_prefetch']}" if res["colibri_isa"] == "avx512" else ""),
+        + (f", prefetch {res['colibri_prefetch']}" if res["colibri_isa"] == "avx512" else "")
+        + f"; {res['kv_cache_type']} KV cache in both engines",
         f"read bandwidth {res['bandwidth_gb_s']:.1f} GB/s (probes "
         + ", ".join(f"{x:.1f}" for x in res["bandwidth_probes_gb_s"])
         + f"); load average {res['loadavg_start'][0]:.2f} at start, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +22,14 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from app.settings import Settings  # noqa: E402
 from engine import _core  # noqa: E402
+from engine.core.loader import EngineConfig  # noqa: E402
 from engine.executor.model import Model  # noqa: E402
 from engine.format.convert import convert  # noqa: E402
 from engine.format.wfile import read_wfile  # noqa: E402
 from engine.tools.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
+from engine.tools.cache_args import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES  # noqa: E402
 from engine.tools.cli import main  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
@@ -126,6 +130,7 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     r = json.loads(capsys.readouterr().out)
     assert r["architecture"] == "mixtral" and r["quant"] == "q4"
     assert (r["threads"], r["prompt_tokens"], r["gen_tokens"], r["repeat"]) == (2, 12, 6, 2)
+    assert r["kv_cache_type"] == "f16"  # what the server runs by default
     for key in ("prefill_tok_s", "decode_tok_s"):
         s = r[key]
         assert len(s["runs"]) == 2
@@ -180,6 +185,27 @@ def test_bench_reports_the_expert_cache(tiny: dict[str, Path],
     assert "expert cache   2 of" in capsys.readouterr().out
     assert main([*args, "--expert-cache-size", "1"]) == 2
     assert "must be in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8"])
+def test_bench_runs_the_kv_cache_type_asked_for(tiny: dict[str, Path], kv: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--model", str(tiny["q4"]), "--prompt-tokens", "12", "--gen-tokens", "6",
+            "--threads", "2", "--repeat", "1", "--probe-mib", "8"]
+    assert main([*args, "--kv-cache-type", kv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_cache_type"] == kv
+    assert main([*args, "--kv-cache-type", kv]) == 0
+    assert f"1 repeats, {kv} KV cache" in capsys.readouterr().out
+    assert main([*args, "--kv-cache-type", "f8"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_kv_cache_type_names_match_the_core() -> None:
+    # spelled out where options are parsed (no C loaded there), and in the server's settings
+    assert KV_CACHE_TYPES == tuple(_core.KV_TYPES)
+    field = Settings.model_fields["kv_cache_type"]
+    assert typing.get_args(field.annotation) == KV_CACHE_TYPES
+    assert field.default == DEFAULT_KV_CACHE_TYPE == EngineConfig().kv_cache_type == "f16"
 
 
 def test_bench_table_and_bad_arguments(tiny: dict[str, Path],

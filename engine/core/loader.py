@@ -28,6 +28,7 @@ from engine.executor.model import Model, kv_block_bytes
 from engine.format.convert import ensure_converted
 from engine.models.config import ModelConfig
 from engine.text.tokenizer import Tokenizer
+from engine.tools.cache_args import DEFAULT_KV_CACHE_TYPE
 
 log = logging.getLogger("colibri.engine")
 
@@ -51,7 +52,7 @@ class EngineConfig:
     # prompt tokens a step carries while other requests decode (None: max_num_batched_tokens)
     prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     kv_cache_mb: float | None = None  # None: sized from max_num_seqs and available memory
-    kv_cache_type: str = "f16"
+    kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
     enable_prefix_cache: bool = True
     progress: bool = True  # show the conversion progress bar
     expert_cache: ExpertCacheConfig = field(default_factory=ExpertCacheConfig.from_env)

@@ -26,7 +26,12 @@ from engine.core.loader import start_expert_cache
 from engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
-from engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
+from engine.tools.cache_args import (
+    DEFAULT_KV_CACHE_TYPE,
+    add_expert_cache_args,
+    add_kv_cache_type_arg,
+    expert_cache_from_args,
+)
 from engine.tools.routing_trace import add_trace_args, check_trace_args, record_bench_trace
 
 PROMPT_SEED = 20240601
@@ -171,6 +176,7 @@ class BenchSettings:
     probe_passes: int = 3
     profile: bool = False
     expert_cache: ExpertCacheConfig | None = None  # None: from the environment
+    kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
 
     def check(self) -> None:
         for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes"):
@@ -232,7 +238,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     n_threads = s.threads or _core.physical_cores()
     probes = [_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes)]
     t0 = time.perf_counter()
-    model = Model.load(path, threads=n_threads, n_ctx=s.prompt_tokens + s.gen_tokens)
+    model = Model.load(path, threads=n_threads, n_ctx=s.prompt_tokens + s.gen_tokens,
+                       kv_type=s.kv_cache_type)
     monitor = start_expert_cache(model, path, s.expert_cache or ExpertCacheConfig.from_env(),
                                  model.n_kv_blocks * model.kv_block_bytes())
     load_s = time.perf_counter() - t0
@@ -249,6 +256,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
     n_threads = model.n_threads  # what the model runs on (the core caps very large counts)
     n_repacked = model.core.n_repacked
+    kv_type = model.kv_type
     del model
 
     per_token = weight_bytes_per_token(path)
@@ -264,6 +272,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "prefetch": _core.stream_hint_active(),
         "repacked_matrices": n_repacked,
         "threads": n_threads,
+        "kv_cache_type": kv_type,
         "prompt_tokens": s.prompt_tokens,
         "gen_tokens": s.gen_tokens,
         "repeat": s.repeat,
@@ -310,7 +319,7 @@ def render(r: dict[str, Any]) -> str:
         + (f" ({r['repacked_matrices']} matrices repacked)" if r["repacked_matrices"] else "")
         + f", loaded in {r['load_s']:.2f} s",
         f"workload       {r['prompt_tokens']}-token prompt, {r['gen_tokens']} greedy tokens, "
-        f"{r['repeat']} repeats",
+        f"{r['repeat']} repeats, {r['kv_cache_type']} KV cache",
         f"{'':15}{'median':>10}{'min':>10}{'max':>10}",
         f"{'prefill tok/s':15}{p['median']:>10.1f}{p['min']:>10.1f}{p['max']:>10.1f}",
         f"{'decode tok/s':15}{d['median']:>10.1f}{d['min']:>10.1f}{d['max']:>10.1f}",
@@ -363,6 +372,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also time each weight phase of a decode step (attention projections, "
                         "router, experts, lm_head) against the measured step")
+    add_kv_cache_type_arg(p)
     add_expert_cache_args(p)
     add_trace_args(p)
 
@@ -374,7 +384,8 @@ def bench_main(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
-        profile=args.profile, expert_cache=expert_cache_from_args(args))
+        profile=args.profile, expert_cache=expert_cache_from_args(args),
+        kv_cache_type=args.kv_cache_type)
     result = run_bench(settings)
     print(json.dumps(result, indent=2) if args.json else render(result))
     if args.routing_trace is not None:

@@ -1,4 +1,4 @@
-"""The expert-cache options shared by `serve`, `generate`, `bench` and `eval`."""
+"""The cache options shared by `serve`, `generate`, `bench` and `eval`."""
 
 from __future__ import annotations
 
@@ -35,6 +35,16 @@ def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) ->
                    default=argparse.SUPPRESS if suppress else True,
                    help="2 MiB transparent huge pages on the expert slots (default on: "
                         "O_DIRECT reads into them run faster)")
+
+
+KV_CACHE_TYPES = ("f32", "f16", "q8")  # the C core's KV_TYPES; options parse without loading it
+DEFAULT_KV_CACHE_TYPE = "f16"  # the server's
+
+
+def add_kv_cache_type_arg(p: argparse.ArgumentParser) -> None:
+    """Adds --kv-cache-type, defaulting to the server's."""
+    p.add_argument("--kv-cache-type", choices=KV_CACHE_TYPES, default=DEFAULT_KV_CACHE_TYPE,
+                   help=f"KV cache element type (default {DEFAULT_KV_CACHE_TYPE}, as the server)")
 
 
 def expert_cache_from_args(args: argparse.Namespace) -> ExpertCacheConfig:

@@ -20,7 +20,11 @@ import numpy as np
 from engine.demo import default_model_path
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
-from engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
+from engine.tools.cache_args import (
+    add_expert_cache_args,
+    add_kv_cache_type_arg,
+    expert_cache_from_args,
+)
 
 LogitsFn = Callable[[list[int]], np.ndarray]
 
@@ -153,8 +157,7 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="score only the first N tokens of the text")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
-    p.add_argument("--kv-cache-type", choices=("f32", "f16", "q8"), default="f16",
-                   help="KV cache element type (default f16)")
+    add_kv_cache_type_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_expert_cache_args(p)
 
