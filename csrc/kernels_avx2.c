@@ -491,12 +491,17 @@ static inline __attribute__((always_inline)) void clb_gemm8(int QT, int X8, int 
             const char *at = (const char *)act + (size_t)t * act_row;
             float *yt = y + t * ldy + r0;
             const uintptr_t pt = t == 0 ? pf : 0;
-            /* a few tokens (the expert groups of a decode step): the count is a constant, so
-             * the accumulators stay in registers */
+            /* a few tokens (the expert groups of a decode step), and 4 or 8 (batched decode
+             * steps): the count is a constant, so the loops over tokens unroll and the
+             * accumulators stay in registers (a Zen 5 on this path, 2 threads: q8x8 with 4
+             * tokens 15% faster, 8 tokens 4%, q4x8 with 8 tokens 4%; 6 and 16 tokens ran no
+             * faster as constants, so they keep the general loop) */
             switch (tt) {
             case 1: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 1, yt, ldy, nv, pt); break;
             case 2: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 2, yt, ldy, nv, pt); break;
             case 3: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 3, yt, ldy, nv, pt); break;
+            case 4: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 4, yt, ldy, nv, pt); break;
+            case 8: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, 8, yt, ldy, nv, pt); break;
             default: clb_pass8(QT, X8, SIGN, n, rp, g, at, act_row, tt, yt, ldy, nv, pt); break;
             }
         }

@@ -196,7 +196,7 @@ def test_jobs_in_one_dispatch_equal_each_job_alone(kind: str, n_threads: int,
 
 @pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
 @pytest.mark.parametrize("shape", [(8, 32, 1), (16, 64, 8), (40, 288, 17), (72, 4096, 3),
-                                   (24, 96, 9)])
+                                   (24, 96, 9), (32, 160, 4)])
 def test_interleaved_products_equal_reference_bits(kind: str, shape: tuple[int, int, int],
                                                    isa: str, hint: str) -> None:
     # extreme bytes (q8 -128, every nibble, f16 scales from zero to the largest finite)
