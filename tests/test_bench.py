@@ -148,6 +148,14 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     assert r["bound_tok_s"] == pytest.approx(r["bandwidth_gb_s"] * 1e9 / r["bytes_per_token"])
     assert r["percent_of_bound"] == pytest.approx(
         100 * r["decode_tok_s"]["median"] / r["bound_tok_s"])
+    # a read before every run and after the last; each run against the higher of its two
+    reads = r["bandwidth_between_runs_gb_s"]
+    assert len(reads) == 3 and all(g > 0 and math.isfinite(g) for g in reads)
+    sm = r["percent_of_read_same_minute"]
+    want = [100 * v * r["bytes_per_token"] / (max(a, b) * 1e9)
+            for v, a, b in zip(r["decode_tok_s"]["runs"], reads, reads[1:], strict=False)]
+    assert sm["runs"] == pytest.approx(want) and len(want) == 2
+    assert sm["min"] <= sm["median"] <= sm["max"]
     # the products timed in place read every weight of a token once, all but the norms and
     # the embedding row; the step they are set against is the median run's
     pr = r["decode_products"]
@@ -206,6 +214,25 @@ def test_kv_cache_type_names_match_the_core() -> None:
     field = Settings.model_fields["kv_cache_type"]
     assert typing.get_args(field.annotation) == KV_CACHE_TYPES
     assert field.default == DEFAULT_KV_CACHE_TYPE == EngineConfig().kv_cache_type == "f16"
+
+
+def test_bench_leaves_out_the_reads_between_runs_when_memory_is_short(
+        tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import engine.tools.bench as bench
+
+    args = ["bench", "--model", str(tiny["q4"]), "--prompt-tokens", "12", "--gen-tokens", "6",
+            "--threads", "2", "--repeat", "2", "--probe-mib", "8"]
+    assert main([*args]) == 0
+    assert "same minute    each run's decode is" in capsys.readouterr().out
+    # free memory below twice the probe's buffer: no probe beside the model
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda: 15 << 20)
+    assert main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["bandwidth_between_runs_gb_s"] == [] and r["percent_of_read_same_minute"] is None
+    assert len(r["bandwidth_probes_gb_s"]) == 2  # the bound's own probes still run
+    assert main(args) == 0
+    assert "same minute    not measured" in capsys.readouterr().out
 
 
 def test_bench_table_and_bad_arguments(tiny: dict[str, Path],

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.loader import start_expert_cache
+from engine.core.loader import available_memory_bytes, start_expert_cache
 from engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
@@ -224,6 +224,15 @@ def decode_products(runs: list[RunTiming], n_gen: int) -> dict[str, float]:
             "other_s_per_token": step - s}
 
 
+def same_minute(runs: list[RunTiming], reads: list[float], n_gen: int,
+                bytes_per_token: float) -> dict[str, Any]:
+    """Each run's decode as a % of the higher of the reads taken just before and just after
+    it (reads[i] and reads[i + 1], GB/s): on a machine whose read rate drifts from minute to
+    minute, what the decode made of the bandwidth it had."""
+    return summarize([100.0 * n_gen / r.decode_s * bytes_per_token / (max(a, b) * 1e9)
+                      for r, a, b in zip(runs, reads, reads[1:], strict=False)])
+
+
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Measure a model; returns the result object `--json` prints."""
     from engine import _core
@@ -248,7 +257,18 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
 
     timed_greedy_run(model, prompt, min(s.gen_tokens, 8))  # warm-up: page in, spin up
     before = monitor.stats()
-    runs = [timed_greedy_run(model, prompt, s.gen_tokens) for _ in range(s.repeat)]
+    # a read just before every run and after the last, where the probe's buffer fits beside
+    # the model with room to spare (a model that fills the memory is never pushed out)
+    free = available_memory_bytes()
+    between = free is not None and free > 2 * (s.probe_mib << 20)
+    reads: list[float] = []
+    runs = []
+    for _ in range(s.repeat):
+        if between:
+            reads.append(_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes))
+        runs.append(timed_greedy_run(model, prompt, s.gen_tokens))
+    if between:
+        reads.append(_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes))
     cache = expert_cache_report(monitor, before, s.repeat * (s.prompt_tokens + s.gen_tokens))
     prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
     decode = summarize([s.gen_tokens / r.decode_s for r in runs])
@@ -287,6 +307,9 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "probe_bytes": s.probe_mib << 20,
         "bound_tok_s": bound,
         "percent_of_bound": 100.0 * decode["median"] / bound if bound > 0 else math.nan,
+        "bandwidth_between_runs_gb_s": reads,
+        "percent_of_read_same_minute": (same_minute(runs, reads, s.gen_tokens,
+                                                    per_token["total"]) if reads else None),
         "decode_products": products,
         "greedy_tokens": runs[0].tokens[:16],
         "expert_cache": cache,
@@ -331,6 +354,16 @@ def render(r: dict[str, Any]) -> str:
         f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
         f"{r['percent_of_bound']:.1f}% of it",
     ]
+    sm = r["percent_of_read_same_minute"]
+    if sm is None:
+        lines.append("same minute    not measured: too little free memory for the probe beside "
+                     "the model")
+    else:
+        lines.append(
+            f"same minute    each run's decode is {sm['median']:.1f}% (median; "
+            f"{sm['min']:.1f} to {sm['max']:.1f}) of the higher of the reads just before and "
+            f"after it ({', '.join(f'{g:.1f}' for g in r['bandwidth_between_runs_gb_s'])} "
+            "GB/s)")
     pr = r["decode_products"]
     lines.append(
         f"products       {pr['s_per_token'] * 1e3:.3f} of {pr['step_s'] * 1e3:.3f} ms per decoded "
