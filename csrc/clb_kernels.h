@@ -103,17 +103,18 @@ void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a);
 void clb_silu_mul_f32(int64_t n, float *g, const float *u);
 
 /* Attention's inner loops over the rows of one KV block, for the active ISA:
- * dots: s[r] = q . k_r for n >= 1 rows k_r = k + r * ldk (hd floats each). Each row's sum is
- *   computed the same way whatever n and its place among the rows, so a query's scores do
- *   not depend on how its keys are split into calls.
+ * dots: s[r] = (q . k_r) * scale for n >= 1 rows k_r = k + r * ldk (hd floats each),
+ *   returning the largest s[r] (a NaN score is never the largest). Each row's sum is computed
+ *   the same way whatever n and its place among the rows, so a query's scores do not depend
+ *   on how its keys are split into calls.
  * mad_rows: out[d] += w[r] * v_r[d] for r = 0..n-1 in order, rows v_r = v + r * ldv: the same
  *   result as n successive clb_vec_mad_f32 calls.
  * exp_sum: s[j] = exp(s[j] - top) for j < n, returning their sum (softmax's numerator and
  *   denominator). Every ISA computes each exponent with the same operations (clb_exp1 in
  *   clb_kernels_isa.h) and sums them in the same order (16 running sums, lane j % 16, then a
  *   fixed tree), so the result depends on n and the values alone, bit for bit. */
-typedef void (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
-                                int64_t n, float *s);
+typedef float (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
+                                 int64_t n, float scale, float *s);
 typedef void (*clb_att_mad_rows_fn)(int64_t hd, float *out, const float *v, int64_t ldv,
                                     int64_t n, const float *w);
 typedef float (*clb_att_exp_sum_fn)(int64_t n, float *s, float top);

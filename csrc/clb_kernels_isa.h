@@ -109,8 +109,8 @@ float clb_vec_dot_q6_ref(int64_t n, const void *w, const void *x);
 void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a);
 void clb_silu_mul_f32_ref(int64_t n, float *g, const float *u);
 float clb_att_exp_sum_ref(int64_t n, float *s, float top);
-void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
-                          float *s);
+float clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk,
+                          int64_t n, float scale, float *s);
 void clb_att_mad_rows_f32_ref(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
                               const float *w);
 size_t clb_act_size_q8a(int64_t n); /* q8a row bytes: the packed layout of the reference */
@@ -149,8 +149,8 @@ void clb_silu_mul_f32_avx2(int64_t n, float *g, const float *u);
 void clb_to_float_f16_avx2(int64_t n, const void *x, float *y); /* NaN stays NaN (quieted) */
 /* attention rows (clb_kernels.h), also the AVX-512 table's: hd is at most a few hundred */
 float clb_att_exp_sum_avx2(int64_t n, float *s, float top);
-void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
-                           float *s);
+float clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t ldk,
+                          int64_t n, float scale, float *s);
 void clb_att_mad_rows_f32_avx2(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
                                const float *w);
 void clb_act_pack_q8_avx2(int64_t n, const float *x, void *y); /* clb_block_q8c rows */
@@ -192,6 +192,10 @@ float clb_vec_dot_q8_avx512(int64_t n, const void *w, const void *x);
 float clb_vec_dot_q4_avx512(int64_t n, const void *w, const void *x);
 void clb_quantize_q8a_avx512(int64_t n, const float *x, void *y);
 void clb_vec_mad_f32_avx512(int64_t n, float *y, const float *x, float a);
+float clb_att_dots_f32_avx512(int64_t hd, const float *q, const float *k, int64_t ldk,
+                             int64_t n, float scale, float *s);
+void clb_att_mad_rows_f32_avx512(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
+                                 const float *w);
 /* packed activations (clb_block_q8c rows) and the kernels that read them */
 void clb_act_pack_q8_avx512(int64_t n, const float *x, void *y);
 void clb_act_pack_q4_avx512(int64_t n, const float *x, void *y);

@@ -180,7 +180,9 @@ static void clb_init_impl(void) {
             clb_fill_avx512(clb_traits[CLB_ISA_AVX512]);
             clb_mad[CLB_ISA_AVX512] = clb_vec_mad_f32_avx512;
             clb_silu_mul[CLB_ISA_AVX512] = clb_silu_mul_f32_avx2;
-            clb_att[CLB_ISA_AVX512] = clb_att[CLB_ISA_AVX2];
+            clb_att[CLB_ISA_AVX512] = (clb_att_kernels){clb_att_dots_f32_avx512,
+                                                    clb_att_mad_rows_f32_avx512,
+                                                    clb_att_exp_sum_avx2};
             clb_isa_ok[CLB_ISA_AVX512] = 1;
             clb_isa_top = CLB_ISA_AVX512;
             clb_stream_top = clb_amd_family() >= 0x1a ? CLB_STREAM_NTA : CLB_STREAM_L2;

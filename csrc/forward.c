@@ -214,16 +214,19 @@ static void att_worker(void *vctx, int ith, int nth) {
             const float *rows = bk.rows;
             for (int64_t g = 0; g < nh; g++) {
                 float *s = sc + g * span + (j - lo);
-                ak->dots(hd, q0 + g * hd, rows, ld, n, s);
+                if (ty != CLB_KV_Q8) { /* the kernel scales and returns the block's maximum */
+                    const float top = ak->dots(hd, q0 + g * hd, rows, ld, n, scale, s);
+                    mx[g] = top > mx[g] ? top : mx[g];
+                    continue;
+                }
+                ak->dots(hd, q0 + g * hd, rows, ld, n, 1.0f, s);
                 /* the running maximum in a local (mx[g] could alias s, so the compiler kept
-                 * it in memory) and the cache type's branch outside the loops */
+                 * it in memory) */
                 float top = mx[g];
-                if (ty == CLB_KV_Q8)
-                    for (int64_t k = 0; k < n; k++)
-                        s[k] = s[k] * q8_scale(kv, row0 + (size_t)k * rb, kvh) * scale;
-                else
-                    for (int64_t k = 0; k < n; k++) s[k] = s[k] * scale;
-                for (int64_t k = 0; k < n; k++) top = s[k] > top ? s[k] : top;
+                for (int64_t k = 0; k < n; k++) {
+                    s[k] = s[k] * q8_scale(kv, row0 + (size_t)k * rb, kvh) * scale;
+                    top = s[k] > top ? s[k] : top;
+                }
                 mx[g] = top;
             }
             j += n;

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "clb_att_simd.h"
 #include "clb_kernels_isa.h"
 #include "clb_probe.h"
 
@@ -565,9 +566,10 @@ void clb_to_float_f16_avx2(int64_t n, const void *x, float *y) {
 /* Eight keys at a time, one accumulator each (lane j: the sum of elements j, j+8, ...), then
  * one transposing reduction that gives every row the same addition tree; a call of fewer
  * than eight rows repeats its last row, so a row's score is the same in any group. */
-void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
-                           float *s) {
+float clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
+                            float scale, float *s) {
     const int64_t hv = hd - hd % 8;
+    __m256 top = _mm256_set1_ps(-INFINITY);
     for (int64_t r0 = 0; r0 < n; r0 += 8) {
         const float *kr[8];
         for (int i = 0; i < 8; i++) kr[i] = k + (r0 + i < n ? r0 + i : n - 1) * ldk;
@@ -577,19 +579,9 @@ void clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t l
             const __m256 qd = _mm256_loadu_ps(q + d);
             for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kr[i] + d), qd, a[i]);
         }
-        /* [a0..a7] -> lane i = sum of a[i]: pairs, quads within 128-bit halves, then halves */
-        const __m256 h03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        const __m256 h47 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        float sum[8];
-        _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20),
-                                            _mm256_permute2f128_ps(h03, h47, 0x31)));
-        const int64_t m = n - r0 < 8 ? n - r0 : 8;
-        for (int64_t i = 0; i < m; i++) {
-            float t = sum[i];
-            for (int64_t d = hv; d < hd; d++) t = fmaf(kr[i][d], q[d], t);
-            s[r0 + i] = t;
-        }
+        top = clb_scores8(clb_sum8x8(a), hd, hv, q, kr, scale, r0, n, s, top);
     }
+    return clb_max8(top);
 }
 
 /* clb_exp1 on 8 lanes, the same operations in the same order (max/min return their second

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "clb_att_simd.h"
 #include "clb_kernels.h"
 #include "clb_kernels_isa.h"
 #include "clb_probe.h"
@@ -557,5 +558,64 @@ void clb_vec_mad_f32_avx512(int64_t n, float *y, const float *x, float a) {
         __m512 r = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(k, x + i),
                                    _mm512_maskz_loadu_ps(k, y + i));
         _mm512_mask_storeu_ps(y + i, k, r);
+    }
+}
+
+/* The AVX2 dots with 16-lane accumulators (lane j: elements j, j + 16, ...; a tail of fewer
+ * than 16 read through a mask, its other lanes adding zeros), folded to 8 lanes (j + 8 onto
+ * j) and then reduced, scaled and compared as there: half the multiply-adds. The rows' sums
+ * differ from the AVX2 ones only in the order of their additions, and each row's sum is the
+ * same in any call. */
+float clb_att_dots_f32_avx512(int64_t hd, const float *q, const float *k, int64_t ldk,
+                              int64_t n, float scale, float *s) {
+    const int64_t hv = hd - hd % 16;
+    const __mmask16 tail = (__mmask16)((1u << (hd - hv)) - 1u);
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t r0 = 0; r0 < n; r0 += 8) {
+        const float *kr[8];
+        for (int i = 0; i < 8; i++) kr[i] = k + (r0 + i < n ? r0 + i : n - 1) * ldk;
+        __m512 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hv; d += 16) {
+            const __m512 qd = _mm512_loadu_ps(q + d);
+            for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(kr[i] + d), qd, a[i]);
+        }
+        if (tail) {
+            const __m512 qd = _mm512_maskz_loadu_ps(tail, q + hv);
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, kr[i] + hv), qd, a[i]);
+        }
+        __m256 h[8];
+        for (int i = 0; i < 8; i++)
+            h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+        top = clb_scores8(clb_sum8x8(h), hd, hd, q, kr, scale, r0, n, s, top);
+    }
+    return clb_max8(top);
+}
+
+/* clb_att_mad_rows_f32_avx2 at double width: 64 output values at a time in registers across
+ * all the rows, then 16, then a masked tail; each element sees the same fused multiply-adds,
+ * in row order, as clb_vec_mad_f32_avx512 called once per row, so the bits are the AVX2
+ * kernel's too. */
+void clb_att_mad_rows_f32_avx512(int64_t hd, float *out, const float *v, int64_t ldv, int64_t n,
+                                 const float *w) {
+    int64_t d = 0;
+    for (; d + 64 <= hd; d += 64) {
+        __m512 o[4];
+        for (int j = 0; j < 4; j++) o[j] = _mm512_loadu_ps(out + d + 16 * j);
+        for (int64_t r = 0; r < n; r++) {
+            const float *vr = v + r * ldv + d;
+            const __m512 wr = _mm512_set1_ps(w[r]);
+            for (int j = 0; j < 4; j++) o[j] = _mm512_fmadd_ps(wr, _mm512_loadu_ps(vr + 16 * j), o[j]);
+        }
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + d + 16 * j, o[j]);
+    }
+    for (; d < hd; d += 16) {
+        const __mmask16 km = hd - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - d)) - 1u);
+        __m512 o = _mm512_maskz_loadu_ps(km, out + d);
+        for (int64_t r = 0; r < n; r++)
+            o = _mm512_fmadd_ps(_mm512_set1_ps(w[r]), _mm512_maskz_loadu_ps(km, v + r * ldv + d), o);
+        _mm512_mask_storeu_ps(out + d, km, o);
     }
 }

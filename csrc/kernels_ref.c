@@ -410,9 +410,14 @@ void clb_vec_mad_f32_ref(int64_t n, float *y, const float *x, float a) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-void clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
-                          float *s) {
-    for (int64_t r = 0; r < n; r++) s[r] = clb_vec_dot_f32_ref(hd, k + r * ldk, q);
+float clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t ldk, int64_t n,
+                           float scale, float *s) {
+    float top = -INFINITY;
+    for (int64_t r = 0; r < n; r++) {
+        s[r] = clb_vec_dot_f32_ref(hd, k + r * ldk, q) * scale;
+        top = s[r] > top ? s[r] : top;
+    }
+    return top;
 }
 
 void clb_silu_mul_f32_ref(int64_t n, float *g, const float *u) {

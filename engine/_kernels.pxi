@@ -124,8 +124,8 @@ cdef extern from "clb_kernels.h" nogil:
     clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp)
     void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a)
     void clb_silu_mul_f32(int64_t n, float *g, const float *u)
-    ctypedef void (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
-                                     int64_t n, float *s)
+    ctypedef float (*clb_att_dots_fn)(int64_t hd, const float *q, const float *k, int64_t ldk,
+                                      int64_t n, float scale, float *s)
     ctypedef void (*clb_att_mad_rows_fn)(int64_t hd, float *out, const float *v, int64_t ldv,
                                          int64_t n, const float *w)
     ctypedef float (*clb_att_exp_sum_fn)(int64_t n, float *s, float top)
@@ -395,17 +395,18 @@ def silu_mul(g, u):
     return out
 
 
-def att_dots(q, k):
-    """Attention scores q . k[r] for every row of k ([n, hd] float32, n >= 1) with the active
-    ISA's kernel, one call over all rows."""
+def att_dots(q, k, float scale=1.0):
+    """Attention scores (q . k[r]) * scale for every row of k ([n, hd] float32, n >= 1) with the
+    active ISA's kernel, one call over all rows; returns (scores, the largest score)."""
     cdef const float[::1] qv = np.ascontiguousarray(q, dtype=np.float32).reshape(-1)
     cdef const float[:, ::1] kv = np.ascontiguousarray(k, dtype=np.float32)
     if kv.shape[0] < 1 or kv.shape[1] != qv.shape[0] or qv.shape[0] < 1:
         raise ValueError("k must be [n >= 1, len(q)] and q not empty")
     out = np.empty(kv.shape[0], dtype=np.float32)
     cdef float[::1] ov = out
-    clb_get_att_kernels().dots(qv.shape[0], &qv[0], &kv[0, 0], kv.shape[1], kv.shape[0], &ov[0])
-    return out
+    cdef float top = clb_get_att_kernels().dots(qv.shape[0], &qv[0], &kv[0, 0], kv.shape[1],
+                                                kv.shape[0], scale, &ov[0])
+    return out, top
 
 
 def att_mad_rows(out, v, w):

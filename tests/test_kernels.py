@@ -328,15 +328,33 @@ def test_att_dots_within_budget_and_independent_of_grouping(hd: int, isa: str) -
     k = (rng.standard_normal((21, hd)) * 10).astype(np.float32)
     k[3] = 0.0
     k[5] = q  # q . q: every product positive
-    got = core.att_dots(q, k)
+    got, top = core.att_dots(q, k)
     exact = k.astype(np.float64) @ q.astype(np.float64)
     # hd products and at most hd additions, each one rounding (FMA: fewer)
     budget = (hd + 1) * U * (np.abs(k.astype(np.float64)) @ np.abs(q.astype(np.float64))) + TINY
     assert got.shape == (21,) and np.all(np.abs(got - exact) <= budget)
+    assert top == got.max()
+    # scaled: each sum times the scale, one rounding, and the largest of those
+    scaled, top = core.att_dots(q, k, 0.125)
+    assert np.array_equal(scaled.view(np.uint32), (got * np.float32(0.125)).view(np.uint32))
+    assert top == scaled.max()
     # a row's score is the same bits in any call: alone, in any slice, at any place
     for lo, hi in ((0, 1), (3, 4), (5, 13), (13, 21), (2, 21), (20, 21)):
-        assert np.array_equal(core.att_dots(q, k[lo:hi]).view(np.uint32),
-                              got[lo:hi].view(np.uint32)), (lo, hi)
+        part, top = core.att_dots(q, k[lo:hi])
+        assert np.array_equal(part.view(np.uint32), got[lo:hi].view(np.uint32)), (lo, hi)
+        assert top == got[lo:hi].max(), (lo, hi)
+
+
+def test_att_dots_maximum_passes_over_a_nan(isa: str) -> None:
+    q = np.ones(16, np.float32)
+    k = np.arange(16 * 11, dtype=np.float32).reshape(11, 16) / 100
+    k[10] = -1.0  # the last row, repeated in the kernels' unused lanes, is the smallest
+    k[4, 3] = np.nan
+    got, top = core.att_dots(q, k, 0.5)
+    assert np.isnan(got[4]) and top == np.nanmax(got) == got[9]
+    # a score of -inf stays one; the maximum of scores all -inf is -inf
+    got, top = core.att_dots(q, np.full((3, 16), -np.inf, np.float32))
+    assert np.all(got == -np.inf) and top == -np.inf
 
 
 @pytest.mark.parametrize("hd", [1, 7, 8, 40, 64, 80, 128])
@@ -356,6 +374,32 @@ def test_att_mad_rows_equal_one_mad_per_row(hd: int, isa: str) -> None:
         core.att_mad_rows(out, v[:2], w[:3])
     with pytest.raises(ValueError):
         core.att_dots(out, v[:0])
+
+
+@pytest.mark.parametrize("hd", [7, 16, 64, 80, 128])
+def test_att_kernels_of_every_isa_agree_with_the_reference(hd: int, isa: str) -> None:
+    # the scores' addition order differs between ISAs (within the budget above); the
+    # weighted sums of rows are the same fused multiply-adds on every SIMD path
+    rng = np.random.default_rng(400 + hd)
+    q = rng.standard_normal(hd).astype(np.float32)
+    k = rng.standard_normal((13, hd)).astype(np.float32)
+    w = rng.random(13).astype(np.float32)
+    out = rng.standard_normal(hd).astype(np.float32)
+    got, top = core.att_dots(q, k, 0.25)
+    mad = core.att_mad_rows(out, k, w)
+    core.isa_force("ref")
+    want, want_top = core.att_dots(q, k, 0.25)
+    want_mad = core.att_mad_rows(out, k, w)
+    core.isa_force(isa)
+    bound = 2 * (hd + 1) * U * (np.abs(k) @ np.abs(q)) * 0.25 + TINY
+    assert np.all(np.abs(got - want) <= bound) and abs(top - want_top) <= bound.max()
+    mad_bound = 2 * 14 * U * (np.abs(out) + w @ np.abs(k)) + TINY
+    assert np.all(np.abs(mad - want_mad) <= mad_bound)
+    if isa != "ref":
+        core.isa_force("avx2")
+        avx2_mad = core.att_mad_rows(out, k, w)
+        core.isa_force(isa)
+        assert np.array_equal(mad.view(np.uint32), avx2_mad.view(np.uint32))
 
 
 @pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33, 300])
