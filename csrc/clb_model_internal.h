@@ -86,10 +86,14 @@ struct clb_kv {
     clb_kv_type type;
     int64_t n_blocks;
     int64_t n_layer, n_head_kv, head_dim, kv_dim; /* kv_dim = n_head_kv * head_dim */
-    size_t row_bytes;       /* one position's K (or V) row of one layer, scales included */
-    size_t q8_scale_off;    /* q8: offset of the [n_head_kv] f32 scales in a row */
-    size_t block_bytes;     /* row_bytes * CLB_KV_BLOCK * 2 * n_layer */
-    unsigned char *data;    /* [n_blocks, L, 2 (K, V), CLB_KV_BLOCK, row_bytes] */
+    size_t head_bytes;      /* one position's K (or V) values of one kv head, q8 scale included */
+    size_t q8_scale_off;    /* q8: offset of the f32 scale in a head's values */
+    size_t block_bytes;     /* head_bytes * CLB_KV_BLOCK * n_head_kv * 2 * n_layer */
+    /* [L, 2 (K, V), n_head_kv, n_blocks, CLB_KV_BLOCK, head_bytes]: one kv head's positions of
+     * a block are contiguous and the next block's follow them, so attention over a sequence
+     * whose blocks are numbered in order reads one stream per head, as the hardware
+     * prefetchers like */
+    unsigned char *data;
     int32_t *writer;        /* [n_blocks] forward's validation scratch: -1 between calls */
     int32_t *seq_next;      /* [n_blocks] forward's validation scratch (one per sequence) */
     float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
@@ -110,16 +114,20 @@ static inline size_t clb_kv_elem_bytes(clb_kv_type t) {
     return t == CLB_KV_F32 ? sizeof(float) : t == CLB_KV_F16 ? sizeof(clb_f16) : 1;
 }
 
-/* K (kind 0) or V (kind 1) row of layer il in block blk, slot `slot` (kv_dim values of the
- * cache's type, then the q8 scales). Block-major so one block's bytes are contiguous. */
-static inline unsigned char *clb_kv_row(const clb_kv *kv, int64_t blk, int64_t il, int kind,
-                                        int64_t slot) {
-    size_t r = (size_t)((il * 2 + kind) * CLB_KV_BLOCK + slot);
-    return kv->data + (size_t)blk * kv->block_bytes + r * kv->row_bytes;
+/* K (kind 0) or V (kind 1) values of kv head kvh of layer il in block blk, slot `slot`
+ * (head_dim values of the cache's type, then q8's scale); the block's next slots follow,
+ * head_bytes apart, then block blk + 1's. */
+static inline unsigned char *clb_kv_head(const clb_kv *kv, int64_t blk, int64_t il, int kind,
+                                         int64_t kvh, int64_t slot) {
+    size_t r = (size_t)((((il * 2 + kind) * kv->n_head_kv + kvh) * kv->n_blocks + blk) *
+                            CLB_KV_BLOCK + slot); /* < n_blocks * block_bytes / head_bytes */
+    return kv->data + r * kv->head_bytes;
 }
 
-/* Stores one row of kv_dim f32 values into a cache row in the cache's format (kv.c). */
-void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x);
+/* Stores one position's kv_dim f32 values (n_head_kv heads of head_dim) as K (kind 0) or V
+ * (kind 1) of layer il in block blk, slot `slot`, in the cache's format (kv.c). */
+void clb_kv_store(const clb_kv *kv, int64_t blk, int64_t il, int kind, int64_t slot,
+                  const float *x);
 /* q8 KV values widened for attention (kv.c): n values into y (f16 rows go through the F16
  * type's to_float of the active ISA). */
 void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y);

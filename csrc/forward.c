@@ -113,55 +113,52 @@ typedef struct {
     int64_t nh;            /* query heads per work item: H/Hkv (one kv head's group) or 1 */
 } att_task;
 
-/* Widens rows [0, n) of one block (row stride kv->row_bytes) of kv head kvh to f32 rows of
- * hd in deq (f16: through the active ISA's conversion f16); q8 values stay unscaled (the scale
- * is applied by the caller). */
+/* Widens positions [0, n) of one kv head's block part (head_bytes apart) to f32 rows of hd in
+ * deq: f16 in one call of the active ISA's conversion f16 (the values are contiguous); q8
+ * values stay unscaled (the scale is applied by the caller). */
 static void widen_rows(const clb_kv *kv, clb_to_float_fn f16, const unsigned char *row,
-                       int64_t n, int64_t kvh, float *deq) {
+                       int64_t n, float *deq) {
     const int64_t hd = kv->head_dim;
-    for (int64_t r = 0; r < n; r++, row += kv->row_bytes) {
-        if (kv->type == CLB_KV_F16)
-            f16(hd, (const clb_f16 *)(const void *)row + kvh * hd, deq + r * hd);
-        else
-            clb_kv_i8_to_f32(hd, (const int8_t *)row + kvh * hd, deq + r * hd);
+    if (kv->type == CLB_KV_F16) {
+        f16(n * hd, row, deq);
+        return;
     }
+    for (int64_t r = 0; r < n; r++, row += kv->head_bytes)
+        clb_kv_i8_to_f32(hd, (const int8_t *)row, deq + r * hd);
 }
 
-/* Asks for kv head kvh's part of every row of a block (kind and layer as row0) ahead of its
- * turn: a block's rows for one head are short pieces one row stride apart, which the
- * hardware prefetcher does not follow across blocks. */
-static void prefetch_rows(const clb_kv *kv, const unsigned char *row0, int64_t kvh) {
-    const size_t len = (size_t)kv->head_dim * clb_kv_elem_bytes(kv->type);
-    const unsigned char *p = row0 + (size_t)kvh * len;
-    for (int r = 0; r < CLB_KV_BLOCK; r++, p += kv->row_bytes)
-        for (size_t o = 0; o < len; o += 64) __builtin_prefetch(p + o);
+/* Asks for one kv head's part of a block ahead of its turn: blocks lie wherever their tables
+ * put them, so the hardware prefetcher cannot follow from one to the next. */
+static void prefetch_head(const clb_kv *kv, const unsigned char *p) {
+    const size_t len = (size_t)CLB_KV_BLOCK * kv->head_bytes;
+    for (size_t o = 0; o < len; o += 64) __builtin_prefetch(p + o);
 }
 
-static float q8_scale(const clb_kv *kv, const unsigned char *row, int64_t kvh) {
-    return ((const float *)(const void *)(row + kv->q8_scale_off))[kvh];
+static float q8_scale(const clb_kv *kv, const unsigned char *row) {
+    return *(const float *)(const void *)(row + kv->q8_scale_off);
 }
 
 /* One block's part of a work item: positions [j, j + n) of j's block, up to p. */
 typedef struct {
     int64_t n;
-    const unsigned char *row0; /* position j's cache row (K or V) */
-    const float *rows;         /* kv head kvh's n rows as f32: in the cache or widened in deq */
+    const unsigned char *row0; /* kv head kvh's values (K or V) at position j */
+    const float *rows;         /* its n rows as f32: in the cache or widened in deq */
 } att_block;
 
 /* K (kind 0) or V (kind 1) of kv head kvh for the block holding position j, as the attention
- * kernels read it; the next block's rows are asked for ahead. */
+ * kernels read it; the next block's part is asked for ahead. */
 static att_block att_block_at(const att_task *a, const int32_t *tab, int kind, int64_t j,
                               int64_t p, int64_t kvh, clb_to_float_fn f16, float *deq) {
     const clb_kv *kv = a->kv;
     const int64_t slot = j % CLB_KV_BLOCK;
     att_block b;
     b.n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
-    b.row0 = clb_kv_row(kv, tab[j / CLB_KV_BLOCK], a->il, kind, slot);
+    b.row0 = clb_kv_head(kv, tab[j / CLB_KV_BLOCK], a->il, kind, kvh, slot);
     if (j + b.n <= p)
-        prefetch_rows(kv, clb_kv_row(kv, tab[(j + b.n) / CLB_KV_BLOCK], a->il, kind, 0), kvh);
-    b.rows = (const float *)(const void *)b.row0 + kvh * kv->head_dim;
+        prefetch_head(kv, clb_kv_head(kv, tab[(j + b.n) / CLB_KV_BLOCK], a->il, kind, kvh, 0));
+    b.rows = (const float *)(const void *)b.row0;
     if (kv->type != CLB_KV_F32) {
-        widen_rows(kv, f16, b.row0, b.n, kvh, deq);
+        widen_rows(kv, f16, b.row0, b.n, deq);
         b.rows = deq;
     }
     return b;
@@ -191,9 +188,10 @@ static void att_worker(void *vctx, int ith, int nth) {
     const clb_att_kernels *ak = clb_get_att_kernels();
     const clb_to_float_fn f16 = clb_get_type_traits(CLB_TYPE_F16)->to_float;
     const clb_kv_type ty = kv->type;
-    const size_t rb = kv->row_bytes;
-    /* a block's rows as the kernels read them: in the cache (f32) or widened into deq */
-    const int64_t ld = ty == CLB_KV_F32 ? (int64_t)(rb / sizeof(float)) : hd;
+    const size_t rb = kv->head_bytes;
+    /* a block's rows as the kernels read them, hd apart: in the cache (f32) or widened into
+     * deq */
+    const int64_t ld = hd;
     float wr[CLB_KV_BLOCK];
 
     for (int64_t it = i0; it < i1; it++) {
@@ -224,7 +222,7 @@ static void att_worker(void *vctx, int ith, int nth) {
                  * it in memory) */
                 float top = mx[g];
                 for (int64_t k = 0; k < n; k++) {
-                    s[k] = s[k] * q8_scale(kv, row0 + (size_t)k * rb, kvh) * scale;
+                    s[k] = s[k] * q8_scale(kv, row0 + (size_t)k * rb) * scale;
                     top = s[k] > top ? s[k] : top;
                 }
                 mx[g] = top;
@@ -246,7 +244,7 @@ static void att_worker(void *vctx, int ith, int nth) {
                 const float ig = inv[g];
                 if (ty == CLB_KV_Q8)
                     for (int64_t k = 0; k < n; k++)
-                        wr[k] = s[k] * ig * q8_scale(kv, row0 + (size_t)k * rb, kvh);
+                        wr[k] = s[k] * ig * q8_scale(kv, row0 + (size_t)k * rb);
                 else
                     for (int64_t k = 0; k < n; k++) wr[k] = s[k] * ig;
                 ak->mad_rows(hd, out0 + g * hd, rows, ld, n, wr);
@@ -299,8 +297,8 @@ static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
         for (int64_t h = 0; h < H; h++) rope_head(q + h * hd, cs, rd);
         for (int64_t h = 0; h < Hkv; h++) rope_head(k + h * hd, cs, rd);
         int64_t blk = b->block_tables[(int64_t)seq[t] * b->max_blocks + pos[t] / CLB_KV_BLOCK];
-        clb_kv_store_row(kv, clb_kv_row(kv, blk, il, 0, pos[t] % CLB_KV_BLOCK), k);
-        clb_kv_store_row(kv, clb_kv_row(kv, blk, il, 1, pos[t] % CLB_KV_BLOCK), v);
+        clb_kv_store(kv, blk, il, 0, pos[t] % CLB_KV_BLOCK, k);
+        clb_kv_store(kv, blk, il, 1, pos[t] % CLB_KV_BLOCK, v);
     }
 
     /* every K/V row of this chunk is stored first, so in-chunk causal attention sees them (and

@@ -1,9 +1,11 @@
 /* Colibri paged KV cache: one pool of fixed-size blocks (CLB_KV_BLOCK positions, K and V of
  * every layer) shared by all sequences, in f32, f16 or q8 (int8 + one f32 scale per position
- * and kv head). Which block holds which positions is decided by the caller's block tables.
+ * and kv head). The storage is laid out by layer, K or V, and kv head, then block, so one
+ * head's blocks in order are one stream (clb_model_internal.h). Which block holds which
+ * positions is decided by the caller's block tables.
  * Guarantees: every size is overflow-checked; storage comes from a memory pool (large blocks
- * are mmap'd, so blocks never written cost no RAM); the row codecs below are the only code
- * that knows the element formats.
+ * are mmap'd, so pages no block has written yet cost no RAM); the codecs below are the only
+ * code that knows the element formats.
  * Refuses: block counts outside 1..INT32_MAX (block ids are int32). */
 #include <math.h>
 #include <stdlib.h>
@@ -11,16 +13,17 @@
 
 #include "clb_model_internal.h"
 
-/* Bytes of one K (or V) row of one layer: kv_dim values, then the q8 scales (4-aligned). */
-static size_t row_layout(const clb_hparams *hp, clb_kv_type type, size_t *scale_off) {
-    size_t kvd = (size_t)hp->n_head_kv * (size_t)hp->head_dim;
+/* Bytes of one position's K (or V) values of one kv head: head_dim values, then q8's scale
+ * (4-aligned). */
+static size_t head_layout(const clb_hparams *hp, clb_kv_type type, size_t *scale_off) {
+    size_t hd = (size_t)hp->head_dim;
     *scale_off = 0;
     switch (type) {
     case CLB_KV_F32:
-    case CLB_KV_F16: return kvd * clb_kv_elem_bytes(type);
+    case CLB_KV_F16: return hd * clb_kv_elem_bytes(type);
     case CLB_KV_Q8:
-        *scale_off = (kvd * clb_kv_elem_bytes(type) + 3) & ~(size_t)3;
-        return *scale_off + (size_t)hp->n_head_kv * sizeof(float);
+        *scale_off = (hd * clb_kv_elem_bytes(type) + 3) & ~(size_t)3;
+        return *scale_off + sizeof(float);
     }
     return 0;
 }
@@ -32,9 +35,9 @@ size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
         return 0;
     if (type != CLB_KV_F32 && type != CLB_KV_F16 && type != CLB_KV_Q8) return 0;
     size_t off;
-    size_t row = row_layout(hp, type, &off);
-    /* row <= 2^34 and 2 * 16 * n_layer <= 2^21: fits a 64-bit size_t */
-    return row * (size_t)(2 * CLB_KV_BLOCK) * (size_t)hp->n_layer;
+    size_t head = head_layout(hp, type, &off);
+    /* head <= 2^19, n_head_kv <= 2^16 and 2 * 16 * n_layer <= 2^21: fits a 64-bit size_t */
+    return head * (size_t)hp->n_head_kv * (size_t)(2 * CLB_KV_BLOCK) * (size_t)hp->n_layer;
 }
 
 clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out) {
@@ -59,7 +62,7 @@ clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, c
     kv->n_head_kv = hp->n_head_kv;
     kv->head_dim = hp->head_dim;
     kv->kv_dim = hp->n_head_kv * hp->head_dim;
-    kv->row_bytes = row_layout(hp, type, &kv->q8_scale_off);
+    kv->head_bytes = head_layout(hp, type, &kv->q8_scale_off);
     kv->block_bytes = block_bytes;
     kv->data = clb_pool_alloc(kv->pool, (size_t)n_blocks * block_bytes);
     kv->writer = clb_pool_alloc(kv->pool, (size_t)n_blocks * sizeof(int32_t));
@@ -85,38 +88,40 @@ int64_t clb_kv_n_blocks(const clb_kv *kv) { return kv ? kv->n_blocks : 0; }
 
 clb_kv_type clb_kv_get_type(const clb_kv *kv) { return kv ? kv->type : CLB_KV_F32; }
 
-/* Stores one row of kv_dim f32 values (n_head_kv heads of head_dim) in the cache's format.
- * q8: per head, scale = max|x| / 127 and q = round-half-even(x / scale), so dequantizing
- * (q * scale) is within scale / 2 of x; an all-zero head stores scale 0. */
-void clb_kv_store_row(const clb_kv *kv, unsigned char *dst, const float *x) {
-    const int64_t kvd = kv->kv_dim, hd = kv->head_dim;
+/* One kv head's head_dim f32 values in the cache's format. q8: scale = max|x| / 127 and
+ * q = round-half-even(x / scale), so dequantizing (q * scale) is within scale / 2 of x; an
+ * all-zero head stores scale 0. */
+static void store_head(const clb_kv *kv, unsigned char *dst, const float *x) {
+    const int64_t hd = kv->head_dim;
     switch (kv->type) {
     case CLB_KV_F32:
-        memcpy(dst, x, (size_t)kvd * sizeof(float));
+        memcpy(dst, x, (size_t)hd * sizeof(float));
         break;
     case CLB_KV_F16: {
         clb_f16 *h = (clb_f16 *)(void *)dst;
-        for (int64_t i = 0; i < kvd; i++) h[i] = clb_f32_to_f16(x[i]);
+        for (int64_t i = 0; i < hd; i++) h[i] = clb_f32_to_f16(x[i]);
         break;
     }
     case CLB_KV_Q8: {
         int8_t *q = (int8_t *)dst;
-        float *sc = (float *)(void *)(dst + kv->q8_scale_off);
-        for (int64_t h = 0; h < kv->n_head_kv; h++) {
-            const float *xh = x + h * hd;
-            float amax = 0.0f;
-            for (int64_t i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(xh[i]));
-            float d = amax / 127.0f;
-            float id = d > 0.0f ? 1.0f / d : 0.0f;
-            for (int64_t i = 0; i < hd; i++) {
-                float v = nearbyintf(xh[i] * id); /* |v| <= 127 up to rounding of id */
-                q[h * hd + i] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
-            }
-            sc[h] = d;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int64_t i = 0; i < hd; i++) {
+            float v = nearbyintf(x[i] * id); /* |v| <= 127 up to rounding of id */
+            q[i] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
         }
+        memcpy(dst + kv->q8_scale_off, &d, sizeof d);
         break;
     }
     }
+}
+
+void clb_kv_store(const clb_kv *kv, int64_t blk, int64_t il, int kind, int64_t slot,
+                  const float *x) {
+    for (int64_t h = 0; h < kv->n_head_kv; h++)
+        store_head(kv, clb_kv_head(kv, blk, il, kind, h, slot), x + h * kv->head_dim);
 }
 
 /* int8 -> f32 (q8 rows before the scale is applied) */

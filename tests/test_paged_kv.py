@@ -287,8 +287,9 @@ def test_slot_api_and_sizes(model_dir: tuple[Path, Any]) -> None:
     kvd = hd * hkv
     rows = 2 * BLK * n_layer
     hp = cfg.to_hparams(N_CTX)
+    # q8: each kv head's int8 values padded to 4 bytes, then its f32 scale
     expect = {"f32": rows * kvd * 4, "f16": rows * kvd * 2,
-              "q8": rows * (-(-kvd // 4) * 4 + 4 * hkv)}
+              "q8": rows * hkv * (-(-hd // 4) * 4 + 4)}
     for t, n in expect.items():
         assert m.kv_block_bytes(t) == n == _core.kv_block_bytes(hp, t) == kv_block_bytes(cfg, t)
     assert m.kv_block_bytes() == expect["q8"]
