@@ -9,6 +9,13 @@
 #include <stdint.h>
 #include <string.h>
 
+/* the rows r0.. r0 + 7 of k (ldk apart); past row n - 1 the last row again */
+static inline __attribute__((always_inline)) void clb_rows8(const float *k, int64_t ldk,
+                                                            int64_t r0, int64_t n,
+                                                            const float *kr[8]) {
+    for (int i = 0; i < 8; i++) kr[i] = k + (r0 + i < n ? r0 + i : n - 1) * ldk;
+}
+
 /* [a0..a7] -> lane i = sum of a[i]: pairs, quads within 128-bit halves, then halves */
 static inline __attribute__((always_inline)) __m256 clb_sum8x8(const __m256 a[8]) {
     const __m256 h03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));

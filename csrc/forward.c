@@ -142,7 +142,7 @@ static float q8_scale(const clb_kv *kv, const unsigned char *row) {
 typedef struct {
     int64_t n;
     const unsigned char *row0; /* kv head kvh's values (K or V) at position j */
-    const float *rows;         /* its n rows as f32: in the cache or widened in deq */
+    const float *rows;         /* its n rows as f32, hd apart: in the cache or widened in deq */
 } att_block;
 
 /* K (kind 0) or V (kind 1) of kv head kvh for the block holding position j, as the attention
@@ -188,10 +188,7 @@ static void att_worker(void *vctx, int ith, int nth) {
     const clb_att_kernels *ak = clb_get_att_kernels();
     const clb_to_float_fn f16 = clb_get_type_traits(CLB_TYPE_F16)->to_float;
     const clb_kv_type ty = kv->type;
-    const size_t rb = kv->head_bytes;
-    /* a block's rows as the kernels read them, hd apart: in the cache (f32) or widened into
-     * deq */
-    const int64_t ld = hd;
+    const size_t rb = kv->head_bytes; /* q8: a position's values and scale */
     float wr[CLB_KV_BLOCK];
 
     for (int64_t it = i0; it < i1; it++) {
@@ -213,11 +210,11 @@ static void att_worker(void *vctx, int ith, int nth) {
             for (int64_t g = 0; g < nh; g++) {
                 float *s = sc + g * span + (j - lo);
                 if (ty != CLB_KV_Q8) { /* the kernel scales and returns the block's maximum */
-                    const float top = ak->dots(hd, q0 + g * hd, rows, ld, n, scale, s);
+                    const float top = ak->dots(hd, q0 + g * hd, rows, hd, n, scale, s);
                     mx[g] = top > mx[g] ? top : mx[g];
                     continue;
                 }
-                ak->dots(hd, q0 + g * hd, rows, ld, n, 1.0f, s);
+                ak->dots(hd, q0 + g * hd, rows, hd, n, 1.0f, s);
                 /* the running maximum in a local (mx[g] could alias s, so the compiler kept
                  * it in memory) */
                 float top = mx[g];
@@ -247,7 +244,7 @@ static void att_worker(void *vctx, int ith, int nth) {
                         wr[k] = s[k] * ig * q8_scale(kv, row0 + (size_t)k * rb);
                 else
                     for (int64_t k = 0; k < n; k++) wr[k] = s[k] * ig;
-                ak->mad_rows(hd, out0 + g * hd, rows, ld, n, wr);
+                ak->mad_rows(hd, out0 + g * hd, rows, hd, n, wr);
             }
             j += n;
         }

@@ -572,7 +572,7 @@ float clb_att_dots_f32_avx2(int64_t hd, const float *q, const float *k, int64_t 
     __m256 top = _mm256_set1_ps(-INFINITY);
     for (int64_t r0 = 0; r0 < n; r0 += 8) {
         const float *kr[8];
-        for (int i = 0; i < 8; i++) kr[i] = k + (r0 + i < n ? r0 + i : n - 1) * ldk;
+        clb_rows8(k, ldk, r0, n, kr);
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         for (int64_t d = 0; d < hv; d += 8) {
