@@ -330,13 +330,17 @@ def _mb(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" if n == 1 else f"{n} threads"
+
+
 def render(r: dict[str, Any]) -> str:
     """A run_bench result as a readable table."""
     p, d = r["prefill_tok_s"], r["decode_tok_s"]
     parts = ", ".join(f"{k} {_mb(v)}" for k, v in r["bytes_per_token_parts"].items() if v)
     lines = [
         f"model          {r['model']}",
-        f"               {r['architecture']}, {r['quant']}, {r['threads']} threads, "
+        f"               {r['architecture']}, {r['quant']}, {_threads(r['threads'])}, "
         f"kernels {r['isa']}"
         + (f", prefetch {r['prefetch']}" if r["isa"] == "avx512" else "")
         + (f" ({r['repacked_matrices']} matrices repacked)" if r["repacked_matrices"] else "")
@@ -350,7 +354,7 @@ def render(r: dict[str, Any]) -> str:
         f"weights/token  {_mb(r['bytes_per_token'])} ({parts})",
         f"bandwidth      {r['bandwidth_gb_s']:.1f} GB/s read, the higher of the probes before "
         f"and after the runs ({', '.join(f'{g:.1f}' for g in r['bandwidth_probes_gb_s'])}; "
-        f"{r['threads']} threads, {r['probe_bytes'] >> 20} MiB)",
+        f"{_threads(r['threads'])}, {r['probe_bytes'] >> 20} MiB)",
         f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
         f"{r['percent_of_bound']:.1f}% of it",
     ]
