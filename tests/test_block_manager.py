@@ -20,6 +20,19 @@ def test_grow_and_free_returns_every_block() -> None:
     assert bm.n_free == 8
 
 
+def test_blocks_taken_together_ascend_even_after_frees() -> None:
+    # a freed table returns tail first; the next request's blocks still ascend, so attention
+    # reads them as one stream
+    bm = BlockManager(12, enable_prefix_cache=False)
+    assert bm.allocate_prompt("a", []) == 0 and bm.grow("a", 10 * BLOCK_SIZE)
+    assert bm.table("a") == list(range(10))
+    assert bm.allocate_prompt("b", []) == 0 and bm.grow("b", 2 * BLOCK_SIZE)
+    bm.free("a")
+    assert bm.allocate_prompt("c", []) == 0 and bm.grow("c", 10 * BLOCK_SIZE)
+    assert bm.table("c") == list(range(10))  # the same blocks a had, in order again
+    assert bm.table("b") == [10, 11] and bm.n_free == 0
+
+
 def test_prefix_reuse_shares_full_blocks_but_never_the_last_token() -> None:
     bm = BlockManager(16)
     prompt = list(range(100, 100 + 3 * BLOCK_SIZE))  # exactly three full blocks

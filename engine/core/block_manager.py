@@ -137,8 +137,10 @@ class BlockManager:
             return True
         if need > self.n_free:
             return False
-        for _ in range(need):
-            t.blocks.append(self._take_free())
+        # the same blocks in ascending order: attention reads a sequence's blocks as one stream
+        # when their ids ascend (the KV storage keeps block b + 1 after block b), and blocks
+        # freed tail first would otherwise come back descending
+        t.blocks.extend(sorted(self._take_free() for _ in range(need)))
         return True
 
     def commit(self, rid: str, tokens: list[int], n_computed: int) -> None:
