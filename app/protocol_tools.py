@@ -19,7 +19,9 @@ FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # strict, as the request models that hold these (app/protocol.py): `"strict": 0.0` is a
+    # client bug to report, not a false
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
 
 class JSONSchemaFormat(_Model):

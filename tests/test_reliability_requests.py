@@ -110,6 +110,11 @@ def test_temperature_boundary_in_the_sampler() -> None:
     ("/detokenize", {"tokens": [False]}, "tokens"),
     ("/detokenize", {"tokens": ["1"]}, "tokens"),
     ("/tokenize", {"prompt": "Hi", "add_special_tokens": "no"}, "add_special_tokens"),
+    # nested objects are as strict: a number is not a boolean there either
+    ("/v1/completions", {"prompt": "Hi", "response_format": {
+        "type": "text", "json_schema": {"name": "x", "strict": 0.0}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}, "strict": "yes"}}]}, "tools"),
 ])
 def test_strict_types(http: httpx.Client, path: str, body: dict, param: str) -> None:
     r = http.post(path, json={"max_tokens": 2, **body} if path.startswith("/v1") else body)
