@@ -85,7 +85,7 @@ struct clb_kv {
     const clb_model *model; /* the model this cache was made for */
     clb_kv_type type;
     int64_t n_blocks;
-    int64_t n_layer, n_head_kv, head_dim, kv_dim; /* kv_dim = n_head_kv * head_dim */
+    int64_t n_layer, n_head_kv, head_dim;
     size_t head_bytes;      /* one position's K (or V) values of one kv head, q8 scale included */
     size_t q8_scale_off;    /* q8: offset of the f32 scale in a head's values */
     size_t block_bytes;     /* head_bytes * CLB_KV_BLOCK * n_head_kv * 2 * n_layer */
@@ -124,8 +124,8 @@ static inline unsigned char *clb_kv_head(const clb_kv *kv, int64_t blk, int64_t 
     return kv->data + r * kv->head_bytes;
 }
 
-/* Stores one position's kv_dim f32 values (n_head_kv heads of head_dim) as K (kind 0) or V
- * (kind 1) of layer il in block blk, slot `slot`, in the cache's format (kv.c). */
+/* Stores one position's f32 values (n_head_kv heads of head_dim) as K (kind 0) or V (kind 1)
+ * of layer il in block blk, slot `slot`, in the cache's format (kv.c). */
 void clb_kv_store(const clb_kv *kv, int64_t blk, int64_t il, int kind, int64_t slot,
                   const float *x);
 /* q8 KV values widened for attention (kv.c): n values into y (f16 rows go through the F16

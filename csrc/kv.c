@@ -61,7 +61,6 @@ clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, c
     kv->n_layer = hp->n_layer;
     kv->n_head_kv = hp->n_head_kv;
     kv->head_dim = hp->head_dim;
-    kv->kv_dim = hp->n_head_kv * hp->head_dim;
     kv->head_bytes = head_layout(hp, type, &kv->q8_scale_off);
     kv->block_bytes = block_bytes;
     kv->data = clb_pool_alloc(kv->pool, (size_t)n_blocks * block_bytes);
