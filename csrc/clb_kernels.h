@@ -8,7 +8,14 @@
 #include "clb_types.h"
 #include "clb_threadpool.h"
 
-typedef enum { CLB_ISA_REF = 0, CLB_ISA_AVX2 = 1, CLB_ISA_AVX512 = 2, CLB_ISA_COUNT } clb_isa;
+/* avxvnni: AVX2 with AVX-VNNI's 256-bit int8 dot products (CPUs without AVX-512) */
+typedef enum {
+    CLB_ISA_REF = 0,
+    CLB_ISA_AVX2 = 1,
+    CLB_ISA_AVXVNNI = 2,
+    CLB_ISA_AVX512 = 3,
+    CLB_ISA_COUNT
+} clb_isa;
 
 void clb_kernels_init(void);               /* idempotent, thread-safe */
 clb_isa clb_isa_best(void);                /* best ISA this CPU (and build) supports */

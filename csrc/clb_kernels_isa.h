@@ -177,6 +177,19 @@ void clb_gemm_q4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, co
 void clb_gemm_q6_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                       size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 /* interleaved weights (q8x8, q4x8, q6x8), n_rows a multiple of 8, q8c rows */
+/* AVX2 + AVX-VNNI (kernels_avx2.c, run only where CPUID reports AVX-VNNI): the interleaved
+ * products with 256-bit vpdpbusd, on clb_block_q8c rows with corr = -offset * sum (q8: 128,
+ * clb_act_pack_q8u_avx2; q4 and q6: the AVX2 packs) */
+void clb_act_pack_q8u_avx2(int64_t n, const float *x, void *y);
+void clb_gemm_q8x8_avxvnni(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                           const void *act, size_t act_row, int64_t n_tok, float *y,
+                           int64_t ldy);
+void clb_gemm_q4x8_avxvnni(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                           const void *act, size_t act_row, int64_t n_tok, float *y,
+                           int64_t ldy);
+void clb_gemm_q6x8_avxvnni(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                           const void *act, size_t act_row, int64_t n_tok, float *y,
+                           int64_t ldy);
 void clb_gemm_q8x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q4x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
@@ -212,5 +225,30 @@ void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q6x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+
+/* tokens per pass of the vpdpbusd products over a row group (AVX-512: 8 accumulators + 8 weight
+ * registers stay in zmm; AVX-VNNI: half a block's weights and 8 accumulators in ymm) */
+#define CLB_TT 8
+_Static_assert(CLB_TT == 8, "CLB_PASSES spells out passes of 1 to 7 tokens");
+
+/* The passes of n_tok tokens, CLB_TT at a time, each through PASS(tt, at, yt) with tt a
+ * compile-time constant (so a pass's accumulators stay in registers): at, yt are the pass's
+ * first activation row and output row (the caller names its rows r0 and the call's act,
+ * act_row, y, ldy, n_tok); one spelling for every such product. */
+#define CLB_PASSES(PASS)                                                                    \
+    for (int64_t t = 0; t < n_tok; t += CLB_TT) {                                           \
+        const char *at = (const char *)act + (size_t)t * act_row;                           \
+        float *yt = y + t * ldy + r0;                                                       \
+        switch (n_tok - t < CLB_TT ? n_tok - t : CLB_TT) {                                  \
+        case 1: PASS(1, at, yt); break;                                                     \
+        case 2: PASS(2, at, yt); break;                                                     \
+        case 3: PASS(3, at, yt); break;                                                     \
+        case 4: PASS(4, at, yt); break;                                                     \
+        case 5: PASS(5, at, yt); break;                                                     \
+        case 6: PASS(6, at, yt); break;                                                     \
+        case 7: PASS(7, at, yt); break;                                                     \
+        default: PASS(CLB_TT, at, yt); break;                                               \
+        }                                                                                   \
+    }
 
 #endif

@@ -28,7 +28,7 @@ static clb_vec_mad_fn clb_mad[CLB_ISA_COUNT];
 static clb_silu_mul_fn clb_silu_mul[CLB_ISA_COUNT];
 static clb_att_kernels clb_att[CLB_ISA_COUNT];
 
-static const char *const clb_isa_names[CLB_ISA_COUNT] = {"ref", "avx2", "avx512"};
+static const char *const clb_isa_names[CLB_ISA_COUNT] = {"ref", "avx2", "avxvnni", "avx512"};
 
 /* a quantized block type of the reference table: row access, products on q8a rows */
 static clb_type_traits clb_block_ref(const char *name, size_t size, clb_to_float_fn to_float,
@@ -120,6 +120,16 @@ static void clb_fill_avx2(clb_type_traits *t) {
     clb_fill_shared_avx2(t);
 }
 
+/* AVX2 with AVX-VNNI: the interleaved products (every weight the loader repacks) take
+ * vpdpbusd; everything else is the AVX2 table */
+static void clb_fill_avxvnni(clb_type_traits *t) {
+    clb_fill_avx2(t);
+    const size_t bb = CLB_AVX2_GEMM_BLOCK_BYTES;
+    clb_products(&t[CLB_TYPE_Q8X8], clb_act_pack_q8u_avx2, clb_gemm_q8x8_avxvnni, bb);
+    clb_products(&t[CLB_TYPE_Q4X8], clb_act_pack_q4_avx2, clb_gemm_q4x8_avxvnni, bb);
+    clb_products(&t[CLB_TYPE_Q6X8], clb_act_pack_q6_avx2, clb_gemm_q6x8_avxvnni, bb);
+}
+
 static void clb_fill_avx512(clb_type_traits *t) {
     clb_fill_ref(t);
     t[CLB_TYPE_F32].vec_dot = clb_vec_dot_f32_avx512;
@@ -175,6 +185,14 @@ static void clb_init_impl(void) {
                                                   clb_att_exp_sum_avx2};
         clb_isa_ok[CLB_ISA_AVX2] = 1;
         clb_isa_top = CLB_ISA_AVX2;
+        if (__builtin_cpu_supports("avxvnni")) {
+            clb_fill_avxvnni(clb_traits[CLB_ISA_AVXVNNI]);
+            clb_mad[CLB_ISA_AVXVNNI] = clb_mad[CLB_ISA_AVX2];
+            clb_silu_mul[CLB_ISA_AVXVNNI] = clb_silu_mul[CLB_ISA_AVX2];
+            clb_att[CLB_ISA_AVXVNNI] = clb_att[CLB_ISA_AVX2];
+            clb_isa_ok[CLB_ISA_AVXVNNI] = 1;
+            clb_isa_top = CLB_ISA_AVXVNNI;
+        }
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
             clb_fill_avx512(clb_traits[CLB_ISA_AVX512]);

@@ -172,29 +172,6 @@ void clb_quantize_q8a_avx512(int64_t n, const float *x, void *vy) {
  * Packed activations (clb_block_q8c): the q8a values with corr = -(weight offset) * sum, since
  * weights are read unsigned: q8 as w + 128 (xor 0x80), q4 as its raw nibbles w + 8. */
 
-/* tokens per pass over a row group: 8 accumulators + 8 weight registers stay in zmm */
-#define CLB_TT 8
-_Static_assert(CLB_TT == 8, "CLB_PASSES spells out passes of 1 to 7 tokens");
-
-/* The passes of n_tok tokens, CLB_TT at a time, each through PASS(tt, at, yt) with tt a
- * compile-time constant (so a pass's accumulators stay in registers): at, yt are the pass's
- * first activation row and output row; one spelling for both kinds of product. */
-#define CLB_PASSES(PASS)                                                                    \
-    for (int64_t t = 0; t < n_tok; t += CLB_TT) {                                           \
-        const char *at = (const char *)act + (size_t)t * act_row;                           \
-        float *yt = y + t * ldy + r0;                                                       \
-        switch (n_tok - t < CLB_TT ? n_tok - t : CLB_TT) {                                  \
-        case 1: PASS(1, at, yt); break;                                                     \
-        case 2: PASS(2, at, yt); break;                                                     \
-        case 3: PASS(3, at, yt); break;                                                     \
-        case 4: PASS(4, at, yt); break;                                                     \
-        case 5: PASS(5, at, yt); break;                                                     \
-        case 6: PASS(6, at, yt); break;                                                     \
-        case 7: PASS(7, at, yt); break;                                                     \
-        default: PASS(CLB_TT, at, yt); break;                                               \
-        }                                                                                   \
-    }
-
 static void clb_act_pack_q8c(int64_t n, const float *x, void *vy, int32_t offset) {
     clb_block_q8c *y = vy;
     /* q8a and q8c share their layout except the meaning of the second field */

@@ -82,6 +82,7 @@ cdef extern from "clb_kernels.h" nogil:
     ctypedef enum clb_isa:
         CLB_ISA_REF
         CLB_ISA_AVX2
+        CLB_ISA_AVXVNNI
         CLB_ISA_AVX512
         CLB_ISA_COUNT
 
@@ -160,7 +161,7 @@ cdef extern from "clb_pool.h" nogil:
 
 KERNEL_TYPES = {"f32": CLB_TYPE_F32, "f16": CLB_TYPE_F16, "bf16": CLB_TYPE_BF16,
                 "q8": CLB_TYPE_Q8, "q4": CLB_TYPE_Q4, "q6": CLB_TYPE_Q6, "q8a": CLB_TYPE_Q8A}
-ISA_NAMES = ("ref", "avx2", "avx512")
+ISA_NAMES = ("ref", "avx2", "avxvnni", "avx512")
 STREAM_HINTS = ("l2", "nta")
 # in-memory layouts of q8/q4/q6 weights that only the matrix products read (see repack_x8)
 PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8,

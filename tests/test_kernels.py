@@ -9,6 +9,8 @@ quantization budget.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -148,6 +150,24 @@ def test_isa_dispatch() -> None:
     core.isa_force(core.isa_best())
     with pytest.raises(ValueError):
         core.isa_force("neon")
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs Linux's /proc/cpuinfo")
+def test_each_simd_path_is_offered_exactly_where_the_cpu_has_its_instructions() -> None:
+    """The table the dispatcher builds follows the CPU's flags as the kernel reports them."""
+    flags = _cpu_flags()
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    assert ("avx2" in ISAS) == avx2
+    assert ("avxvnni" in ISAS) == (avx2 and "avx_vnni" in flags)
+    assert ("avx512" in ISAS) == (
+        avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags)
 
 
 def test_type_sizes() -> None:

@@ -61,7 +61,7 @@ def test_products_equal_the_row_layout_bit_for_bit(isa: str, kind: str) -> None:
         for n_out, n_in in ((8, 32), (40, 256), (1536, 1024), (64, 4096)):
             raw = _weights(kind, n_out, n_in, seed=n_in)
             x8 = _core.repack_x8(kind, raw, n_out, n_in)
-            for n_tok in (1, 2, 3, 4, 7, 16, 17, 33):
+            for n_tok in (1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 33):
                 x = rng.standard_normal((n_tok, n_in), dtype=np.float32)
                 for threads in (1, 2):
                     want = _core.matmul(kind, raw, n_out, n_in, x, n_threads=threads)

@@ -45,8 +45,8 @@ def _choose_from_env(variable: str, label: str, what: str, active: Callable[[], 
 
 
 def kernels_from_env() -> str:
-    """The kernel path every product takes: COLIBRI_ISA (ref, avx2, avx512) when set, to
-    compare paths on one CPU or to keep off one; else the active one (the best this CPU runs,
+    """The kernel path every product takes: COLIBRI_ISA (ref, avx2, avxvnni, avx512) when set,
+    to compare paths on one CPU or to keep off one; else the active one (the best this CPU runs,
     unless something forced another). COLIBRI_PREFETCH (l2, nta) likewise sets how the AVX-512
     products prefetch weights. Process-wide. ValueError names the paths this CPU and build
     support, or the hints there are."""
