@@ -133,12 +133,31 @@ int clb_model_n_threads(const clb_model *m);
 
 /* The weight products of every forward call since load, timed in place on the calling thread:
  * calls, wall time (activation packing and the thread pool's hand-offs included) and weight
- * bytes they read. What a decoded token spends outside them is attention over the cache,
- * norms, routing and the caller's own work. Read it between forward calls. */
+ * bytes they read, in all and per phase of a layer; with them the time of attention over the
+ * KV cache (its dispatch) and of the forward calls themselves, so that what a decoded token
+ * spends elsewhere (norms, routing, the caller's own work) follows. Read it between forward
+ * calls. */
+typedef enum {
+    CLB_PHASE_ATTN_PROJ = 0, /* q, k, v and output projections */
+    CLB_PHASE_ROUTER,        /* the router's logits (and the next layer's, when pre-gating) */
+    CLB_PHASE_EXPERT_UP,     /* routed experts' gate and up */
+    CLB_PHASE_EXPERT_DOWN,   /* routed experts' down */
+    CLB_PHASE_SHARED,        /* the shared expert and its gate */
+    CLB_PHASE_LM_HEAD,
+    CLB_PHASE_COUNT
+} clb_phase;
 typedef struct {
     int64_t n_calls;
     int64_t ns;
     int64_t weight_bytes;
+} clb_phase_stats;
+typedef struct {
+    int64_t n_calls; /* every product, as the sum of the phases */
+    int64_t ns;
+    int64_t weight_bytes;
+    clb_phase_stats phase[CLB_PHASE_COUNT];
+    int64_t attention_ns; /* attention over the KV cache */
+    int64_t forward_ns;   /* clb_forward calls, whole */
 } clb_product_stats;
 void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
 

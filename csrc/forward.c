@@ -31,31 +31,36 @@ static const float *f32(const clb_tensor *t) { return t ? (const float *)t->data
 
 /* Every weight product of the forward pass goes through these two, which count it in m->prod
  * (clb_model_product_stats). */
-static void count_product(clb_model *m, int64_t t0, int64_t weight_bytes) {
+static void count_product(clb_model *m, clb_phase ph, int64_t t0, int64_t weight_bytes) {
+    const int64_t ns = clb_now_ns() - t0;
     m->prod.n_calls++;
-    m->prod.ns += clb_now_ns() - t0;
+    m->prod.ns += ns;
     m->prod.weight_bytes += weight_bytes;
+    m->prod.phase[ph].n_calls++;
+    m->prod.phase[ph].ns += ns;
+    m->prod.phase[ph].weight_bytes += weight_bytes;
 }
 
 static int64_t weight_bytes(clb_type t, int64_t n_out, int64_t n_in) {
     return (int64_t)clb_type_row_size(t, n_in) * n_out;
 }
 
-static clb_status mm_tp(clb_model *m, const clb_tensor *w, const float *x, int64_t T, float *y,
-                        int64_t ldy, const clb_tensor *bias, clb_threadpool *tp) {
+static clb_status mm_tp(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
+                        int64_t T, float *y, int64_t ldy, const clb_tensor *bias,
+                        clb_threadpool *tp) {
     const int64_t t0 = clb_now_ns();
     clb_status st = clb_matmul(w->type, w->data, w->shape[0], w->shape[1], x, T, y, ldy,
                                f32(bias), m->mm_scratch, tp);
-    count_product(m, t0, T > 0 ? weight_bytes(w->type, w->shape[0], w->shape[1]) : 0);
+    count_product(m, ph, t0, T > 0 ? weight_bytes(w->type, w->shape[0], w->shape[1]) : 0);
     return st;
 }
 
-static clb_status mm(clb_model *m, const clb_tensor *w, const float *x, int64_t T, float *y,
-                     int64_t ldy, const clb_tensor *bias) {
-    return mm_tp(m, w, x, T, y, ldy, bias, m->tp);
+static clb_status mm(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
+                     int64_t T, float *y, int64_t ldy, const clb_tensor *bias) {
+    return mm_tp(m, ph, w, x, T, y, ldy, bias, m->tp);
 }
 
-static clb_status run_jobs(clb_model *m, int n_jobs) {
+static clb_status run_jobs(clb_model *m, clb_phase ph, int n_jobs) {
     const int64_t t0 = clb_now_ns();
     clb_status st = clb_matmul_jobs(m->jobs, n_jobs, m->tp);
     int64_t bytes = 0;
@@ -63,7 +68,7 @@ static clb_status run_jobs(clb_model *m, int n_jobs) {
         const clb_mm_job *j = &m->jobs[k];
         if (j->n_tok > 0) bytes += weight_bytes(j->type, j->n_out, j->n_in) * (j->w_up ? 2 : 1);
     }
-    count_product(m, t0, bytes);
+    count_product(m, ph, t0, bytes);
     return st;
 }
 
@@ -266,11 +271,11 @@ static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
         m->jobs[0] = job(l->wq, a, T, m->q, qd, l->bq);  /* [T, qd] */
         m->jobs[1] = job(l->wk, a, T, m->k, kvd, l->bk); /* [T, kvd] */
         m->jobs[2] = job(l->wv, a, T, m->v, kvd, l->bv); /* [T, kvd] */
-        TRY(run_jobs(m, 3));
+        TRY(run_jobs(m, CLB_PHASE_ATTN_PROJ, 3));
     } else {
-        TRY(mm(m, l->wq, m->xn, T, m->q, qd, l->bq));
-        TRY(mm(m, l->wk, m->xn, T, m->k, kvd, l->bk));
-        TRY(mm(m, l->wv, m->xn, T, m->v, kvd, l->bv));
+        TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wq, m->xn, T, m->q, qd, l->bq));
+        TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wk, m->xn, T, m->k, kvd, l->bk));
+        TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wv, m->xn, T, m->v, kvd, l->bv));
     }
 
     for (int64_t t = 0; t < T; t++) {
@@ -304,9 +309,12 @@ static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
      * still gives every worker something to do; otherwise one query head per item */
     int64_t nh = T * Hkv >= clb_threadpool_n_threads(m->tp) ? H / Hkv : 1;
     att_task task = {m, kv, il, T, seq, pos, b->block_tables, b->max_blocks, nh};
-    TRY(clb_threadpool_run(m->tp, att_worker, &task));
+    const int64_t t0 = clb_now_ns();
+    clb_status st = clb_threadpool_run(m->tp, att_worker, &task);
+    m->prod.attention_ns += clb_now_ns() - t0;
+    TRY(st);
 
-    TRY(mm(m, l->wo, m->att, T, m->proj, D, NULL)); /* [T, D] */
+    TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wo, m->att, T, m->proj, D, NULL)); /* [T, D] */
     for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
     return CLB_OK;
 }
@@ -346,9 +354,11 @@ static void route_token(const clb_hparams *hp, float *p, int32_t *ids, float *w)
  * rows [off[g], off[g+1]) go through w[g]: out[r, D] = w2 @ (silu(w1 @ x_r) * (w3 @ x_r)),
  * x_r = src[idx[r]] (idx NULL: src[r]). At most CLB_MAX_BATCH rows; every w[g] has the same
  * tensor types (one group of the file layout). */
-static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *w,
+static clb_status ffn_groups(clb_model *m, int shared, int64_t n_g, const clb_ffn_w *const *w,
                              const int64_t *off, const float *src, const int32_t *idx,
                              float *out) {
+    const clb_phase up = shared ? CLB_PHASE_SHARED : CLB_PHASE_EXPERT_UP;
+    const clb_phase down = shared ? CLB_PHASE_SHARED : CLB_PHASE_EXPERT_DOWN;
     const int64_t D = m->hp.n_embd, F = w[0]->w1->shape[0], n = off[n_g] - off[0];
     const clb_tensor *w1 = w[0]->w1, *w2 = w[0]->w2;
     if (w[0]->w3->type != w1->type) { /* gate and up of different types: one at a time */
@@ -358,10 +368,10 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
             for (int64_t r = 0; r < c; r++)
                 memcpy(m->xg + r * D, src + (idx ? idx[off[g] + r] : off[g] + r) * D,
                        (size_t)D * sizeof(float));
-            TRY(mm(m, w[g]->w1, m->xg, c, m->h1, F, NULL));
-            TRY(mm(m, w[g]->w3, m->xg, c, m->h3, F, NULL));
+            TRY(mm(m, up, w[g]->w1, m->xg, c, m->h1, F, NULL));
+            TRY(mm(m, up, w[g]->w3, m->xg, c, m->h3, F, NULL));
             clb_silu_mul_f32(c * F, m->h1, m->h3);
-            TRY(mm(m, w[g]->w2, m->h1, c, out + r0 * D, D, NULL));
+            TRY(mm(m, down, w[g]->w2, m->h1, c, out + r0 * D, D, NULL));
         }
         return CLB_OK;
     }
@@ -386,7 +396,7 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
         j.y_up = m->h3 + r0 * F;
         m->jobs[nj++] = j; /* [c, F] silu(gate) * up */
     }
-    TRY(run_jobs(m, (int)nj));
+    TRY(run_jobs(m, up, (int)nj));
     size_t hrow = clb_act_row_size(w2->type, F);
     const void *h = act_for(w2, m->h1, F, n, m->act);
     nj = 0;
@@ -397,7 +407,7 @@ static clb_status ffn_groups(clb_model *m, int64_t n_g, const clb_ffn_w *const *
         const void *hg = (const char *)h + h_off;
         m->jobs[nj++] = job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
     }
-    return run_jobs(m, (int)nj);
+    return run_jobs(m, down, (int)nj);
 }
 
 /* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
@@ -407,7 +417,7 @@ static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *nl = &m->layers[il + 1];
     const int64_t E = hp->n_expert, K = hp->n_expert_used;
-    TRY(mm_tp(m, nl->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
+    TRY(mm_tp(m, CLB_PHASE_ROUTER, nl->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
     /* votes per expert in e_fill (free until the grouping below) */
     int64_t *votes = m->e_fill;
     for (int64_t e = 0; e < E; e++) votes[e] = 0;
@@ -439,7 +449,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         rmsnorm(m->x + t * D, f32(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
 
     /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
-    TRY(mm_tp(m, l->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
+    TRY(mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
     for (int64_t t = 0; t < T; t++)
         route_token(hp, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
     if (routes)
@@ -487,7 +497,8 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         }
         int64_t s1 = m->e_start[e];
         if (s1 == s0) continue;
-        clb_status fst = ffn_groups(m, e - e0, ws, m->e_start + e0, m->xn, m->route_tok, m->eo);
+        clb_status fst =
+            ffn_groups(m, 0, e - e0, ws, m->e_start + e0, m->xn, m->route_tok, m->eo);
         if (xc) clb_xc_release(xc, il);
         TRY(fst);
         for (int64_t r = s0; r < s1; r++) {
@@ -501,9 +512,9 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     if (hp->n_ff_shared > 0) {
         const clb_ffn_w *sw = &l->shared;
         int64_t off[2] = {0, T};
-        TRY(ffn_groups(m, 1, &sw, off, m->xn, NULL, m->eo)); /* [T, D] */
+        TRY(ffn_groups(m, 1, 1, &sw, off, m->xn, NULL, m->eo)); /* [T, D] */
         if (l->shared_gate) {
-            TRY(mm(m, l->shared_gate, m->xn, T, m->sgate, 1, NULL)); /* [T, 1] */
+            TRY(mm(m, CLB_PHASE_SHARED, l->shared_gate, m->xn, T, m->sgate, 1, NULL));
             for (int64_t t = 0; t < T; t++) {
                 float g = 1.0f / (1.0f + expf(-m->sgate[t]));
                 for (int64_t d = 0; d < D; d++) m->eo[t * D + d] *= g;
@@ -545,7 +556,8 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
     for (int64_t r = 0; r < n; r++)
         rmsnorm(m->x + (int64_t)m->out_rows[r] * D, f32(m->output_norm), D, hp->rms_eps,
                 m->xn + r * D);
-    if (n > 0) TRY(mm(m, m->output, m->xn, n, logits, hp->n_vocab, NULL)); /* [n, V] */
+    if (n > 0) /* [n, V] */
+        TRY(mm(m, CLB_PHASE_LM_HEAD, m->output, m->xn, n, logits, hp->n_vocab, NULL));
     *n_out = n;
     return CLB_OK;
 }
@@ -678,8 +690,10 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
         int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH, n_out = 0;
         int32_t *routes = b->routes ? b->routes + t0 * m->hp.n_layer * m->hp.n_expert_used
                                     : NULL;
+        const int64_t c0 = clb_now_ns();
         st = forward_chunk(m, kv, b, T, b->tokens + t0, b->seq_ids + t0, b->positions + t0,
                            want_logits ? want_logits + t0 : NULL, routes, logits, &n_out);
+        m->prod.forward_ns += clb_now_ns() - c0;
         if (st != CLB_OK) {
             if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
             clb_set_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "

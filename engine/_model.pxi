@@ -59,10 +59,18 @@ cdef extern from "clb_model.h" nogil:
     const clb_hparams *clb_model_hparams(const clb_model *m)
     int clb_model_n_threads(const clb_model *m)
     int64_t clb_forward_max_batch()
+    int CLB_PHASE_COUNT
+    ctypedef struct clb_phase_stats:
+        int64_t n_calls
+        int64_t ns
+        int64_t weight_bytes
     ctypedef struct clb_product_stats:
         int64_t n_calls
         int64_t ns
         int64_t weight_bytes
+        clb_phase_stats phase[6]
+        int64_t attention_ns
+        int64_t forward_ns
     void clb_model_product_stats(const clb_model *m, clb_product_stats *out)
 
     int CLB_KV_BLOCK
@@ -136,6 +144,10 @@ def _as_i32(x, str what):
 
 
 KV_TYPES = ("f32", "f16", "q8")  # index = clb_kv_type
+# index = clb_phase: the weight products of a forward call, by phase of a layer
+PRODUCT_PHASES = ("attention projections", "router", "experts gate+up", "experts down",
+                  "shared expert", "lm_head")
+assert len(PRODUCT_PHASES) == CLB_PHASE_COUNT
 KV_BLOCK = CLB_KV_BLOCK  # positions per KV block
 
 
@@ -337,11 +349,18 @@ cdef class CoreModel:
 
     def product_stats(self) -> dict:
         """The forward pass's weight products since load, timed in place: calls, seconds
-        (activation packing and thread hand-offs included) and weight bytes read."""
+        (activation packing and thread hand-offs included) and weight bytes read, in all and
+        per phase (PRODUCT_PHASES); with them the seconds of attention over the KV cache and
+        of the forward calls, whole."""
         cdef clb_product_stats ps
         with self._lock:  # between forward calls
             clb_model_product_stats(self.m, &ps)
-        return {"calls": ps.n_calls, "s": ps.ns * 1e-9, "weight_bytes": ps.weight_bytes}
+        phases = {name: {"calls": ps.phase[i].n_calls, "s": ps.phase[i].ns * 1e-9,
+                         "weight_bytes": ps.phase[i].weight_bytes}
+                  for i, name in enumerate(PRODUCT_PHASES)}
+        return {"calls": ps.n_calls, "s": ps.ns * 1e-9, "weight_bytes": ps.weight_bytes,
+                "phases": phases, "attention_s": ps.attention_ns * 1e-9,
+                "forward_s": ps.forward_ns * 1e-9}
 
     @property
     def n_vocab(self) -> int:

@@ -284,20 +284,42 @@ def test_greedy_tokens_same_on_reference_and_best_isa(tiny: dict[str, Path]) -> 
 
 
 @pytest.mark.parametrize("name", ["q4", "q4_tied"])
-def test_profile_replays_every_matrix_of_a_decode_step(tiny: dict[str, Path], name: str) -> None:
-    from engine.tools.bench_profile import decode_phases, profile_decode
-
-    phases = decode_phases(tiny[name])
-    parts = weight_bytes_per_token(tiny[name])
-    got = {k: sum(len(w) for _, w, _, _ in v) for k, v in phases.items()}
-    # the matrices replayed are the 2-D tensors the byte count reads (norms are 1-D, f32)
-    assert got["experts gate+up"] + got["experts down"] == parts["experts"]
-    assert got["lm_head"] == parts["lm_head"]
-    assert got["attention projections"] == parts["attention"] - LAYERS * 4 * D
-    assert got["router"] == LAYERS * 4 * E * D
-    assert len(phases["experts down"]) == LAYERS * K
-    p = profile_decode(tiny[name], 2, step_s=1.0, repeat=2)
-    assert set(p["phases"]) == set(phases)
-    assert all(r["s"] > 0 and r["bytes"] == got[k] for k, r in p["phases"].items())
-    assert math.isclose(p["matmul_s"] + p["other_s"], 1.0)
+def test_profile_times_every_product_of_a_decode_step_in_place(
+        tiny: dict[str, Path], name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each phase's bytes per decoded token equal that part of the hand count, its dispatches
+    are the forward pass's, and the parts add up to the measured step."""
+    rc = main(["bench", "--model", str(tiny[name]), "--prompt-tokens", "12", "--gen-tokens",
+               "5", "--threads", "2", "--repeat", "3", "--probe-mib", "8", "--profile",
+               "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    p, parts = r["profile"], r["bytes_per_token_parts"]
+    ph = p["phases"]
+    assert list(ph) == ["attention projections", "router", "experts gate+up", "experts down",
+                        "lm_head"]  # this model has no shared expert
+    assert ph["experts gate+up"]["bytes"] + ph["experts down"]["bytes"] == parts["experts"]
+    assert ph["lm_head"]["bytes"] == parts["lm_head"]
+    assert ph["attention projections"]["bytes"] == parts["attention"] - LAYERS * 4 * D  # norm
+    assert ph["router"]["bytes"] == LAYERS * 4 * E * D
+    # per layer: q, k and v in one dispatch and the output projection; one router product;
+    # every routed expert's gate and up in one dispatch, their down in another
+    want_calls = {"attention projections": 2 * LAYERS, "router": LAYERS,
+                  "experts gate+up": LAYERS, "experts down": LAYERS, "lm_head": 1}
+    assert {k: v["calls"] for k, v in ph.items()} == want_calls
+    assert all(v["s"] > 0 and v["gb_s"] == pytest.approx(v["bytes"] / v["s"] / 1e9)
+               for v in ph.values())
+    assert p["products_s"] == pytest.approx(sum(v["s"] for v in ph.values()))
+    assert p["products_s"] == pytest.approx(r["decode_products"]["s_per_token"])
+    assert p["attention_s"] > 0 and p["rest_of_forward_s"] > 0 and p["outside_forward_s"] > 0
+    assert p["step_s"] == pytest.approx(r["decode_products"]["step_s"])
+    assert p["step_s"] == pytest.approx(p["products_s"] + p["attention_s"]
+                                        + p["rest_of_forward_s"] + p["outside_forward_s"])
+    reads = r["bandwidth_between_runs_gb_s"]
+    assert any(p["read_gb_s"] == max(a, b) for a, b in zip(reads, reads[1:], strict=False))
     assert p["pool_run_us"] > 0
+    main(["bench", "--model", str(tiny[name]), "--prompt-tokens", "4", "--gen-tokens", "2",
+          "--threads", "2", "--repeat", "1", "--probe-mib", "8", "--profile"])
+    out = capsys.readouterr().out
+    for label in ("experts gate+up", "attention over the cache", "outside the forward pass",
+                  "measured decode step"):
+        assert label in out

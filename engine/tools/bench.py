@@ -124,6 +124,11 @@ class RunTiming:
     tokens: list[int]  # greedy continuation: 1 from the prefill + one per decode call
     decode_products_s: float  # of decode_s, in the weight products (timed in place, in C)
     decode_product_bytes: int  # weight bytes those products read
+    # of decode_s, timed in C: the products per phase (calls, s, weight_bytes), attention over
+    # the KV cache, and the forward calls whole
+    decode_phases: dict[str, dict[str, float]]
+    decode_attention_s: float
+    decode_forward_s: float
 
 
 def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
@@ -152,8 +157,11 @@ def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
         t2 = time.perf_counter()
     finally:
         model.reset(0)
+    phases = {name: {k: v - p1["phases"][name][k] for k, v in ph.items()}
+              for name, ph in p2["phases"].items()}
     return RunTiming(t1 - t0, t2 - t1, tokens, p2["s"] - p1["s"],
-                     int(p2["weight_bytes"] - p1["weight_bytes"]))
+                     int(p2["weight_bytes"] - p1["weight_bytes"]), phases,
+                     p2["attention_s"] - p1["attention_s"], p2["forward_s"] - p1["forward_s"])
 
 
 def summarize(values: list[float]) -> dict[str, Any]:
@@ -213,10 +221,15 @@ def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, Any] | No
     return out
 
 
+def median_run(runs: list[RunTiming]) -> int:
+    """The index of the run with the median decode time."""
+    return sorted(range(len(runs)), key=lambda i: runs[i].decode_s)[len(runs) // 2]
+
+
 def decode_products(runs: list[RunTiming], n_gen: int) -> dict[str, float]:
     """The weight products' part of a decoded token, from the run with the median decode:
     seconds and bytes per token, their rate, and seconds per token outside them."""
-    r = sorted(runs, key=lambda x: x.decode_s)[len(runs) // 2]
+    r = runs[median_run(runs)]
     s, step = r.decode_products_s / n_gen, r.decode_s / n_gen
     nbytes = r.decode_product_bytes / n_gen
     return {"s_per_token": s, "bytes_per_token": nbytes,
@@ -315,9 +328,11 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "expert_cache": cache,
     }
     if s.profile:
-        from engine.tools.bench_profile import profile_decode
+        from engine.tools.bench_profile import decode_profile
 
-        result["profile"] = profile_decode(path, n_threads, 1.0 / decode["median"])
+        i = median_run(runs)
+        read = max(reads[i], reads[i + 1]) if reads else gbps
+        result["profile"] = decode_profile(runs[i], s.gen_tokens, read, n_threads)
     return result
 
 
@@ -407,8 +422,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"bandwidth probe buffer in MiB (default {DEFAULT_PROBE_MIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--profile", action="store_true",
-                   help="also time each weight phase of a decode step (attention projections, "
-                        "router, experts, lm_head) against the measured step")
+                   help="also print where a decoded token's time goes, timed in place: the "
+                        "weight products of each phase (attention projections, router, "
+                        "experts, lm_head), attention over the cache, the rest")
     add_kv_cache_type_arg(p)
     add_expert_cache_args(p)
     add_trace_args(p)
