@@ -61,6 +61,8 @@ ext = Extension(
     "engine._core",
     sources=["engine/_core.pyx", *c_sources()],
     include_dirs=["csrc"],
+    # a header change rebuilds the extension (sources alone would leave it as it was)
+    depends=sorted(glob.glob("csrc/*.h")),
     define_macros=[("CLB_HAVE_X86", "1")] if IS_X86 else [],
     extra_link_args=link_args,
 )

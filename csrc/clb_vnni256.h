@@ -25,10 +25,9 @@
 #define CLB_X8_PF_AHEAD_Q8_FEW 32
 /* The 256-bit pass's blocks ahead for one or two tokens, which read as fast as the memory
  * delivers: about 6 KB of the stream for q4 and q6 (q8 keeps CLB_X8_PF_AHEAD_Q8_FEW, 8.7 KB).
- * Measured on the wider benchmark model's q4 decode on a Zen 5 (2 threads, alternating blocks
- * of 24 steps) against 8 blocks: 16 ahead 1.04x, 24 1.06x, 32 1.07x, 48 1.05x, 60 1.03x, 80
- * 1.01x; in the minutes when the memory read fast (about 75 against 48 GB/s) 48 and 80 blocks
- * ran 1.25x. q8 ran alike at 16, 32 and 64 blocks. */
+ * On a Zen 5, colibri bench on builds with 40 and with 8 q4 blocks ahead, alternated: one
+ * thread 1.22x as fast (benchmark model, q4), two threads 90.7% of the same minutes' read
+ * against 63.6% (wider model, q4). */
 #define CLB_VNNI256_PF_AHEAD_FEW(QT) \
     ((QT) == CLB_QT_Q8 ? CLB_X8_PF_AHEAD_Q8_FEW : (QT) == CLB_QT_Q4 ? 40 : 28)
 
