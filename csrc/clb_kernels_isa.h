@@ -1,6 +1,6 @@
 /* Colibri per-ISA kernel entry points: private to csrc/ (dispatch.c builds the traits tables).
- * Guarantees: every *_avx2 / *_avx512 function has a *_ref twin with the same contract and
- * memory layout; q8a quantizers of every ISA produce identical bytes.
+ * Guarantees: every *_avx2 / *_avxvnni / *_avx512 function has a *_ref twin with the same
+ * contract and memory layout; q8a quantizers of every ISA produce identical bytes.
  * Refuses: nothing outside csrc/ should include this; use clb_get_type_traits(). */
 #ifndef CLB_KERNELS_ISA_H
 #define CLB_KERNELS_ISA_H

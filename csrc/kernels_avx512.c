@@ -339,9 +339,10 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
  * step (weights read unsigned: q8 xor 0x80, q4 raw nibbles, q6 nibbles with its high bits
  * or'ed in; corr in the activations), and each token costs one vpdpbusd per 64 weight bytes
  * (clb_dpbusd_bcast). Each group is one sequential stream, prefetched about 3.3 KB ahead
- * (colibri bench's decode on Zen 4: q8 ran alike from 6 to 32 blocks ahead; q4 one thread ran
- * 30% faster 24 blocks ahead than 12, and no faster at 36 or 48; q6 takes the same distance
- * in bytes, not measured on its own). A matrix with an odd number of groups pairs its last
+ * (chosen on Zen 4's decode when this pass also took one token: q8 ran alike from 6 to 32
+ * blocks ahead; q4 one thread ran 30% faster 24 blocks ahead than 12, and no faster at 36 or
+ * 48; q6 takes the same distance in bytes, not measured on its own). It now takes two tokens
+ * or more; one token goes through clb_vnni256.h's pass (clb_gemm_x16). A matrix with an odd number of groups pairs its last
  * group with itself and stores the low half. Same per-lane arithmetic as clb_group, so the
  * same bits as the reference. */
 
@@ -349,7 +350,7 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
 #define CLB_X16_PF_AHEAD(QT) ((QT) == CLB_QT_Q8 ? 12 : (QT) == CLB_QT_Q4 ? 24 : 16)
 
 /* (h >> 2j) & 3 moved to bits 4..5 of every byte: q6's high bits for nibble register j
- * (kernels_avx2.c clb_q6_hi at double width) */
+ * (clb_vnni256.h's clb_q6_hi at double width) */
 static inline __attribute__((always_inline)) __m512i clb_q6_hi16(__m512i h, int j) {
     const __m512i m = _mm512_set1_epi8(0x30);
     switch (j) {
