@@ -23,12 +23,14 @@
 /* blocks an interleaved group's pass prefetches ahead (kernels_avx2.c explains the values) */
 #define CLB_X8_PF_AHEAD 8
 #define CLB_X8_PF_AHEAD_Q8_FEW 32
-/* The 256-bit pass's blocks ahead for one or two tokens, which read as fast as the memory
- * delivers: about 6 KB of the stream for q4 and q6 (q8 keeps CLB_X8_PF_AHEAD_Q8_FEW, 8.7 KB).
- * On a Zen 5, colibri bench on builds with 40 and with 8 q4 blocks ahead, alternated: one
- * thread 1.22x as fast (benchmark model, q4), two threads 90.7% of the same minutes' read
- * against 63.6% (wider model, q4). */
-#define CLB_VNNI256_PF_AHEAD_FEW(QT) \
+/* An interleaved group's blocks ahead in passes of one or two tokens (this file's pass and the
+ * AVX2 pass), which read as fast as the memory delivers: about 6 KB of the stream for q4 and
+ * q6 (q8 keeps CLB_X8_PF_AHEAD_Q8_FEW, 8.7 KB). On a Zen 5, colibri bench on builds with 40
+ * and with 8 q4 blocks ahead, alternated: one thread 1.22x as fast (benchmark model, q4), two
+ * threads 90.7% of the same minutes' read against 63.6% (wider model, q4); the AVX2 pass
+ * (COLIBRI_ISA=avx2, benchmark model, q4) 1.20x and 1.21x on one thread, 0.93x to 1.16x
+ * (median 1.09x of 5) on two. */
+#define CLB_X8_PF_AHEAD_FEW(QT) \
     ((QT) == CLB_QT_Q8 ? CLB_X8_PF_AHEAD_Q8_FEW : (QT) == CLB_QT_Q4 ? 40 : 28)
 
 static inline __attribute__((always_inline)) __m256i clb_bcast32_avx2(const int8_t *p) {
@@ -84,7 +86,7 @@ static inline __attribute__((always_inline)) void clb_pass8_vnni(int QT, int TT,
                                                                  size_t act_row, float *y,
                                                                  int64_t ldy) {
     const size_t gb = 8 * CLB_QT_BLOCK(QT);
-    const size_t ahead = (TT <= 2 ? CLB_VNNI256_PF_AHEAD_FEW(QT) : CLB_X8_PF_AHEAD) * gb;
+    const size_t ahead = (TT <= 2 ? CLB_X8_PF_AHEAD_FEW(QT) : CLB_X8_PF_AHEAD) * gb;
     __m256 acc[CLB_TT];
     __m256i sum[CLB_TT];
     for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();

@@ -270,11 +270,12 @@ static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i s
  * prefetched front to back, a little more per block than this pass consumes, so the next
  * group starts from cache; the hardware prefetcher alone serves eight interleaved row streams
  * at well under the memory's rate. An interleaved group prefetches its own stream ahead (into
- * the next group at its end), CLB_X8_PF_AHEAD blocks; q8 passes of one or two tokens, which
- * read as fast as the memory delivers, CLB_X8_PF_AHEAD_Q8_FEW (measured on the model's decode:
- * it lifted the small expert matrices, where each worker's stream is short; q4 and passes of
- * more tokens, which are compute-bound, ran no faster or slower with it). Both layouts do the
- * same arithmetic, so they give the same bits. */
+ * the next group at its end), CLB_X8_PF_AHEAD blocks; passes of one or two tokens, which can
+ * read as fast as the memory delivers, CLB_X8_PF_AHEAD_FEW (clb_vnni256.h; for q8, 32 blocks
+ * lifted the model's decode when they were chosen, each worker's stream of a small expert
+ * matrix being short, and q4, compute-bound on that CPU, ran no faster or slower with them;
+ * on a Zen 5 q4 and q6 are not compute-bound and run faster with about 6 KB ahead). Passes of
+ * more tokens are compute-bound and keep CLB_X8_PF_AHEAD. Both layouts do the same arithmetic, so they give the same bits. */
 #define CLB_PF_LINES(QT) ((8 * CLB_QT_BLOCK(QT) + 63) / 64) /* 64-byte lines per group block */
 
 /* the nibble registers v (unsigned, 0..15) of a q6 block made whole (0..63) with its high
@@ -322,7 +323,7 @@ static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int 
     __m256i part[CLB_PASS_TOK];
     const size_t bs = CLB_QT_BLOCK(QT), gb = 8 * bs;
     const size_t ahead =
-        (QT == CLB_QT_Q8 && n_tok <= 2 ? CLB_X8_PF_AHEAD_Q8_FEW : CLB_X8_PF_AHEAD) * gb;
+        (n_tok <= 2 ? CLB_X8_PF_AHEAD_FEW(QT) : CLB_X8_PF_AHEAD) * gb;
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const char *blk = X8 ? g + (size_t)b * gb : NULL;
