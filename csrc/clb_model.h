@@ -152,10 +152,7 @@ typedef struct {
     int64_t weight_bytes;
 } clb_phase_stats;
 typedef struct {
-    int64_t n_calls; /* every product, as the sum of the phases */
-    int64_t ns;
-    int64_t weight_bytes;
-    clb_phase_stats phase[CLB_PHASE_COUNT];
+    clb_phase_stats phase[CLB_PHASE_COUNT]; /* every product is in exactly one phase */
     int64_t attention_ns; /* attention over the KV cache */
     int64_t forward_ns;   /* clb_forward calls, whole */
 } clb_product_stats;

@@ -65,9 +65,6 @@ cdef extern from "clb_model.h" nogil:
         int64_t ns
         int64_t weight_bytes
     ctypedef struct clb_product_stats:
-        int64_t n_calls
-        int64_t ns
-        int64_t weight_bytes
         clb_phase_stats phase[6]
         int64_t attention_ns
         int64_t forward_ns
@@ -358,7 +355,8 @@ cdef class CoreModel:
         phases = {name: {"calls": ps.phase[i].n_calls, "s": ps.phase[i].ns * 1e-9,
                          "weight_bytes": ps.phase[i].weight_bytes}
                   for i, name in enumerate(PRODUCT_PHASES)}
-        return {"calls": ps.n_calls, "s": ps.ns * 1e-9, "weight_bytes": ps.weight_bytes,
+        return {**{k: sum(ph[k] for ph in phases.values()) for k in ("calls", "s",
+                                                                      "weight_bytes")},
                 "phases": phases, "attention_s": ps.attention_ns * 1e-9,
                 "forward_s": ps.forward_ns * 1e-9}
 
