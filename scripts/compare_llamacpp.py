@@ -13,8 +13,8 @@ built is cached in --workdir, keyed by the model dimensions and seed.
 The bandwidth bound is the weight bytes per token against a plain read of memory on the same
 threads (the probe). A virtual machine's read rate can drift by half within minutes, so besides
 the % of the bound at the higher of the probes before and after all runs, the script reads
-memory again after every repeat and prints each engine's median "same-minute" % (every run
-against the higher of the reads just before and after its repeat), and the decode ratio repeat
+memory again after every run and prints each engine's median "same-minute" % (every run
+against the higher of the reads just before and after it), and the decode ratio repeat
 by repeat (each Colibri run against the llama.cpp run just before it) beside the ratio of the
 medians.
 
@@ -42,12 +42,11 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +60,8 @@ if str(ROOT) not in sys.path:
 from engine.tools.bench import (  # noqa: E402
     bench_prompt,
     cpu_model,
+    percent_of_read,
+    summarize,
     timed_greedy_run,
     weight_bytes_per_token,
 )
@@ -71,6 +72,7 @@ INSTALL_HINT = ("llama-cpp-python is not installed. Install the benchmark extra 
                 "(it compiles llama.cpp: about ten minutes on a 2-core machine), "
                 "or pip install -e '.[bench]'.")
 DEFAULT_LLAMA_VERSION = "0.3.36"
+Run = tuple[float, float, list[int]]  # prefill seconds, decode seconds, greedy tokens
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -351,7 +353,7 @@ def llama_load(path: Path, threads: int, n_ctx: int) -> Any:
                  use_mmap=True, verbose=False, seed=0)
 
 
-def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> tuple[float, float, list[int]]:
+def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> Run:
     """Same protocol as engine.tools.bench.timed_greedy_run, through llama-cpp-python's eval.
 
     Llama.eval leaves `scores` empty without logits_all, so the last row is read with
@@ -396,7 +398,7 @@ def hf_bytes_per_token(model: Any, n_used: int, n_expert: int, elem: int) -> int
     return total
 
 
-def hf_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> tuple[float, float, list[int]]:
+def hf_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> Run:
     """transformers eager generate(): prefill = start to the first logits processor call,
     decode = first to last call (n_gen single-token forwards)."""
     import torch
@@ -421,12 +423,25 @@ def hf_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> tuple[float, fl
 
 # -- the comparison ---------------------------------------------------------------------------
 
-def _as_tuple(r: Any) -> tuple[float, float, list[int]]:
+def _as_tuple(r: Any) -> Run:
     return r.prefill_s, r.decode_s, r.tokens
 
 
-def _median(runs: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+def alternate(runners: dict[str, Callable[[], Run]], repeat: int, read: Callable[[], float],
+              between: list[float], report: Callable[[int, dict[str, list[Run]]], None]
+              ) -> tuple[dict[str, list[Run]], dict[str, list[float]]]:
+    """Run the engines in turn, repeat times, reading memory after every run (appended to
+    between, whose last entry is the read just before the first run). Returns each engine's
+    runs and, per run, the higher of the reads just before and just after it."""
+    res: dict[str, list[Run]] = {k: [] for k in runners}
+    reads: dict[str, list[float]] = {k: [] for k in runners}
+    for rep in range(repeat):
+        for name, run in runners.items():  # alternate: llama.cpp, colibri, llama.cpp, ...
+            res[name].append(run())
+            between.append(read())
+            reads[name].append(max(between[-2:]))
+        report(rep, res)
+    return res, reads
 
 
 def _agree(a: list[int], b: list[int], n: int = 16) -> int:
@@ -465,7 +480,7 @@ def child_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(args: argparse.Namespace, engine: str, path: Path) -> tuple[float, float, list[int]]:
+def _spawn(args: argparse.Namespace, engine: str, path: Path) -> Run:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine,
            "--child-model", str(path), "--threads", str(args.threads),
            "--vocab", str(args.vocab), "--prompt-tokens", str(args.prompt_tokens),
@@ -497,8 +512,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
     llama_preflight(ggufs["Q4_0"], args.threads)
     load0 = os.getloadavg()
-    probe = [_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3)]
-    between = probe[:]  # the first probe, then one after every repeat
+
+    def read_memory() -> float:
+        return _core.bandwidth_probe(args.probe_mib << 20, args.threads, 3)
+
+    probe = [read_memory()]
+    between = probe[:]  # the first probe, then one after every run
     prompt = bench_prompt(d.vocab, args.prompt_tokens)
     rows: list[dict[str, Any]] = []
     tokens: dict[str, list[int]] = {}
@@ -508,17 +527,14 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             "llama.cpp": lambda lq=lq: _spawn(args, "llama.cpp", ggufs[lq]),
             "colibri": lambda q=q: _spawn(args, "colibri", colibri_dirs[q]),
         }
-        res: dict[str, list[tuple[float, float, list[int]]]] = {k: [] for k in runners}
-        reads: list[float] = []  # per repeat: the higher of the reads just before and after it
-        for rep in range(args.repeat):
-            for name, run in runners.items():  # alternate: llama.cpp, colibri, llama.cpp, ...
-                res[name].append(run())
-            between.append(_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3))
-            reads.append(max(between[-2:]))
+
+        def report(rep: int, res: dict[str, list[Run]], q: str = q) -> None:
             print(f"  {q} repeat {rep + 1}/{args.repeat}: " + ", ".join(
                 f"{k} prefill {args.prompt_tokens / v[-1][0]:.1f} decode "
                 f"{args.gen_tokens / v[-1][1]:.1f} tok/s" for k, v in res.items())
                 + f"; read {between[-1]:.1f} GB/s", flush=True)
+
+        res, reads = alternate(runners, args.repeat, read_memory, between, report)
         lbytes = gguf_bytes_per_token(ggufs[lq], d.top_k)
         cbytes = weight_bytes_per_token(colibri_dirs[q])
         for name, prec, nbytes, types in (
@@ -526,16 +542,16 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                 ("colibri", q, cbytes["total"], json.loads(
                     (colibri_dirs[q] / "config.json").read_text())["tensor_types"])):
             runs = res[name]
-            same_minute = [100 * args.gen_tokens / r[1] / (g * 1e9 / nbytes)
-                           for r, g in zip(runs, reads, strict=True)]
+            same_minute = [percent_of_read(args.gen_tokens, r[1], nbytes, g)
+                           for r, g in zip(runs, reads[name], strict=True)]
             rows.append({"engine": name, "precision": prec, "bytes_per_token": nbytes,
                          "tensor_types": types,
                          "bytes_per_token_parts": (lbytes["parts"] if name == "llama.cpp"
                                                    else {k: v for k, v in cbytes.items()
                                                          if k != "total"}),
-                         "prefill_tok_s": _median([args.prompt_tokens / r[0] for r in runs]),
-                         "decode_tok_s": _median([args.gen_tokens / r[1] for r in runs]),
-                         "percent_of_bound_same_minute": _median(same_minute)})
+                         "prefill_tok_s": summarize([args.prompt_tokens / r[0] for r in runs]),
+                         "decode_tok_s": summarize([args.gen_tokens / r[1] for r in runs]),
+                         "percent_of_bound_same_minute": summarize(same_minute)})
             tokens[f"{name} {prec}"] = runs[0][2]
         pairs[q] = [ll[1] / c[1] for ll, c in zip(res["llama.cpp"], res["colibri"], strict=True)]
 
@@ -556,12 +572,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"engine": "transformers", "precision": "f32 eager",
                      "bytes_per_token": hf_bytes_per_token(model, d.top_k, d.experts, 4),
                      "tensor_types": {"all": "f32"}, "bytes_per_token_parts": {},
-                     "prefill_tok_s": _median([args.prompt_tokens / r[0] for r in runs]),
-                     "decode_tok_s": _median([args.gen_tokens / r[1] for r in runs])})
+                     "prefill_tok_s": summarize([args.prompt_tokens / r[0] for r in runs]),
+                     "decode_tok_s": summarize([args.gen_tokens / r[1] for r in runs])})
         tokens["transformers f32"] = runs[0][2]
         del model
 
-    probe.append(_core.bandwidth_probe(args.probe_mib << 20, args.threads, 3))
+    probe.append(read_memory())
     gbps = max(probe)
     for r in rows:
         r["bound_tok_s"] = gbps * 1e9 / r["bytes_per_token"]
@@ -571,7 +587,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
         c, ll = by[("colibri", q)], by[("llama.cpp", lq)]
         ratios[q] = {k: c[k]["median"] / ll[k]["median"] for k in ("prefill_tok_s", "decode_tok_s")}
-        ratios[q]["decode_pairs"] = _median(pairs[q])
+        ratios[q]["decode_pairs"] = summarize(pairs[q])
     agreement = {
         "q8 colibri vs llama.cpp": _agree(tokens["colibri q8"], tokens["llama.cpp Q8_0"]),
         "q4 colibri vs llama.cpp": _agree(tokens["colibri q4"], tokens["llama.cpp Q4_0"]),
@@ -592,7 +608,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "bandwidth_gb_s": gbps, "bandwidth_probes_gb_s": probe,
-        "bandwidth_between_repeats_gb_s": between,
+        "bandwidth_between_runs_gb_s": between,
         "loadavg_start": load0, "loadavg_end": os.getloadavg(),
         "rows": rows, "ratios_colibri_over_llama": ratios,
         "greedy_agreement_first16": agreement, "greedy_tokens_first16": {
@@ -638,7 +654,7 @@ def render(res: dict[str, Any]) -> str:
                      f"decode x{rr['decode_tok_s']:.2f} (repeat by repeat: median "
                      f"x{dp['median']:.2f}, x{dp['min']:.2f} to x{dp['max']:.2f})")
     lines.append("% bound: at the higher of the first and last probes; same-minute %: each "
-                 "run at the higher of the reads just before and after its repeat, median")
+                 "run at the higher of the reads just before and after it, median")
     lines.append(f"llama.cpp build: {res['llama_cpp_system_info'].strip()} "
                  f"(OMP_WAIT_POLICY={res['omp_wait_policy']})")
     lines.append("greedy tokens agreeing among the first 16: " + ", ".join(

@@ -244,12 +244,19 @@ def decode_products(runs: list[RunTiming], n_gen: int) -> dict[str, float]:
             "other_s_per_token": step - s}
 
 
+def percent_of_read(n_gen: int, decode_s: float, bytes_per_token: float,
+                    read_gb_s: float) -> float:
+    """A decode of n_gen tokens in decode_s seconds as a % of the tokens/s that a read rate of
+    read_gb_s allows at bytes_per_token."""
+    return 100.0 * n_gen / decode_s * bytes_per_token / (read_gb_s * 1e9)
+
+
 def same_minute(runs: list[RunTiming], reads: list[float], n_gen: int,
                 bytes_per_token: float) -> dict[str, Any]:
     """Each run's decode as a % of the higher of the reads taken just before and just after
     it (reads[i] and reads[i + 1], GB/s): on a machine whose read rate drifts from minute to
     minute, what the decode made of the bandwidth it had."""
-    return summarize([100.0 * n_gen / r.decode_s * bytes_per_token / (max(a, b) * 1e9)
+    return summarize([percent_of_read(n_gen, r.decode_s, bytes_per_token, max(a, b))
                       for r, a, b in zip(runs, reads, reads[1:], strict=False)])
 
 

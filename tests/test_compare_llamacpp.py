@@ -1,0 +1,117 @@
+"""The bookkeeping of scripts/compare_llamacpp.py: which memory reads each run is set against,
+the model shape from its flags, and the printed summary (the engines themselves run only
+when the script is run, with llama-cpp-python installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_llamacpp.py"
+
+
+def _script():  # noqa: ANN202
+    if "compare_llamacpp" in sys.modules:
+        return sys.modules["compare_llamacpp"]
+    spec = importlib.util.spec_from_file_location("compare_llamacpp", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["compare_llamacpp"] = mod  # its dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_run_is_set_against_the_reads_around_it() -> None:
+    c = _script()
+    reads = iter([30.0, 40.0, 20.0, 60.0])
+    order: list[str] = []
+
+    def runner(name: str, decode_s: float):  # noqa: ANN202
+        def run() -> tuple[float, float, list[int]]:
+            order.append(name)
+            return 0.1, decode_s, [1, 2]
+        return run
+
+    seen: list[tuple[int, dict[str, int]]] = []
+    between = [50.0]  # the read before the first run
+    res, around = c.alternate({"llama.cpp": runner("llama.cpp", 2.0),
+                               "colibri": runner("colibri", 1.0)}, 2, lambda: next(reads),
+                              between, lambda rep, r: seen.append(
+                                  (rep, {k: len(v) for k, v in r.items()})))
+    assert order == ["llama.cpp", "colibri", "llama.cpp", "colibri"]
+    assert between == [50.0, 30.0, 40.0, 20.0, 60.0]
+    # llama.cpp's runs lie between reads 0-1 and 2-3, colibri's between 1-2 and 3-4
+    assert around == {"llama.cpp": [50.0, 40.0], "colibri": [40.0, 60.0]}
+    assert res["colibri"] == [(0.1, 1.0, [1, 2])] * 2
+    assert seen == [(0, {"llama.cpp": 1, "colibri": 1}), (1, {"llama.cpp": 2, "colibri": 2})]
+
+
+def test_percent_of_read() -> None:
+    c = _script()
+    # 128 tokens in 1 s at 100 MB per token stream 12.8 GB/s: half of a 25.6 GB/s read
+    assert c.percent_of_read(128, 1.0, 100e6, 25.6) == pytest.approx(50.0)
+    assert c.percent_of_read(128, 0.5, 100e6, 25.6) == pytest.approx(100.0)
+
+
+def test_the_model_shape_comes_from_the_flags() -> None:
+    c = _script()
+    a = c.parse_args(["--hidden", "2048", "--intermediate", "1024", "--experts", "64",
+                      "--top-k", "8", "--layers", "4"])
+    d = c.Dims(a.vocab, a.hidden, a.intermediate, a.layers, a.experts, a.top_k, a.heads,
+               a.kv_heads, a.seed)
+    assert d.tag().startswith("mixtral-v32000-d2048-f1024-l4-e64k8-h16kv4-s0-")
+    default = c.parse_args([])
+    assert (default.hidden, default.experts, default.top_k, default.threads) == (1024, 16, 4, 2)
+    assert c.Dims().tag() != d.tag() and c.Dims().tag() == c.Dims().tag()
+    assert c.Dims(seed=1).tag() != c.Dims().tag()
+
+
+def test_greedy_agreement_counts() -> None:
+    c = _script()
+    assert c._agree([1, 2, 3, 4], [1, 9, 3, 4]) == 3
+    assert c._prefix([1, 2, 3, 4], [1, 9, 3, 4]) == 1
+    assert c._prefix([1, 2], [1, 2, 3]) == 2
+    assert c._agree(list(range(20)), list(range(20))) == 16  # the first 16 only
+
+
+def _row(engine: str, prec: str, decode: list[float], same: list[float]) -> dict[str, Any]:
+    c = _script()
+    return {"engine": engine, "precision": prec, "bytes_per_token": 218.1e6,
+            "tensor_types": {"blk.0.ffn_gate_exps.weight": prec},
+            "prefill_tok_s": c.summarize([400.0, 410.0]), "decode_tok_s": c.summarize(decode),
+            "percent_of_bound_same_minute": c.summarize(same), "bound_tok_s": 230.0,
+            "percent_of_bound": 100 * c.summarize(decode)["median"] / 230.0}
+
+
+def test_the_summary_names_the_cpu_and_both_engines() -> None:
+    c = _script()
+    rows = [_row("llama.cpp", "Q8_0", [130.0, 140.0, 120.0], [60.0, 62.0, 64.0]),
+            _row("colibri", "q8", [200.0, 210.0, 190.0], [88.0, 90.0, 92.0])]
+    res = {
+        "model": {"vocab": 32000, "hidden": 1024, "intermediate": 1536, "layers": 8,
+                  "experts": 16, "top_k": 4, "heads": 16, "kv_heads": 4, "seed": 0},
+        "cpu": "Test CPU [avx2 fma]", "threads": 2, "prompt_tokens": 128, "gen_tokens": 128,
+        "repeat": 3, "tf_repeat": 0, "llama_cpp_python": "0.3.36", "colibri_isa": "avx2",
+        "colibri_prefetch": "l2", "kv_cache_type": "f16", "bandwidth_gb_s": 50.0,
+        "bandwidth_probes_gb_s": [48.0, 50.0], "loadavg_start": (0.5, 0, 0),
+        "loadavg_end": (0.7, 0, 0), "rows": rows,
+        "ratios_colibri_over_llama": {"q8": {"prefill_tok_s": 4.9, "decode_tok_s": 1.5,
+                                             "decode_pairs": c.summarize([1.4, 1.5, 1.6])}},
+        "llama_cpp_system_info": "AVX2 = 1 ", "omp_wait_policy": "unset",
+        "greedy_agreement_first16": {"q8 colibri vs llama.cpp": 16},
+    }
+    text = c.render(res)
+    assert text.splitlines()[0] == "cpu: Test CPU [avx2 fma]"
+    assert "hidden 1024, ffn 1536, 8 layers, 16 experts top-4" in text
+    lines = {ln.split()[0] + " " + ln.split()[1]: ln for ln in text.splitlines()
+             if ln.startswith(("llama.cpp ", "colibri ")) and "tensor types" not in ln}
+    assert lines["llama.cpp Q8_0"].split()[-1] == "62.0"  # median same-minute %
+    assert lines["colibri q8"].split()[-1] == "90.0"
+    assert "decode x1.50 (repeat by repeat: median x1.50, x1.40 to x1.60)" in text
+    assert "prefill x4.90" in text
+    assert "load average 0.50 at start, 0.70 at end" in text
+    assert "llama.cpp Q8_0 tensor types: blk.0.ffn_gate_exps.weight Q8_0" in text
