@@ -649,6 +649,16 @@ static clb_status validate(const clb_model *m, clb_kv *kv, const clb_batch *b, c
     return st;
 }
 
+int clb_all_finite(const float *x, int64_t n) {
+    uint32_t bad = 0; /* or-reduced in integers, which the compiler vectorizes */
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u); /* exponent all ones */
+    }
+    return bad == 0;
+}
+
 clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err) {
     if (err) err[0] = '\0';
     if (!m || !kv || kv->model != m) {

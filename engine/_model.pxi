@@ -59,6 +59,7 @@ cdef extern from "clb_model.h" nogil:
     const clb_hparams *clb_model_hparams(const clb_model *m)
     int clb_model_n_threads(const clb_model *m)
     int64_t clb_forward_max_batch()
+    int clb_all_finite(const float *x, int64_t n)
     int CLB_PHASE_COUNT
     ctypedef struct clb_phase_stats:
         int64_t n_calls
@@ -195,6 +196,13 @@ def kv_block_bytes(dict hparams, str kv_type="f32") -> int:
     if n == 0:
         raise ValueError("hparams give no valid KV block size")
     return n
+
+
+def all_finite(const float[:, ::1] x) -> bool:
+    """True when every value of the float32 array x (2-D, C-contiguous) is finite."""
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return True
+    return clb_all_finite(&x[0, 0], x.shape[0] * x.shape[1]) != 0
 
 
 def _as_tables(x):

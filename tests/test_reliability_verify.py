@@ -128,6 +128,27 @@ def _poison(folder: Path, file: str, tensor: str) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_all_finite_agrees_with_numpy(seed: int) -> None:
+    from engine import _core
+
+    rng = np.random.default_rng(seed)
+    f32 = np.finfo(np.float32)
+    x = rng.standard_normal((3, 1001)).astype(np.float32)
+    x[0, :4] = [f32.max, -f32.max, f32.smallest_subnormal, -0.0]
+    assert _core.all_finite(x)
+    for bad in (np.nan, np.inf, -np.inf, np.float32(np.nan) * -1):
+        y = x.copy()
+        y.flat[rng.integers(y.size)] = bad
+        assert not _core.all_finite(y) and not np.isfinite(y).all()
+    y = x.copy()
+    y.view(np.uint32).flat[7] = 0x7F800001  # a signalling NaN
+    assert not _core.all_finite(y)
+    assert _core.all_finite(np.empty((0, 32000), np.float32))
+    with pytest.raises(ValueError):
+        _core.all_finite(x[:, ::2])  # not contiguous: refused, never misread
+
+
 def test_nan_weights_found_by_verify_and_at_run_time(copy: Path) -> None:
     _poison(copy, "embeddings.bin", "output_norm")
     verify(copy, full=False, deep=True)  # sizes and shapes are fine; only full reads values

@@ -244,7 +244,7 @@ class Model:
         except WeightFileChangedError as e:
             self._mark_faulty(str(e))
             raise
-        if out.size and not np.isfinite(out).all():
+        if not _core.all_finite(out):
             self._mark_faulty(f"{self.path}: the model produced non-finite logits (NaN or "
                               "inf weights?); check it with `colibri verify`")
             raise ModelFaultError(self.fault)
