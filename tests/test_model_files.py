@@ -354,6 +354,17 @@ def test_bad_inputs_at_forward_time(tiny_model: Path) -> None:
         (np.array([1, 1], np.int32), np.zeros(2, np.int32), np.array([2, 4], np.int32),
          InputError, "consecutive"),
         (np.array([1, 1], np.int32), z, np.array([2, 3], np.int32), InputError, "differ"),
+        # the same checks over several tokens (one token takes a path of its own)
+        (np.array([1, 320], np.int32), np.zeros(2, np.int32), np.array([2, 3], np.int32),
+         InputError, "token id 320"),
+        (np.array([1, 1], np.int32), np.array([0, 2], np.int32), np.array([2, 0], np.int32),
+         InputError, "sequence id 2"),
+        (np.array([1, 1], np.int32), np.array([0, 1], np.int32), np.array([2, -3], np.int32),
+         InputError, "position -3 is negative"),
+        (np.array([1, 1], np.int32), np.zeros(2, np.int32), np.array([15, 16], np.int32),
+         ContextOverflowError, "position 16 is past"),
+        (np.array([1, 1], np.int32), np.array([0, 1], np.int32), np.array([2, 1], np.int32),
+         InputError, "sequence 1: position 1 skips ahead"),
         (np.array([1.5]), z, np.array([2], np.int32), InputError, "integers"),
     ]
     for tok, seq, pos, exc, words in cases:
