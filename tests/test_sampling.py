@@ -277,9 +277,12 @@ def test_logprobs_match_reference(k: int) -> None:
 
 
 def test_no_logprobs_requested() -> None:
+    # nothing is scored unless asked: the token alone, the same token as when asked
     res = _sampler(temperature=0.0).sample(_logits(0), [])
-    assert res.top_logprobs is None
-    assert res.logprob == pytest.approx(_log_softmax64(_logits(0))[res.token_id], abs=1e-9)
+    assert res.top_logprobs is None and res.logprob is None
+    asked = _sampler(temperature=0.0, logprobs=0).sample(_logits(0), [])
+    assert asked.token_id == res.token_id and asked.top_logprobs == []
+    assert asked.logprob == pytest.approx(_log_softmax64(_logits(0))[res.token_id], abs=1e-9)
 
 
 # --- validation ----------------------------------------------------------------------------

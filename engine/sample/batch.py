@@ -350,18 +350,24 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
     for i in range(n_rows):
         if errors[i] is not None:
             adjusted[i] = 0.0
-    # Sampler's log-softmax, keeping only what is returned: shifted[token] - log(sum(exp))
+    # Sampler's log-softmax, keeping only what is returned: shifted[token] - log(sum(exp)),
+    # for the rows that asked for logprobs (the exponentials of a whole row are most of a
+    # greedy row's cost); every row's maximum, which a row without a finite one fails on
     mx = np.max(adjusted, axis=1).astype(np.float64)
     bad = ~np.isfinite(mx)
     mx[bad] = 0.0
-    work = _scratch(2, adjusted.shape, np.float64)
-    np.subtract(adjusted, mx[:, None], out=work)  # float64, as Sampler's x.astype(float64) - m
-    np.exp(work, out=work)
-    with np.errstate(divide="ignore"):  # a row with no finite logit fails just below
-        lse = np.log(np.sum(work, axis=1))
     for i in range(n_rows):
         if errors[i] is None and bad[i]:
             errors[i] = ValueError("logits have no finite maximum")
+    scored = [i for i, s in enumerate(samplers)
+              if errors[i] is None and s.params.logprobs is not None]
+    lse = np.full(n_rows, np.nan)
+    if scored:
+        sub = adjusted if len(scored) == n_rows else adjusted[scored]
+        work = _scratch(2, sub.shape, np.float64)
+        np.subtract(sub, mx[scored, None], out=work)  # float64, as Sampler's astype - m
+        np.exp(work, out=work)
+        lse[scored] = np.log(np.sum(work, axis=1))
     drawn = [i for i, s in enumerate(samplers)
              if errors[i] is None and s.params.temperature != 0.0]
     tokens: dict[int, int | BaseException] = {}
@@ -380,13 +386,14 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
             out.append(RowResult(None, err))
             continue
         assert isinstance(tok, int)
-        top = None
-        if s.params.logprobs is not None:
-            row = (adjusted[i].astype(np.float64) - mx[i]) - lse[i]
-            k = min(s.params.logprobs, row.shape[0])
-            idx = _top_indices(row, k) if k > 0 else np.empty(0, dtype=np.int64)
-            # a constraint's masked tokens (-inf) have no logprob to report
-            top = [(int(j), float(row[j])) for j in idx if row[j] > -np.inf]
+        if s.params.logprobs is None:
+            out.append(RowResult(SampleResult(tok)))
+            continue
+        row = (adjusted[i].astype(np.float64) - mx[i]) - lse[i]
+        k = min(s.params.logprobs, row.shape[0])
+        idx = _top_indices(row, k) if k > 0 else np.empty(0, dtype=np.int64)
+        # a constraint's masked tokens (-inf) have no logprob to report
+        top = [(int(j), float(row[j])) for j in idx if row[j] > -np.inf]
         shifted = np.float64(adjusted[i, tok]) - mx[i]
         out.append(RowResult(SampleResult(tok, float(shifted - lse[i]), top)))
     return out

@@ -153,10 +153,11 @@ def _token_id(t: Any, name: str, vocab_size: int) -> None:
 
 @dataclass
 class SampleResult:
-    """One sampled token. top_logprobs is None unless logprobs were requested."""
+    """One sampled token; its logprob and top_logprobs are None unless logprobs were
+    requested (SamplingParams.logprobs not None)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
 
 
@@ -256,16 +257,18 @@ class Sampler:
         """Choose the next token from logits [vocab] given prompt + generated ids so far."""
         p = self.params
         x = self.adjusted_logits(logits, history)
-        logp = _log_softmax(x)
+        if not np.isfinite(np.max(x)):
+            raise ValueError("logits have no finite maximum")
         if p.temperature < GREEDY_TEMPERATURE:
             token = int(np.argmax(x))  # first maximum: ties go to the lowest id
         else:
             token = self._draw(x)
-        top = None
-        if p.logprobs is not None:
-            k = min(p.logprobs, self.vocab_size)
-            idx = _top_indices(logp, k) if k > 0 else np.empty(0, dtype=np.int64)
-            top = [(int(i), float(logp[i])) for i in idx]
+        if p.logprobs is None:
+            return SampleResult(token)
+        logp = _log_softmax(x)
+        k = min(p.logprobs, self.vocab_size)
+        idx = _top_indices(logp, k) if k > 0 else np.empty(0, dtype=np.int64)
+        top = [(int(i), float(logp[i])) for i in idx]
         return SampleResult(token, float(logp[token]), top)
 
     def _draw(self, x: np.ndarray) -> int:
