@@ -194,6 +194,52 @@ def test_prompt_chunks_shrink_while_others_decode(hf_dir: Path) -> None:
     assert core.blocks.n_free == core.blocks.n_blocks
 
 
+def test_sampled_rows_apart_in_the_logits(hf_dir: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt scored row by row (prompt_logprobs) sits between two decoding requests, so
+    the rows a step samples are not next to each other in its logits: each request still gets
+    its own row, and the same tokens and prompt logprobs as alone."""
+    import engine.core.engine as engine_core
+
+    llm = _llm(hf_dir, max_num_seqs=4, max_num_batched_tokens=32,
+               prefill_tokens_while_decoding=8, enable_prefix_cache=False)
+    core = llm.core
+    long = _ids(llm, " ".join(PROMPTS) * 2)[:60]
+    first, last = _ids(llm, "Water"), _ids(llm, "The quick brown fox")
+    scored = _params(max_tokens=2, prompt_logprobs=2)
+    alone = {"first": _alone(llm, first, _params(max_tokens=40)),
+             "last": _alone(llm, last, _params(max_tokens=30))}
+    ref = list(llm.generate_tokens(long, scored))
+    apart: list[int] = []
+    real = engine_core.sample_rows
+
+    def spy(logits: Any, samplers: Any, histories: Any) -> Any:
+        apart.append(int(logits.base is None))  # a gathered copy, not a view of the step's
+        return real(logits, samplers, histories)
+
+    monkeypatch.setattr(engine_core, "sample_rows", spy)
+    outs: dict[str, list[Any]] = {"first": [], "scored": [], "last": []}
+
+    def step() -> None:
+        for o in core.step():
+            outs[o.request_id].append(o)
+
+    core.add_request("first", first, _params(max_tokens=40))
+    step()
+    core.add_request("scored", long, scored)
+    step()  # the scored prompt's first chunk
+    core.add_request("last", last, _params(max_tokens=30))
+    while core.has_work():
+        step()
+    assert sum(apart) > 0  # some step sampled rows that were apart
+    for rid in ("first", "last"):
+        assert [o.token_id for o in outs[rid]] == alone[rid]
+    assert [o.token_id for o in outs["scored"]] == [o.token_id for o in ref]
+    got = next(o.prompt_logprobs for o in outs["scored"] if o.prompt_logprobs is not None)
+    assert got == ref[0].prompt_logprobs
+    assert core.blocks.n_free == core.blocks.n_blocks
+
+
 def test_preemption_recomputes_the_same_tokens(hf_dir: Path) -> None:
     """A KV pool too small for every request at once: the newest is preempted, recomputed
     later, and still produces exactly the tokens it produces alone."""

@@ -185,7 +185,7 @@ class EngineCore:
 
         outputs: list[RequestOutput] = []
         failed: list[RequestOutput] = []
-        to_sample: list[tuple[Request, np.ndarray]] = []
+        to_sample: list[tuple[Request, int]] = []  # a request and its row of logits
         row = at = 0
         for req, n in sched.items:
             n_rows = int(want[at:at + n].sum())
@@ -206,9 +206,12 @@ class EngineCore:
                 if req.max_new == 0:  # max_tokens 0: the prompt is scored, nothing sampled
                     outputs.append(self._scored_only(req))
                     continue
-                to_sample.append((req, rows[-1]))
+                to_sample.append((req, row - 1))
         if to_sample:
-            stacked = np.stack([r for _, r in to_sample])
+            first, last = to_sample[0][1], to_sample[-1][1]
+            # decode steps sample consecutive rows: a view, not a copy
+            stacked = (logits[first:last + 1] if last - first + 1 == len(to_sample)
+                       else logits[[r for _, r in to_sample]])
             results = sample_rows(stacked, [q.sampler for q, _ in to_sample],
                                   [q.tokens for q, _ in to_sample])
             for (req, _), res in zip(to_sample, results, strict=True):
