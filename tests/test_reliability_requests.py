@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import httpx
@@ -83,6 +84,19 @@ def test_temperature_boundary_in_the_sampler() -> None:
             res = s.sample(logits, [1])
             assert res.token_id == best and res.logprob is not None
             assert np.isfinite(res.logprob)
+    # the batched sampler takes the same rule: below the boundary, the argmax, no draw and
+    # no overflow in a division by a subnormal temperature
+    from engine.sample.batch import sample_rows
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for temp in (5e-324, 1e-306, 1e-38, np.nextafter(GREEDY_TEMPERATURE, 0),
+                     GREEDY_TEMPERATURE):
+            params = SamplingParams(temperature=float(temp), seed=3, logprobs=0)
+            solo = Sampler(params, 64).sample(logits, [1])
+            row = sample_rows(logits[None], [Sampler(params, 64)], [[1]])[0].result
+            assert row is not None and (row.token_id, row.logprob) == (solo.token_id,
+                                                                       solo.logprob)
     # at and just above the boundary the draw runs, and with a logit gap this large it must
     # still pick the best token: nothing overflows into a degenerate distribution
     for temp in (GREEDY_TEMPERATURE, 2 * GREEDY_TEMPERATURE, 1e-3):

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sample.sampler import _TOP_P_CANDIDATES, Sampler, SampleResult, _top_indices
+from engine.sample.sampler import (
+    _TOP_P_CANDIDATES,
+    GREEDY_TEMPERATURE,
+    Sampler,
+    SampleResult,
+    _top_indices,
+)
 
 # Each thread keeps its [B, V] working arrays between steps: fresh arrays this large come from
 # the operating system every step, and faulting their pages in costs more than the arithmetic.
@@ -369,7 +375,7 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
         np.exp(work, out=work)
         lse[scored] = np.log(np.sum(work, axis=1))
     drawn = [i for i, s in enumerate(samplers)
-             if errors[i] is None and s.params.temperature != 0.0]
+             if errors[i] is None and s.params.temperature >= GREEDY_TEMPERATURE]
     tokens: dict[int, int | BaseException] = {}
     if drawn:
         sub = adjusted if len(drawn) == n_rows else adjusted[drawn]
