@@ -137,10 +137,12 @@ def test_all_finite_agrees_with_numpy(seed: int) -> None:
     x = rng.standard_normal((3, 1001)).astype(np.float32)
     x[0, :4] = [f32.max, -f32.max, f32.smallest_subnormal, -0.0]
     assert _core.all_finite(x)
+    n = x.size
     for bad in (np.nan, np.inf, -np.inf, np.float32(np.nan) * -1):
-        y = x.copy()
-        y.flat[rng.integers(y.size)] = bad
-        assert not _core.all_finite(y) and not np.isfinite(y).all()
+        for at in (rng.integers(n), 0, n - 1):  # anywhere, the first and the last included
+            y = x.copy()
+            y.flat[at] = bad
+            assert not _core.all_finite(y) and not np.isfinite(y).all()
     y = x.copy()
     y.view(np.uint32).flat[7] = 0x7F800001  # a signalling NaN
     assert not _core.all_finite(y)

@@ -375,7 +375,7 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
         np.exp(work, out=work)
         lse[scored] = np.log(np.sum(work, axis=1))
     drawn = [i for i, s in enumerate(samplers)
-             if errors[i] is None and s.params.temperature >= GREEDY_TEMPERATURE]
+             if errors[i] is None and not s.params.temperature < GREEDY_TEMPERATURE]
     tokens: dict[int, int | BaseException] = {}
     if drawn:
         sub = adjusted if len(drawn) == n_rows else adjusted[drawn]
