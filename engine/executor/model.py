@@ -213,8 +213,9 @@ class Model:
         if p_hi >= self.n_ctx:
             raise ContextOverflowError(
                 f"position {p_hi} is past the context (n_ctx {self.n_ctx})")
-        # each slot's positions; one token (a decode step) skips numpy's grouping
-        slots = ({s_lo: pos} if seq.size == 1
+        # each slot's positions; a call of one slot (a decode step, one prompt) skips numpy's
+        # grouping
+        slots = ({s_lo: pos} if s_lo == s_hi
                  else {s: pos[seq == s] for s in np.unique(seq).tolist()})
         ends: dict[int, int] = {}
         for s, p in slots.items():
