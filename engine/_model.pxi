@@ -353,19 +353,17 @@ cdef class CoreModel:
         return clb_model_n_threads(self.m)
 
     def product_stats(self) -> dict:
-        """The forward pass's weight products since load, timed in place: calls, seconds
-        (activation packing and thread hand-offs included) and weight bytes read, in all and
-        per phase (PRODUCT_PHASES); with them the seconds of attention over the KV cache and
-        of the forward calls, whole."""
+        """The forward pass's weight products since load, timed in place, per phase
+        (PRODUCT_PHASES; every product is in exactly one): calls, seconds (activation packing
+        and thread hand-offs included) and weight bytes read; with them the seconds of
+        attention over the KV cache and of the forward calls, whole."""
         cdef clb_product_stats ps
         with self._lock:  # between forward calls
             clb_model_product_stats(self.m, &ps)
         phases = {name: {"calls": ps.phase[i].n_calls, "s": ps.phase[i].ns * 1e-9,
                          "weight_bytes": ps.phase[i].weight_bytes}
                   for i, name in enumerate(PRODUCT_PHASES)}
-        return {**{k: sum(ph[k] for ph in phases.values()) for k in ("calls", "s",
-                                                                      "weight_bytes")},
-                "phases": phases, "attention_s": ps.attention_ns * 1e-9,
+        return {"phases": phases, "attention_s": ps.attention_ns * 1e-9,
                 "forward_s": ps.forward_ns * 1e-9}
 
     @property

@@ -164,8 +164,8 @@ class Model:
 
     def product_stats(self) -> dict[str, float]:
         """The weight products of every forward call so far, timed in place: calls, seconds
-        and weight bytes, in all and per phase, with attention over the KV cache and the
-        forward calls whole (engine._core.CoreModel.product_stats)."""
+        and weight bytes per phase, with attention over the KV cache and the forward calls
+        whole (engine._core.CoreModel.product_stats)."""
         return dict(self.core.product_stats())
 
     def seq_len(self, seq_id: int) -> int:
