@@ -50,6 +50,11 @@ def _scratch(slot: int, shape: tuple[int, int], dtype: type) -> np.ndarray:
     return buf[:nbytes].view(dtype).reshape(shape)
 
 
+def _take_rows(x: np.ndarray, rows: list[int]) -> np.ndarray:
+    """x's rows at the increasing indices rows: x itself when they are all of them."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
 @dataclass
 class RowResult:
     """A sampled row, or the error that failed its request."""
@@ -369,7 +374,7 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
               if errors[i] is None and s.params.logprobs is not None]
     lse = np.full(n_rows, np.nan)
     if scored:
-        sub = adjusted if len(scored) == n_rows else adjusted[scored]
+        sub = _take_rows(adjusted, scored)
         work = _scratch(2, sub.shape, np.float64)
         np.subtract(sub, mx[scored, None], out=work)  # float64, as Sampler's astype - m
         np.exp(work, out=work)
@@ -378,7 +383,7 @@ def sample_rows(logits: np.ndarray, samplers: list[Sampler],
              if errors[i] is None and not s.params.temperature < GREEDY_TEMPERATURE]
     tokens: dict[int, int | BaseException] = {}
     if drawn:
-        sub = adjusted if len(drawn) == n_rows else adjusted[drawn]
+        sub = _take_rows(adjusted, drawn)
         tokens = dict(zip(drawn, _draw_rows(sub, mx[drawn], [samplers[i] for i in drawn]),
                           strict=True))
     out: list[RowResult] = []

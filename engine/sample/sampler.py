@@ -161,12 +161,9 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = np.max(x)
-    if not np.isfinite(m):
-        raise ValueError("logits have no finite maximum")
-    shifted = x - m
+def _log_softmax(x: np.ndarray, m: float) -> np.ndarray:
+    """float64 log-softmax of x, whose maximum m the caller found finite."""
+    shifted = x.astype(np.float64) - np.float64(m)
     return shifted - np.log(np.sum(np.exp(shifted)))
 
 
@@ -257,7 +254,8 @@ class Sampler:
         """Choose the next token from logits [vocab] given prompt + generated ids so far."""
         p = self.params
         x = self.adjusted_logits(logits, history)
-        if not np.isfinite(np.max(x)):
+        m = np.max(x)
+        if not np.isfinite(m):
             raise ValueError("logits have no finite maximum")
         if p.temperature < GREEDY_TEMPERATURE:
             token = int(np.argmax(x))  # first maximum: ties go to the lowest id
@@ -265,7 +263,7 @@ class Sampler:
             token = self._draw(x)
         if p.logprobs is None:
             return SampleResult(token)
-        logp = _log_softmax(x)
+        logp = _log_softmax(x, m)
         k = min(p.logprobs, self.vocab_size)
         idx = _top_indices(logp, k) if k > 0 else np.empty(0, dtype=np.int64)
         top = [(int(i), float(logp[i])) for i in idx]
