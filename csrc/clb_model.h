@@ -132,6 +132,7 @@ int64_t clb_forward_max_batch(void);
 /* 1 when each of the n floats is finite (no NaN, no infinity), else 0: the check of a step's
  * logits, a few microseconds where numpy's isfinite allocates and reduces a mask */
 int clb_all_finite(const float *x, int64_t n);
+
 const clb_hparams *clb_model_hparams(const clb_model *m);
 int clb_model_n_threads(const clb_model *m);
 

@@ -275,7 +275,8 @@ static inline __attribute__((always_inline)) __m256i clb_half_q8(const __m256i s
  * lifted the model's decode when they were chosen, each worker's stream of a small expert
  * matrix being short, and q4, compute-bound on that CPU, ran no faster or slower with them;
  * on a Zen 5 q4 and q6 are not compute-bound and run faster with about 6 KB ahead). Passes of
- * more tokens are compute-bound and keep CLB_X8_PF_AHEAD. Both layouts do the same arithmetic, so they give the same bits. */
+ * more tokens are compute-bound and keep CLB_X8_PF_AHEAD. Both layouts do the same arithmetic,
+ * so they give the same bits. */
 #define CLB_PF_LINES(QT) ((8 * CLB_QT_BLOCK(QT) + 63) / 64) /* 64-byte lines per group block */
 
 /* the nibble registers v (unsigned, 0..15) of a q6 block made whole (0..63) with its high

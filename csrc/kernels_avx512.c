@@ -342,9 +342,9 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
  * (chosen on Zen 4's decode when this pass also took one token: q8 ran alike from 6 to 32
  * blocks ahead; q4 one thread ran 30% faster 24 blocks ahead than 12, and no faster at 36 or
  * 48; q6 takes the same distance in bytes, not measured on its own). It now takes two tokens
- * or more; one token goes through clb_vnni256.h's pass (clb_gemm_x16). A matrix with an odd number of groups pairs its last
- * group with itself and stores the low half. Same per-lane arithmetic as clb_group, so the
- * same bits as the reference. */
+ * or more; one token goes through clb_vnni256.h's pass (clb_gemm_x16). A matrix with an odd
+ * number of groups pairs its last group with itself and stores the low half. Same per-lane
+ * arithmetic as clb_group, so the same bits as the reference. */
 
 /* blocks ahead: about 3.3 KB of each stream for every type */
 #define CLB_X16_PF_AHEAD(QT) ((QT) == CLB_QT_Q8 ? 12 : (QT) == CLB_QT_Q4 ? 24 : 16)
