@@ -2,7 +2,8 @@
  * Guarantees: every header, offset and size is checked against the real file length before a
  * tensor byte is read; shapes and dtypes are checked against the hyper-parameters; errors come
  * back as a status plus a message naming the file and tensor.
- * Refuses: architectures other than those in clb_arch; tensors that overlap or run past EOF. */
+ * Refuses: block kinds outside clb_ffn_kind / clb_router_kind; tensors that overlap or run past
+ * EOF. */
 #ifndef CLB_MODEL_H
 #define CLB_MODEL_H
 
@@ -11,26 +12,49 @@
 
 #define CLB_ERR_LEN 512
 
-typedef enum { CLB_ARCH_MIXTRAL = 0, CLB_ARCH_QWEN2_MOE = 1, CLB_ARCH_QWEN3_MOE = 2, CLB_ARCH_OLMOE = 3 } clb_arch;
 typedef enum { CLB_QK_NORM_NONE = 0, CLB_QK_NORM_HEAD = 1, CLB_QK_NORM_FULL = 2 } clb_qk_norm;
+
+/* The blocks a layer is made of. A model family is a choice among these, made in Python
+ * (engine/models/<family>.py) and handed over through clb_hparams: which FFN each layer has,
+ * how its router picks experts, which optional attention tensors exist. */
+typedef enum {
+    CLB_FFN_MOE = 0,   /* routed experts (+ shared experts when n_ff_shared > 0) */
+    CLB_FFN_DENSE = 1, /* one SiLU-gated FFN of width n_ff_dense */
+} clb_ffn_kind;
+typedef enum {
+    CLB_ROUTER_SOFTMAX = 0,         /* softmax over the logits, top-k, optional renormalising */
+    CLB_ROUTER_SIGMOID_GROUPED = 1, /* sigmoid scores; selection on scores + a per-expert bias
+                                       within the best topk_group of n_group groups; weights
+                                       are the plain scores (optionally renormalised) times
+                                       routed_scale */
+} clb_router_kind;
 
 /* Hyper-parameters, filled by Python from config.json (engine/models/config.py). */
 typedef struct {
-    int32_t arch;          /* clb_arch */
     int64_t n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim;
-    int64_t n_ff, n_expert, n_expert_used;
+    int64_t n_ff, n_expert, n_expert_used; /* routed experts; 0 when no layer is MoE */
     int64_t n_ff_shared;   /* 0: no shared expert */
+    int64_t n_ff_dense;    /* width of the dense layers' FFN; 0 when no layer is dense */
     int32_t shared_gate;   /* shared expert scaled by sigmoid(shared_gate . x) */
     int32_t norm_topk_prob;
+    int32_t router;        /* clb_router_kind */
+    int64_t n_group, topk_group; /* CLB_ROUTER_SIGMOID_GROUPED: groups of experts, groups kept */
+    float routed_scale;    /* routed experts' weights are multiplied by it (1: off) */
     int32_t qk_norm;       /* clb_qk_norm */
     int32_t qkv_bias;
+    int32_t o_bias;        /* the output projection has a bias */
     int32_t tie_embeddings;
     float clip_qkv;        /* <= 0: off */
     float rope_theta;
-    int64_t rotary_dim;    /* <= head_dim, even */
+    int64_t rotary_dim;    /* <= head_dim, even: rotary part of each head (the first dims) */
+    float rope_scale;      /* cos and sin are multiplied by it (1: plain RoPE) */
     float rms_eps;
     int64_t sliding_window; /* <= 0: off */
     int64_t n_ctx;         /* KV capacity per sequence */
+    /* per-model arrays, copied at load (the caller's may go away after clb_model_load) */
+    const float *rope_freqs;   /* [rotary_dim / 2] inverse frequencies (YaRN, llama3, ...);
+                                  NULL: 1 / rope_theta^(2i / rotary_dim) */
+    const int32_t *layer_ffn;  /* [n_layer] clb_ffn_kind; NULL: every layer CLB_FFN_MOE */
 } clb_hparams;
 
 /* One weight file mapped read-only. */
@@ -148,6 +172,7 @@ typedef enum {
     CLB_PHASE_EXPERT_UP,     /* routed experts' gate and up */
     CLB_PHASE_EXPERT_DOWN,   /* routed experts' down */
     CLB_PHASE_SHARED,        /* the shared expert and its gate */
+    CLB_PHASE_DENSE,         /* dense layers' FFN */
     CLB_PHASE_LM_HEAD,
     CLB_PHASE_COUNT
 } clb_phase;

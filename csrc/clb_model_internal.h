@@ -12,21 +12,27 @@
 
 /* Tokens one internal forward chunk carries; longer calls are split (see clb_forward). */
 #define CLB_MAX_BATCH 512
+/* Most expert groups a grouped router may have (DeepSeek-V3 and GLM use 8 or 1). */
+#define CLB_MAX_GROUPS 64
 
 typedef struct {
     const clb_tensor *w1, *w3, *w2; /* [F, D] gate, [F, D] up, [D, F] down */
 } clb_ffn_w;
 
 typedef struct {
+    int32_t ffn;                            /* clb_ffn_kind */
     const clb_tensor *attn_norm;            /* [D] */
     const clb_tensor *wq, *wk, *wv, *wo;    /* [H*hd, D], [Hkv*hd, D] x2, [D, H*hd] */
     const clb_tensor *bq, *bk, *bv;         /* NULL unless qkv_bias */
+    const clb_tensor *bo;                   /* [D] or NULL unless o_bias */
     const clb_tensor *q_norm, *k_norm;      /* NULL unless qk_norm */
     const clb_tensor *ffn_norm;             /* [D] */
-    const clb_tensor *gate_inp;             /* [E, D] f32 */
+    const clb_tensor *gate_inp;             /* [E, D] f32; NULL in a dense layer */
+    const clb_tensor *gate_bias;            /* [E] f32 selection bias (grouped router) or NULL */
     const clb_tensor *shared_gate;          /* [1, D] f32 or NULL */
     clb_ffn_w shared;                       /* all NULL unless n_ff_shared > 0 */
     clb_ffn_w *experts;                     /* [E], points into clb_model.experts */
+    clb_ffn_w dense;                        /* the FFN of a dense layer ([n_ff_dense, D]) */
 } clb_layer_w;
 
 struct clb_model {
@@ -56,8 +62,10 @@ struct clb_model {
     float *att;      /* [B, H*hd] attention output (pre o-projection) */
     float *proj;     /* [B, D] o-projection / MoE output */
     float *rope;     /* [B, rotary_dim]: cos of the rotary_dim/2 frequencies, then sin */
-    float *inv_freq; /* [rotary_dim/2] */
+    float *inv_freq; /* [rotary_dim/2] (hp.rope_freqs points here after load) */
+    int32_t *layer_ffn; /* [n_layer] (hp.layer_ffn points here after load) */
     float *probs;    /* [B, E] router probabilities */
+    float *choice;   /* [E] one token's selection scores (grouped router) */
     int32_t *top_id; /* [B, K] */
     float *top_w;    /* [B, K] */
     int64_t *e_start;  /* [E+1] start of each expert's group in route_* */

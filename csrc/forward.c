@@ -310,16 +310,32 @@ static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
     m->prod.attention_ns += clb_now_ns() - t0;
     TRY(st);
 
-    TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wo, m->att, T, m->proj, D, NULL)); /* [T, D] */
+    TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wo, m->att, T, m->proj, D, l->bo)); /* [T, D] */
     for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
     return CLB_OK;
 }
 
 /* ---- MoE ------------------------------------------------------------------------------- */
 
-/* Softmax over E logits, then the K largest probabilities (ties: lower expert id first),
- * optionally renormalised to sum to one. */
-static void route_token(const clb_hparams *hp, float *p, int32_t *ids, float *w) {
+/* The K best experts by score (ties: lower expert id first), skipping experts whose group
+ * is not kept (keep NULL: all kept; group g holds experts [g*per, (g+1)*per)). */
+static void top_k(const float *score, int64_t E, int64_t K, const uint8_t *keep, int64_t per,
+                  int32_t *ids) {
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            if (keep && !keep[e / per]) continue;
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
+            if (!taken && (best < 0 || score[e] > score[best])) best = e;
+        }
+        ids[k] = (int32_t)best;
+    }
+}
+
+/* Softmax router: softmax over E logits, then the K largest probabilities, optionally
+ * renormalised to sum to one. */
+static void route_softmax(const clb_hparams *hp, float *p, int32_t *ids, float *w) {
     const int64_t E = hp->n_expert, K = hp->n_expert_used;
     float mx = p[0];
     for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
@@ -329,16 +345,8 @@ static void route_token(const clb_hparams *hp, float *p, int32_t *ids, float *w)
         sum += p[e];
     }
     for (int64_t e = 0; e < E; e++) p[e] /= sum;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
-        ids[k] = (int32_t)best;
-        w[k] = p[best];
-    }
+    top_k(p, E, K, NULL, E, ids);
+    for (int64_t k = 0; k < K; k++) w[k] = p[ids[k]];
     if (hp->norm_topk_prob) {
         float ws = 0.0f;
         for (int64_t k = 0; k < K; k++) ws += w[k];
@@ -346,15 +354,70 @@ static void route_token(const clb_hparams *hp, float *p, int32_t *ids, float *w)
     }
 }
 
+/* Grouped sigmoid router (DeepSeek-V3, GLM-4.5): scores s = sigmoid(logits); experts are chosen
+ * on c = s + bias (into the scratch c [E]), only within the topk_group groups whose two best c
+ * sum highest; the weights are the chosen experts' s, renormalised (+1e-20, as transformers)
+ * when norm_topk_prob, times routed_scale. p holds the logits and receives s. */
+static void route_sigmoid_grouped(const clb_hparams *hp, float *p, const float *bias, float *c,
+                                  int32_t *ids, float *w) {
+    const int64_t E = hp->n_expert, K = hp->n_expert_used, G = hp->n_group;
+    const int64_t per = E / G;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = 1.0f / (1.0f + expf(-p[e]));
+        c[e] = p[e] + bias[e];
+    }
+    uint8_t keep[CLB_MAX_GROUPS];
+    const uint8_t *kp = NULL;
+    if (G > 1) {
+        float gs[CLB_MAX_GROUPS];
+        for (int64_t g = 0; g < G; g++) { /* sum of the group's two best c */
+            float a = -INFINITY, b = -INFINITY;
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                if (c[e] > a) {
+                    b = a;
+                    a = c[e];
+                } else if (c[e] > b) {
+                    b = c[e];
+                }
+            }
+            gs[g] = a + b;
+            keep[g] = 0;
+        }
+        for (int64_t k = 0; k < hp->topk_group; k++) { /* best groups, lower index on ties */
+            int64_t best = -1;
+            for (int64_t g = 0; g < G; g++)
+                if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+            keep[best] = 1;
+        }
+        kp = keep;
+    }
+    top_k(c, E, K, kp, per, ids);
+    float ws = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        w[k] = p[ids[k]];
+        ws += w[k];
+    }
+    for (int64_t k = 0; k < K; k++) {
+        if (hp->norm_topk_prob) w[k] /= ws + 1e-20f;
+        w[k] *= hp->routed_scale;
+    }
+}
+
+/* One token's routing from its router logits p [E] (overwritten): ids and weights [K]. */
+static void route_token(clb_model *m, const clb_layer_w *l, float *p, int32_t *ids, float *w) {
+    if (m->hp.router == CLB_ROUTER_SIGMOID_GROUPED)
+        route_sigmoid_grouped(&m->hp, p, f32(l->gate_bias), m->choice, ids, w);
+    else
+        route_softmax(&m->hp, p, ids, w);
+}
+
 /* FFNs of n_g groups of consecutive rows, all in two dispatches (gate/up, then down):
  * rows [off[g], off[g+1]) go through w[g]: out[r, D] = w2 @ (silu(w1 @ x_r) * (w3 @ x_r)),
  * x_r = src[idx[r]] (idx NULL: src[r]). At most CLB_MAX_BATCH rows; every w[g] has the same
  * tensor types (one group of the file layout). */
-static clb_status ffn_groups(clb_model *m, int shared, int64_t n_g, const clb_ffn_w *const *w,
-                             const int64_t *off, const float *src, const int32_t *idx,
-                             float *out) {
-    const clb_phase up = shared ? CLB_PHASE_SHARED : CLB_PHASE_EXPERT_UP;
-    const clb_phase down = shared ? CLB_PHASE_SHARED : CLB_PHASE_EXPERT_DOWN;
+static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t n_g,
+                             const clb_ffn_w *const *w, const int64_t *off, const float *src,
+                             const int32_t *idx, float *out) {
     const int64_t D = m->hp.n_embd, F = w[0]->w1->shape[0], n = off[n_g] - off[0];
     const clb_tensor *w1 = w[0]->w1, *w2 = w[0]->w2;
     if (w[0]->w3->type != w1->type) { /* gate and up of different types: one at a time */
@@ -420,7 +483,7 @@ static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     int32_t *ids = m->pf_ids, *tok_ids = m->pf_ids + E;
     float *w = m->route_w;
     for (int64_t t = 0; t < T; t++) {
-        route_token(hp, m->probs + t * E, tok_ids, w);
+        route_token(m, nl, m->probs + t * E, tok_ids, w);
         for (int64_t k = 0; k < K; k++) votes[tok_ids[k]]++;
     }
     int64_t n = 0;
@@ -447,13 +510,15 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
     TRY(mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
     for (int64_t t = 0; t < T; t++)
-        route_token(hp, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
+        route_token(m, l, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
     if (routes)
         for (int64_t t = 0; t < T; t++)
             memcpy(routes + (t * hp->n_layer + il) * K, m->top_id + t * K,
                    (size_t)K * sizeof(int32_t));
     clb_xcache *xc = m->xc;
-    if (clb_xc_prefetching(xc) && il + 1 < hp->n_layer) TRY(prefetch_next(m, il, T));
+    if (clb_xc_prefetching(xc) && il + 1 < hp->n_layer &&
+        m->layers[il + 1].ffn == CLB_FFN_MOE)
+        TRY(prefetch_next(m, il, T));
 
     /* group: counting sort by expert, tokens ascending within a group */
     for (int64_t e = 0; e <= E; e++) m->e_start[e] = 0;
@@ -494,7 +559,8 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         int64_t s1 = m->e_start[e];
         if (s1 == s0) continue;
         clb_status fst =
-            ffn_groups(m, 0, e - e0, ws, m->e_start + e0, m->xn, m->route_tok, m->eo);
+            ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
+                       m->e_start + e0, m->xn, m->route_tok, m->eo);
         if (xc) clb_xc_release(xc, il);
         TRY(fst);
         for (int64_t r = s0; r < s1; r++) {
@@ -508,7 +574,8 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     if (hp->n_ff_shared > 0) {
         const clb_ffn_w *sw = &l->shared;
         int64_t off[2] = {0, T};
-        TRY(ffn_groups(m, 1, 1, &sw, off, m->xn, NULL, m->eo)); /* [T, D] */
+        TRY(ffn_groups(m, CLB_PHASE_SHARED, CLB_PHASE_SHARED, 1, &sw, off, m->xn, NULL,
+                       m->eo)); /* [T, D] */
         if (l->shared_gate) {
             TRY(mm(m, CLB_PHASE_SHARED, l->shared_gate, m->xn, T, m->sgate, 1, NULL));
             for (int64_t t = 0; t < T; t++) {
@@ -519,6 +586,23 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         for (int64_t i = 0; i < T * D; i++) m->proj[i] += m->eo[i];
     }
     for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
+    return CLB_OK;
+}
+
+/* A dense layer's FFN: x += w2 @ (silu(w1 @ xn) * (w3 @ xn)), xn = rmsnorm(x). */
+static clb_status dense_ffn(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
+    const clb_hparams *hp = &m->hp;
+    const clb_layer_w *l = &m->layers[il];
+    const int64_t D = hp->n_embd, K = hp->n_expert_used;
+    for (int64_t t = 0; t < T; t++)
+        rmsnorm(m->x + t * D, f32(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
+    const clb_ffn_w *w = &l->dense;
+    int64_t off[2] = {0, T};
+    TRY(ffn_groups(m, CLB_PHASE_DENSE, CLB_PHASE_DENSE, 1, &w, off, m->xn, NULL, m->proj));
+    for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
+    if (routes) /* no expert chosen in this layer */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t k = 0; k < K; k++) routes[(t * hp->n_layer + il) * K + k] = -1;
     return CLB_OK;
 }
 
@@ -537,13 +621,14 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
         float *cs = m->rope + t * rd;
         for (int64_t i = 0; i < half; i++) {
             float ang = (float)pos[t] * m->inv_freq[i]; /* f32, as transformers computes it */
-            cs[i] = cosf(ang);
-            cs[half + i] = sinf(ang);
+            cs[i] = cosf(ang) * hp->rope_scale;
+            cs[half + i] = sinf(ang) * hp->rope_scale;
         }
     }
     for (int64_t il = 0; il < hp->n_layer; il++) {
         TRY(attention(m, kv, b, il, T, seq, pos));
-        TRY(moe(m, il, T, routes));
+        TRY(m->layers[il].ffn == CLB_FFN_DENSE ? dense_ffn(m, il, T, routes)
+                                               : moe(m, il, T, routes));
     }
 
     int64_t n = 0;

@@ -32,7 +32,6 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
             return CLB_E_ARG;            \
         }                                \
     } while (0)
-    NEED(hp->arch >= CLB_ARCH_MIXTRAL && hp->arch <= CLB_ARCH_OLMOE, "unknown arch %d", hp->arch);
     NEED(hp->n_vocab > 0 && hp->n_vocab <= CLB_MAX_VOCAB, "n_vocab %lld out of range",
          (long long)hp->n_vocab);
     NEED(hp->n_embd > 0 && hp->n_embd <= CLB_MAX_EMBD, "n_embd %lld out of range",
@@ -47,12 +46,46 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
          (long long)hp->n_head, (long long)hp->n_head_kv);
     NEED(hp->head_dim > 0 && hp->head_dim * hp->n_head <= CLB_MAX_EMBD,
          "head_dim %lld out of range", (long long)hp->head_dim);
-    NEED(hp->n_ff > 0 && hp->n_ff <= CLB_MAX_EMBD, "n_ff %lld out of range", (long long)hp->n_ff);
-    NEED(hp->n_expert > 0 && hp->n_expert <= CLB_MAX_EXPERT, "n_expert %lld out of range",
-         (long long)hp->n_expert);
-    NEED(hp->n_expert_used > 0 && hp->n_expert_used <= hp->n_expert,
-         "n_expert_used %lld not in 1..n_expert (%lld)", (long long)hp->n_expert_used,
-         (long long)hp->n_expert);
+    int64_t n_moe = 0, n_dense = 0;
+    for (int64_t il = 0; il < hp->n_layer; il++) {
+        int32_t k = hp->layer_ffn ? hp->layer_ffn[il] : CLB_FFN_MOE;
+        NEED(k == CLB_FFN_MOE || k == CLB_FFN_DENSE, "layer %lld: unknown FFN kind %d",
+             (long long)il, k);
+        n_moe += k == CLB_FFN_MOE;
+        n_dense += k == CLB_FFN_DENSE;
+    }
+    NEED(n_dense == 0 || (hp->n_ff_dense > 0 && hp->n_ff_dense <= CLB_MAX_EMBD),
+         "n_ff_dense %lld out of range (%lld dense layers)", (long long)hp->n_ff_dense,
+         (long long)n_dense);
+    if (n_moe > 0) {
+        NEED(hp->n_ff > 0 && hp->n_ff <= CLB_MAX_EMBD, "n_ff %lld out of range",
+             (long long)hp->n_ff);
+        NEED(hp->n_expert > 0 && hp->n_expert <= CLB_MAX_EXPERT, "n_expert %lld out of range",
+             (long long)hp->n_expert);
+        NEED(hp->n_expert_used > 0 && hp->n_expert_used <= hp->n_expert,
+             "n_expert_used %lld not in 1..n_expert (%lld)", (long long)hp->n_expert_used,
+             (long long)hp->n_expert);
+    } else {
+        NEED(hp->n_expert == 0 && hp->n_expert_used == 0 && hp->n_ff_shared == 0,
+             "n_expert, n_expert_used and n_ff_shared must be 0 without an MoE layer");
+    }
+    NEED(hp->router == CLB_ROUTER_SOFTMAX || hp->router == CLB_ROUTER_SIGMOID_GROUPED,
+         "unknown router %d", hp->router);
+    if (hp->router == CLB_ROUTER_SIGMOID_GROUPED && n_moe > 0) {
+        NEED(hp->n_group > 0 && hp->n_group <= CLB_MAX_GROUPS && hp->n_expert % hp->n_group == 0,
+             "n_group %lld must be in 1..%d and divide n_expert %lld", (long long)hp->n_group,
+             CLB_MAX_GROUPS, (long long)hp->n_expert);
+        NEED(hp->topk_group > 0 && hp->topk_group <= hp->n_group,
+             "topk_group %lld not in 1..n_group (%lld)", (long long)hp->topk_group,
+             (long long)hp->n_group);
+        NEED(hp->n_group == 1 || hp->n_expert / hp->n_group >= 2,
+             "grouped routing needs at least 2 experts per group");
+        NEED(hp->topk_group * (hp->n_expert / hp->n_group) >= hp->n_expert_used,
+             "the %lld kept groups hold fewer experts than n_expert_used %lld",
+             (long long)hp->topk_group, (long long)hp->n_expert_used);
+    }
+    NEED(isfinite(hp->routed_scale) && hp->routed_scale > 0.0f, "routed_scale must be positive");
+    NEED(isfinite(hp->rope_scale) && hp->rope_scale > 0.0f, "rope_scale must be positive");
     NEED(hp->n_ff_shared >= 0 && hp->n_ff_shared <= CLB_MAX_EMBD, "n_ff_shared %lld out of range",
          (long long)hp->n_ff_shared);
     NEED(!hp->shared_gate || hp->n_ff_shared > 0, "shared_gate set without a shared expert");
@@ -62,6 +95,9 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
          "rotary_dim %lld must be even and in 2..head_dim (%lld)", (long long)hp->rotary_dim,
          (long long)hp->head_dim);
     NEED(isfinite(hp->rope_theta) && hp->rope_theta > 0.0f, "rope_theta must be positive");
+    for (int64_t i = 0; hp->rope_freqs && i < hp->rotary_dim / 2; i++)
+        NEED(isfinite(hp->rope_freqs[i]) && hp->rope_freqs[i] >= 0.0f,
+             "rope_freqs[%lld] is not a finite non-negative number", (long long)i);
     NEED(isfinite(hp->rms_eps) && hp->rms_eps > 0.0f, "rms_eps must be positive");
     NEED(!isnan(hp->clip_qkv), "clip_qkv is NaN");
     NEED(hp->n_ctx > 0 && hp->n_ctx <= CLB_MAX_CTX, "n_ctx %lld out of range",
@@ -172,11 +208,24 @@ static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
         TRY(want(ld, f, rel, "k_norm", KIND_VEC_F32, 0, kvd, "n_head_kv*head_dim", &l->k_norm));
     }
 
+    if (hp->o_bias) TRY(want(ld, f, rel, "bo", KIND_VEC_F32, 0, d, "n_embd", &l->bo));
+
+    l->ffn = hp->layer_ffn ? hp->layer_ffn[il] : CLB_FFN_MOE;
+    if (l->ffn == CLB_FFN_DENSE) {
+        snprintf(rel, sizeof rel, "dense/layer_%lld.bin", (long long)il);
+        TRY(open_file(ld, dir, rel, &f));
+        TRY(want(ld, f, rel, "ffn_norm", KIND_VEC_F32, 0, d, "n_embd", &l->ffn_norm));
+        return load_ffn(ld, f, rel, hp->n_ff_dense, "n_ff_dense / n_embd", &l->dense);
+    }
+
     snprintf(rel, sizeof rel, "router/layer_%lld.bin", (long long)il);
     TRY(open_file(ld, dir, rel, &f));
     TRY(want(ld, f, rel, "ffn_norm", KIND_VEC_F32, 0, d, "n_embd", &l->ffn_norm));
     TRY(want(ld, f, rel, "gate_inp", KIND_MAT_F32, hp->n_expert, d, "n_expert, n_embd",
              &l->gate_inp));
+    if (hp->router == CLB_ROUTER_SIGMOID_GROUPED)
+        TRY(want(ld, f, rel, "gate_bias", KIND_VEC_F32, 0, hp->n_expert, "n_expert",
+                 &l->gate_bias));
     if (hp->shared_gate)
         TRY(want(ld, f, rel, "shared_gate", KIND_MAT_F32, 1, d, "1, n_embd", &l->shared_gate));
 
@@ -219,6 +268,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     size_t kvd = (size_t)(hp->n_head_kv * hp->head_dim), e = (size_t)hp->n_expert;
     size_t k = (size_t)hp->n_expert_used;
     size_t ff = (size_t)(hp->n_ff > hp->n_ff_shared ? hp->n_ff : hp->n_ff_shared);
+    if ((size_t)hp->n_ff_dense > ff) ff = (size_t)hp->n_ff_dense;
     m->span = hp->n_ctx;
     if (hp->sliding_window > 0 && hp->sliding_window < m->span) m->span = hp->sliding_window;
 
@@ -229,12 +279,15 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
         mm = mm_need(l->wk, mm);
         mm = mm_need(l->wv, mm);
         mm = mm_need(l->wo, mm);
+        mm = mm_need(l->dense.w1, mm);
+        mm = mm_need(l->dense.w3, mm);
+        mm = mm_need(l->dense.w2, mm);
         mm = mm_need(l->gate_inp, mm);
         mm = mm_need(l->shared_gate, mm);
         mm = mm_need(l->shared.w1, mm);
         mm = mm_need(l->shared.w3, mm);
         mm = mm_need(l->shared.w2, mm);
-        for (int64_t j = 0; j < hp->n_expert; j++) {
+        for (int64_t j = 0; l->experts && j < hp->n_expert; j++) {
             mm = mm_need(l->experts[j].w1, mm);
             mm = mm_need(l->experts[j].w3, mm);
             mm = mm_need(l->experts[j].w2, mm);
@@ -250,7 +303,9 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->proj = palloc(m, B * d * F, &fail);
     m->rope = palloc(m, B * (size_t)hp->rotary_dim * F, &fail);
     m->inv_freq = palloc(m, (size_t)hp->rotary_dim / 2 * F, &fail);
+    m->layer_ffn = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
     m->probs = palloc(m, B * e * F, &fail);
+    m->choice = palloc(m, e * F, &fail);
     m->top_id = palloc(m, B * k * sizeof(int32_t), &fail);
     m->top_w = palloc(m, B * k * F, &fail);
     m->e_start = palloc(m, (e + 1) * sizeof(int64_t), &fail);
@@ -276,9 +331,15 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
         clb_set_err(err, "out of memory allocating forward scratch");
         return CLB_E_NOMEM;
     }
-    /* same float32 arithmetic as transformers' default rope: 1 / theta^(2i/rd) */
+    /* same float32 arithmetic as transformers' default rope: 1 / theta^(2i/rd); other rope
+     * types come as frequencies computed by the model's family module */
     for (int64_t i = 0; i < hp->rotary_dim / 2; i++)
-        m->inv_freq[i] = 1.0f / powf(hp->rope_theta, (float)(2 * i) / (float)hp->rotary_dim);
+        m->inv_freq[i] = hp->rope_freqs ? hp->rope_freqs[i]
+                                        : 1.0f / powf(hp->rope_theta,
+                                                      (float)(2 * i) / (float)hp->rotary_dim);
+    for (int64_t il = 0; il < hp->n_layer; il++) m->layer_ffn[il] = m->layers[il].ffn;
+    m->hp.rope_freqs = m->inv_freq; /* the caller's arrays may go away after load */
+    m->hp.layer_ffn = m->layer_ffn;
     return CLB_OK;
 }
 
@@ -288,10 +349,11 @@ static clb_status load_all(clb_model *m, const char *dir, char *err) {
     const clb_hparams *hp = &m->hp;
     loader ld = {m, err};
     int64_t n_files = 1 + hp->n_layer * (2 + (hp->n_ff_shared > 0) + hp->n_expert);
+    int64_t n_experts = hp->n_layer * hp->n_expert;
     m->files = calloc((size_t)n_files, sizeof(clb_wfile *));
     m->layers = calloc((size_t)hp->n_layer, sizeof(clb_layer_w));
-    m->experts = calloc((size_t)(hp->n_layer * hp->n_expert), sizeof(clb_ffn_w));
-    m->expert_files = calloc((size_t)(hp->n_layer * hp->n_expert), sizeof(clb_wfile *));
+    m->experts = calloc((size_t)(n_experts ? n_experts : 1), sizeof(clb_ffn_w));
+    m->expert_files = calloc((size_t)(n_experts ? n_experts : 1), sizeof(clb_wfile *));
     if (!m->files || !m->layers || !m->experts || !m->expert_files) {
         clb_set_err(err, "out of memory for the model tables");
         return CLB_E_NOMEM;

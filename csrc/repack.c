@@ -47,6 +47,9 @@ static void collect(clb_model *m, int experts, plan *p) {
         add(p, &l->wk);
         add(p, &l->wv);
         add(p, &l->wo);
+        add(p, &l->dense.w1); /* absent (NULL) outside dense layers: add skips them */
+        add(p, &l->dense.w3);
+        add(p, &l->dense.w2);
         if (l->shared.w1) {
             add(p, &l->shared.w1);
             add(p, &l->shared.w3);

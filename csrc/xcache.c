@@ -437,6 +437,9 @@ static void *prefetch_main(void *arg) {
 
 /* ---- setup ------------------------------------------------------------------------------- */
 
+/* Dense layers have no experts: their entries of m->experts stay empty. */
+static int has_expert(const clb_model *m, int64_t idx) { return m->experts[idx].w1 != NULL; }
+
 static void span_of(const clb_model *m, int64_t idx, xspan *sp) {
     const clb_ffn_w *w = &m->experts[idx];
     const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
@@ -457,6 +460,7 @@ size_t clb_expert_bytes(const clb_model *m) {
     size_t mx = 0;
     for (int64_t idx = 0; idx < m->hp.n_layer * m->hp.n_expert; idx++) {
         xspan sp;
+        if (!has_expert(m, idx)) continue;
         span_of(m, idx, &sp);
         if (sp.hi - sp.lo > mx) mx = sp.hi - sp.lo;
     }
@@ -570,6 +574,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     size_t span_max = 0;
     for (size_t idx = 0; idx < LE; idx++) {
         xc->slot_of[idx] = -1;
+        if (!has_expert(m, (int64_t)idx)) continue; /* its span stays zero */
         span_of(m, (int64_t)idx, &xc->span[idx]);
         size_t len = xc->span[idx].hi - xc->span[idx].lo;
         if (len > span_max) span_max = len;
@@ -611,6 +616,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     /* the loaders' repack scratch, before the experts point into the cache */
     size_t group_max = 0;
     for (size_t idx = 0; cfg->load != CLB_XC_MMAP && idx < LE; idx++) {
+        if (!has_expert(m, (int64_t)idx)) continue;
         const clb_ffn_w *w = &m->experts[idx];
         const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
         for (int j = 0; j < 3; j++) {
@@ -628,6 +634,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         }
     }
     for (size_t idx = 0; idx < LE; idx++) {
+        if (!has_expert(m, (int64_t)idx)) continue;
         clb_ffn_w *w = &m->experts[idx];
         const clb_tensor *t[3] = {w->w1, w->w3, w->w2};
         for (int j = 0; j < 3; j++) {
@@ -648,7 +655,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         pthread_mutex_lock(&xc->mu);
         for (int64_t l = 0; l < L; l++)
             for (int64_t e = 0; e < E; e++) {
-                if (!pinned[l * E + e]) continue;
+                if (!pinned[l * E + e] || !has_expert(m, l * E + e)) continue;
                 int64_t i = pick_slot(xc, l); /* an empty slot: fewer pinned than slots */
                 int64_t old = claim(xc, l, i, e, 0);
                 if (load_claimed(xc, l, i, old, 0, err) == 0) {

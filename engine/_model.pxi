@@ -17,21 +17,28 @@ cdef extern from "clb_model.h" nogil:
     int CLB_ERR_LEN
 
     ctypedef struct clb_hparams:
-        int32_t arch
         int64_t n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim
         int64_t n_ff, n_expert, n_expert_used
         int64_t n_ff_shared
+        int64_t n_ff_dense
         int32_t shared_gate
         int32_t norm_topk_prob
+        int32_t router
+        int64_t n_group, topk_group
+        float routed_scale
         int32_t qk_norm
         int32_t qkv_bias
+        int32_t o_bias
         int32_t tie_embeddings
         float clip_qkv
         float rope_theta
         int64_t rotary_dim
+        float rope_scale
         float rms_eps
         int64_t sliding_window
         int64_t n_ctx
+        const float *rope_freqs
+        const int32_t *layer_ffn
 
     ctypedef struct clb_tensor:
         const char name[64]
@@ -121,11 +128,14 @@ XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefe
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4", 8: "q6"}
 
 _HPARAM_INT_KEYS = (
-    "arch", "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
-    "n_expert", "n_expert_used", "n_ff_shared", "shared_gate", "norm_topk_prob", "qk_norm",
-    "qkv_bias", "tie_embeddings", "rotary_dim", "sliding_window", "n_ctx",
+    "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
+    "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense", "shared_gate", "norm_topk_prob",
+    "router", "n_group", "topk_group", "qk_norm", "qkv_bias", "o_bias", "tie_embeddings",
+    "rotary_dim", "sliding_window", "n_ctx",
 )
-_HPARAM_FLOAT_KEYS = ("clip_qkv", "rope_theta", "rms_eps")
+_HPARAM_FLOAT_KEYS = ("routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps")
+# arrays (None: the C default), kept alive by the caller of _fill_hparams while C reads them
+_HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn")
 
 
 def _as_i32(x, str what):
@@ -144,7 +154,7 @@ def _as_i32(x, str what):
 KV_TYPES = ("f32", "f16", "q8")  # index = clb_kv_type
 # index = clb_phase: the weight products of a forward call, by phase of a layer
 PRODUCT_PHASES = ("attention projections", "router", "experts gate+up", "experts down",
-                  "shared expert", "lm_head")
+                  "shared expert", "dense FFN", "lm_head")
 assert len(PRODUCT_PHASES) == CLB_PHASE_COUNT
 KV_BLOCK = CLB_KV_BLOCK  # positions per KV block
 
@@ -156,13 +166,14 @@ cdef clb_kv_type _kv_type(str name) except *:
     return <clb_kv_type>i
 
 
-cdef int _fill_hparams(dict hparams, clb_hparams *hp) except -1:
-    """hp from a ModelConfig.to_hparams() dict; ValueError if a key is missing."""
+cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
+    """hp from a ModelConfig.to_hparams() dict; ValueError if a key is missing. Returns the
+    arrays hp points into: keep them alive as long as C reads hp."""
     memset(hp, 0, sizeof(clb_hparams))
-    missing = [k for k in _HPARAM_INT_KEYS + _HPARAM_FLOAT_KEYS if k not in hparams]
+    missing = [k for k in _HPARAM_INT_KEYS + _HPARAM_FLOAT_KEYS + _HPARAM_ARRAY_KEYS
+               if k not in hparams]
     if missing:
         raise ValueError(f"hparams lack {missing}")
-    hp.arch = hparams["arch"]
     hp.n_vocab = hparams["n_vocab"]
     hp.n_embd = hparams["n_embd"]
     hp.n_layer = hparams["n_layer"]
@@ -173,18 +184,42 @@ cdef int _fill_hparams(dict hparams, clb_hparams *hp) except -1:
     hp.n_expert = hparams["n_expert"]
     hp.n_expert_used = hparams["n_expert_used"]
     hp.n_ff_shared = hparams["n_ff_shared"]
+    hp.n_ff_dense = hparams["n_ff_dense"]
     hp.shared_gate = hparams["shared_gate"]
     hp.norm_topk_prob = hparams["norm_topk_prob"]
+    hp.router = hparams["router"]
+    hp.n_group = hparams["n_group"]
+    hp.topk_group = hparams["topk_group"]
+    hp.routed_scale = hparams["routed_scale"]
     hp.qk_norm = hparams["qk_norm"]
     hp.qkv_bias = hparams["qkv_bias"]
+    hp.o_bias = hparams["o_bias"]
     hp.tie_embeddings = hparams["tie_embeddings"]
     hp.clip_qkv = hparams["clip_qkv"]
     hp.rope_theta = hparams["rope_theta"]
     hp.rotary_dim = hparams["rotary_dim"]
+    hp.rope_scale = hparams["rope_scale"]
     hp.rms_eps = hparams["rms_eps"]
     hp.sliding_window = hparams["sliding_window"]
     hp.n_ctx = hparams["n_ctx"]
-    return 0
+    cdef float[::1] freqs
+    cdef int32_t[::1] kinds
+    keep_freqs = keep_kinds = None
+    if hparams["rope_freqs"] is not None:
+        keep_freqs = np.ascontiguousarray(hparams["rope_freqs"], dtype=np.float32).reshape(-1)
+        if keep_freqs.size != hp.rotary_dim // 2:
+            raise ValueError(f"rope_freqs has {keep_freqs.size} values, rotary_dim "
+                             f"{hp.rotary_dim} wants {hp.rotary_dim // 2}")
+        if keep_freqs.size:
+            freqs = keep_freqs
+            hp.rope_freqs = &freqs[0]
+    if hparams["layer_ffn"] is not None:
+        keep_kinds = _as_i32(hparams["layer_ffn"], "layer_ffn")
+        if keep_kinds.size != hp.n_layer:
+            raise ValueError(f"layer_ffn has {keep_kinds.size} values for {hp.n_layer} layers")
+        kinds = keep_kinds
+        hp.layer_ffn = &kinds[0]
+    return (keep_freqs, keep_kinds)
 
 
 def kv_block_bytes(dict hparams, str kv_type="f32") -> int:
@@ -333,7 +368,7 @@ cdef class CoreModel:
     def load(path, dict hparams, int n_threads=0) -> CoreModel:
         """Map and validate the model folder `path` against `hparams` (ModelConfig.to_hparams)."""
         cdef clb_hparams hp
-        _fill_hparams(hparams, &hp)
+        keep = _fill_hparams(hparams, &hp)  # noqa: F841 (C reads its arrays during the load)
         cdef bytes p = _fs_path(path)
         cdef const char *cp = p
         cdef char err[512]

@@ -14,19 +14,24 @@ from engine.executor.model import Model
 from engine.models.config import ModelConfig
 
 N_CTX = 80
-_I64 = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
-        "n_expert", "n_expert_used", "n_ff_shared")
-_I32 = ("shared_gate", "norm_topk_prob", "qk_norm", "qkv_bias", "tie_embeddings")
 
 
 class _HParams(ctypes.Structure):
     """clb_hparams, field for field (csrc/clb_model.h)."""
 
-    _fields_ = ([("arch", ctypes.c_int32)] + [(k, ctypes.c_int64) for k in _I64]
-                + [(k, ctypes.c_int32) for k in _I32]
+    _fields_ = ([(k, ctypes.c_int64) for k in ("n_vocab", "n_embd", "n_layer", "n_head",
+                                               "n_head_kv", "head_dim", "n_ff", "n_expert",
+                                               "n_expert_used", "n_ff_shared", "n_ff_dense")]
+                + [(k, ctypes.c_int32) for k in ("shared_gate", "norm_topk_prob", "router")]
+                + [("n_group", ctypes.c_int64), ("topk_group", ctypes.c_int64),
+                   ("routed_scale", ctypes.c_float)]
+                + [(k, ctypes.c_int32) for k in ("qk_norm", "qkv_bias", "o_bias",
+                                                 "tie_embeddings")]
                 + [("clip_qkv", ctypes.c_float), ("rope_theta", ctypes.c_float),
-                   ("rotary_dim", ctypes.c_int64), ("rms_eps", ctypes.c_float),
-                   ("sliding_window", ctypes.c_int64), ("n_ctx", ctypes.c_int64)])
+                   ("rotary_dim", ctypes.c_int64), ("rope_scale", ctypes.c_float),
+                   ("rms_eps", ctypes.c_float), ("sliding_window", ctypes.c_int64),
+                   ("n_ctx", ctypes.c_int64), ("rope_freqs", ctypes.POINTER(ctypes.c_float)),
+                   ("layer_ffn", ctypes.POINTER(ctypes.c_int32))])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +57,9 @@ def test_colibri_wrappers_match_model(model_dir: Path) -> None:
     lib.colibri_reset.argtypes = [ctypes.c_void_p]
     lib.colibri_free.argtypes = [ctypes.c_void_p]
 
-    hp = _HParams(**ModelConfig.from_dir(model_dir).to_hparams(N_CTX))
+    fields = ModelConfig.from_dir(model_dir).to_hparams(N_CTX)
+    assert fields.pop("rope_freqs") is None and fields.pop("layer_ffn") is None  # C defaults
+    hp = _HParams(**fields)
     err = ctypes.create_string_buffer(512)
     cm = lib.colibri_init(str(model_dir).encode(), ctypes.byref(hp), 1, err)
     assert cm, err.value

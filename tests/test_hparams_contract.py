@@ -13,12 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def _fields(block: str) -> dict[str, str]:
     """{name: C type} of declarations like `int64_t a, b;` (C) or `int64_t a, b` (Cython)."""
     out: dict[str, str] = {}
+    block = re.sub(r"/\*.*?\*/", "", block, flags=re.S)  # comments may span lines
     for line in block.splitlines():
-        line = re.sub(r"/\*.*?\*/|#.*", "", line).strip().rstrip(";")
-        m = re.match(r"(int32_t|int64_t|float|double)\s+(.+)", line)
+        line = re.sub(r"#.*", "", line).strip().rstrip(";")
+        m = re.match(r"(const (?:int32_t|float) \*|int32_t|int64_t|float|double)\s*(.+)", line)
         if m:
             for name in m.group(2).split(","):
-                out[name.strip()] = m.group(1)
+                out[name.strip()] = m.group(1).replace(" ", "")
     return out
 
 
@@ -53,9 +54,11 @@ def test_binding_key_lists_cover_the_struct() -> None:
         return set(re.findall(r'"(\w+)"', m.group(1)))
 
     ints, floats = keys("_HPARAM_INT_KEYS"), keys("_HPARAM_FLOAT_KEYS")
+    arrays = keys("_HPARAM_ARRAY_KEYS")
     c = _c_struct()
-    assert ints | floats == set(c), "binding keys and C fields differ"
+    assert ints | floats | arrays == set(c), "binding keys and C fields differ"
     assert floats == {n for n, t in c.items() if t == "float"}
+    assert arrays == {n for n, t in c.items() if t.endswith("*")}
 
 
 def test_model_config_fills_every_field(tmp_path: Path) -> None:
@@ -70,5 +73,8 @@ def test_model_config_fills_every_field(tmp_path: Path) -> None:
     c = _c_struct()
     assert set(hp) == set(c)
     for name, ty in c.items():
+        if ty.endswith("*"):  # arrays: None (the C default) or a list of the element type
+            assert hp[name] is None or isinstance(hp[name], list), name
+            continue
         want = float if ty == "float" else int
         assert isinstance(hp[name], want) and not isinstance(hp[name], bool), name

@@ -309,7 +309,7 @@ def test_tensor_with_wrong_dtype(model_copy: Path) -> None:
 @pytest.mark.parametrize("changes, words", [
     ({"n_head_kv": 3}, "multiple of n_head_kv"),
     ({"n_expert_used": 9}, "n_expert_used"),
-    ({"architecture": "llama"}, "unknown architecture"),
+    ({"architecture": "gpt_oss"}, "unknown architecture"),
     ({"format_version": 2}, "format_version"),
     ({"n_layer": 0}, "'n_layer' must be positive"),
     ({"n_embd": "64"}, "wrong type"),
@@ -330,7 +330,8 @@ def test_c_checks_hparams_too(tiny_model: Path) -> None:
     for key, value, words in [("n_head_kv", 3, "multiple of n_head_kv"),
                               ("rotary_dim", 17, "rotary_dim"),
                               ("n_expert_used", 5, "n_expert_used"),
-                              ("arch", 9, "unknown arch"),
+                              ("router", 9, "unknown router"),
+                              ("layer_ffn", [0, 7], "unknown FFN kind"),
                               ("n_ctx", 0, "n_ctx")]:
         bad = dict(hp, **{key: value})
         with pytest.raises(FormatError, match=words):

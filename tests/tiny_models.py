@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# families added since, on the same helper: dense models and grouped-router MoE
+DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+GROUPED_ARCHS = ("glm4_moe",)
+ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS
 
 VOCAB_SIZE = 320
 EOS_ID = 2  # <|im_end|> in engine.text.bpe.SPECIAL_TOKENS
@@ -60,6 +64,41 @@ _BASE: dict[str, dict[str, Any]] = {
         num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, clip_qkv=None,
     ),
+    # head dims unlike hidden / heads, biases and norms on, so a wrong shape or a missing
+    # tensor shows in the logits
+    "llama": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-5,
+        attention_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16},
+    ),
+    "mistral": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+        sliding_window=8, rope_theta=1e6,
+    ),
+    "qwen2": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_theta=10000.0, use_sliding_window=False,
+    ),
+    "qwen3": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_theta=1e6, use_sliding_window=False,
+    ),
+    # two dense layers, then grouped routing with n_group > 1, two shared experts, q/k norms,
+    # q/k/v biases and half the head rotated
+    "glm4_moe": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=2,
+        first_k_dense_replace=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        use_qk_norm=True, attention_bias=True, max_position_embeddings=256, rms_norm_eps=1e-5,
+        partial_rotary_factor=0.5, rope_theta=10000.0, num_nextn_predict_layers=1,
+    ),
 }
 
 
@@ -71,9 +110,14 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
     }
     if arch not in table:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")
     return table[arch]
 
 
@@ -98,6 +142,10 @@ def _randomize(model: Any, seed: int) -> None:
             else:
                 val = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
             p.copy_(val.to(p.dtype))
+        for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            if name.endswith("e_score_correction_bias"):
+                # the grouped router's selection bias: large enough to change choices
+                b.copy_((0.5 * torch.randn(tuple(b.shape), generator=g)).to(b.dtype))
 
 
 def make_checkpoint(

@@ -24,6 +24,7 @@ HPARAM_KEYS = (
     "n_expert", "n_expert_used", "n_ff_shared", "shared_gate", "norm_topk_prob", "qk_norm",
     "qkv_bias", "clip_qkv", "rope_theta", "rotary_dim", "rms_eps", "sliding_window",
     "tie_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_ids",
+    "n_ff_dense", "layer_ffn", "router", "n_group", "topk_group", "routed_scale", "o_bias", "rope",
 )
 
 

@@ -14,16 +14,20 @@ from typing import Any
 
 from engine.errors import FormatError
 from engine.format.jsonfile import read_json_object
+from engine.models.registry import family_names
+from engine.models.rope import rope_frequencies
 
-ARCH_IDS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3}
 QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}
+ROUTER_IDS = {"softmax": 0, "sigmoid_grouped": 1}  # clb_router_kind
+FFN_IDS = {"moe": 0, "dense": 1}  # clb_ffn_kind
 QUANTS = ("f32", "f16", "bf16", "q8", "q4")
 FORMAT_VERSION = 1
 
 _POSITIVE_INTS = (
-    "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff", "n_expert",
-    "n_expert_used", "max_position_embeddings",
+    "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "max_position_embeddings",
 )
+# positive in a model with routed experts, 0 in a dense one
+_EXPERT_INTS = ("n_ff", "n_expert", "n_expert_used")
 
 
 @dataclass(frozen=True)
@@ -43,12 +47,20 @@ class ModelConfig:
     n_expert_used: int
     max_position_embeddings: int
     n_ff_shared: int = 0
+    n_ff_dense: int = 0
+    layer_ffn: tuple[str, ...] = ()  # per layer "moe" or "dense"; empty: every layer "moe"
     shared_gate: bool = False
     norm_topk_prob: bool = True
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scale: float = 1.0
     qk_norm: str = "none"
     qkv_bias: bool = False
+    o_bias: bool = False
     clip_qkv: float | None = None
     rope_theta: float = 10000.0
+    rope: dict[str, Any] = field(default_factory=dict)  # scaled RoPE (engine/models/rope.py)
     rotary_dim: int = 0  # 0: head_dim
     rms_eps: float = 1e-6
     sliding_window: int | None = None
@@ -96,10 +108,28 @@ class ModelConfig:
         for k, v in ints.items():
             if v <= 0:
                 raise FormatError(f"{source}: {k!r} must be positive, got {v}")
+        layer_ffn = get("layer_ffn", list, [])
+        if layer_ffn and (len(layer_ffn) != ints["n_layer"]
+                          or not all(k in FFN_IDS for k in layer_ffn)):
+            raise FormatError(f"{source}: layer_ffn must list {ints['n_layer']} of "
+                              f"{list(FFN_IDS)}")
+        has_moe = not layer_ffn or "moe" in layer_ffn
+        for k in _EXPERT_INTS:
+            ints[k] = get(k, int, None if has_moe else 0)
+            if ints[k] is None:
+                raise FormatError(f"{source}: missing key {k!r}")
+            if (ints[k] <= 0) if has_moe else (ints[k] != 0):
+                raise FormatError(f"{source}: {k!r} must be "
+                                  f"{'positive' if has_moe else '0 in a model without experts'}, "
+                                  f"got {ints[k]}")
         arch = get("architecture", str)
-        if arch not in ARCH_IDS:
+        if arch not in family_names():
             raise FormatError(f"{source}: unknown architecture {arch!r}; "
-                              f"supported: {', '.join(ARCH_IDS)}")
+                              f"supported: {', '.join(family_names())}")
+        router = get("router", str, "softmax")
+        if router not in ROUTER_IDS:
+            raise FormatError(f"{source}: router {router!r} not in {list(ROUTER_IDS)}")
+        rope = get("rope", dict, {})
         quant = get("quant", str)
         if quant not in QUANTS:
             raise FormatError(f"{source}: unknown quant {quant!r}")
@@ -120,12 +150,20 @@ class ModelConfig:
             quant=quant,
             **ints,
             n_ff_shared=get("n_ff_shared", int, 0),
+            n_ff_dense=get("n_ff_dense", int, 0),
+            layer_ffn=tuple(layer_ffn),
             shared_gate=get("shared_gate", bool, False),
             norm_topk_prob=get("norm_topk_prob", bool, True),
+            router=router,
+            n_group=get("n_group", int, 1),
+            topk_group=get("topk_group", int, 1),
+            routed_scale=float(get("routed_scale", (int, float), 1.0)),
             qk_norm=qk_norm,
             qkv_bias=get("qkv_bias", bool, False),
+            o_bias=get("o_bias", bool, False),
             clip_qkv=None if clip is None else float(clip),
             rope_theta=float(get("rope_theta", (int, float), 10000.0)),
+            rope=dict(rope),
             rotary_dim=get("rotary_dim", int, 0),
             rms_eps=float(get("rms_eps", (int, float), 1e-6)),
             sliding_window=window,
@@ -149,6 +187,15 @@ class ModelConfig:
             raise bad(f"n_expert_used {self.n_expert_used} exceeds n_expert {self.n_expert}")
         if self.n_ff_shared < 0:
             raise bad("n_ff_shared must be >= 0")
+        if "dense" in self.layer_ffn and self.n_ff_dense <= 0:
+            raise bad("dense layers need a positive n_ff_dense")
+        if self.router == "sigmoid_grouped" and self.n_expert and (
+                self.n_group <= 0 or self.n_expert % self.n_group
+                or not 0 < self.topk_group <= self.n_group):
+            raise bad(f"grouped routing: n_group {self.n_group} must divide n_expert "
+                      f"{self.n_expert} and topk_group {self.topk_group} be in 1..n_group")
+        if not math.isfinite(self.routed_scale) or self.routed_scale <= 0:
+            raise bad(f"routed_scale must be a positive number, got {self.routed_scale}")
         if self.shared_gate and self.n_ff_shared == 0:
             raise bad("shared_gate is set but there is no shared expert (n_ff_shared 0)")
         rd = self.rotary_dim or self.head_dim
@@ -163,6 +210,12 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise bad(f"sliding_window must be positive or null, got {self.sliding_window}")
 
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers with routed experts (every layer unless layer_ffn says otherwise)."""
+        return [i for i in range(self.n_layer)
+                if not self.layer_ffn or self.layer_ffn[i] == "moe"]
+
     def default_n_ctx(self) -> int:
         """The context used when the caller does not choose one."""
         return min(self.max_position_embeddings, 4096)
@@ -171,8 +224,9 @@ class ModelConfig:
         """The clb_hparams fields for the C core, with KV capacity n_ctx per sequence."""
         if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
             raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        rd = self.rotary_dim or self.head_dim
+        freqs, scale = rope_frequencies(self.rope, self.rope_theta, rd)
         return {
-            "arch": ARCH_IDS[self.architecture],
             "n_vocab": self.n_vocab,
             "n_embd": self.n_embd,
             "n_layer": self.n_layer,
@@ -183,15 +237,24 @@ class ModelConfig:
             "n_expert": self.n_expert,
             "n_expert_used": self.n_expert_used,
             "n_ff_shared": self.n_ff_shared,
+            "n_ff_dense": self.n_ff_dense,
             "shared_gate": int(self.shared_gate),
             "norm_topk_prob": int(self.norm_topk_prob),
+            "router": ROUTER_IDS[self.router],
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scale": float(self.routed_scale),
             "qk_norm": QK_NORM_IDS[self.qk_norm],
             "qkv_bias": int(self.qkv_bias),
+            "o_bias": int(self.o_bias),
             "tie_embeddings": int(self.tie_embeddings),
             "clip_qkv": 0.0 if self.clip_qkv is None else float(self.clip_qkv),
             "rope_theta": float(self.rope_theta),
-            "rotary_dim": self.rotary_dim or self.head_dim,
+            "rotary_dim": rd,
+            "rope_scale": float(scale),
             "rms_eps": float(self.rms_eps),
             "sliding_window": self.sliding_window or 0,
             "n_ctx": n_ctx,
+            "rope_freqs": freqs,
+            "layer_ffn": [FFN_IDS[k] for k in self.layer_ffn] if self.layer_ffn else None,
         }
