@@ -483,6 +483,8 @@ cdef class CoreModel:
         n_expert]) state (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections."""
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef int64_t L = hp.n_layer, E = hp.n_expert
+        if E == 0:  # a dense model: no experts, so never an expert cache
+            return None
         counters = np.zeros((L, len(XC_COUNTERS)), dtype=np.int64)
         state = np.zeros((L, E), dtype=np.int8)
         heat = np.zeros((L, E), dtype=np.float32)

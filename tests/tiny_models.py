@@ -145,7 +145,7 @@ def _randomize(model: Any, seed: int) -> None:
         for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
             if name.endswith("e_score_correction_bias"):
                 # the grouped router's selection bias: large enough to change choices
-                b.copy_((0.5 * torch.randn(tuple(b.shape), generator=g)).to(b.dtype))
+                b.copy_((0.1 * torch.randn(tuple(b.shape), generator=g)).to(b.dtype))
 
 
 def make_checkpoint(

@@ -1,0 +1,338 @@
+"""The families added on the per-family layer plan, against transformers on tiny random
+checkpoints: dense Llama (llama3 rope scaling, q/k/v/o biases, head_dim != hidden/heads),
+Mistral (sliding window, one kv head), Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head
+q/k norms) and GLM-4.5 (two dense layers, then grouped sigmoid routing with n_group > 1, a
+selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k norms, biases).
+
+For each case and for the reference and best kernel ISA:
+- f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
+  engine's default settings (Model.load's defaults); 16 greedy tokens through the KV cache
+  equal `generate()`; each cached decode step equals the full forward over the same tokens;
+  chunked prefill equals one call; two sequences in one call give, bit for bit, what each
+  gives alone;
+- q8: relative L2 of the logits <= 5e-2 against transformers float32; q4: <= 3e-2 against
+  transformers run on the same fake-quantized weights. The grouped sigmoid router has many
+  near-ties on tiny random models (18 of 24 prompt positions within 0.05 in some layer), so
+  instead of leaving positions out, transformers' routers are made to pick the experts
+  Colibri picked (their weights still come from transformers' own scores): every position is
+  compared, and the test measures quantization error, not tie-breaking;
+- GLM: every expert-cache budget gives the resident model's logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine import _core  # noqa: E402
+from engine.executor.model import Model  # noqa: E402
+from engine.format import quant  # noqa: E402
+from engine.format.convert import convert  # noqa: E402
+from engine.models import archs  # noqa: E402
+from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
+
+PROMPT_LEN = 24
+N_GEN = 16
+N_CTX = 64
+THREADS = 2
+
+# name -> (tiny architecture, transformers config overrides)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-llama3-bias": ("llama", {}),
+    "mistral-window": ("mistral", {}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {}),
+    "glm4_moe": ("glm4_moe", {}),
+    "glm4_moe-one-group": ("glm4_moe", {"n_group": 1, "topk_group": 1, "use_qk_norm": False,
+                                        "attention_bias": False, "norm_topk_prob": False,
+                                        "first_k_dense_replace": 1, "n_shared_experts": 1}),
+}
+ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
+
+
+def _hf_model(path: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _router_scores(model: Any, ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Logits, and per grouped-router layer the selection scores sigmoid(logits) + bias."""
+    found: list[np.ndarray] = []
+    hooks = []
+    for mod in model.modules():
+        if hasattr(mod, "e_score_correction_bias"):
+            def hook(m: Any, args: Any, out: Any) -> None:
+                s = torch.sigmoid(out[0].float()) + m.e_score_correction_bias
+                found.append(s.numpy())
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, found
+
+
+def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
+    """Hooks that make each grouped router of model choose routes[:, layer] (Colibri's
+    choices, [T, n_layer, K]) and weigh them as transformers does: the chosen sigmoid
+    scores, renormalised when norm_topk_prob, times routed_scaling_factor."""
+    hooks = []
+    for layer, block in enumerate(model.model.layers):
+        gate = getattr(block.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "e_score_correction_bias"):
+            continue
+
+        def hook(m: Any, args: Any, out: Any, layer: int = layer) -> Any:
+            logits = out[0]
+            idx = torch.tensor(routes[:, layer].astype(np.int64))
+            w = torch.sigmoid(logits.float()).gather(1, idx)
+            if m.norm_topk_prob:
+                w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            return logits, w * m.routed_scaling_factor, idx
+        hooks.append(gate.register_forward_hook(hook))
+    return hooks
+
+
+def _reference(model: Any, ids: np.ndarray, routes: np.ndarray | None) -> np.ndarray:
+    """transformers' logits, its routers forced to `routes` when given."""
+    hooks = _forced_routing(model, routes) if routes is not None else []
+    try:
+        with torch.no_grad():
+            return model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _ours_with_routes(path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Colibri's logits for ids and, for a model with experts, the experts it chose."""
+    m = Model.load(path, threads=THREADS, n_ctx=N_CTX)
+    cfg = m.config
+    routes = (np.full((ids.size, cfg.n_layer, cfg.n_expert_used), -1, np.int32)
+              if cfg.n_expert else None)
+    return m.forward(ids, np.zeros(ids.size, np.int32), np.arange(ids.size, dtype=np.int32),
+                     routes=routes), routes
+
+
+class Case:
+    """One tiny checkpoint, its conversions (made on first use) and transformers references."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.arch, overrides = CASES[name]
+        self.root = root
+        self.hf_dir = make_checkpoint(self.arch, root / "hf", seed=11, **overrides)
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        self.prompt = rng.integers(0, VOCAB_SIZE, PROMPT_LEN).astype(np.int32)
+        self.prompt2 = rng.integers(0, VOCAB_SIZE, 17).astype(np.int32)
+        self._converted: dict[str, Path] = {}
+        self.hf = _hf_model(self.hf_dir)
+        self.ref_logits, self.scores = _router_scores(self.hf, self.prompt)
+
+    def converted(self, preset: str) -> Path:
+        if preset not in self._converted:
+            self._converted[preset] = convert(self.hf_dir, self.root / preset, quant=preset,
+                                              progress=False)
+        return self._converted[preset]
+
+
+_CACHE: dict[str, Case] = {}
+
+
+def _case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    if name not in _CACHE:
+        _CACHE[name] = Case(name, tmp_path_factory.mktemp(name))
+    return _CACHE[name]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    return _case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[n for n, (a, _) in CASES.items() if a == "glm4_moe"])
+def moe_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    """The cases with routed experts."""
+    return _case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):  # noqa: ANN201
+    before = _core.isa_active()
+    _core.isa_force(request.param)
+    yield request.param
+    _core.isa_force(before)
+
+
+def _prefill(m: Model, ids: np.ndarray, seq: int = 0, start: int = 0) -> np.ndarray:
+    n = ids.size
+    return m.forward(ids, np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32))
+
+
+def _rel_max(x: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+
+
+def _rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
+    cfg = json.loads((case.converted("f32") / "config.json").read_text())
+    hf_cfg = json.loads((case.hf_dir / "config.json").read_text())
+    assert archs.SUPPORTED[hf_cfg["architectures"][0]] == cfg["architecture"]
+    if case.arch == "glm4_moe":
+        k = hf_cfg["first_k_dense_replace"]
+        assert cfg["layer_ffn"] == ["dense"] * k + ["moe"] * (hf_cfg["num_hidden_layers"] - k)
+        assert cfg["rotary_dim"] == hf_cfg["head_dim"] // 2
+        assert cfg["router"] == "sigmoid_grouped"
+        assert cfg["n_ff_shared"] == hf_cfg["moe_intermediate_size"] * hf_cfg["n_shared_experts"]
+    else:
+        assert cfg["n_expert"] == 0 and set(cfg["layer_ffn"]) == {"dense"}
+
+
+def test_routing_is_exercised(moe_case: Case) -> None:
+    """The prompt must route to most experts, and the selection bias must change choices
+    (else a router that ignored it would pass)."""
+    cfg = json.loads((moe_case.converted("f32") / "config.json").read_text())
+    k, e = cfg["n_expert_used"], cfg["n_expert"]
+    assert len(moe_case.scores) == cfg["layer_ffn"].count("moe")
+    changed = 0
+    for layer, c in zip(cfg["moe_layers"] if "moe_layers" in cfg else
+                        [i for i, f in enumerate(cfg["layer_ffn"]) if f == "moe"],
+                        moe_case.scores, strict=True):
+        chosen = np.argsort(-c, axis=1)[:, :k]
+        assert len(np.unique(chosen)) >= e - 2, (layer, np.unique(chosen))
+        bias = moe_case.hf.model.layers[layer].mlp.gate.e_score_correction_bias.numpy()
+        plain = np.argsort(-(c - bias), axis=1)[:, :k]
+        changed += int(np.sum(np.sort(plain, axis=1) != np.sort(chosen, axis=1)))
+    assert changed > 0
+
+
+def test_f32_logits_greedy_and_cached_decode(case: Case, isa: str) -> None:
+    m = Model.load(case.converted("f32"), threads=THREADS, n_ctx=N_CTX)
+    logits = _prefill(m, case.prompt)
+    err = _rel_max(logits, case.ref_logits)
+    print(f"{case.name}/{isa} f32: max|diff|/max|ref| {err:.3e}")
+    assert err <= 1e-4, f"{case.name}/{isa}: prompt logits rel max error {err:.3g}"
+
+    hf = case.hf
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ids = torch.tensor(case.prompt[None].astype(np.int64))
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_GEN,
+                          do_sample=False, pad_token_id=0)
+    ref_tokens = gen[0, PROMPT_LEN:].tolist()
+
+    m.reset(0)
+    last = _prefill(m, case.prompt)[-1]
+    ours, steps = [], []
+    tok = int(np.argmax(last))
+    for i in range(N_GEN):
+        ours.append(tok)
+        if i == N_GEN - 1:
+            break
+        step = m.forward(np.array([tok], np.int32), np.zeros(1, np.int32),
+                         np.array([PROMPT_LEN + i], np.int32))
+        steps.append(step[0])
+        tok = int(np.argmax(step[0]))
+    assert ours == ref_tokens, f"{case.name}/{isa}: greedy decode differs"
+
+    # the cached decode steps equal one full forward over the same tokens
+    full = Model.load(case.converted("f32"), threads=THREADS, n_ctx=N_CTX)
+    seq = np.concatenate([case.prompt, np.array(ours[:-1], np.int32)])
+    whole = _prefill(full, seq)[PROMPT_LEN:]
+    assert _rel_max(np.stack(steps), whole) <= 1e-5
+
+
+def test_f32_chunked_and_batched(case: Case, isa: str) -> None:
+    m = Model.load(case.converted("f32"), threads=THREADS, n_ctx=N_CTX, n_seq=3)
+    whole = _prefill(m, case.prompt)
+    alone2 = _prefill(m, case.prompt2, seq=2)
+    m.reset(0)
+    m.reset(2)
+    a = _prefill(m, case.prompt[:10])
+    b = _prefill(m, case.prompt[10:], start=10)
+    assert _rel_max(np.concatenate([a, b]), whole) <= 1e-5
+    m.reset(0)
+    # both prompts interleaved in one call: each token's logits as when run alone, bit for bit
+    p1, p2 = case.prompt, case.prompt2
+    order = sorted([(i * 17, 0, i) for i in range(p1.size)]
+                   + [(i * 24, 2, i) for i in range(p2.size)])
+    toks = np.array([(p1 if s == 0 else p2)[i] for _, s, i in order], np.int32)
+    seqs = np.array([s for _, s, _ in order], np.int32)
+    poss = np.array([i for _, _, i in order], np.int32)
+    out = m.forward(toks, seqs, poss)
+    np.testing.assert_array_equal(out[seqs == 0], whole)
+    np.testing.assert_array_equal(out[seqs == 2], alone2)
+
+
+def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
+    from safetensors.numpy import load_file, save_file
+
+    out = case.root / f"hf-fq-{preset}"
+    if (out / "model.safetensors").is_file():
+        return out
+    cfg = json.loads((case.converted(preset) / "config.json").read_text())
+    tensors = load_file(str(case.hf_dir / "model.safetensors"))
+    for t in archs.plan(cfg, set(tensors)):
+        ty = cfg["tensor_types"][f"{t.group}.{t.name}"]
+        if ty in ("q8", "q6", "q4", "f16", "bf16"):
+            name = t.source.hf_name
+            tensors[name] = quant.fake_quantize(tensors[name], ty).astype(np.float32)
+    out.mkdir(exist_ok=True)
+    for f in case.hf_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copyfile(f, out / f.name)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_q8_logits(case: Case, isa: str) -> None:
+    ours, routes = _ours_with_routes(case.converted("q8"), case.prompt)
+    err = _rel_l2(ours, _reference(case.hf, case.prompt, routes))
+    print(f"\n{case.name}/{isa} q8: rel L2 vs float HF {err:.3e} "
+          f"(unforced: {_rel_l2(ours, case.ref_logits):.3e})")
+    assert err <= 5e-2
+
+
+def test_q4_logits(case: Case, isa: str) -> None:
+    ours, routes = _ours_with_routes(case.converted("q4"), case.prompt)
+    ref = _reference(_hf_model(_fake_quantized_checkpoint(case, "q4")), case.prompt, routes)
+    err = _rel_l2(ours, ref)
+    print(f"\n{case.name}/{isa} q4: rel L2 vs same-weights HF {err:.3e}")
+    assert err <= 3e-2
+
+
+def test_forced_routing_is_the_identity_on_our_own_choices(moe_case: Case) -> None:
+    """The forcing hooks change nothing when they force what transformers picks anyway (f32:
+    Colibri picks the same experts), so the q8/q4 comparisons above are fair."""
+    ours, routes = _ours_with_routes(moe_case.converted("f32"), moe_case.prompt)
+    forced = _reference(moe_case.hf, moe_case.prompt, routes)
+    assert _rel_max(forced, moe_case.ref_logits) <= 1e-6
+    kinds = json.loads((moe_case.converted("f32") / "config.json").read_text())["layer_ffn"]
+    for layer, kind in enumerate(kinds):  # a dense layer chooses no expert
+        assert np.all(routes[:, layer] == -1) if kind == "dense" else np.all(routes[:, layer] >= 0)
+
+
+@pytest.mark.parametrize("load", ["pread", "mmap"])
+def test_expert_budget_decides_speed_not_tokens(moe_case: Case, load: str) -> None:
+    path = moe_case.converted("q8")
+    cfg = json.loads((path / "config.json").read_text())
+    ref = _prefill(Model.load(path, threads=THREADS, n_ctx=N_CTX), moe_case.prompt)
+    for per_layer in (cfg["n_expert_used"], cfg["n_expert"] - 1):
+        m = Model.load(path, threads=THREADS, n_ctx=N_CTX)
+        m.core.enable_expert_cache(per_layer, load=load, prefetch=True)
+        np.testing.assert_array_equal(_prefill(m, moe_case.prompt), ref)
+        assert m.core.expert_cache_stats()["loads"].sum() > 0
