@@ -59,7 +59,9 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-cache-mb", dict(type=float, help="KV cache pool in MB (default: room for "
                                             "max-num-seqs full contexts, at most a quarter "
                                             "of free memory)")),
-    ("--kv-cache-type", dict(choices=KV_CACHE_TYPES, help="KV element type (default f16)")),
+    ("--kv-cache-type", dict(choices=KV_CACHE_TYPES,
+                             help="KV element type (default auto: f32 for an f32 model, "
+                                  "else f16)")),
     ("--max-n", dict(type=int, help="largest n per request (default 8)")),
     ("--max-body-bytes", dict(type=int, help="largest request body (default 1 MiB)")),
     ("--cors-origins", dict(nargs="+", help="origins allowed by CORS (default: none)")),

@@ -37,7 +37,8 @@ class Settings(BaseSettings):
         128, ge=1, description="prompt tokens in one step while other requests decode (each "
         "such step delays their next token)")
     kv_cache_mb: float | None = Field(None, gt=0, description="KV pool; None = from memory")
-    kv_cache_type: Literal["f32", "f16", "q8"] = Field("f16", description="KV element type")
+    kv_cache_type: Literal["auto", "f32", "f16", "q8"] = Field(
+        "auto", description="KV element type (auto: f32 for an f32 model, else f16)")
     prefix_cache: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
 
     # -- expert cache -----------------------------------------------------------------

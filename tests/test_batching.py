@@ -73,7 +73,9 @@ def llm(hf_dir: Path) -> Any:
 def test_batch_invariance_greedy_and_seeded(hf_dir: Path, quant: str) -> None:
     """Each request run alone equals the same request among 7 others of other lengths."""
     llm = _llm(hf_dir, quant, max_num_seqs=8, max_num_batched_tokens=64)
-    assert llm.config.kv_cache_type == "f16"  # the default KV type
+    # the default KV type follows the weights
+    assert llm.config.kv_cache_type == "auto"
+    assert llm.model.kv_type == ("f32" if quant == "f32" else "f16")
     prompts = [_ids(llm, p) for p in PROMPTS]
     params = [_params(max_tokens=8 + 3 * i) if i % 2 == 0 else
               _params(max_tokens=8 + 3 * i, temperature=1.0, top_p=0.9, seed=100 + i)

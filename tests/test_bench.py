@@ -210,10 +210,21 @@ def test_bench_runs_the_kv_cache_type_asked_for(tiny: dict[str, Path], kv: str,
 
 def test_kv_cache_type_names_match_the_core() -> None:
     # spelled out where options are parsed (no C loaded there), and in the server's settings
-    assert KV_CACHE_TYPES == tuple(_core.KV_TYPES)
+    assert KV_CACHE_TYPES == ("auto", *_core.KV_TYPES)
     field = Settings.model_fields["kv_cache_type"]
     assert typing.get_args(field.annotation) == KV_CACHE_TYPES
-    assert field.default == DEFAULT_KV_CACHE_TYPE == EngineConfig().kv_cache_type == "f16"
+    assert field.default == DEFAULT_KV_CACHE_TYPE == EngineConfig().kv_cache_type == "auto"
+
+
+@pytest.mark.parametrize("quant, want", [("f32", "f32"), ("f16", "f16"), ("q8", "f16"),
+                                         ("q4", "f16")])
+def test_auto_kv_cache_follows_the_weights(quant: str, want: str) -> None:
+    from engine.core.kv_types import resolve_kv_type
+
+    assert resolve_kv_type("auto", quant) == want
+    assert resolve_kv_type("q8", quant) == "q8"  # a type asked for is kept
+    with pytest.raises(ValueError, match="unknown KV cache type"):
+        resolve_kv_type("f8", quant)
 
 
 def test_bench_leaves_out_the_reads_between_runs_when_memory_is_short(

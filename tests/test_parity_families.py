@@ -336,3 +336,27 @@ def test_expert_budget_decides_speed_not_tokens(moe_case: Case, load: str) -> No
         m.core.enable_expert_cache(per_layer, load=load, prefetch=True)
         np.testing.assert_array_equal(_prefill(m, moe_case.prompt), ref)
         assert m.core.expert_cache_stats()["loads"].sum() > 0
+
+
+def test_mtp_layers_are_skipped_and_said(moe_case: Case, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM and DeepSeek checkpoints carry multi-token-prediction layers numbered past
+    num_hidden_layers; conversion leaves them out, says so, and writes the same model."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(moe_case.hf_dir, hf)
+    tensors = load_file(str(hf / "model.safetensors"))
+    n = moe_case.hf.config.num_hidden_layers
+    last = f"model.layers.{n - 1}."
+    mtp = {f"model.layers.{n}." + k[len(last):]: v for k, v in tensors.items()
+           if k.startswith(last)}
+    mtp[f"model.layers.{n}.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    mtp[f"model.layers.{n}.enorm.weight"] = np.ones(64, np.float32)
+    save_file({**tensors, **mtp}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    out = convert(hf, tmp_path / "q8", quant="q8", progress=True)
+    err = capsys.readouterr().err
+    assert f"recognised Glm4MoeForCausalLM as the glm4_moe family: {n} layers" in err
+    assert f"skipping {len(mtp)} tensors of multi-token-prediction layer(s) {n}" in err
+    files = json.loads((out / "config.json").read_text())["files"]
+    assert files == json.loads((moe_case.converted("q8") / "config.json").read_text())["files"]

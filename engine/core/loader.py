@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engine.core.block_manager import BLOCK_SIZE
 from engine.core.engine import EngineCore
+from engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
 from engine.core.scheduler import SchedulerConfig
 from engine.executor.expert_cache import (
     ExpertCacheConfig,
@@ -28,7 +29,6 @@ from engine.executor.model import Model, kv_block_bytes
 from engine.format.convert import ensure_converted
 from engine.models.config import ModelConfig
 from engine.text.tokenizer import Tokenizer
-from engine.tools.cache_args import DEFAULT_KV_CACHE_TYPE
 
 log = logging.getLogger("colibri.engine")
 
@@ -92,15 +92,16 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     folder = ensure_converted(Path(path), config.quant, progress=config.progress)
     cfg = ModelConfig.from_dir(folder)
     n_ctx = cfg.default_n_ctx() if config.n_ctx is None else config.n_ctx
-    block_bytes = kv_block_bytes(cfg, config.kv_cache_type)  # refuses unknown KV types
+    kv_type = resolve_kv_type(config.kv_cache_type, cfg.quant)
+    block_bytes = kv_block_bytes(cfg, kv_type)
     n_blocks = kv_pool_blocks(block_bytes, n_ctx, config)
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
-                       kv_type=config.kv_cache_type, kv_blocks=n_blocks)
+                       kv_type=kv_type, kv_blocks=n_blocks)
     monitor = start_expert_cache(model, folder, config.expert_cache, n_blocks * block_bytes)
     tokenizer = Tokenizer.from_dir(folder)
     mb = n_blocks * block_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
-             "of %d)", n_blocks, BLOCK_SIZE, config.kv_cache_type, mb, n_blocks * BLOCK_SIZE,
+             "of %d)", n_blocks, BLOCK_SIZE, kv_type, mb, n_blocks * BLOCK_SIZE,
              n_blocks * BLOCK_SIZE // model.n_ctx, model.n_ctx)
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
     with Checkpoint(hf_dir) as ckpt:
         targets = archs.plan(cfg, set(ckpt.names()))
         _check_sources(ckpt, cfg, targets)
+        if progress:
+            for line in describe_plan(cfg, set(ckpt.names()), targets):
+                print(line, file=sys.stderr)
         by_file: dict[str, list[archs.Target]] = {}
         for t in targets:
             by_file.setdefault(t.file, []).append(t)
@@ -207,6 +211,29 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out_dir
+
+
+def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Target]) -> list[str]:
+    """What the converter recognised, for the user: the family and its layers, and the
+    checkpoint tensors it leaves out on purpose (multi-token-prediction layers)."""
+    kinds = cfg.get("layer_ffn") or ["moe"] * cfg["n_layer"]
+    n_dense = kinds.count("dense")
+    parts = [f"{cfg['n_layer']} layers"]
+    if n_dense:
+        parts.append(f"{n_dense} dense")
+    if cfg["n_expert"]:
+        shared = f", shared experts of width {cfg['n_ff_shared']}" if cfg["n_ff_shared"] else ""
+        parts.append(f"{len(kinds) - n_dense} with {cfg['n_expert']} experts, top-"
+                     f"{cfg['n_expert_used']} ({cfg.get('router', 'softmax')} router){shared}")
+    lines = [f"recognised {cfg['hf_architecture']} as the {cfg['architecture']} family: "
+             + ", ".join(parts)]
+    used = {t.source.hf_name for t in targets}
+    unused = sorted(n for n in names - used if n.startswith("model.layers."))
+    if unused:
+        layers = sorted({int(n.split(".")[2]) for n in unused if n.split(".")[2].isdigit()})
+        lines.append(f"skipping {len(unused)} tensors of multi-token-prediction layer(s) "
+                     f"{', '.join(map(str, layers))}: they are not used to decode")
+    return lines
 
 
 class _NoBar:

@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from engine.core.kv_types import resolve_kv_type
 from engine.core.loader import available_memory_bytes, start_expert_cache
 from engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
 from engine.format.convert import DEFAULT_QUANT, PRESETS
 from engine.format.modelcheck import check_model
+from engine.models.config import ModelConfig
 from engine.tools.cache_args import (
     DEFAULT_KV_CACHE_TYPE,
     add_expert_cache_args,
@@ -275,7 +277,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     probes = [_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes)]
     t0 = time.perf_counter()
     model = Model.load(path, threads=n_threads, n_ctx=s.prompt_tokens + s.gen_tokens,
-                       kv_type=s.kv_cache_type)
+                       kv_type=resolve_kv_type(s.kv_cache_type, ModelConfig.from_dir(path).quant))
     monitor = start_expert_cache(model, path, s.expert_cache or ExpertCacheConfig.from_env(),
                                  model.n_kv_blocks * model.kv_block_bytes())
     load_s = time.perf_counter() - t0

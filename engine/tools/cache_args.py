@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES
 from engine.executor.expert_cache import LOAD_MODES, ExpertCacheConfig
 
 
@@ -37,14 +38,11 @@ def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) ->
                         "O_DIRECT reads into them run faster)")
 
 
-KV_CACHE_TYPES = ("f32", "f16", "q8")  # the C core's KV_TYPES; options parse without loading it
-DEFAULT_KV_CACHE_TYPE = "f16"  # the server's
-
-
 def add_kv_cache_type_arg(p: argparse.ArgumentParser) -> None:
     """Adds --kv-cache-type, defaulting to the server's."""
     p.add_argument("--kv-cache-type", choices=KV_CACHE_TYPES, default=DEFAULT_KV_CACHE_TYPE,
-                   help=f"KV cache element type (default {DEFAULT_KV_CACHE_TYPE}, as the server)")
+                   help=f"KV cache element type (default {DEFAULT_KV_CACHE_TYPE}, as the server: "
+                        "f32 for an f32 model, else f16)")
 
 
 def expert_cache_from_args(args: argparse.Namespace) -> ExpertCacheConfig:
