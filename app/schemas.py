@@ -183,7 +183,9 @@ class ExpertCacheInfo(BaseModel):
     kept; with it true, `state`, `heat` and `layers` come too."""
 
     enabled: bool
-    n_layer: int
+    n_layer: int = Field(description="the model's layers (rows of state and heat)")
+    n_moe_layers: int = Field(description="the layers with routed experts")
+    dense_layers: list[int] = Field(description="the layers without experts (rows of zeros)")
     n_expert: int
     slots_per_layer: int
     expert_bytes: int

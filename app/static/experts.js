@@ -63,10 +63,20 @@ function drawGrid(d) {
   ctx.font = "11px system-ui, sans-serif";
   ctx.textBaseline = "middle";
   const gap = cw >= 6 ? 1 : 0;
+  const dense = new Set(d.dense_layers || []);
   for (let l = 0; l < d.n_layer; l++) {
     if (ch >= 9) {
       ctx.fillStyle = "#666";
       ctx.fillText("L" + l, 0, l * ch + ch / 2);
+    }
+    if (dense.has(l)) {  // a dense layer: no experts, one band
+      ctx.fillStyle = "#eee";
+      ctx.fillRect(labelW, l * ch, d.n_expert * cw - gap, ch - gap);
+      if (ch >= 9) {
+        ctx.fillStyle = "#888";
+        ctx.fillText("dense", labelW + 4, l * ch + ch / 2);
+      }
+      continue;
     }
     for (let e = 0; e < d.n_expert; e++) {
       const [cold, hot] = COLOURS[d.state[l][e]] || COLOURS[0];
@@ -136,8 +146,10 @@ function showNumbers(d) {
     $("resident").textContent = mb(d.budget_bytes);
     $("slots").textContent = d.n_expert + " of " + d.n_expert;
   }
-  $("reason").textContent = d.n_layer + " MoE layers of " + d.n_expert + " experts, " +
-    mb(d.expert_bytes) + " each; size: " + d.reason;
+  const nDense = (d.dense_layers || []).length;
+  $("reason").textContent = d.n_moe_layers + " MoE layers of " + d.n_expert + " experts, " +
+    mb(d.expert_bytes) + " each" + (nDense ? ", " + nDense + " dense layers" : "") +
+    "; size: " + d.reason;
 }
 
 function show(d) {
@@ -187,6 +199,10 @@ $("grid").addEventListener("mousemove", (ev) => {
   const e = Math.floor((ev.clientX - rect.left - g.x0) / g.cw);
   const l = Math.floor((ev.clientY - rect.top - g.y0) / g.ch);
   if (l < 0 || l >= d.n_layer || e < 0 || e >= d.n_expert) return;
+  if ((d.dense_layers || []).includes(l)) {
+    $("cell-info").textContent = "layer " + l + ": dense (no experts)";
+    return;
+  }
   $("cell-info").textContent = "layer " + l + ", expert " + e + ": " + STATES[d.state[l][e]] +
     ", heat " + d.heat[l][e].toFixed(2);
 });

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.core.block_manager import BLOCK_SIZE
@@ -18,6 +18,7 @@ from engine.core.engine import EngineCore
 from engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
 from engine.core.scheduler import SchedulerConfig
 from engine.executor.expert_cache import (
+    CachePlan,
     ExpertCacheConfig,
     ExpertCacheMonitor,
     load_pinned,
@@ -125,11 +126,26 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
     its monitor. ValueError when an explicit budget is below the minimum."""
     cfg = model.config
     # every weight file but the experts' (which may be thousands: not even listed)
-    other_files = [folder / "embeddings.bin"] + [p for d in ("attention", "router", "shared")
-                                                 for p in (folder / d).glob("*.bin")]
+    other_files = [folder / "embeddings.bin"] + [
+        p for d in ("attention", "router", "shared", "dense") for p in (folder / d).glob("*.bin")]
     other = kv_bytes + sum(p.stat().st_size for p in other_files)
-    plan = plan_cache(model.core, xc, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, other,
+    n_moe = len(cfg.moe_layers)
+    if n_moe == 0:
+        if xc.size is not None or xc.mb is not None:
+            log.warning("expert cache: a dense model has no routed experts; the expert cache "
+                        "budget is ignored")
+        repacked = model.core.repack(experts=False) if repack_enabled() else 0
+        if repacked:
+            log.info("weights: %d matrices repacked for this CPU's kernels", repacked)
+        log.info("expert cache: none (a dense model has no routed experts)")
+        return ExpertCacheMonitor(model.core, CachePlan(
+            None, 0, 0, 0, "a dense model has no routed experts",
+            dense_layers=tuple(range(cfg.n_layer))), folder)
+    # budgets count the layers with experts: a dense layer's slots are never filled
+    plan = plan_cache(model.core, xc, n_moe, cfg.n_expert, cfg.n_expert_used, other,
                       memory_free(available_memory_bytes()))
+    plan = replace(plan, dense_layers=tuple(i for i in range(cfg.n_layer)
+                                            if i not in cfg.moe_layers))
     # the layout this CPU's kernels read fastest; the cache repacks the experts it loads, and
     # resident experts are copied only when they fit (else the OS pages their mappings)
     repacked = model.core.repack(experts=plan.fits) if repack_enabled() else 0
@@ -137,7 +153,7 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
         log.info("weights: %d matrices repacked for this CPU's kernels", repacked)
     if plan.per_layer is None:
         log.info("expert cache: off, all %d experts resident (%.1f MB; %s)",
-                 cfg.n_layer * cfg.n_expert, plan.budget_bytes / 1e6, plan.reason)
+                 n_moe * cfg.n_expert, plan.budget_bytes / 1e6, plan.reason)
     else:
         pinned = (load_pinned(folder, cfg.n_layer, cfg.n_expert, plan.per_layer)
                   if xc.pin else None)
@@ -149,7 +165,7 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
                                            if xc.huge_pages else ", slots on 4 KiB pages")
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
                  "load %s%s, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
-                 plan.budget_bytes / 1e6, cfg.n_layer * cfg.n_expert * plan.expert_bytes / 1e6,
+                 plan.budget_bytes / 1e6, n_moe * cfg.n_expert * plan.expert_bytes / 1e6,
                  plan.reason, load, pages, "on" if xc.prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
     return ExpertCacheMonitor(model.core, plan, folder)

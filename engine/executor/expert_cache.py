@@ -68,12 +68,13 @@ class CachePlan:
 
     per_layer: int | None
     expert_bytes: int
-    n_layer: int
+    n_layer: int  # the layers with routed experts (dense layers have none to cache)
     n_expert: int
     reason: str
     # every expert also fits in the memory that was free (or that is unknown): resident
     # experts may then be copied (repacked) instead of read through their mappings
     fits: bool = False
+    dense_layers: tuple[int, ...] = ()  # layers without experts (drawn apart on the page)
 
     @property
     def budget_bytes(self) -> int:
@@ -323,8 +324,10 @@ class ExpertCacheMonitor:
         st = self.stats()
         with self._lock:
             hist = list(self.history)
+        n_rows = self.plan.n_layer + len(self.plan.dense_layers)
         out: dict[str, Any] = {
-            "enabled": st is not None, "n_layer": self.plan.n_layer,
+            "enabled": st is not None, "n_layer": n_rows, "n_moe_layers": self.plan.n_layer,
+            "dense_layers": list(self.plan.dense_layers),
             "n_expert": self.plan.n_expert, "slots_per_layer": self.plan.per_layer
             or self.plan.n_expert, "expert_bytes": self.plan.expert_bytes,
             "budget_bytes": self.plan.budget_bytes, "reason": self.plan.reason,
@@ -334,7 +337,7 @@ class ExpertCacheMonitor:
             out["heat"] = [[round(float(h), 3) for h in row] for row in st["heat"]]
             out["layers"] = [{k: int(st[k][i]) for k in st
                               if k not in ("state", "heat", "selections")}
-                             for i in range(self.plan.n_layer)]
+                             for i in range(n_rows)]
         return out
 
     def close(self) -> None:

@@ -13,10 +13,11 @@ from engine.format.jsonfile import read_json_object
 from engine.format.wfile import read_wfile
 
 _DIMS = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
-         "n_expert", "n_expert_used", "n_ff_shared")
-_FEATURES = ("norm_topk_prob", "qk_norm", "qkv_bias", "clip_qkv", "rope_theta", "rotary_dim",
-             "rms_eps", "sliding_window", "tie_embeddings", "max_position_embeddings",
-             "bos_token_id", "eos_token_ids")
+         "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense")
+_FEATURES = ("router", "n_group", "topk_group", "routed_scale", "norm_topk_prob", "qk_norm",
+             "qkv_bias", "o_bias", "clip_qkv", "rope_theta", "rope", "rotary_dim", "rms_eps",
+             "sliding_window", "tie_embeddings", "max_position_embeddings", "bos_token_id",
+             "eos_token_ids")
 
 
 def describe(model_dir: str | Path) -> dict[str, Any]:
@@ -31,7 +32,7 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
     files = cfg.get("files") or {}
 
     bytes_by_type: dict[str, int] = {}
-    params_total = params_expert = 0
+    params_total = params_expert = params_shared = 0
     experts_per_layer: dict[int, int] = {}
     for name in sorted(files):
         wf = read_wfile(model_dir / name)
@@ -43,6 +44,8 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
             n += numel
             bytes_by_type[t.type_name] = bytes_by_type.get(t.type_name, 0) + t.nbytes
         params_total += n
+        if name.startswith("shared/"):
+            params_shared += n
         if name.startswith("experts/"):
             params_expert += n
             layer = int(name.split("_")[1])
@@ -61,6 +64,8 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
         "params_active": params_active,
         "bytes_total": sum(int(m.get("size", 0)) for m in files.values()),
         "bytes_by_type": dict(sorted(bytes_by_type.items())),
+        "params_shared_experts": params_shared,
+        "layer_ffn": list(cfg.get("layer_ffn") or ["moe"] * int(cfg["n_layer"])),
         "experts_per_layer": [experts_per_layer.get(i, 0) for i in range(int(cfg["n_layer"]))],
         "n_files": len(files),
         "tokenizer": (model_dir / "tokenizer.json").is_file(),
@@ -81,15 +86,31 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _layers(d: dict[str, Any]) -> str:
+    """The layers by FFN kind, e.g. "3 dense (0-2), 89 MoE (3-91)"."""
+    parts = []
+    for kind, label in (("dense", "dense"), ("moe", "MoE")):
+        idx = [i for i, k in enumerate(d["layer_ffn"]) if k == kind]
+        if idx:
+            span = f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"
+            contiguous = idx == list(range(idx[0], idx[-1] + 1))
+            parts.append(f"{len(idx)} {label}" + (f" ({span})" if contiguous else ""))
+    return ", ".join(parts)
+
+
 def render(d: dict[str, Any]) -> str:
     """describe()'s result as human-readable text."""
     lines = [
         f"model         {d['path']}",
         f"architecture  {d['architecture']} ({d['hf_architecture']}), quant {d['quant']}",
         "dimensions    " + ", ".join(f"{k}={v}" for k, v in d["dims"].items()),
-        "features      " + ", ".join(f"{k}={v}" for k, v in d["features"].items()),
+        "features      " + ", ".join(f"{k}={v}" for k, v in d["features"].items()
+                                     if v not in (None, {})),
+        f"layers        {_layers(d)}",
         f"parameters    {_count(d['params_total'])} total, "
-        f"{_count(d['params_active'])} active per token",
+        f"{_count(d['params_active'])} active per token"
+        + (f", {_count(d['params_shared_experts'])} in shared experts (always resident)"
+           if d["params_shared_experts"] else ""),
         f"size          {_size(d['bytes_total'])} in {d['n_files']} files",
         "bytes by type " + ", ".join(f"{k}: {_size(v)}" for k, v in d["bytes_by_type"].items()),
         "experts/layer " + " ".join(str(n) for n in d["experts_per_layer"]),

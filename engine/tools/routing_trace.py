@@ -6,7 +6,8 @@ the forward chunks the tokens were computed in: the expert cache updates its hea
 experts once per chunk, so a replay has to see the same chunks. The core splits a forward
 call into chunks of at most CORE_CHUNK_TOKENS tokens; `RouteRecorder` records the same split.
 
-File format (.npz, numpy's zip of arrays): routes int32 [n_tokens, n_layer, k]; chunks int32
+File format (.npz, numpy's zip of arrays): routes int32 [n_tokens, n_layer, k] (n_layer: the
+layers with routed experts, in order; dense layers choose none and are left out); chunks int32
 [n_chunks] tokens per chunk (summing to n_tokens); prefill bool [n_tokens] (token came from a
 prompt rather than a decode step); n_expert, model and source as 0-d arrays.
 """
@@ -30,7 +31,7 @@ TRACE_VERSION = 1
 class RoutingTrace:
     """Expert choices of a run, in the order the tokens were computed."""
 
-    routes: np.ndarray  # int32 [n_tokens, n_layer, k]
+    routes: np.ndarray  # int32 [n_tokens, n_layer, k]; n_layer counts the layers with experts
     chunks: np.ndarray  # int32 [n_chunks], tokens per forward chunk
     prefill: np.ndarray  # bool [n_tokens]
     n_expert: int
@@ -105,7 +106,8 @@ class RouteRecorder:
         n = int(np.asarray(tokens).size)
         r = np.zeros((n, cfg.n_layer, cfg.n_expert_used), np.int32)
         out = self.model.forward(tokens, seq_ids, positions, want_logits, routes=r)
-        self.routes.append(r)
+        # the trace holds the layers with experts only (a dense layer chooses none)
+        self.routes.append(r if len(cfg.moe_layers) == cfg.n_layer else r[:, cfg.moe_layers])
         self.prefill.append(np.full(n, prefill))
         for t0 in range(0, n, CORE_CHUNK_TOKENS):
             self.chunks.append(min(CORE_CHUNK_TOKENS, n - t0))
@@ -116,7 +118,7 @@ class RouteRecorder:
         k = cfg.n_expert_used
         return RoutingTrace(
             routes=np.concatenate(self.routes) if self.routes
-            else np.zeros((0, cfg.n_layer, k), np.int32),
+            else np.zeros((0, len(cfg.moe_layers), k), np.int32),
             chunks=np.asarray(self.chunks, np.int32),
             prefill=np.concatenate(self.prefill) if self.prefill else np.zeros(0, bool),
             n_expert=int(cfg.n_expert), model=str(self.model.path), source=source)

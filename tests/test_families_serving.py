@@ -1,0 +1,145 @@
+"""Everything around the model follows the new families: a dense model and a GLM-4.5 model
+(two dense layers, then routed and shared experts) served through the real app, with the
+engine's default settings matching transformers at f32, the expert cache and its page
+counting only the layers with experts, `colibri info` naming the layers, and routing traces
+holding the MoE layers only."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from app.schemas import ExpertCacheInfo  # noqa: E402
+from tests.server_helpers import InProcessServer, wait_for  # noqa: E402
+from tests.tiny_models import make_checkpoint  # noqa: E402
+
+N_CTX = 128
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {a: make_checkpoint(a, root / a, seed=3) for a in ("llama", "glm4_moe")}
+
+
+def _llm(hf: Path, quant: str, **engine: Any) -> Any:
+    from engine import LLM, EngineConfig
+
+    return LLM(hf, threads=2, quant=quant, n_ctx=N_CTX, config=EngineConfig(**engine))
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe"])
+def test_default_settings_match_transformers_at_f32(ckpts: dict[str, Path], arch: str) -> None:
+    """The engine's defaults (KV type auto: f32 for an f32 model) keep the 1e-4 parity."""
+    llm = _llm(ckpts[arch], "f32")
+    assert llm.model.kv_type == "f32"
+    ids = np.random.default_rng(5).integers(0, 320, 40).astype(np.int32)
+    ours = llm.logits(ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(ckpts[arch]), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    assert float(np.abs(ours - ref).max() / np.abs(ref).max()) <= 1e-4
+
+
+def _app(llm: Any) -> Any:
+    from app.server import create_app
+    from app.settings import Settings
+
+    return create_app(Settings(_env_file=None), loader=lambda: llm)  # type: ignore[call-arg]
+
+
+@pytest.fixture(scope="module")
+def glm_server(ckpts: dict[str, Path]) -> Iterator[InProcessServer]:
+    from engine import ExpertCacheConfig
+
+    llm = _llm(ckpts["glm4_moe"], "q8", expert_cache=ExpertCacheConfig(size=3, pin=False))
+    srv = InProcessServer(_app(llm)).start()
+    wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 60, "ready")
+    yield srv
+    srv.stop()
+
+
+def _complete(url: str) -> dict[str, Any]:
+    r = httpx.post(url + "/v1/completions", json={"prompt": "The river runs", "max_tokens": 12,
+                                                   "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 12
+    return body
+
+
+def test_glm_serves_and_its_cache_counts_moe_layers_only(glm_server: InProcessServer) -> None:
+    _complete(glm_server.url)
+    info = ExpertCacheInfo.model_validate(httpx.get(glm_server.url + "/v1/expert_cache").json())
+    assert info.enabled and (info.n_layer, info.n_moe_layers) == (4, 2)
+    assert info.dense_layers == [0, 1]
+    assert info.budget_bytes == 2 * 3 * info.expert_bytes
+    assert info.state is not None and info.layers is not None
+    for layer in (0, 1):  # a dense layer holds and loads nothing
+        assert set(info.state[layer]) == {0} and info.layers[layer]["loads"] == 0
+    for layer in (2, 3):
+        assert sum(s >= 1 for s in info.state[layer]) == 3 and info.layers[layer]["loads"] > 0
+    assert info.totals["resident_bytes"] == 2 * 3 * info.expert_bytes
+
+
+def test_dense_model_serves_without_an_expert_cache(ckpts: dict[str, Path],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from engine import ExpertCacheConfig
+
+    with caplog.at_level(logging.INFO, logger="colibri.engine"):
+        llm = _llm(ckpts["llama"], "q8", expert_cache=ExpertCacheConfig(size=4))
+    assert "a dense model has no routed experts; the expert cache budget is ignored" \
+        in caplog.text
+    srv = InProcessServer(_app(llm)).start()
+    try:
+        wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 60, "ready")
+        _complete(srv.url)
+        info = ExpertCacheInfo.model_validate(httpx.get(srv.url + "/v1/expert_cache").json())
+        assert not info.enabled and info.n_moe_layers == 0 and info.n_expert == 0
+        assert info.reason == "a dense model has no routed experts"
+        assert info.dense_layers == [0, 1]
+    finally:
+        srv.stop()
+
+
+def test_info_names_the_layers(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    from engine.format.convert import convert
+    from engine.tools.info import describe, render
+
+    d = describe(convert(ckpts["glm4_moe"], tmp_path / "glm", quant="q8", progress=False))
+    text = render(d)
+    assert "layers        2 dense (0-1), 2 MoE (2-3)" in text
+    assert "router=sigmoid_grouped" in text and "in shared experts (always resident)" in text
+    assert d["experts_per_layer"] == [0, 0, 8, 8]
+    # active parameters: all but 6 of each MoE layer's 8 experts
+    per_expert = 3 * 64 * 32
+    assert d["params_active"] == d["params_total"] - 2 * 6 * per_expert
+    dense = render(describe(convert(ckpts["llama"], tmp_path / "llama", quant="q8",
+                                    progress=False)))
+    assert "layers        2 dense (0-1)" in dense and "experts/layer 0 0" in dense
+
+
+def test_routing_trace_holds_the_moe_layers(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    from engine.executor.model import Model
+    from engine.format.convert import convert
+    from engine.tools.routing_trace import RouteRecorder, RoutingTrace, greedy_run
+
+    m = Model.load(convert(ckpts["glm4_moe"], tmp_path / "glm", quant="q8", progress=False),
+                   threads=2, n_ctx=64)
+    rec = RouteRecorder(m)
+    greedy_run(rec, np.arange(5, 25, dtype=np.int32), 6)
+    trace = rec.trace("test")
+    assert trace.n_layer == 2 and trace.n_tokens == 20 + 6  # the prompt, then 6 decode steps
+    assert trace.routes.min() >= 0 and trace.routes.max() < 8
+    again = RoutingTrace.load(trace.save(tmp_path / "t.npz"))
+    np.testing.assert_array_equal(again.routes, trace.routes)
