@@ -22,7 +22,14 @@ typedef enum {
     CLB_FFN_DENSE = 1, /* one SiLU-gated FFN of width n_ff_dense */
 } clb_ffn_kind;
 typedef enum {
-    CLB_ROUTER_SOFTMAX = 0,         /* softmax over the logits, top-k, optional renormalising */
+    CLB_ATTN_GQA = 0, /* q/k/v heads of head_dim, n_head_kv K/V heads cached per position */
+    CLB_ATTN_MLA = 1, /* multi-head latent attention (DeepSeek): one latent row of kv_lora_rank
+                         + rotary_dim values cached per position; queries absorbed into it */
+} clb_attn_kind;
+typedef enum {
+    CLB_ROUTER_SOFTMAX = 0,         /* softmax over the logits, top-k (within the best
+                                       topk_group of n_group groups by their best score),
+                                       optional renormalising, times routed_scale */
     CLB_ROUTER_SIGMOID_GROUPED = 1, /* sigmoid scores; selection on scores + a per-expert bias
                                        within the best topk_group of n_group groups; weights
                                        are the plain scores (optionally renormalised) times
@@ -32,13 +39,18 @@ typedef enum {
 /* Hyper-parameters, filled by Python from config.json (engine/models/config.py). */
 typedef struct {
     int64_t n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim;
+    int32_t attn;          /* clb_attn_kind */
+    int64_t q_lora_rank;   /* MLA: width of the query's low-rank step; 0: q straight from x */
+    int64_t kv_lora_rank;  /* MLA: latent width (the cached row holds it + rotary_dim) */
+    int64_t v_head_dim;    /* MLA: value width per head (GQA: head_dim) */
+    float attn_scale;      /* softmax scale of q.k; 0: 1/sqrt(head_dim) */
     int64_t n_ff, n_expert, n_expert_used; /* routed experts; 0 when no layer is MoE */
     int64_t n_ff_shared;   /* 0: no shared expert */
     int64_t n_ff_dense;    /* width of the dense layers' FFN; 0 when no layer is dense */
     int32_t shared_gate;   /* shared expert scaled by sigmoid(shared_gate . x) */
     int32_t norm_topk_prob;
     int32_t router;        /* clb_router_kind */
-    int64_t n_group, topk_group; /* CLB_ROUTER_SIGMOID_GROUPED: groups of experts, groups kept */
+    int64_t n_group, topk_group; /* experts in n_group groups, top-k from topk_group of them */
     float routed_scale;    /* routed experts' weights are multiplied by it (1: off) */
     int32_t qk_norm;       /* clb_qk_norm */
     int32_t qkv_bias;
@@ -46,7 +58,8 @@ typedef struct {
     int32_t tie_embeddings;
     float clip_qkv;        /* <= 0: off */
     float rope_theta;
-    int64_t rotary_dim;    /* <= head_dim, even: rotary part of each head (the first dims) */
+    int64_t rotary_dim;    /* <= head_dim, even: rotary part of each head (GQA: the first
+                              dims; MLA: the last, after head_dim - rotary_dim plain ones) */
     float rope_scale;      /* cos and sin are multiplied by it (1: plain RoPE) */
     float rms_eps;
     int64_t sliding_window; /* <= 0: off */

@@ -14,6 +14,8 @@
 #define CLB_MAX_BATCH 512
 /* Most expert groups a grouped router may have (DeepSeek-V3 and GLM use 8 or 1). */
 #define CLB_MAX_GROUPS 64
+/* Tokens MLA absorbs and attends at once (bounds its per-head scratch). */
+#define CLB_MLA_SUB 64
 
 typedef struct {
     const clb_tensor *w1, *w3, *w2; /* [F, D] gate, [F, D] up, [D, F] down */
@@ -26,6 +28,12 @@ typedef struct {
     const clb_tensor *bq, *bk, *bv;         /* NULL unless qkv_bias */
     const clb_tensor *bo;                   /* [D] or NULL unless o_bias */
     const clb_tensor *q_norm, *k_norm;      /* NULL unless qk_norm */
+    /* MLA (wq above when q_lora_rank is 0; ql = q_lora_rank, kl = kv_lora_rank, dn = head_dim
+     * - rotary_dim, dv = v_head_dim) */
+    const clb_tensor *wq_a, *q_a_norm, *wq_b; /* [ql, D], [ql], [H*hd, ql] */
+    const clb_tensor *wkv_a, *kv_a_norm;    /* [kl + rotary_dim, D], [kl] */
+    const clb_tensor *wk_b, *wv_b;          /* [H*kl, dn] per head k up-projection, transposed;
+                                               [H*dv, kl] per head v up-projection */
     const clb_tensor *ffn_norm;             /* [D] */
     const clb_tensor *gate_inp;             /* [E, D] f32; NULL in a dense layer */
     const clb_tensor *gate_bias;            /* [E] f32 selection bias (grouped router) or NULL */
@@ -59,7 +67,14 @@ struct clb_model {
     float *xn;       /* [B, D] normed input of the current block */
     float *q;        /* [B, H*hd] */
     float *k, *v;    /* [B, Hkv*hd] */
-    float *att;      /* [B, H*hd] attention output (pre o-projection) */
+    float *att;      /* [B, H*max(hd, dv)] attention output (pre o-projection) */
+    /* MLA scratch (NULL otherwise); S = CLB_MLA_SUB tokens */
+    float *kva;      /* [B, kl + rotary_dim] latent rows of the chunk */
+    float *qlat;     /* [B, ql] query's low-rank step */
+    float *qabs;     /* [S, H*(kl + rotary_dim)] queries absorbed into the latent space */
+    float *ctx;      /* [S, H*kl] attention output in the latent space */
+    void *head_act;  /* [H, S] per-head activation rows of one dispatch (packed or f32) */
+    size_t head_act_row; /* bytes of one row in head_act */
     float *proj;     /* [B, D] o-projection / MoE output */
     float *rope;     /* [B, rotary_dim]: cos of the rotary_dim/2 frequencies, then sin */
     float *inv_freq; /* [rotary_dim/2] (hp.rope_freqs points here after load) */
@@ -93,11 +108,13 @@ struct clb_kv {
     const clb_model *model; /* the model this cache was made for */
     clb_kv_type type;
     int64_t n_blocks;
-    int64_t n_layer, n_head_kv, head_dim;
+    int64_t n_layer, n_head_kv, head_dim; /* cached heads per position and their row width */
+    int64_t n_kinds;        /* 2: K and V rows; 1: one latent row (MLA), values its first v_dim */
+    int64_t v_dim;          /* value width read by attention */
     size_t head_bytes;      /* one position's K (or V) values of one kv head, q8 scale included */
     size_t q8_scale_off;    /* q8: offset of the f32 scale in a head's values */
-    size_t block_bytes;     /* head_bytes * CLB_KV_BLOCK * n_head_kv * 2 * n_layer */
-    /* [L, 2 (K, V), n_head_kv, n_blocks, CLB_KV_BLOCK, head_bytes]: one kv head's positions of
+    size_t block_bytes;     /* head_bytes * CLB_KV_BLOCK * n_head_kv * n_kinds * n_layer */
+    /* [L, n_kinds (K, V), n_head_kv, n_blocks, CLB_KV_BLOCK, head_bytes]: one kv head's positions of
      * a block are contiguous and the next block's follow them, so attention over a sequence
      * whose blocks are numbered in order reads one stream per head, as the hardware
      * prefetchers like */
@@ -127,7 +144,7 @@ static inline size_t clb_kv_elem_bytes(clb_kv_type t) {
  * head_bytes apart, then block blk + 1's. */
 static inline unsigned char *clb_kv_head(const clb_kv *kv, int64_t blk, int64_t il, int kind,
                                          int64_t kvh, int64_t slot) {
-    size_t r = (size_t)((((il * 2 + kind) * kv->n_head_kv + kvh) * kv->n_blocks + blk) *
+    size_t r = (size_t)((((il * kv->n_kinds + kind) * kv->n_head_kv + kvh) * kv->n_blocks + blk) *
                             CLB_KV_BLOCK + slot); /* < n_blocks * block_bytes / head_bytes */
     return kv->data + r * kv->head_bytes;
 }

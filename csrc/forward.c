@@ -10,8 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "clb_kernels.h"
-#include "clb_model_internal.h"
+#include "clb_forward.h"
 #include "clb_xcache.h"
 #include "clb_util.h"
 
@@ -20,14 +19,12 @@
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over n elements; y may alias x. The sum is kept in double
  * so the result does not depend on n's size. */
-static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
+void clb_rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
     double ss = 0.0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
     float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
     for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * scale);
 }
-
-static const float *f32(const clb_tensor *t) { return t ? (const float *)t->data : NULL; }
 
 /* Every weight product of the forward pass goes through these two, which count it in m->prod
  * (clb_model_product_stats). */
@@ -41,22 +38,22 @@ static int64_t weight_bytes(clb_type t, int64_t n_out, int64_t n_in) {
     return (int64_t)clb_type_row_size(t, n_in) * n_out;
 }
 
-static clb_status mm_tp(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
+clb_status clb_fw_mm_tp(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
                         int64_t T, float *y, int64_t ldy, const clb_tensor *bias,
                         clb_threadpool *tp) {
     const int64_t t0 = clb_now_ns();
     clb_status st = clb_matmul(w->type, w->data, w->shape[0], w->shape[1], x, T, y, ldy,
-                               f32(bias), m->mm_scratch, tp);
+                               clb_f32_data(bias), m->mm_scratch, tp);
     count_product(m, ph, t0, T > 0 ? weight_bytes(w->type, w->shape[0], w->shape[1]) : 0);
     return st;
 }
 
-static clb_status mm(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
+clb_status clb_fw_mm(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
                      int64_t T, float *y, int64_t ldy, const clb_tensor *bias) {
-    return mm_tp(m, ph, w, x, T, y, ldy, bias, m->tp);
+    return clb_fw_mm_tp(m, ph, w, x, T, y, ldy, bias, m->tp);
 }
 
-static clb_status run_jobs(clb_model *m, clb_phase ph, int n_jobs) {
+clb_status clb_fw_run_jobs(clb_model *m, clb_phase ph, int n_jobs) {
     const int64_t t0 = clb_now_ns();
     clb_status st = clb_matmul_jobs(m->jobs, n_jobs, m->tp);
     int64_t bytes = 0;
@@ -68,23 +65,17 @@ static clb_status run_jobs(clb_model *m, clb_phase ph, int n_jobs) {
     return st;
 }
 
-#define TRY(expr)                         \
-    do {                                  \
-        clb_status st_ = (expr);          \
-        if (st_ != CLB_OK) return st_;    \
-    } while (0)
-
 /* A job for weight w reading activations act (packed for w's type, or f32 rows). */
-static clb_mm_job job(const clb_tensor *w, const void *act, int64_t T, float *y, int64_t ldy,
+clb_mm_job clb_fw_job(const clb_tensor *w, const void *act, int64_t T, float *y, int64_t ldy,
                       const clb_tensor *bias) {
     return (clb_mm_job){.type = w->type, .w = w->data, .n_out = w->shape[0],
                         .n_in = w->shape[1], .act = act, .n_tok = T, .y = y, .ldy = ldy,
-                        .bias = f32(bias)};
+                        .bias = clb_f32_data(bias)};
 }
 
 /* Activations of T rows of x (row stride ldx) for weights of w's type: packed into buf, or x
  * itself for float weights (which then needs ldx == n_in). */
-static const void *act_for(const clb_tensor *w, const float *x, int64_t ldx, int64_t T,
+const void *clb_fw_act_for(const clb_tensor *w, const float *x, int64_t ldx, int64_t T,
                            void *buf) {
     if (clb_act_row_size(w->type, w->shape[1]) == 0) return x;
     clb_act_pack(w->type, w->shape[1], x, ldx, T, buf);
@@ -92,7 +83,7 @@ static const void *act_for(const clb_tensor *w, const float *x, int64_t ldx, int
 }
 
 /* HF "rotate half" on the first rd dims of one head: pairs (x[i], x[i + rd/2]). */
-static void rope_head(float *x, const float *cs, int64_t rd) {
+void clb_rope_half(float *x, const float *cs, int64_t rd) {
     int64_t half = rd / 2;
     const float *c = cs, *s = cs + half;
     for (int64_t i = 0; i < half; i++) {
@@ -100,219 +91,6 @@ static void rope_head(float *x, const float *cs, int64_t rd) {
         x[i] = a * c[i] - b * s[i];
         x[i + half] = b * c[i] + a * s[i];
     }
-}
-
-/* ---- attention -------------------------------------------------------------------------- */
-
-typedef struct {
-    clb_model *m;
-    const clb_kv *kv;
-    int64_t il, T;
-    const int32_t *seq, *pos;
-    const int32_t *tables; /* [n_seq, max_blocks] */
-    int64_t max_blocks;
-    int64_t nh;            /* query heads per work item: H/Hkv (one kv head's group) or 1 */
-} att_task;
-
-/* Widens positions [0, n) of one kv head's block part (head_bytes apart) to f32 rows of hd in
- * deq: f16 in one call of the active ISA's conversion f16 (the values are contiguous); q8
- * values stay unscaled (the scale is applied by the caller). */
-static void widen_rows(const clb_kv *kv, clb_to_float_fn f16, const unsigned char *row,
-                       int64_t n, float *deq) {
-    const int64_t hd = kv->head_dim;
-    if (kv->type == CLB_KV_F16) {
-        f16(n * hd, row, deq);
-        return;
-    }
-    for (int64_t r = 0; r < n; r++, row += kv->head_bytes)
-        clb_kv_i8_to_f32(hd, (const int8_t *)row, deq + r * hd);
-}
-
-/* Asks for one kv head's part of a block ahead of its turn: blocks lie wherever their tables
- * put them, so the hardware prefetcher cannot follow from one to the next. */
-static void prefetch_head(const clb_kv *kv, const unsigned char *p) {
-    const size_t len = (size_t)CLB_KV_BLOCK * kv->head_bytes;
-    for (size_t o = 0; o < len; o += 64) __builtin_prefetch(p + o);
-}
-
-static float q8_scale(const clb_kv *kv, const unsigned char *row) {
-    return *(const float *)(const void *)(row + kv->q8_scale_off);
-}
-
-/* One block's part of a work item: positions [j, j + n) of j's block, up to p. */
-typedef struct {
-    int64_t n;
-    const unsigned char *row0; /* kv head kvh's values (K or V) at position j */
-    const float *rows;         /* its n rows as f32, hd apart: in the cache or widened in deq */
-} att_block;
-
-/* K (kind 0) or V (kind 1) of kv head kvh for the block holding position j, as the attention
- * kernels read it; the next block's part is asked for ahead. */
-static att_block att_block_at(const att_task *a, const int32_t *tab, int kind, int64_t j,
-                              int64_t p, int64_t kvh, clb_to_float_fn f16, float *deq) {
-    const clb_kv *kv = a->kv;
-    const int64_t slot = j % CLB_KV_BLOCK;
-    att_block b;
-    b.n = (p - j + 1 < CLB_KV_BLOCK - slot) ? p - j + 1 : CLB_KV_BLOCK - slot;
-    b.row0 = clb_kv_head(kv, tab[j / CLB_KV_BLOCK], a->il, kind, kvh, slot);
-    if (j + b.n <= p)
-        prefetch_head(kv, clb_kv_head(kv, tab[(j + b.n) / CLB_KV_BLOCK], a->il, kind, kvh, 0));
-    b.rows = (const float *)(const void *)b.row0;
-    if (kv->type != CLB_KV_F32) {
-        widen_rows(kv, f16, b.row0, b.n, deq);
-        b.rows = deq;
-    }
-    return b;
-}
-
-/* A work item is (token, kv head, nh query heads of its group); each query reads the keys of
- * its own sequence in [max(0, pos - window + 1), pos], all already in the cache, through the
- * sequence's block table, block by block (one table lookup per block; the next block's rows
- * are prefetched). f16 and q8 rows are widened to f32 once per block for all nh heads (q8:
- * the scale multiplies the dot product and the softmax weight) and read by the active ISA's
- * attention kernels, a block's rows per call. Each head's arithmetic is the same whatever
- * nh, the split over workers or the rest of the batch, so a token's output never depends on
- * its neighbours. */
-static void att_worker(void *vctx, int ith, int nth) {
-    const att_task *a = vctx;
-    const clb_model *m = a->m;
-    const clb_kv *kv = a->kv;
-    const clb_hparams *hp = &m->hp;
-    const int64_t H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim, qd = H * hd;
-    const int64_t group = H / Hkv, nh = a->nh, per_kv = group / nh, span = m->span;
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int64_t n_items = a->T * Hkv * per_kv;
-    const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
-    float *sc = m->scores + (int64_t)ith * group * span;        /* [nh, span] */
-    float *mx = m->head_stat + (int64_t)ith * 2 * group, *inv = mx + group;
-    float *deq = kv->deq + (int64_t)ith * CLB_KV_BLOCK * hd;    /* [CLB_KV_BLOCK, hd] */
-    const clb_att_kernels *ak = clb_get_att_kernels();
-    const clb_to_float_fn f16 = clb_get_type_traits(CLB_TYPE_F16)->to_float;
-    const clb_kv_type ty = kv->type;
-    const size_t rb = kv->head_bytes; /* q8: a position's values and scale */
-    float wr[CLB_KV_BLOCK];
-
-    for (int64_t it = i0; it < i1; it++) {
-        const int64_t t = it / (Hkv * per_kv), r = it % (Hkv * per_kv);
-        const int64_t kvh = r / per_kv, h0 = kvh * group + (r % per_kv) * nh;
-        const int32_t *tab = a->tables + (int64_t)a->seq[t] * a->max_blocks;
-        const int64_t p = a->pos[t];
-        int64_t lo = 0;
-        if (hp->sliding_window > 0 && p - hp->sliding_window + 1 > 0) lo = p - hp->sliding_window + 1;
-        const float *q0 = m->q + t * qd + h0 * hd;
-        float *out0 = m->att + t * qd + h0 * hd;
-
-        for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
-        for (int64_t j = lo; j <= p;) {
-            const att_block bk = att_block_at(a, tab, 0, j, p, kvh, f16, deq);
-            const int64_t n = bk.n;
-            const unsigned char *row0 = bk.row0;
-            const float *rows = bk.rows;
-            for (int64_t g = 0; g < nh; g++) {
-                float *s = sc + g * span + (j - lo);
-                if (ty != CLB_KV_Q8) { /* the kernel scales and returns the block's maximum */
-                    const float top = ak->dots(hd, q0 + g * hd, rows, hd, n, scale, s);
-                    mx[g] = top > mx[g] ? top : mx[g];
-                    continue;
-                }
-                ak->dots(hd, q0 + g * hd, rows, hd, n, 1.0f, s);
-                /* the running maximum in a local (mx[g] could alias s, so the compiler kept
-                 * it in memory) */
-                float top = mx[g];
-                for (int64_t k = 0; k < n; k++) {
-                    s[k] = s[k] * q8_scale(kv, row0 + (size_t)k * rb) * scale;
-                    top = s[k] > top ? s[k] : top;
-                }
-                mx[g] = top;
-            }
-            j += n;
-        }
-        for (int64_t g = 0; g < nh; g++) {
-            /* sum >= 1: the maximum contributes exp(0) = 1 */
-            inv[g] = 1.0f / ak->exp_sum(p - lo + 1, sc + g * span, mx[g]);
-            for (int64_t d = 0; d < hd; d++) out0[g * hd + d] = 0.0f;
-        }
-        for (int64_t j = lo; j <= p;) {
-            const att_block bk = att_block_at(a, tab, 1, j, p, kvh, f16, deq);
-            const int64_t n = bk.n;
-            const unsigned char *row0 = bk.row0;
-            const float *rows = bk.rows;
-            for (int64_t g = 0; g < nh; g++) {
-                const float *s = sc + g * span + (j - lo);
-                const float ig = inv[g];
-                if (ty == CLB_KV_Q8)
-                    for (int64_t k = 0; k < n; k++)
-                        wr[k] = s[k] * ig * q8_scale(kv, row0 + (size_t)k * rb);
-                else
-                    for (int64_t k = 0; k < n; k++) wr[k] = s[k] * ig;
-                ak->mad_rows(hd, out0 + g * hd, rows, hd, n, wr);
-            }
-            j += n;
-        }
-    }
-}
-
-static clb_status attention(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il, int64_t T,
-                            const int32_t *seq, const int32_t *pos) {
-    const clb_hparams *hp = &m->hp;
-    const clb_layer_w *l = &m->layers[il];
-    const int64_t D = hp->n_embd, H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim;
-    const int64_t qd = H * hd, kvd = Hkv * hd, rd = hp->rotary_dim;
-
-    for (int64_t t = 0; t < T; t++)
-        rmsnorm(m->x + t * D, f32(l->attn_norm), D, hp->rms_eps, m->xn + t * D);
-    if (l->wk->type == l->wq->type && l->wv->type == l->wq->type) {
-        /* xn is packed once and q, k, v run in one dispatch */
-        const void *a = act_for(l->wq, m->xn, D, T, m->act);
-        m->jobs[0] = job(l->wq, a, T, m->q, qd, l->bq);  /* [T, qd] */
-        m->jobs[1] = job(l->wk, a, T, m->k, kvd, l->bk); /* [T, kvd] */
-        m->jobs[2] = job(l->wv, a, T, m->v, kvd, l->bv); /* [T, kvd] */
-        TRY(run_jobs(m, CLB_PHASE_ATTN_PROJ, 3));
-    } else {
-        TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wq, m->xn, T, m->q, qd, l->bq));
-        TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wk, m->xn, T, m->k, kvd, l->bk));
-        TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wv, m->xn, T, m->v, kvd, l->bv));
-    }
-
-    for (int64_t t = 0; t < T; t++) {
-        float *q = m->q + t * qd, *k = m->k + t * kvd, *v = m->v + t * kvd;
-        if (hp->qk_norm == CLB_QK_NORM_HEAD) {
-            for (int64_t h = 0; h < H; h++) rmsnorm(q + h * hd, f32(l->q_norm), hd, hp->rms_eps, q + h * hd);
-            for (int64_t h = 0; h < Hkv; h++) rmsnorm(k + h * hd, f32(l->k_norm), hd, hp->rms_eps, k + h * hd);
-        } else if (hp->qk_norm == CLB_QK_NORM_FULL) {
-            rmsnorm(q, f32(l->q_norm), qd, hp->rms_eps, q);
-            rmsnorm(k, f32(l->k_norm), kvd, hp->rms_eps, k);
-        }
-        if (hp->clip_qkv > 0.0f) {
-            const float c = hp->clip_qkv;
-            for (int64_t i = 0; i < qd; i++) q[i] = fminf(fmaxf(q[i], -c), c);
-            for (int64_t i = 0; i < kvd; i++) {
-                k[i] = fminf(fmaxf(k[i], -c), c);
-                v[i] = fminf(fmaxf(v[i], -c), c);
-            }
-        }
-        const float *cs = m->rope + t * rd;
-        for (int64_t h = 0; h < H; h++) rope_head(q + h * hd, cs, rd);
-        for (int64_t h = 0; h < Hkv; h++) rope_head(k + h * hd, cs, rd);
-        int64_t blk = b->block_tables[(int64_t)seq[t] * b->max_blocks + pos[t] / CLB_KV_BLOCK];
-        clb_kv_store(kv, blk, il, 0, pos[t] % CLB_KV_BLOCK, k);
-        clb_kv_store(kv, blk, il, 1, pos[t] % CLB_KV_BLOCK, v);
-    }
-
-    /* every K/V row of this chunk is stored first, so in-chunk causal attention sees them (and
-     * a token reads its own row back in the cache's format, as later tokens will) */
-    /* a whole kv head's group per work item (rows widened once for the group) when that
-     * still gives every worker something to do; otherwise one query head per item */
-    int64_t nh = T * Hkv >= clb_threadpool_n_threads(m->tp) ? H / Hkv : 1;
-    att_task task = {m, kv, il, T, seq, pos, b->block_tables, b->max_blocks, nh};
-    const int64_t t0 = clb_now_ns();
-    clb_status st = clb_threadpool_run(m->tp, att_worker, &task);
-    m->prod.attention_ns += clb_now_ns() - t0;
-    TRY(st);
-
-    TRY(mm(m, CLB_PHASE_ATTN_PROJ, l->wo, m->att, T, m->proj, D, l->bo)); /* [T, D] */
-    for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
-    return CLB_OK;
 }
 
 /* ---- MoE ------------------------------------------------------------------------------- */
@@ -333,10 +111,22 @@ static void top_k(const float *score, int64_t E, int64_t K, const uint8_t *keep,
     }
 }
 
-/* Softmax router: softmax over E logits, then the K largest probabilities, optionally
- * renormalised to sum to one. */
+/* The topk_group best of G groups by their scores gs (ties: lower index), as keep flags. */
+static void keep_groups(const float *gs, int64_t G, int64_t topk_group, uint8_t *keep) {
+    for (int64_t g = 0; g < G; g++) keep[g] = 0;
+    for (int64_t k = 0; k < topk_group; k++) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < G; g++)
+            if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        keep[best] = 1;
+    }
+}
+
+/* Softmax router: softmax over E logits, then the K largest probabilities (with n_group > 1
+ * only within the topk_group groups holding the largest single probability, DeepSeek-V2's
+ * group-limited greedy), optionally renormalised to sum to one, times routed_scale. */
 static void route_softmax(const clb_hparams *hp, float *p, int32_t *ids, float *w) {
-    const int64_t E = hp->n_expert, K = hp->n_expert_used;
+    const int64_t E = hp->n_expert, K = hp->n_expert_used, G = hp->n_group;
     float mx = p[0];
     for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
     float sum = 0.0f;
@@ -345,13 +135,27 @@ static void route_softmax(const clb_hparams *hp, float *p, int32_t *ids, float *
         sum += p[e];
     }
     for (int64_t e = 0; e < E; e++) p[e] /= sum;
-    top_k(p, E, K, NULL, E, ids);
+    uint8_t keep[CLB_MAX_GROUPS];
+    const uint8_t *kp = NULL;
+    if (G > 1) {
+        float gs[CLB_MAX_GROUPS];
+        for (int64_t g = 0; g < G; g++) {
+            gs[g] = p[g * (E / G)];
+            for (int64_t e = g * (E / G) + 1; e < (g + 1) * (E / G); e++)
+                gs[g] = p[e] > gs[g] ? p[e] : gs[g];
+        }
+        keep_groups(gs, G, hp->topk_group, keep);
+        kp = keep;
+    }
+    top_k(p, E, K, kp, G > 1 ? E / G : E, ids);
     for (int64_t k = 0; k < K; k++) w[k] = p[ids[k]];
     if (hp->norm_topk_prob) {
         float ws = 0.0f;
         for (int64_t k = 0; k < K; k++) ws += w[k];
         for (int64_t k = 0; k < K; k++) w[k] /= ws;
     }
+    if (hp->routed_scale != 1.0f)
+        for (int64_t k = 0; k < K; k++) w[k] *= hp->routed_scale;
 }
 
 /* Grouped sigmoid router (DeepSeek-V3, GLM-4.5): scores s = sigmoid(logits); experts are chosen
@@ -381,14 +185,8 @@ static void route_sigmoid_grouped(const clb_hparams *hp, float *p, const float *
                 }
             }
             gs[g] = a + b;
-            keep[g] = 0;
         }
-        for (int64_t k = 0; k < hp->topk_group; k++) { /* best groups, lower index on ties */
-            int64_t best = -1;
-            for (int64_t g = 0; g < G; g++)
-                if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
-            keep[best] = 1;
-        }
+        keep_groups(gs, G, hp->topk_group, keep);
         kp = keep;
     }
     top_k(c, E, K, kp, per, ids);
@@ -406,7 +204,7 @@ static void route_sigmoid_grouped(const clb_hparams *hp, float *p, const float *
 /* One token's routing from its router logits p [E] (overwritten): ids and weights [K]. */
 static void route_token(clb_model *m, const clb_layer_w *l, float *p, int32_t *ids, float *w) {
     if (m->hp.router == CLB_ROUTER_SIGMOID_GROUPED)
-        route_sigmoid_grouped(&m->hp, p, f32(l->gate_bias), m->choice, ids, w);
+        route_sigmoid_grouped(&m->hp, p, clb_f32_data(l->gate_bias), m->choice, ids, w);
     else
         route_softmax(&m->hp, p, ids, w);
 }
@@ -427,10 +225,10 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
             for (int64_t r = 0; r < c; r++)
                 memcpy(m->xg + r * D, src + (idx ? idx[off[g] + r] : off[g] + r) * D,
                        (size_t)D * sizeof(float));
-            TRY(mm(m, up, w[g]->w1, m->xg, c, m->h1, F, NULL));
-            TRY(mm(m, up, w[g]->w3, m->xg, c, m->h3, F, NULL));
+            TRY(clb_fw_mm(m, up, w[g]->w1, m->xg, c, m->h1, F, NULL));
+            TRY(clb_fw_mm(m, up, w[g]->w3, m->xg, c, m->h3, F, NULL));
             clb_silu_mul_f32(c * F, m->h1, m->h3);
-            TRY(mm(m, down, w[g]->w2, m->h1, c, out + r0 * D, D, NULL));
+            TRY(clb_fw_mm(m, down, w[g]->w2, m->h1, c, out + r0 * D, D, NULL));
         }
         return CLB_OK;
     }
@@ -450,23 +248,23 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
         int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
         if (c == 0) continue;
         size_t a_off = arow ? (size_t)r0 * arow : (size_t)(r0 * D) * sizeof(float);
-        clb_mm_job j = job(w[g]->w1, (const char *)a + a_off, c, m->h1 + r0 * F, F, NULL);
+        clb_mm_job j = clb_fw_job(w[g]->w1, (const char *)a + a_off, c, m->h1 + r0 * F, F, NULL);
         j.w_up = w[g]->w3->data;
         j.y_up = m->h3 + r0 * F;
         m->jobs[nj++] = j; /* [c, F] silu(gate) * up */
     }
-    TRY(run_jobs(m, up, (int)nj));
+    TRY(clb_fw_run_jobs(m, up, (int)nj));
     size_t hrow = clb_act_row_size(w2->type, F);
-    const void *h = act_for(w2, m->h1, F, n, m->act);
+    const void *h = clb_fw_act_for(w2, m->h1, F, n, m->act);
     nj = 0;
     for (int64_t g = 0; g < n_g; g++) {
         int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
         if (c == 0) continue;
         size_t h_off = hrow ? (size_t)r0 * hrow : (size_t)(r0 * F) * sizeof(float);
         const void *hg = (const char *)h + h_off;
-        m->jobs[nj++] = job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
+        m->jobs[nj++] = clb_fw_job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
     }
-    return run_jobs(m, down, (int)nj);
+    return clb_fw_run_jobs(m, down, (int)nj);
 }
 
 /* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
@@ -476,7 +274,7 @@ static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *nl = &m->layers[il + 1];
     const int64_t E = hp->n_expert, K = hp->n_expert_used;
-    TRY(mm_tp(m, CLB_PHASE_ROUTER, nl->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
+    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, nl->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
     /* votes per expert in e_fill (free until the grouping below) */
     int64_t *votes = m->e_fill;
     for (int64_t e = 0; e < E; e++) votes[e] = 0;
@@ -505,10 +303,10 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
 
     for (int64_t t = 0; t < T; t++)
-        rmsnorm(m->x + t * D, f32(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
+        clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
 
     /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
-    TRY(mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
+    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
     for (int64_t t = 0; t < T; t++)
         route_token(m, l, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
     if (routes)
@@ -577,7 +375,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         TRY(ffn_groups(m, CLB_PHASE_SHARED, CLB_PHASE_SHARED, 1, &sw, off, m->xn, NULL,
                        m->eo)); /* [T, D] */
         if (l->shared_gate) {
-            TRY(mm(m, CLB_PHASE_SHARED, l->shared_gate, m->xn, T, m->sgate, 1, NULL));
+            TRY(clb_fw_mm(m, CLB_PHASE_SHARED, l->shared_gate, m->xn, T, m->sgate, 1, NULL));
             for (int64_t t = 0; t < T; t++) {
                 float g = 1.0f / (1.0f + expf(-m->sgate[t]));
                 for (int64_t d = 0; d < D; d++) m->eo[t * D + d] *= g;
@@ -589,13 +387,13 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     return CLB_OK;
 }
 
-/* A dense layer's FFN: x += w2 @ (silu(w1 @ xn) * (w3 @ xn)), xn = rmsnorm(x). */
+/* A dense layer's FFN: x += w2 @ (silu(w1 @ xn) * (w3 @ xn)), xn = clb_rmsnorm(x). */
 static clb_status dense_ffn(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *l = &m->layers[il];
     const int64_t D = hp->n_embd, K = hp->n_expert_used;
     for (int64_t t = 0; t < T; t++)
-        rmsnorm(m->x + t * D, f32(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
+        clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
     const clb_ffn_w *w = &l->dense;
     int64_t off[2] = {0, T};
     TRY(ffn_groups(m, CLB_PHASE_DENSE, CLB_PHASE_DENSE, 1, &w, off, m->xn, NULL, m->proj));
@@ -626,7 +424,8 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
         }
     }
     for (int64_t il = 0; il < hp->n_layer; il++) {
-        TRY(attention(m, kv, b, il, T, seq, pos));
+        TRY(hp->attn == CLB_ATTN_MLA ? clb_attention_mla(m, kv, b, il, T, seq, pos)
+                                     : clb_attention_gqa(m, kv, b, il, T, seq, pos));
         TRY(m->layers[il].ffn == CLB_FFN_DENSE ? dense_ffn(m, il, T, routes)
                                                : moe(m, il, T, routes));
     }
@@ -635,10 +434,10 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
     for (int64_t t = 0; t < T; t++)
         if (!want || want[t]) m->out_rows[n++] = (int32_t)t;
     for (int64_t r = 0; r < n; r++)
-        rmsnorm(m->x + (int64_t)m->out_rows[r] * D, f32(m->output_norm), D, hp->rms_eps,
+        clb_rmsnorm(m->x + (int64_t)m->out_rows[r] * D, clb_f32_data(m->output_norm), D, hp->rms_eps,
                 m->xn + r * D);
     if (n > 0) /* [n, V] */
-        TRY(mm(m, CLB_PHASE_LM_HEAD, m->output, m->xn, n, logits, hp->n_vocab, NULL));
+        TRY(clb_fw_mm(m, CLB_PHASE_LM_HEAD, m->output, m->xn, n, logits, hp->n_vocab, NULL));
     *n_out = n;
     return CLB_OK;
 }

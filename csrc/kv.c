@@ -1,6 +1,6 @@
 /* Colibri paged KV cache: one pool of fixed-size blocks (CLB_KV_BLOCK positions, K and V of
- * every layer) shared by all sequences, in f32, f16 or q8 (int8 + one f32 scale per position
- * and kv head). The storage is laid out by layer, K or V, and kv head, then block, so one
+ * every layer, or MLA's one latent row) shared by all sequences, in f32, f16 or q8 (int8 + one
+ * f32 scale per position and kv head). The storage is laid out by layer, K or V, and kv head, then block, so one
  * head's blocks in order are one stream (clb_model_internal.h). Which block holds which
  * positions is decided by the caller's block tables.
  * Guarantees: every size is overflow-checked; storage comes from a memory pool (large blocks
@@ -13,10 +13,23 @@
 
 #include "clb_model_internal.h"
 
-/* Bytes of one position's K (or V) values of one kv head: head_dim values, then q8's scale
+/* What one position caches per layer: GQA n_head_kv K heads and as many V heads of head_dim;
+ * MLA one latent row of kv_lora_rank + rotary_dim, whose first kv_lora_rank values are read as
+ * the values. */
+typedef struct {
+    int64_t n_kinds, n_heads, row_dim, v_dim;
+} kv_shape;
+
+static kv_shape shape_of(const clb_hparams *hp) {
+    if (hp->attn == CLB_ATTN_MLA)
+        return (kv_shape){1, 1, hp->kv_lora_rank + hp->rotary_dim, hp->kv_lora_rank};
+    return (kv_shape){2, hp->n_head_kv, hp->head_dim, hp->head_dim};
+}
+
+/* Bytes of one position's row of one cached head: row_dim values, then q8's scale
  * (4-aligned). */
 static size_t head_layout(const clb_hparams *hp, clb_kv_type type, size_t *scale_off) {
-    size_t hd = (size_t)hp->head_dim;
+    size_t hd = (size_t)shape_of(hp).row_dim;
     *scale_off = 0;
     switch (type) {
     case CLB_KV_F32:
@@ -30,14 +43,17 @@ static size_t head_layout(const clb_hparams *hp, clb_kv_type type, size_t *scale
 
 size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
     /* limits well inside what clb_model_load accepts, so the products below cannot overflow */
-    if (!hp || hp->n_layer <= 0 || hp->n_layer > (1 << 16) || hp->n_head_kv <= 0 ||
-        hp->n_head_kv > (1 << 16) || hp->head_dim <= 0 || hp->head_dim > (1 << 16))
+    if (!hp || hp->n_layer <= 0 || hp->n_layer > (1 << 16)) return 0;
+    if (hp->attn != CLB_ATTN_GQA && hp->attn != CLB_ATTN_MLA) return 0;
+    const kv_shape sh = shape_of(hp);
+    if (sh.n_heads <= 0 || sh.n_heads > (1 << 16) || sh.row_dim <= 0 || sh.row_dim > (1 << 16) ||
+        sh.v_dim <= 0 || sh.v_dim > sh.row_dim)
         return 0;
     if (type != CLB_KV_F32 && type != CLB_KV_F16 && type != CLB_KV_Q8) return 0;
     size_t off;
     size_t head = head_layout(hp, type, &off);
-    /* head <= 2^19, n_head_kv <= 2^16 and 2 * 16 * n_layer <= 2^21: fits a 64-bit size_t */
-    return head * (size_t)hp->n_head_kv * (size_t)(2 * CLB_KV_BLOCK) * (size_t)hp->n_layer;
+    /* head <= 2^19, n_heads <= 2^16 and 2 * 16 * n_layer <= 2^21: fits a 64-bit size_t */
+    return head * (size_t)sh.n_heads * (size_t)(sh.n_kinds * CLB_KV_BLOCK) * (size_t)hp->n_layer;
 }
 
 clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out) {
@@ -58,16 +74,19 @@ clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, c
     kv->model = m;
     kv->type = type;
     kv->n_blocks = n_blocks;
+    const kv_shape sh = shape_of(hp);
     kv->n_layer = hp->n_layer;
-    kv->n_head_kv = hp->n_head_kv;
-    kv->head_dim = hp->head_dim;
+    kv->n_head_kv = sh.n_heads;
+    kv->head_dim = sh.row_dim;
+    kv->n_kinds = sh.n_kinds;
+    kv->v_dim = sh.v_dim;
     kv->head_bytes = head_layout(hp, type, &kv->q8_scale_off);
     kv->block_bytes = block_bytes;
     kv->data = clb_pool_alloc(kv->pool, (size_t)n_blocks * block_bytes);
     kv->writer = clb_pool_alloc(kv->pool, (size_t)n_blocks * sizeof(int32_t));
     kv->seq_next = clb_pool_alloc(kv->pool, (size_t)n_blocks * sizeof(int32_t));
     kv->deq = clb_pool_alloc(kv->pool, (size_t)clb_model_n_threads(m) * CLB_KV_BLOCK *
-                                           (size_t)hp->head_dim * sizeof(float));
+                                           (size_t)sh.row_dim * sizeof(float));
     if (!kv->data || !kv->writer || !kv->seq_next || !kv->deq) {
         clb_kv_free(kv);
         return CLB_E_NOMEM;

@@ -46,6 +46,23 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
          (long long)hp->n_head, (long long)hp->n_head_kv);
     NEED(hp->head_dim > 0 && hp->head_dim * hp->n_head <= CLB_MAX_EMBD,
          "head_dim %lld out of range", (long long)hp->head_dim);
+    NEED(hp->attn == CLB_ATTN_GQA || hp->attn == CLB_ATTN_MLA, "unknown attention kind %d",
+         hp->attn);
+    NEED(isfinite(hp->attn_scale) && hp->attn_scale >= 0.0f, "attn_scale must be >= 0 (0: "
+         "1/sqrt(head_dim))");
+    if (hp->attn == CLB_ATTN_MLA) {
+        NEED(hp->n_head_kv == 1, "MLA caches one latent head: n_head_kv must be 1");
+        NEED(hp->kv_lora_rank > 0 && hp->kv_lora_rank <= CLB_MAX_EMBD,
+             "kv_lora_rank %lld out of range", (long long)hp->kv_lora_rank);
+        NEED(hp->q_lora_rank >= 0 && hp->q_lora_rank <= CLB_MAX_EMBD,
+             "q_lora_rank %lld out of range", (long long)hp->q_lora_rank);
+        NEED(hp->v_head_dim > 0 && hp->v_head_dim * hp->n_head <= CLB_MAX_EMBD,
+             "v_head_dim %lld out of range", (long long)hp->v_head_dim);
+        NEED(hp->rotary_dim < hp->head_dim, "MLA needs head_dim (%lld) above rotary_dim (%lld)",
+             (long long)hp->head_dim, (long long)hp->rotary_dim);
+        NEED(hp->qk_norm == CLB_QK_NORM_NONE && !hp->qkv_bias && hp->clip_qkv <= 0.0f,
+             "MLA has no q/k norm, q/k/v bias or clip");
+    }
     int64_t n_moe = 0, n_dense = 0;
     for (int64_t il = 0; il < hp->n_layer; il++) {
         int32_t k = hp->layer_ffn ? hp->layer_ffn[il] : CLB_FFN_MOE;
@@ -71,15 +88,16 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
     }
     NEED(hp->router == CLB_ROUTER_SOFTMAX || hp->router == CLB_ROUTER_SIGMOID_GROUPED,
          "unknown router %d", hp->router);
-    if (hp->router == CLB_ROUTER_SIGMOID_GROUPED && n_moe > 0) {
+    if (n_moe > 0) {
         NEED(hp->n_group > 0 && hp->n_group <= CLB_MAX_GROUPS && hp->n_expert % hp->n_group == 0,
              "n_group %lld must be in 1..%d and divide n_expert %lld", (long long)hp->n_group,
              CLB_MAX_GROUPS, (long long)hp->n_expert);
         NEED(hp->topk_group > 0 && hp->topk_group <= hp->n_group,
              "topk_group %lld not in 1..n_group (%lld)", (long long)hp->topk_group,
              (long long)hp->n_group);
-        NEED(hp->n_group == 1 || hp->n_expert / hp->n_group >= 2,
-             "grouped routing needs at least 2 experts per group");
+        NEED(hp->n_group == 1 || hp->router != CLB_ROUTER_SIGMOID_GROUPED ||
+                 hp->n_expert / hp->n_group >= 2,
+             "grouped sigmoid routing needs at least 2 experts per group");
         NEED(hp->topk_group * (hp->n_expert / hp->n_group) >= hp->n_expert_used,
              "the %lld kept groups hold fewer experts than n_expert_used %lld",
              (long long)hp->topk_group, (long long)hp->n_expert_used);
@@ -180,6 +198,34 @@ static clb_status load_ffn(loader *ld, const clb_wfile *f, const char *file, int
     return CLB_OK;
 }
 
+static clb_status load_ffn_of(loader *ld, const char *dir, int64_t il);
+
+/* MLA's projections (clb_model_internal.h): q straight or through its low-rank step, the
+ * latent projection and its norm, the per-head up-projections and the output. */
+static clb_status load_mla(loader *ld, const clb_wfile *f, const char *rel, clb_layer_w *l) {
+    const clb_hparams *hp = &ld->m->hp;
+    const int64_t d = hp->n_embd, H = hp->n_head, hd = hp->head_dim, ql = hp->q_lora_rank;
+    const int64_t kl = hp->kv_lora_rank, rd = hp->rotary_dim, dv = hp->v_head_dim;
+    if (ql > 0) {
+        TRY(want(ld, f, rel, "wq_a", KIND_MAT_ANY, ql, d, "q_lora_rank, n_embd", &l->wq_a));
+        TRY(want(ld, f, rel, "q_a_norm", KIND_VEC_F32, 0, ql, "q_lora_rank", &l->q_a_norm));
+        TRY(want(ld, f, rel, "wq_b", KIND_MAT_ANY, H * hd, ql, "n_head*head_dim, q_lora_rank",
+                 &l->wq_b));
+    } else {
+        TRY(want(ld, f, rel, "wq", KIND_MAT_ANY, H * hd, d, "n_head*head_dim, n_embd", &l->wq));
+    }
+    TRY(want(ld, f, rel, "wkv_a", KIND_MAT_ANY, kl + rd, d, "kv_lora_rank+rotary_dim, n_embd",
+             &l->wkv_a));
+    TRY(want(ld, f, rel, "kv_a_norm", KIND_VEC_F32, 0, kl, "kv_lora_rank", &l->kv_a_norm));
+    TRY(want(ld, f, rel, "wk_b", KIND_MAT_ANY, H * kl, hd - rd,
+             "n_head*kv_lora_rank, head_dim-rotary_dim", &l->wk_b));
+    TRY(want(ld, f, rel, "wv_b", KIND_MAT_ANY, H * dv, kl, "n_head*v_head_dim, kv_lora_rank",
+             &l->wv_b));
+    TRY(want(ld, f, rel, "wo", KIND_MAT_ANY, d, H * dv, "n_embd, n_head*v_head_dim", &l->wo));
+    if (hp->o_bias) TRY(want(ld, f, rel, "bo", KIND_VEC_F32, 0, d, "n_embd", &l->bo));
+    return CLB_OK;
+}
+
 static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
     clb_model *m = ld->m;
     const clb_hparams *hp = &m->hp;
@@ -191,6 +237,10 @@ static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
     snprintf(rel, sizeof rel, "attention/layer_%lld.bin", (long long)il);
     TRY(open_file(ld, dir, rel, &f));
     TRY(want(ld, f, rel, "attn_norm", KIND_VEC_F32, 0, d, "n_embd", &l->attn_norm));
+    if (hp->attn == CLB_ATTN_MLA) {
+        TRY(load_mla(ld, f, rel, l));
+        return load_ffn_of(ld, dir, il);
+    }
     TRY(want(ld, f, rel, "wq", KIND_MAT_ANY, qd, d, "n_head*head_dim, n_embd", &l->wq));
     TRY(want(ld, f, rel, "wk", KIND_MAT_ANY, kvd, d, "n_head_kv*head_dim, n_embd", &l->wk));
     TRY(want(ld, f, rel, "wv", KIND_MAT_ANY, kvd, d, "n_head_kv*head_dim, n_embd", &l->wv));
@@ -209,6 +259,17 @@ static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
     }
 
     if (hp->o_bias) TRY(want(ld, f, rel, "bo", KIND_VEC_F32, 0, d, "n_embd", &l->bo));
+    return load_ffn_of(ld, dir, il);
+}
+
+/* The FFN part of layer il: a dense FFN, or the router, shared experts and routed experts. */
+static clb_status load_ffn_of(loader *ld, const char *dir, int64_t il) {
+    clb_model *m = ld->m;
+    const clb_hparams *hp = &m->hp;
+    clb_layer_w *l = &m->layers[il];
+    int64_t d = hp->n_embd;
+    char rel[256];
+    clb_wfile *f;
 
     l->ffn = hp->layer_ffn ? hp->layer_ffn[il] : CLB_FFN_MOE;
     if (l->ffn == CLB_FFN_DENSE) {
@@ -279,6 +340,9 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
         mm = mm_need(l->wk, mm);
         mm = mm_need(l->wv, mm);
         mm = mm_need(l->wo, mm);
+        mm = mm_need(l->wq_a, mm);
+        mm = mm_need(l->wq_b, mm);
+        mm = mm_need(l->wkv_a, mm);
         mm = mm_need(l->dense.w1, mm);
         mm = mm_need(l->dense.w3, mm);
         mm = mm_need(l->dense.w2, mm);
@@ -299,7 +363,29 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->q = palloc(m, B * qd * F, &fail);
     m->k = palloc(m, B * kvd * F, &fail);
     m->v = palloc(m, B * kvd * F, &fail);
-    m->att = palloc(m, B * qd * F, &fail);
+    const int mla = hp->attn == CLB_ATTN_MLA;
+    const size_t H = (size_t)hp->n_head, dv = mla ? (size_t)hp->v_head_dim : 0;
+    const size_t kl = (size_t)hp->kv_lora_rank, kd = kl + (size_t)hp->rotary_dim;
+    m->att = palloc(m, B * (qd > H * dv ? qd : H * dv) * F, &fail);
+    if (mla) {
+        const size_t S = CLB_MLA_SUB < B ? CLB_MLA_SUB : B;
+        const size_t dn = (size_t)(hp->head_dim - hp->rotary_dim);
+        const clb_layer_w *l0 = &m->layers[0];
+        size_t row = 0; /* one per-head activation row: packed for the type, or f32 */
+        for (int pass = 0; pass < 2; pass++) {
+            const clb_tensor *w = pass ? l0->wv_b : l0->wk_b;
+            size_t n_in = pass ? kl : dn;
+            size_t r = clb_act_row_size_max(w->type, (int64_t)n_in);
+            if (n_in * F > r) r = n_in * F;
+            if (r > row) row = r;
+        }
+        m->head_act_row = (row + 63) / 64 * 64;
+        m->kva = palloc(m, B * kd * F, &fail);
+        m->qlat = palloc(m, B * (size_t)(hp->q_lora_rank > 0 ? hp->q_lora_rank : 1) * F, &fail);
+        m->qabs = palloc(m, S * H * kd * F, &fail);
+        m->ctx = palloc(m, S * H * kl * F, &fail);
+        m->head_act = palloc(m, S * H * m->head_act_row, &fail);
+    }
     m->proj = palloc(m, B * d * F, &fail);
     m->rope = palloc(m, B * (size_t)hp->rotary_dim * F, &fail);
     m->inv_freq = palloc(m, (size_t)hp->rotary_dim / 2 * F, &fail);
@@ -324,7 +410,8 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->mm_scratch_size = mm;
     m->mm_scratch = palloc(m, mm, &fail);
     m->act = palloc(m, mm, &fail);
-    m->jobs = palloc(m, (e + 3) * sizeof(clb_mm_job), &fail);
+    size_t n_jobs = e + 3 > (size_t)hp->n_head ? e + 3 : (size_t)hp->n_head; /* MLA: a head each */
+    m->jobs = palloc(m, n_jobs * sizeof(clb_mm_job), &fail);
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
     m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);
     if (fail) {

@@ -18,6 +18,11 @@ cdef extern from "clb_model.h" nogil:
 
     ctypedef struct clb_hparams:
         int64_t n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim
+        int32_t attn
+        int64_t q_lora_rank
+        int64_t kv_lora_rank
+        int64_t v_head_dim
+        float attn_scale
         int64_t n_ff, n_expert, n_expert_used
         int64_t n_ff_shared
         int64_t n_ff_dense
@@ -128,12 +133,12 @@ XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefe
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4", 8: "q6"}
 
 _HPARAM_INT_KEYS = (
-    "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
-    "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense", "shared_gate", "norm_topk_prob",
+    "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "attn", "q_lora_rank",
+    "kv_lora_rank", "v_head_dim", "n_ff", "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense", "shared_gate", "norm_topk_prob",
     "router", "n_group", "topk_group", "qk_norm", "qkv_bias", "o_bias", "tie_embeddings",
     "rotary_dim", "sliding_window", "n_ctx",
 )
-_HPARAM_FLOAT_KEYS = ("routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps")
+_HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps")
 # arrays (None: the C default), kept alive by the caller of _fill_hparams while C reads them
 _HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn")
 
@@ -180,6 +185,11 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.n_head = hparams["n_head"]
     hp.n_head_kv = hparams["n_head_kv"]
     hp.head_dim = hparams["head_dim"]
+    hp.attn = hparams["attn"]
+    hp.q_lora_rank = hparams["q_lora_rank"]
+    hp.kv_lora_rank = hparams["kv_lora_rank"]
+    hp.v_head_dim = hparams["v_head_dim"]
+    hp.attn_scale = hparams["attn_scale"]
     hp.n_ff = hparams["n_ff"]
     hp.n_expert = hparams["n_expert"]
     hp.n_expert_used = hparams["n_expert_used"]

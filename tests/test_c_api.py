@@ -20,8 +20,12 @@ class _HParams(ctypes.Structure):
     """clb_hparams, field for field (csrc/clb_model.h)."""
 
     _fields_ = ([(k, ctypes.c_int64) for k in ("n_vocab", "n_embd", "n_layer", "n_head",
-                                               "n_head_kv", "head_dim", "n_ff", "n_expert",
-                                               "n_expert_used", "n_ff_shared", "n_ff_dense")]
+                                               "n_head_kv", "head_dim")]
+                + [("attn", ctypes.c_int32)]
+                + [(k, ctypes.c_int64) for k in ("q_lora_rank", "kv_lora_rank", "v_head_dim")]
+                + [("attn_scale", ctypes.c_float)]
+                + [(k, ctypes.c_int64) for k in ("n_ff", "n_expert", "n_expert_used",
+                                                 "n_ff_shared", "n_ff_dense")]
                 + [(k, ctypes.c_int32) for k in ("shared_gate", "norm_topk_prob", "router")]
                 + [("n_group", ctypes.c_int64), ("topk_group", ctypes.c_int64),
                    ("routed_scale", ctypes.c_float)]

@@ -1,8 +1,11 @@
 """The families added on the per-family layer plan, against transformers on tiny random
 checkpoints: dense Llama (llama3 rope scaling, q/k/v/o biases, head_dim != hidden/heads),
 Mistral (sliding window, one kv head), Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head
-q/k norms) and GLM-4.5 (two dense layers, then grouped sigmoid routing with n_group > 1, a
-selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k norms, biases).
+q/k norms), GLM-4.5 (two dense layers, then grouped sigmoid routing with n_group > 1, a
+selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k norms, biases),
+DeepSeek-V3 (MLA with q_lora 96 != kv_lora 64, 32 + 16 query dims, values of 24, YaRN with
+mscale, interleaved rotary pairs; the same without q_lora and with rotate-half pairs) and
+DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing).
 
 For each case and for the reference and best kernel ISA:
 - f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
@@ -38,6 +41,7 @@ from engine.executor.model import Model  # noqa: E402
 from engine.format import quant  # noqa: E402
 from engine.format.convert import convert  # noqa: E402
 from engine.models import archs  # noqa: E402
+from engine.models.family import transform, untransform  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 PROMPT_LEN = 24
@@ -55,7 +59,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4_moe-one-group": ("glm4_moe", {"n_group": 1, "topk_group": 1, "use_qk_norm": False,
                                         "attention_bias": False, "norm_topk_prob": False,
                                         "first_k_dense_replace": 1, "n_shared_experts": 1}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3-no-q-lora": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False,
+                                              "n_group": 1, "topk_group": 1,
+                                              "first_k_dense_replace": 1}),
+    "deepseek_v2-lite-shape": ("deepseek_v2", {}),
 }
+MOE_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
 
 
@@ -64,16 +74,28 @@ def _hf_model(path: Path) -> Any:
         str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def _routers(model: Any) -> list[tuple[int, Any]]:
+    """(layer, router module) of each MoE layer of a transformers model."""
+    return [(i, block.mlp.gate) for i, block in enumerate(model.model.layers)
+            if hasattr(getattr(block.mlp, "gate", None), "routed_scaling_factor")]
+
+
+def _scores(gate: Any, logits: Any) -> Any:
+    """A router's scores: sigmoid for the grouped sigmoid routers, softmax for DeepSeek-V2."""
+    if hasattr(gate, "e_score_correction_bias"):
+        return torch.sigmoid(logits.float())
+    return torch.softmax(logits.float(), dim=-1)
+
+
 def _router_scores(model: Any, ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Logits, and per grouped-router layer the selection scores sigmoid(logits) + bias."""
+    """Logits, and per MoE layer the scores experts are chosen by (with the selection bias)."""
     found: list[np.ndarray] = []
     hooks = []
-    for mod in model.modules():
-        if hasattr(mod, "e_score_correction_bias"):
-            def hook(m: Any, args: Any, out: Any) -> None:
-                s = torch.sigmoid(out[0].float()) + m.e_score_correction_bias
-                found.append(s.numpy())
-            hooks.append(mod.register_forward_hook(hook))
+    for _, gate in _routers(model):
+        def hook(m: Any, args: Any, out: Any) -> None:
+            s = _scores(m, out[0]) + getattr(m, "e_score_correction_bias", 0.0)
+            found.append(s.numpy())
+        hooks.append(gate.register_forward_hook(hook))
     try:
         with torch.no_grad():
             logits = model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
@@ -84,20 +106,16 @@ def _router_scores(model: Any, ids: np.ndarray) -> tuple[np.ndarray, list[np.nda
 
 
 def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
-    """Hooks that make each grouped router of model choose routes[:, layer] (Colibri's
-    choices, [T, n_layer, K]) and weigh them as transformers does: the chosen sigmoid
-    scores, renormalised when norm_topk_prob, times routed_scaling_factor."""
+    """Hooks that make each router of model choose routes[:, layer] (Colibri's choices,
+    [T, n_layer, K]) and weigh them as transformers does: the chosen scores, renormalised when
+    the router does, times routed_scaling_factor."""
     hooks = []
-    for layer, block in enumerate(model.model.layers):
-        gate = getattr(block.mlp, "gate", None)
-        if gate is None or not hasattr(gate, "e_score_correction_bias"):
-            continue
-
+    for layer, gate in _routers(model):
         def hook(m: Any, args: Any, out: Any, layer: int = layer) -> Any:
             logits = out[0]
             idx = torch.tensor(routes[:, layer].astype(np.int64))
-            w = torch.sigmoid(logits.float()).gather(1, idx)
-            if m.norm_topk_prob:
+            w = _scores(m, logits).gather(1, idx)
+            if getattr(m, "norm_topk_prob", False):
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
             return logits, w * m.routed_scaling_factor, idx
         hooks.append(gate.register_forward_hook(hook))
@@ -161,7 +179,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return _case(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=[n for n, (a, _) in CASES.items() if a == "glm4_moe"])
+@pytest.fixture(scope="module", params=[n for n, (a, _) in CASES.items() if a in MOE_ARCHS])
 def moe_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
     """The cases with routed experts."""
     return _case(request.param, tmp_path_factory)
@@ -192,14 +210,30 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
     cfg = json.loads((case.converted("f32") / "config.json").read_text())
     hf_cfg = json.loads((case.hf_dir / "config.json").read_text())
     assert archs.SUPPORTED[hf_cfg["architectures"][0]] == cfg["architecture"]
-    if case.arch == "glm4_moe":
+    if case.arch in MOE_ARCHS:
         k = hf_cfg["first_k_dense_replace"]
         assert cfg["layer_ffn"] == ["dense"] * k + ["moe"] * (hf_cfg["num_hidden_layers"] - k)
-        assert cfg["rotary_dim"] == hf_cfg["head_dim"] // 2
-        assert cfg["router"] == "sigmoid_grouped"
+        assert cfg["router"] == ("softmax" if case.arch == "deepseek_v2" else "sigmoid_grouped")
         assert cfg["n_ff_shared"] == hf_cfg["moe_intermediate_size"] * hf_cfg["n_shared_experts"]
     else:
         assert cfg["n_expert"] == 0 and set(cfg["layer_ffn"]) == {"dense"}
+    if case.arch == "glm4_moe":
+        assert cfg["rotary_dim"] == hf_cfg["head_dim"] // 2
+    if case.arch.startswith("deepseek"):
+        assert cfg["attn"] == "mla" and cfg["rotary_dim"] == hf_cfg["qk_rope_head_dim"]
+        assert cfg["head_dim"] == hf_cfg["qk_nope_head_dim"] + hf_cfg["qk_rope_head_dim"]
+
+
+def test_mla_caches_the_latent(moe_case: Case) -> None:
+    """An MLA model's KV cache holds kv_lora_rank + rope dims per token and layer, in f32
+    4 bytes each: what the latent costs, not H * (k + v) head dims."""
+    cfg = json.loads((moe_case.converted("f32") / "config.json").read_text())
+    m = Model.load(moe_case.converted("f32"), threads=THREADS, n_ctx=N_CTX)
+    per_token = m.kv_block_bytes() // _core.KV_BLOCK
+    if cfg.get("attn") == "mla":
+        assert per_token == cfg["n_layer"] * (cfg["kv_lora_rank"] + cfg["rotary_dim"]) * 4
+    else:
+        assert per_token == cfg["n_layer"] * 2 * cfg["n_head_kv"] * cfg["head_dim"] * 4
 
 
 def test_routing_is_exercised(moe_case: Case) -> None:
@@ -214,9 +248,12 @@ def test_routing_is_exercised(moe_case: Case) -> None:
                         moe_case.scores, strict=True):
         chosen = np.argsort(-c, axis=1)[:, :k]
         assert len(np.unique(chosen)) >= e - 2, (layer, np.unique(chosen))
-        bias = moe_case.hf.model.layers[layer].mlp.gate.e_score_correction_bias.numpy()
-        plain = np.argsort(-(c - bias), axis=1)[:, :k]
-        changed += int(np.sum(np.sort(plain, axis=1) != np.sort(chosen, axis=1)))
+        gate = moe_case.hf.model.layers[layer].mlp.gate
+        if hasattr(gate, "e_score_correction_bias"):
+            plain = np.argsort(-(c - gate.e_score_correction_bias.numpy()), axis=1)[:, :k]
+            changed += int(np.sum(np.sort(plain, axis=1) != np.sort(chosen, axis=1)))
+        else:
+            changed += 1  # a softmax router has no selection bias
     assert changed > 0
 
 
@@ -286,11 +323,21 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
         return out
     cfg = json.loads((case.converted(preset) / "config.json").read_text())
     tensors = load_file(str(case.hf_dir / "model.safetensors"))
+    kv_b: dict[str, dict[str, np.ndarray]] = {}  # MLA's kv_b_proj: its per-head k and v parts
     for t in archs.plan(cfg, set(tensors)):
         ty = cfg["tensor_types"][f"{t.group}.{t.name}"]
+        name, src = t.source.hf_name, t.source
+        ours = transform(tensors[name], src)  # quantized in our layout, as the converter does
         if ty in ("q8", "q6", "q4", "f16", "bf16"):
-            name = t.source.hf_name
-            tensors[name] = quant.fake_quantize(tensors[name], ty).astype(np.float32)
+            ours = quant.fake_quantize(ours, ty).astype(np.float32)
+        back = untransform(ours, src)
+        if src.transform in ("kv_b_k", "kv_b_v"):
+            kv_b.setdefault(name, {})[src.transform] = back
+        else:
+            tensors[name] = back
+    for name, parts in kv_b.items():  # per head: the key rows, then the value rows
+        whole = np.concatenate([parts["kv_b_k"], parts["kv_b_v"]], axis=1)
+        tensors[name] = whole.reshape(-1, whole.shape[-1])
     out.mkdir(exist_ok=True)
     for f in case.hf_dir.iterdir():
         if f.name != "model.safetensors" and f.is_file():
@@ -322,6 +369,7 @@ def test_forced_routing_is_the_identity_on_our_own_choices(moe_case: Case) -> No
     forced = _reference(moe_case.hf, moe_case.prompt, routes)
     assert _rel_max(forced, moe_case.ref_logits) <= 1e-6
     kinds = json.loads((moe_case.converted("f32") / "config.json").read_text())["layer_ffn"]
+    assert (routes >= 0).any()
     for layer, kind in enumerate(kinds):  # a dense layer chooses no expert
         assert np.all(routes[:, layer] == -1) if kind == "dense" else np.all(routes[:, layer] >= 0)
 
@@ -356,7 +404,9 @@ def test_mtp_layers_are_skipped_and_said(moe_case: Case, tmp_path: Path,
     save_file({**tensors, **mtp}, str(hf / "model.safetensors"), metadata={"format": "pt"})
     out = convert(hf, tmp_path / "q8", quant="q8", progress=True)
     err = capsys.readouterr().err
-    assert f"recognised Glm4MoeForCausalLM as the glm4_moe family: {n} layers" in err
+    cls = moe_case.hf.config.architectures[0]
+    family = archs.SUPPORTED[cls]
+    assert f"recognised {cls} as the {family} family: {n} layers" in err
     assert f"skipping {len(mtp)} tensors of multi-token-prediction layer(s) {n}" in err
     files = json.loads((out / "config.json").read_text())["files"]
     assert files == json.loads((moe_case.converted("q8") / "config.json").read_text())["files"]

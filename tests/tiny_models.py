@@ -17,7 +17,7 @@ from typing import Any
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # families added since, on the same helper: dense models and grouped-router MoE
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-GROUPED_ARCHS = ("glm4_moe",)
+GROUPED_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS
 
 VOCAB_SIZE = 320
@@ -99,6 +99,28 @@ _BASE: dict[str, dict[str, Any]] = {
         use_qk_norm=True, attention_bias=True, max_position_embeddings=256, rms_norm_eps=1e-5,
         partial_rotary_factor=0.5, rope_theta=10000.0, num_nextn_predict_layers=1,
     ),
+    # MLA with every width different: q_lora 96, kv_lora 64, 32 plain + 16 rotary query dims,
+    # values of 24; YaRN with mscale; two dense layers, grouped routing, two shared experts
+    "deepseek_v3": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=2,
+        first_k_dense_replace=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    ),
+    # DeepSeek-V2-Lite's shape: no q_lora, softmax routing (here group-limited), one dense layer
+    "deepseek_v2": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, topk_method="group_limited_greedy",
+        n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+    ),
 }
 
 
@@ -115,6 +137,8 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")

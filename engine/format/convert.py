@@ -26,6 +26,7 @@ from engine.format.safetensors_io import Checkpoint, CheckpointError
 from engine.format.verify import check_finite, converted_hparams, member, verify_problems
 from engine.format.wfile import TensorSpec, write_wfile
 from engine.models import archs
+from engine.models.family import transform
 
 PRESETS = ("f32", "f16", "q8", "q4")
 DEFAULT_QUANT = "q8"  # the one default of every command, of convert() and of engine.LLM
@@ -110,7 +111,8 @@ def _check_sources(ckpt: Checkpoint, cfg: dict[str, Any], targets: list[archs.Ta
         )
     for t in targets:
         src = t.source
-        want = archs.fused_shape(cfg, src.hf_name) if src.index is not None else t.shape
+        want = (archs.fused_shape(cfg, src.hf_name) if src.index is not None
+                else src.src_shape or t.shape)
         have = ckpt.shape(src.hf_name)
         if have != want:
             raise CheckpointError(
@@ -124,6 +126,7 @@ def _producer(ckpt: Checkpoint, t: archs.Target, type_name: str):  # noqa: ANN20
         a = ckpt.get(t.source.hf_name, t.source.index)
         if t.source.rows is not None:
             a = a[t.source.rows[0] : t.source.rows[1]]
+        a = transform(a, t.source)
         check_finite(a, f"{t.source.hf_name} (for {t.file}: {t.name})")
         return quant.encode(a, type_name)
 
@@ -146,7 +149,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
     gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
     cfg = archs.colibri_config(hf_cfg, gen)
 
-    with Checkpoint(hf_dir) as ckpt:
+    with Checkpoint(hf_dir, fp8_block=_fp8_block(hf_cfg)) as ckpt:
         targets = archs.plan(cfg, set(ckpt.names()))
         _check_sources(ckpt, cfg, targets)
         if progress:
@@ -211,6 +214,16 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out_dir
+
+
+def _fp8_block(hf_cfg: dict[str, Any]) -> tuple[int, int]:
+    """The block an FP8 checkpoint's scales cover (quantization_config.weight_block_size)."""
+    q = hf_cfg.get("quantization_config") or {}
+    block = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else [128, 128]
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"config.json: bad quantization_config.weight_block_size {block!r}")
+    return block[0], block[1]
 
 
 def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Target]) -> list[str]:

@@ -4,7 +4,10 @@ Guarantees: the JSON header is parsed with a size cap; every tensor's dtype, sha
 range is checked (inside the file, matching size, no overlaps, unique names) before any
 data is viewed, so a truncated or malicious file fails with a ValueError naming the file
 and tensor instead of crashing under mmap. Refuses pickle checkpoints (.bin/.pt/.pth/.ckpt),
-which can run code when loaded. Reads F32, F16 and BF16 data (bf16 decoded without torch).
+which can run code when loaded. Reads F32, F16 and BF16 data (bf16 decoded without torch),
+and FP8 (e4m3) weights as DeepSeek and Kimi ship them: each `W` with a `W_scale_inv` of one
+float per block (128x128 unless the checkpoint's config says otherwise), decoded one tensor at
+a time into W * scale, the scale tensors folded into their weights.
 """
 
 from __future__ import annotations
@@ -29,7 +32,22 @@ DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
-READABLE_DTYPES = ("F32", "F16", "BF16")
+READABLE_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
+SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales, multiplied in when decoding
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of each of the 256 float8 e4m3fn bytes (sign, 4 exponent bits with bias
+    7, 3 mantissa bits; exponent 0 subnormal; 0x7f / 0xff NaN, no infinities)."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    val = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    val = np.where((exp == 15) & (man == 7), np.nan, val)
+    return (sign * val).astype(np.float32)
+
+
+E4M3 = _e4m3_table()
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -169,7 +187,7 @@ class SafetensorsFile:
             raise self._fail(
                 f"tensor {name!r} has dtype {e.dtype}; only {', '.join(READABLE_DTYPES)} are read"
             )
-        code = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[e.dtype]
+        code = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F8_E4M3": "u1"}[e.dtype]
         arr = self.raw(name).view(code).reshape(e.shape)
         if index is not None:
             if not e.shape or not 0 <= index < e.shape[0]:
@@ -179,6 +197,8 @@ class SafetensorsFile:
             return arr.astype(np.float32)
         if e.dtype == "BF16":
             return bf16_bits_to_f32(arr).reshape(arr.shape)
+        if e.dtype == "F8_E4M3":
+            return E4M3[arr]
         return arr
 
     def close(self) -> None:
@@ -208,8 +228,9 @@ def _refuse_pickles(folder: Path) -> None:
 class Checkpoint:
     """A Hugging Face checkpoint folder (single file or sharded) as one tensor namespace."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, fp8_block: tuple[int, int] = (128, 128)) -> None:
         self.folder = Path(folder)
+        self.fp8_block = fp8_block  # rows, columns of the weights one FP8 scale covers
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a folder")
         self.files: dict[str, SafetensorsFile] = {}
@@ -252,8 +273,15 @@ class Checkpoint:
         self._index_map: dict[str, str] = dict(wm)
         return sorted(set(wm.values()))
 
+    def _is_scale(self, name: str) -> bool:
+        """Whether name is an FP8 weight's block scales (read with the weight, not alone)."""
+        w = name[: -len(SCALE_SUFFIX)]
+        return (name.endswith(SCALE_SUFFIX) and w in self._where
+                and self.entry(w).dtype == "F8_E4M3")
+
     def names(self) -> list[str]:
-        return sorted(self._where)
+        """The tensors, FP8 block scales left out: they are part of their weights."""
+        return sorted(n for n in self._where if not self._is_scale(n))
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -265,10 +293,31 @@ class Checkpoint:
         return self.entry(name).shape
 
     def get(self, name: str, index: int | None = None) -> np.ndarray:
-        """Tensor `name` (or its slice [index]) as float32 (see SafetensorsFile.get)."""
+        """Tensor `name` (or its slice [index]) as float32 (see SafetensorsFile.get); an FP8
+        weight comes multiplied by its block scales."""
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
-        return self.files[self._where[name]].get(name, index)
+        a = self.files[self._where[name]].get(name, index)
+        if self.entry(name).dtype != "F8_E4M3":
+            return a
+        return self._scaled(name, a, index)
+
+    def _scaled(self, name: str, a: np.ndarray, index: int | None) -> np.ndarray:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self._where:
+            raise CheckpointError(f"{self.folder}: FP8 tensor {name!r} has no {scale_name}")
+        if a.ndim != 2 or index is not None:
+            raise CheckpointError(f"{self.folder}: FP8 tensor {name!r} of shape "
+                                  f"{self.shape(name)}: only 2-D FP8 weights are read")
+        br, bc = self.fp8_block
+        rows, cols = a.shape
+        want = (-(-rows // br), -(-cols // bc))
+        s = self.files[self._where[scale_name]].get(scale_name)
+        if s.shape != want:
+            raise CheckpointError(f"{self.folder}: {scale_name} has shape {list(s.shape)}; "
+                                  f"{br}x{bc} blocks of {list(a.shape)} need {list(want)}")
+        full = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[:rows, :cols]
+        return a * full
 
     def close(self) -> None:
         for sf in self.files.values():

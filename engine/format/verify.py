@@ -25,6 +25,7 @@ HPARAM_KEYS = (
     "qkv_bias", "clip_qkv", "rope_theta", "rotary_dim", "rms_eps", "sliding_window",
     "tie_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_ids",
     "n_ff_dense", "layer_ffn", "router", "n_group", "topk_group", "routed_scale", "o_bias", "rope",
+    "attn", "q_lora_rank", "kv_lora_rank", "v_head_dim", "attn_scale",
 )
 
 

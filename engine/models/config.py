@@ -18,6 +18,7 @@ from engine.models.registry import family_names
 from engine.models.rope import rope_frequencies
 
 QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}
+ATTN_IDS = {"gqa": 0, "mla": 1}  # clb_attn_kind
 ROUTER_IDS = {"softmax": 0, "sigmoid_grouped": 1}  # clb_router_kind
 FFN_IDS = {"moe": 0, "dense": 1}  # clb_ffn_kind
 QUANTS = ("f32", "f16", "bf16", "q8", "q4")
@@ -46,6 +47,11 @@ class ModelConfig:
     n_expert: int
     n_expert_used: int
     max_position_embeddings: int
+    attn: str = "gqa"
+    q_lora_rank: int = 0  # MLA (engine/models/deepseek.py): 0 = no low-rank query step
+    kv_lora_rank: int = 0
+    v_head_dim: int = 0
+    attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
     n_ff_shared: int = 0
     n_ff_dense: int = 0
     layer_ffn: tuple[str, ...] = ()  # per layer "moe" or "dense"; empty: every layer "moe"
@@ -130,6 +136,9 @@ class ModelConfig:
         if router not in ROUTER_IDS:
             raise FormatError(f"{source}: router {router!r} not in {list(ROUTER_IDS)}")
         rope = get("rope", dict, {})
+        attn = get("attn", str, "gqa")
+        if attn not in ATTN_IDS:
+            raise FormatError(f"{source}: attn {attn!r} not in {list(ATTN_IDS)}")
         quant = get("quant", str)
         if quant not in QUANTS:
             raise FormatError(f"{source}: unknown quant {quant!r}")
@@ -149,6 +158,11 @@ class ModelConfig:
             architecture=arch,
             quant=quant,
             **ints,
+            attn=attn,
+            q_lora_rank=get("q_lora_rank", int, 0),
+            kv_lora_rank=get("kv_lora_rank", int, 0),
+            v_head_dim=get("v_head_dim", int, 0),
+            attn_scale=float(get("attn_scale", (int, float), 0.0)),
             n_ff_shared=get("n_ff_shared", int, 0),
             n_ff_dense=get("n_ff_dense", int, 0),
             layer_ffn=tuple(layer_ffn),
@@ -187,9 +201,15 @@ class ModelConfig:
             raise bad(f"n_expert_used {self.n_expert_used} exceeds n_expert {self.n_expert}")
         if self.n_ff_shared < 0:
             raise bad("n_ff_shared must be >= 0")
+        if self.attn == "mla" and (self.kv_lora_rank <= 0 or self.v_head_dim <= 0
+                                   or self.q_lora_rank < 0 or self.n_head_kv != 1):
+            raise bad("MLA needs kv_lora_rank and v_head_dim > 0, q_lora_rank >= 0 and "
+                      "n_head_kv 1")
+        if not math.isfinite(self.attn_scale) or self.attn_scale < 0:
+            raise bad(f"attn_scale must be >= 0, got {self.attn_scale}")
         if "dense" in self.layer_ffn and self.n_ff_dense <= 0:
             raise bad("dense layers need a positive n_ff_dense")
-        if self.router == "sigmoid_grouped" and self.n_expert and (
+        if self.n_expert and (
                 self.n_group <= 0 or self.n_expert % self.n_group
                 or not 0 < self.topk_group <= self.n_group):
             raise bad(f"grouped routing: n_group {self.n_group} must divide n_expert "
@@ -233,6 +253,11 @@ class ModelConfig:
             "n_head": self.n_head,
             "n_head_kv": self.n_head_kv,
             "head_dim": self.head_dim,
+            "attn": ATTN_IDS[self.attn],
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "v_head_dim": self.v_head_dim or self.head_dim,
+            "attn_scale": float(self.attn_scale),
             "n_ff": self.n_ff,
             "n_expert": self.n_expert,
             "n_expert_used": self.n_expert_used,

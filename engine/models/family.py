@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # tensor kinds decide the stored type (see engine/format/convert.py)
 NORM, BIAS, ROUTER, DENSE, EXPERT, SHARED = "norm", "bias", "router", "dense", "expert", "shared"
 VOCAB = "vocab"  # the token embeddings and the lm_head: one row per vocabulary entry
@@ -25,11 +27,66 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """Where a tensor comes from: hf_name, optionally [index] then rows [row0:row1]."""
+    """Where a tensor comes from: hf_name, optionally [index] then rows [row0:row1], then a
+    layout change (TRANSFORMS) with its parameters; src_shape is then the checkpoint's shape."""
 
     hf_name: str
     index: int | None = None
     rows: tuple[int, int] | None = None
+    transform: str | None = None
+    params: tuple[int, ...] = ()
+    src_shape: tuple[int, ...] | None = None
+
+
+def _rope_rows(n_rows: int, block: int, offset: int, dr: int) -> np.ndarray:
+    """Row order that turns, within each block of rows, the dr rows from offset laid out as
+    interleaved rotary pairs (0,1), (2,3), ... into the rotate-half layout (0, 2, 4, ..., 1, 3,
+    ...): the product then rotates by the same angles, in the order our RoPE reads."""
+    order = np.arange(n_rows)
+    pair = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)])
+    for b0 in range(0, n_rows, block):
+        order[b0 + offset:b0 + offset + dr] = b0 + offset + pair
+    return order
+
+
+def _kv_b(a: np.ndarray, H: int, dn: int, dv: int, part: str) -> np.ndarray:
+    """DeepSeek's kv_b_proj [H*(dn+dv), kl] split per head: "k" gives each head's key
+    up-projection transposed, stacked [H*kl, dn]; "v" its value up-projection [H*dv, kl]."""
+    heads = a.reshape(H, dn + dv, a.shape[1])
+    if part == "k":
+        return np.ascontiguousarray(heads[:, :dn, :].transpose(0, 2, 1)).reshape(-1, dn)
+    return np.ascontiguousarray(heads[:, dn:, :]).reshape(-1, a.shape[1])
+
+
+def transform(a: np.ndarray, src: Source) -> np.ndarray:
+    """The checkpoint array a laid out as our tensor (src.transform: None, "rope_rows" with
+    (block, offset, dr), "kv_b_k" / "kv_b_v" with (H, dn, dv))."""
+    if src.transform is None:
+        return a
+    if src.transform == "rope_rows":
+        return a[_rope_rows(a.shape[0], *src.params)]
+    if src.transform in ("kv_b_k", "kv_b_v"):
+        return _kv_b(a, *src.params, part=src.transform[-1])
+    raise ValueError(f"unknown tensor transform {src.transform!r}")
+
+
+def untransform(a: np.ndarray, src: Source) -> np.ndarray:
+    """transform's inverse: our tensor back in the checkpoint's layout (tests compare against
+    transformers run on weights quantized in our layout); for kv_b_k / kv_b_v, that part's
+    rows per head [H, dn or dv, kl], which concatenate into kv_b_proj."""
+    if src.transform is None:
+        return a
+    if src.transform == "rope_rows":
+        out = np.empty_like(a)
+        out[_rope_rows(a.shape[0], *src.params)] = a
+        return out
+    H, dn, dv = src.params
+    if src.transform == "kv_b_k":  # [H*kl, dn] -> the key rows of [H*(dn+dv), kl]
+        kl = a.shape[0] // H
+        return np.ascontiguousarray(a.reshape(H, kl, dn).transpose(0, 2, 1))
+    if src.transform == "kv_b_v":
+        return a.reshape(H, dv, -1)
+    raise ValueError(f"unknown tensor transform {src.transform!r}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from engine.models.family import (
     Plan,
     UnsupportedModel,
     base_config,
+    no_experts,
     per_expert_names,
     rope_parameters,
 )
@@ -39,6 +40,10 @@ DEFAULTS: dict[str, Any] = dict(
 def grouped_router(hf: HFConfig, n_layer: int) -> dict[str, Any]:
     """Routed and shared experts, grouped sigmoid routing and the dense first layers, as
     DeepSeek-V3 and GLM-4.5 name them."""
+    k_dense = min(hf.nonneg_int("first_k_dense_replace"), n_layer)
+    if k_dense == n_layer:  # every layer dense: a model without routed experts
+        return {**no_experts(), "n_ff_dense": hf.pos_int("intermediate_size"),
+                "layer_ffn": ["dense"] * n_layer}
     n_expert = hf.pos_int(hf.first("n_routed_experts", "num_local_experts"))
     n_used = hf.pos_int("num_experts_per_tok")
     n_group, topk_group = hf.pos_int("n_group"), hf.pos_int("topk_group")
@@ -50,7 +55,6 @@ def grouped_router(hf: HFConfig, n_layer: int) -> dict[str, Any]:
     if n_group > 1 and (n_expert // n_group < 2 or topk_group * (n_expert // n_group) < n_used):
         raise UnsupportedModel(f"config.json: groups of {n_expert // n_group} experts cannot "
                                f"hold top-{n_used} in {topk_group} groups")
-    k_dense = min(hf.nonneg_int("first_k_dense_replace"), n_layer)
     scale = hf.number("routed_scaling_factor")
     if scale <= 0:
         raise UnsupportedModel(f"config.json: routed_scaling_factor {scale} must be positive")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from engine.models import glm4_moe, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3_moe
+from engine.models import deepseek, glm4_moe, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3_moe
 
 FAMILIES: tuple[ModuleType, ...] = (mixtral, qwen2_moe, qwen3_moe, olmoe, llama, qwen2,
-                                    glm4_moe)
+                                    glm4_moe, deepseek)
 _BY_CLASS = {c: f for f in FAMILIES for c in f.HF_CLASSES}
 _BY_NAME = {f.NAME: f for f in FAMILIES}
 # Hugging Face class name -> family name
