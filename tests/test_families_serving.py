@@ -143,3 +143,24 @@ def test_routing_trace_holds_the_moe_layers(ckpts: dict[str, Path], tmp_path: Pa
     assert trace.routes.min() >= 0 and trace.routes.max() < 8
     again = RoutingTrace.load(trace.save(tmp_path / "t.npz"))
     np.testing.assert_array_equal(again.routes, trace.routes)
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe"])
+def test_bench_counts_dense_layers(ckpts: dict[str, Path], arch: str, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from app.cli import main
+    from engine.format.convert import convert
+    from engine.tools.bench import weight_bytes_per_token
+
+    out = convert(ckpts[arch], tmp_path / "q8", quant="q8", progress=False)
+    parts = weight_bytes_per_token(out)
+    assert parts["dense"] > 0 and parts["attention"] > 0
+    assert (parts["experts"] > 0) == (arch == "glm4_moe")
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert main(["bench", "--model", str(out), "--prompt-tokens", "12", "--gen-tokens", "6",
+                 "--threads", "2", "--repeat", "1", "--probe-mib", "8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["architecture"] == ("llama" if arch == "llama" else "glm4_moe")
+    assert r["kv_cache_type"] == "f16" and r["bytes_per_token_parts"]["dense"] == parts["dense"]

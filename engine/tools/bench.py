@@ -52,10 +52,11 @@ def _file_bytes(model_dir: Path, rel: str) -> dict[str, int]:
 def weight_bytes_per_token(model_dir: str | Path) -> dict[str, int]:
     """Bytes of weights one decoded token reads, by part, and their "total".
 
-    Per layer: every attention tensor, the router file (ffn norm, gate, shared gate), the
-    shared expert, and n_expert_used experts (the mean expert size of the layer; all experts
-    of a layer have one size). Once per token: one embedding row, the final norm and the
-    lm_head (the whole embedding matrix when tied). Counts tensor data, not file headers.
+    Per layer: every attention tensor; in a dense layer its FFN; in an MoE layer the router
+    file (ffn norm, gate, shared gate), the shared expert, and n_expert_used experts (the mean
+    expert size of the layer; all experts of a layer have one size). Once per token: one
+    embedding row, the final norm and the lm_head (the whole embedding matrix when tied).
+    Counts tensor data, not file headers.
     """
     from engine.models.config import ModelConfig
 
@@ -70,10 +71,14 @@ def weight_bytes_per_token(model_dir: str | Path) -> dict[str, int]:
         "router": 0,
         "shared": 0,
         "experts": 0,
+        "dense": 0,
     }
     files = set(cfg.files)
     for i in range(cfg.n_layer):
         parts["attention"] += sum(_file_bytes(model_dir, f"attention/layer_{i}.bin").values())
+        if i not in cfg.moe_layers:
+            parts["dense"] += sum(_file_bytes(model_dir, f"dense/layer_{i}.bin").values())
+            continue
         parts["router"] += sum(_file_bytes(model_dir, f"router/layer_{i}.bin").values())
         if f"shared/layer_{i}.bin" in files:
             parts["shared"] += sum(_file_bytes(model_dir, f"shared/layer_{i}.bin").values())
