@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Colibri against llama.cpp (and transformers eager) on one random Mixtral, same machine.
+"""Colibri against llama.cpp (and transformers eager) on one random MoE model, same machine.
 
-Builds a seeded random Mixtral checkpoint with transformers (f16 safetensors plus a
+Builds a seeded random Mixtral (or, with --arch deepseek_v2, a DeepSeek-V2-Lite-shaped model:
+MLA with a kv_lora latent, shared experts, dense first layers) checkpoint with transformers
+(f16 safetensors plus a
 sentencepiece tokenizer.model and the matching tokenizer.json), converts it with llama.cpp's
 own converter to GGUF f16 and quantizes that to Q8_0 and Q4_0 (llama_model_quantize), converts
 it with Colibri to q8 and q4, then times the engines alternately on the same prompt token ids:
@@ -23,6 +25,12 @@ Needs the bench extra: pip install -e '.[bench]' (llama-cpp-python, sentencepiec
 
     python scripts/compare_llamacpp.py                      # the default benchmark model
     python scripts/compare_llamacpp.py --layers 2 --repeat 3 --skip-transformers --json out.json
+    python scripts/compare_llamacpp.py --arch deepseek_v2 --skip-transformers   # V2-Lite shape
+
+Each run also prints and records the KV cache bytes per token of both engines (llama.cpp's
+from its own log). A DeepSeek checkpoint's converter expects DeepSeek's BPE tokenizer; the
+random model has a sentencepiece one, so its GGUF vocabulary is written as sentencepiece
+(the vocabulary does not change speed).
 
 Pitfalls met on a 2-vCPU Xeon with AMX: a GGML_NATIVE build of llama.cpp dies with SIGILL in
 its AMX matmul (the script checks in a child process first and prints how to build without
@@ -91,12 +99,28 @@ class Dims:
     heads: int = 16
     kv_heads: int = 4
     seed: int = 0
+    arch: str = "mixtral"
+    # deepseek_v2 only (DeepSeek-V2-Lite's values): MLA widths, expert width, shared experts
+    # and dense first layers; intermediate is then the dense layers' width
+    kv_lora: int = 512
+    rope_dim: int = 64
+    nope_dim: int = 128
+    v_dim: int = 128
+    moe_intermediate: int = 1408
+    shared: int = 2
+    dense: int = 1
 
     def tag(self) -> str:
         raw = json.dumps(asdict(self), sort_keys=True).encode()
-        return (f"mixtral-v{self.vocab}-d{self.hidden}-f{self.intermediate}-l{self.layers}"
+        return (f"{self.arch}-v{self.vocab}-d{self.hidden}-f{self.intermediate}-l{self.layers}"
                 f"-e{self.experts}k{self.top_k}-h{self.heads}kv{self.kv_heads}-s{self.seed}-"
                 + hashlib.sha256(raw).hexdigest()[:8])
+
+
+# --arch deepseek_v2 defaults: DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora 512, rope 64,
+# 64 routed experts top-6, 2 shared, 1 dense layer), 4 of its 27 layers to fit in memory
+DEEPSEEK_V2_LITE = dict(vocab=32000, hidden=2048, intermediate=10944, layers=4, experts=64,
+                        top_k=6, heads=16, kv_heads=16)
 
 
 def _words(rng: random.Random, n: int) -> list[str]:
@@ -187,14 +211,29 @@ def build_checkpoint(out: Path, d: Dims) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     print(f"building the random checkpoint in {out} ...", flush=True)
-    cfg = tf.MixtralConfig(
-        vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
-        num_hidden_layers=d.layers, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
-        num_local_experts=d.experts, num_experts_per_tok=d.top_k, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, sliding_window=None)
+    if d.arch == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(
+            vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
+            moe_intermediate_size=d.moe_intermediate, num_hidden_layers=d.layers,
+            num_attention_heads=d.heads, num_key_value_heads=d.heads, q_lora_rank=None,
+            kv_lora_rank=d.kv_lora, qk_nope_head_dim=d.nope_dim, qk_rope_head_dim=d.rope_dim,
+            v_head_dim=d.v_dim, n_routed_experts=d.experts, num_experts_per_tok=d.top_k,
+            n_shared_experts=d.shared, first_k_dense_replace=d.dense, topk_method="greedy",
+            n_group=1, topk_group=1, routed_scaling_factor=1.0, max_position_embeddings=8192,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
+            eos_token_id=2)
+        model_cls: Any = tf.DeepseekV2ForCausalLM
+    else:
+        cfg = tf.MixtralConfig(
+            vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
+            num_hidden_layers=d.layers, num_attention_heads=d.heads,
+            num_key_value_heads=d.kv_heads, num_local_experts=d.experts,
+            num_experts_per_tok=d.top_k, max_position_embeddings=8192, rms_norm_eps=1e-5,
+            rope_theta=1e6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            sliding_window=None)
+        model_cls = tf.MixtralForCausalLM
     torch.manual_seed(d.seed)
-    model = tf.MixtralForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     _scale_init(model, d.seed)
     model = model.to(torch.float16)
     model.save_pretrained(str(tmp))
@@ -247,7 +286,19 @@ def llama_source(workdir: Path, given: str | None) -> Path:
     return dest
 
 
-def build_gguf(hf: Path, out_dir: Path, src: Path) -> dict[str, Path]:
+# Runs llama.cpp's converter with DeepSeek-V2's vocabulary written from the random model's
+# sentencepiece tokenizer (the converter only knows DeepSeek's own BPE tokenizers).
+_CONVERT_SENTENCEPIECE_VOCAB = """\
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+import conversion.deepseek as ds
+ds.DeepseekV2Model.set_vocab = lambda self: self._set_vocab_sentencepiece()
+sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def build_gguf(hf: Path, out_dir: Path, src: Path, arch: str = "mixtral") -> dict[str, Path]:
     """GGUF f16 by llama.cpp's converter, then Q8_0 and Q4_0 by llama_model_quantize."""
     import llama_cpp
 
@@ -256,8 +307,9 @@ def build_gguf(hf: Path, out_dir: Path, src: Path) -> dict[str, Path]:
     if not f16.is_file():
         print("converting to GGUF f16 with convert_hf_to_gguf.py ...", flush=True)
         part = f16.with_suffix(".part")
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf),
-                        "--outtype", "f16", "--outfile", str(part)], check=True)
+        conv = ([sys.executable, "-c", _CONVERT_SENTENCEPIECE_VOCAB, str(src)]
+                if arch == "deepseek_v2" else [sys.executable, str(src / "convert_hf_to_gguf.py")])
+        subprocess.run([*conv, str(hf), "--outtype", "f16", "--outfile", str(part)], check=True)
         os.rename(part, f16)
     out = {}
     for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
@@ -331,7 +383,7 @@ def gguf_bytes_per_token(path: Path, n_used: int) -> dict[str, Any]:
     parts = {"embedding_row": int(emb.n_bytes) // n_vocab,
              "output_norm": int(t["output_norm.weight"].n_bytes),
              "lm_head": int(t.get("output.weight", emb).n_bytes),
-             "attention": 0, "router": 0, "experts": 0}
+             "attention": 0, "router": 0, "experts": 0, "shared": 0, "dense": 0}
     types: dict[str, set[str]] = {}
     for name, x in t.items():
         kind = name.split(".")[-2] if name.startswith("blk.") else name.rsplit(".", 1)[0]
@@ -340,7 +392,11 @@ def gguf_bytes_per_token(path: Path, n_used: int) -> dict[str, Any]:
             continue
         if "_exps" in name:  # [n_expert, rows, cols]; GGUF lists dims innermost first
             parts["experts"] += int(x.n_bytes) * n_used // int(x.shape[-1])
-        elif kind in ("ffn_norm", "ffn_gate_inp"):
+        elif "_shexp" in name:
+            parts["shared"] += int(x.n_bytes)
+        elif kind in ("ffn_gate", "ffn_up", "ffn_down"):
+            parts["dense"] += int(x.n_bytes)
+        elif kind in ("ffn_norm", "ffn_gate_inp", "exp_probs_b"):
             parts["router"] += int(x.n_bytes)
         else:
             parts["attention"] += int(x.n_bytes)
@@ -348,12 +404,21 @@ def gguf_bytes_per_token(path: Path, n_used: int) -> dict[str, Any]:
             "types": {k: "/".join(sorted(v)) for k, v in sorted(types.items())}}
 
 
-def llama_load(path: Path, threads: int, n_ctx: int) -> Any:
+def llama_load(path: Path, threads: int, n_ctx: int, verbose: bool = False) -> Any:
     from llama_cpp import Llama
 
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
                  n_threads=threads, n_threads_batch=threads, logits_all=False,
-                 use_mmap=True, verbose=False, seed=0)
+                 use_mmap=True, verbose=verbose, seed=0)
+
+
+def llama_kv_bytes_per_token(log: str) -> float | None:
+    """KV cache bytes per token from llama.cpp's load log ("llama_kv_cache: size = 27.00 MiB
+    (  384 cells, ..."), None when the line is not there."""
+    import re
+
+    m = re.search(r"llama_kv_cache[^\n]*?size\s*=\s*([\d.]+)\s*MiB\s*\(\s*(\d+)\s*cells", log)
+    return float(m.group(1)) * 2**20 / int(m.group(2)) if m else None
 
 
 def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> Run:
@@ -463,8 +528,13 @@ def child_run(args: argparse.Namespace) -> int:
     path = Path(args.child_model)
     prompt = bench_prompt(args.vocab, args.prompt_tokens)
     n_ctx = args.prompt_tokens + args.gen_tokens + 8
+    kv_bytes: float | None
     if args.child == "llama.cpp":
-        lm = llama_load(path, args.threads, n_ctx)
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-load-{os.getpid()}.log"
+        with _stderr_to(log):  # the load log says how large the KV cache is
+            lm = llama_load(path, args.threads, n_ctx, verbose=True)
+        kv_bytes = llama_kv_bytes_per_token(log.read_text(errors="replace"))
+        log.unlink()
         llama_greedy_run(lm, prompt, 8)  # warm-up: page weights in, start threads
         run = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
@@ -477,10 +547,18 @@ def child_run(args: argparse.Namespace) -> int:
         cm = Model.load(path, threads=args.threads, n_ctx=n_ctx, kv_type=KV_CACHE_TYPE)
         start_expert_cache(cm, path, ExpertCacheConfig.from_env(),
                            cm.n_kv_blocks * cm.kv_block_bytes())
+        kv_bytes = cm.kv_block_bytes() / _core_kv_block()
         timed_greedy_run(cm, prompt, 8)
         run = _as_tuple(timed_greedy_run(cm, prompt, args.gen_tokens))
-    print(json.dumps({"prefill_s": run[0], "decode_s": run[1], "tokens": run[2]}))
+    print(json.dumps({"prefill_s": run[0], "decode_s": run[1], "tokens": run[2],
+                      "kv_bytes_per_token": kv_bytes}))
     return 0
+
+
+def _core_kv_block() -> int:
+    from engine import _core
+
+    return int(_core.KV_BLOCK)
 
 
 def _spawn(args: argparse.Namespace, engine: str, path: Path) -> Run:
@@ -492,7 +570,11 @@ def _spawn(args: argparse.Namespace, engine: str, path: Path) -> Run:
     if r.returncode != 0:
         raise RuntimeError(f"{engine} run failed ({r.returncode}):\n{r.stderr[-2000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
+    _KV_BYTES[engine] = out.get("kv_bytes_per_token")
     return out["prefill_s"], out["decode_s"], out["tokens"]
+
+
+_KV_BYTES: dict[str, float | None] = {}  # each engine's KV bytes per token, from its runs
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -502,12 +584,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
     isa = kernels_from_env()  # a COLIBRI_ISA this CPU cannot run fails here, not after the runs
     d = Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts, args.top_k,
-             args.heads, args.kv_heads, args.seed)
+             args.heads, args.kv_heads, args.seed, args.arch)
     work = Path(args.workdir)
     base = work / d.tag()
     hf = build_checkpoint(base / "hf", d)
     src = llama_source(work, args.llama_src)
-    ggufs = build_gguf(hf, base / "gguf", src)
+    ggufs = build_gguf(hf, base / "gguf", src, d.arch)
     colibri_dirs = {}
     for q in ("q8", "q4"):
         print(f"Colibri {q} ...", flush=True)
@@ -548,6 +630,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             same_minute = [percent_of_read(args.gen_tokens, r[1], nbytes, g)
                            for r, g in zip(runs, reads[name], strict=True)]
             rows.append({"engine": name, "precision": prec, "bytes_per_token": nbytes,
+                         "kv_bytes_per_token": _KV_BYTES.get(name),
                          "tensor_types": types,
                          "bytes_per_token_parts": (lbytes["parts"] if name == "llama.cpp"
                                                    else {k: v for k, v in cbytes.items()
@@ -623,9 +706,14 @@ def render(res: dict[str, Any]) -> str:
     d = res["model"]
     lines = [
         f"cpu: {res['cpu']}",
-        f"random Mixtral: vocab {d['vocab']}, hidden {d['hidden']}, ffn {d['intermediate']}, "
-        f"{d['layers']} layers, {d['experts']} experts top-{d['top_k']}, {d['heads']} heads / "
-        f"{d['kv_heads']} kv, seed {d['seed']}",
+        (f"random Mixtral: vocab {d['vocab']}, hidden {d['hidden']}, ffn {d['intermediate']}, "
+         f"{d['layers']} layers, {d['experts']} experts top-{d['top_k']}, {d['heads']} heads / "
+         f"{d['kv_heads']} kv, seed {d['seed']}") if d.get("arch", "mixtral") == "mixtral" else
+        (f"random DeepSeek-V2 (MLA): vocab {d['vocab']}, hidden {d['hidden']}, {d['layers']} "
+         f"layers ({d['dense']} dense, ffn {d['intermediate']}), {d['experts']} experts "
+         f"top-{d['top_k']} of width {d['moe_intermediate']} + {d['shared']} shared, "
+         f"{d['heads']} heads, kv_lora {d['kv_lora']}, rope {d['rope_dim']}, nope "
+         f"{d['nope_dim']}, v {d['v_dim']}, seed {d['seed']}"),
         f"{res['threads']} threads, {res['prompt_tokens']}-token prompt, {res['gen_tokens']} "
         f"greedy tokens, medians of {res['repeat']} alternating repeats "
         f"(transformers: {res['tf_repeat']}); llama-cpp-python {res['llama_cpp_python']}, "
@@ -650,6 +738,9 @@ def render(res: dict[str, Any]) -> str:
             f"{r['bound_tok_s']:>13.1f}{r['percent_of_bound']:>9.1f}"
             + (f"{r['percent_of_bound_same_minute']['median']:>15.1f}"
                if "percent_of_bound_same_minute" in r else ""))
+    lines.append("KV cache bytes per token (all layers): " + ", ".join(
+        f"{r['engine']} {r['precision']} {r['kv_bytes_per_token']:.0f}"
+        for r in res["rows"] if r.get("kv_bytes_per_token")))
     lines.append("")
     for q, rr in res["ratios_colibri_over_llama"].items():
         dp = rr["decode_pairs"]
@@ -671,11 +762,13 @@ def render(res: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    dflt = Dims()
+    p.add_argument("--arch", choices=("mixtral", "deepseek_v2"), default="mixtral",
+                   help="mixtral (default dims below) or deepseek_v2 (DeepSeek-V2-Lite's dims, "
+                        "4 layers)")
     for name in ("vocab", "hidden", "intermediate", "layers", "experts", "heads", "seed"):
-        p.add_argument(f"--{name}", type=int, default=getattr(dflt, name))
-    p.add_argument("--top-k", type=int, default=dflt.top_k)
-    p.add_argument("--kv-heads", type=int, default=dflt.kv_heads)
+        p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128)
@@ -692,7 +785,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", choices=("llama.cpp", "colibri"), default=None,
                    help=argparse.SUPPRESS)  # internal: one timed run in a fresh process
     p.add_argument("--child-model", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    dflt = {**asdict(Dims()), **(DEEPSEEK_V2_LITE if args.arch == "deepseek_v2" else {})}
+    for name in ("vocab", "hidden", "intermediate", "layers", "experts", "heads", "seed",
+                 "top_k", "kv_heads"):
+        if getattr(args, name) is None:
+            setattr(args, name, dflt[name])
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,3 +115,21 @@ def test_the_summary_names_the_cpu_and_both_engines() -> None:
     assert "prefill x4.90" in text
     assert "load average 0.50 at start, 0.70 at end" in text
     assert "llama.cpp Q8_0 tensor types: blk.0.ffn_gate_exps.weight Q8_0" in text
+
+
+def test_kv_bytes_per_token_from_llama_cpp_log() -> None:
+    log = ("llama_kv_cache:        CPU KV buffer size =    27.00 MiB\n"
+           "llama_kv_cache: size =   27.00 MiB (   384 cells,   4 layers,  1/1 seqs), "
+           "K (f16):   27.00 MiB, V (f16):    0.00 MiB\n")
+    cl = _script()
+    assert cl.llama_kv_bytes_per_token(log) == 27 * 2**20 / 384
+    assert cl.llama_kv_bytes_per_token("no such line") is None
+
+
+def test_deepseek_arch_takes_v2_lite_dims_unless_given() -> None:
+    cl = _script()
+    args = cl.parse_args(["--arch", "deepseek_v2"])
+    assert (args.hidden, args.experts, args.top_k, args.layers) == (2048, 64, 6, 4)
+    assert cl.parse_args(["--arch", "deepseek_v2", "--layers", "2"]).layers == 2
+    mixtral = cl.parse_args([])
+    assert (mixtral.hidden, mixtral.experts) == (cl.Dims().hidden, cl.Dims().experts)
