@@ -164,3 +164,47 @@ def test_bench_counts_dense_layers(ckpts: dict[str, Path], arch: str, tmp_path: 
     r = json.loads(capsys.readouterr().out)
     assert r["architecture"] == ("llama" if arch == "llama" else "glm4_moe")
     assert r["kv_cache_type"] == "f16" and r["bytes_per_token_parts"]["dense"] == parts["dense"]
+
+
+def _run(core: Any, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+    from engine import SamplingParams
+
+    core.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    toks, cached = [], -1
+    while core.has_work():
+        for o in core.step():
+            toks.append(o.token_id)
+            cached = o.n_cached_tokens
+    return toks, cached
+
+
+def test_prefix_cache_reuses_latent_blocks(tmp_path: Path) -> None:
+    """A DeepSeek (MLA) model's cache blocks hold latent rows; a shared prompt prefix is reused
+    from them and the tokens equal a run without the prefix cache."""
+    hf = make_checkpoint("deepseek_v3", tmp_path / "hf", seed=6)
+    llm = _llm(hf, "f32")
+    core = llm.core
+    system = list(range(3, 51))  # three full blocks of 16
+    first = _run(core, "a", system + [60, 61], 6)
+    second = _run(core, "b", system + [70, 71, 72], 6)
+    assert first[1] == 0 and second[1] == 48
+    plain = _llm(hf, "f32", enable_prefix_cache=False)
+    assert second[0] == _run(plain.core, "c", system + [70, 71, 72], 6)[0]
+    assert core.blocks.n_free == core.blocks.n_blocks
+
+
+def test_mla_batch_of_requests_equals_each_alone(tmp_path: Path) -> None:
+    """Requests of different lengths decoded together give the tokens each gives alone."""
+    hf = make_checkpoint("deepseek_v2", tmp_path / "hf", seed=8)
+    llm = _llm(hf, "q8", max_num_seqs=4)
+    prompts = [list(range(5, 5 + n)) for n in (7, 20, 33, 12)]
+    alone = [_run(llm.core, f"alone{i}", p, 8)[0] for i, p in enumerate(prompts)]
+    from engine import SamplingParams
+
+    for i, p in enumerate(prompts):
+        llm.core.add_request(f"b{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
+    got: dict[str, list[int]] = {}
+    while llm.core.has_work():
+        for o in llm.core.step():
+            got.setdefault(o.request_id, []).append(o.token_id)
+    assert [got[f"b{i}"] for i in range(4)] == alone
