@@ -103,6 +103,7 @@ class Dims:
     # deepseek_v2 only (DeepSeek-V2-Lite's values): MLA widths, expert width, shared experts
     # and dense first layers; intermediate is then the dense layers' width
     kv_lora: int = 512
+    q_lora: int = 1536  # V2-Lite has none, but llama.cpp reads a q_lora_rank unless 26/27 layers
     rope_dim: int = 64
     nope_dim: int = 128
     v_dim: int = 128
@@ -118,7 +119,9 @@ class Dims:
 
 
 # --arch deepseek_v2 defaults: DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora 512, rope 64,
-# 64 routed experts top-6, 2 shared, 1 dense layer), 4 of its 27 layers to fit in memory
+# 64 routed experts top-6, 2 shared, 1 dense layer), 4 of its 27 layers to fit in memory; with
+# DeepSeek-V2's q_lora_rank 1536, since llama.cpp takes a model of other than 26 or 27 layers
+# for the full V2 and refuses one without it
 DEEPSEEK_V2_LITE = dict(vocab=32000, hidden=2048, intermediate=10944, layers=4, experts=64,
                         top_k=6, heads=16, kv_heads=16)
 
@@ -215,7 +218,7 @@ def build_checkpoint(out: Path, d: Dims) -> Path:
         cfg = tf.DeepseekV2Config(
             vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
             moe_intermediate_size=d.moe_intermediate, num_hidden_layers=d.layers,
-            num_attention_heads=d.heads, num_key_value_heads=d.heads, q_lora_rank=None,
+            num_attention_heads=d.heads, num_key_value_heads=d.heads, q_lora_rank=d.q_lora or None,
             kv_lora_rank=d.kv_lora, qk_nope_head_dim=d.nope_dim, qk_rope_head_dim=d.rope_dim,
             v_head_dim=d.v_dim, n_routed_experts=d.experts, num_experts_per_tok=d.top_k,
             n_shared_experts=d.shared, first_k_dense_replace=d.dense, topk_method="greedy",
@@ -712,8 +715,8 @@ def render(res: dict[str, Any]) -> str:
         (f"random DeepSeek-V2 (MLA): vocab {d['vocab']}, hidden {d['hidden']}, {d['layers']} "
          f"layers ({d['dense']} dense, ffn {d['intermediate']}), {d['experts']} experts "
          f"top-{d['top_k']} of width {d['moe_intermediate']} + {d['shared']} shared, "
-         f"{d['heads']} heads, kv_lora {d['kv_lora']}, rope {d['rope_dim']}, nope "
-         f"{d['nope_dim']}, v {d['v_dim']}, seed {d['seed']}"),
+         f"{d['heads']} heads, q_lora {d['q_lora']}, kv_lora {d['kv_lora']}, rope "
+         f"{d['rope_dim']}, nope {d['nope_dim']}, v {d['v_dim']}, seed {d['seed']}"),
         f"{res['threads']} threads, {res['prompt_tokens']}-token prompt, {res['gen_tokens']} "
         f"greedy tokens, medians of {res['repeat']} alternating repeats "
         f"(transformers: {res['tf_repeat']}); llama-cpp-python {res['llama_cpp_python']}, "

@@ -28,10 +28,10 @@ from engine.models.family import (
     Source,
     UnsupportedModel,
     base_config,
-    per_expert_names,
+    build_plan,
     rope_parameters,
 )
-from engine.models.glm4_moe import grouped_router, mtp_layer
+from engine.models.glm4_moe import grouped_ffn, grouped_router, mtp_layer
 from engine.models.rope import rope_config, yarn_mscale
 
 NAME = "deepseek"
@@ -137,18 +137,7 @@ def _mla(pl: Plan, i: int, p: str) -> None:
 
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
-    pl = Plan(cfg)
-    pl.embeddings()
-    for i in range(cfg["n_layer"]):
-        p = f"model.layers.{i}."
-        _mla(pl, i, p)
-        if cfg["layer_ffn"][i] == "dense":
-            pl.dense_ffn(i, p)
-            continue
-        moe = p + "mlp."
-        v3 = cfg["hf_architecture"] == "DeepseekV3ForCausalLM"
-        pl.router(i, p, moe, gate_bias="gate.e_score_correction_bias" if v3 else None)
-        pl.experts(i, moe, per_expert_names(names, moe))
-        if cfg["n_ff_shared"]:
-            pl.shared(i, moe + "shared_experts.")
-    return pl.done(names, NAME, skipped=mtp_layer(cfg["n_layer"]))
+    bias = ("gate.e_score_correction_bias" if cfg["hf_architecture"] == "DeepseekV3ForCausalLM"
+            else None)
+    return build_plan(cfg, names, lambda pl, i, p: grouped_ffn(pl, i, p, names, bias),
+                      attention=_mla, skipped=mtp_layer(cfg["n_layer"]))

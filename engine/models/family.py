@@ -325,6 +325,30 @@ class Plan:
         return self.out
 
 
+def build_plan(cfg: dict[str, Any], names: set[str],
+               ffn: Callable[[Plan, int, str], None],
+               attention: Callable[[Plan, int, str], None] | None = None,
+               skipped: Callable[[str], bool] | None = None) -> list[Target]:
+    """A family's whole plan: the embeddings, then per layer i (HF prefix p) its attention
+    (GQA unless given) and ffn(plan, i, p); checked with Plan.done."""
+    pl = Plan(cfg)
+    pl.embeddings()
+    for i in range(cfg["n_layer"]):
+        p = f"model.layers.{i}."
+        (attention or Plan.attention)(pl, i, p)
+        ffn(pl, i, p)
+    return pl.done(names, cfg["architecture"], skipped)
+
+
+def routed_ffn(names: set[str]) -> Callable[[Plan, int, str], None]:
+    """The FFN of a softmax-routed family without shared experts: router and experts under
+    `mlp.`."""
+    def ffn(pl: Plan, i: int, p: str) -> None:
+        pl.router(i, p, p + "mlp.")
+        pl.experts(i, p + "mlp.", per_expert_names(names, p + "mlp."))
+    return ffn
+
+
 def per_expert_names(names: set[str], moe: str) -> Callable[[int], list[Source]] | None:
     """Per-expert sources [w1, w3, w2] under the MoE prefix moe when the checkpoint has the
     legacy per-expert layout (gate_proj/up_proj/down_proj), else None (fused)."""

@@ -17,6 +17,7 @@ from engine.models.family import (
     Plan,
     UnsupportedModel,
     base_config,
+    build_plan,
     no_experts,
     per_expert_names,
     rope_parameters,
@@ -98,18 +99,20 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
     return cfg
 
 
+def grouped_ffn(pl: Plan, i: int, p: str, names: set[str], gate_bias: str | None) -> None:
+    """A dense layer's FFN, or the router (with its selection bias), routed and shared
+    experts, as DeepSeek and GLM lay them out."""
+    if pl.cfg["layer_ffn"][i] == "dense":
+        pl.dense_ffn(i, p)
+        return
+    moe = p + "mlp."
+    pl.router(i, p, moe, gate_bias=gate_bias)
+    pl.experts(i, moe, per_expert_names(names, moe))
+    if pl.cfg["n_ff_shared"]:
+        pl.shared(i, moe + "shared_experts.")
+
+
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
-    pl = Plan(cfg)
-    pl.embeddings()
-    for i in range(cfg["n_layer"]):
-        p = f"model.layers.{i}."
-        pl.attention(i, p)
-        if cfg["layer_ffn"][i] == "dense":
-            pl.dense_ffn(i, p)
-            continue
-        moe = p + "mlp."
-        pl.router(i, p, moe, gate_bias="gate.e_score_correction_bias")
-        pl.experts(i, moe, per_expert_names(names, moe))
-        if cfg["n_ff_shared"]:
-            pl.shared(i, moe + "shared_experts.")
-    return pl.done(names, NAME, skipped=mtp_layer(cfg["n_layer"]))
+    return build_plan(cfg, names,
+                      lambda pl, i, p: grouped_ffn(pl, i, p, names, "gate.e_score_correction_bias"),
+                      skipped=mtp_layer(cfg["n_layer"]))

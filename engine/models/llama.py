@@ -15,6 +15,7 @@ from engine.models.family import (
     Plan,
     UnsupportedModel,
     base_config,
+    build_plan,
     no_experts,
     rope_parameters,
 )
@@ -68,10 +69,4 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
     """Every layer: attention, then a dense FFN (shared by the dense families)."""
-    pl = Plan(cfg)
-    pl.embeddings()
-    for i in range(cfg["n_layer"]):
-        p = f"model.layers.{i}."
-        pl.attention(i, p)
-        pl.dense_ffn(i, p)
-    return pl.done(names, cfg["architecture"])
+    return build_plan(cfg, names, Plan.dense_ffn)

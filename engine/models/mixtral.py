@@ -14,6 +14,7 @@ from engine.models.family import (
     Source,
     UnsupportedModel,
     base_config,
+    build_plan,
     per_expert_names,
     rope_parameters,
     rope_type,
@@ -75,19 +76,15 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
     return cfg
 
 
+def _ffn(pl: Plan, i: int, p: str, names: set[str]) -> None:
+    moe = p + ("block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in names else "mlp.")
+    pl.router(i, p, moe)
+    if f"{moe}experts.0.w1.weight" in names:  # Mixtral's own per-expert names
+        pl.experts(i, moe, lambda j: [Source(f"{moe}experts.{j}.{w}.weight")
+                                      for w in ("w1", "w3", "w2")])
+    else:
+        pl.experts(i, moe, per_expert_names(names, moe))
+
+
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
-    pl = Plan(cfg)
-    pl.embeddings()
-    for i in range(cfg["n_layer"]):
-        p = f"model.layers.{i}."
-        pl.attention(i, p)
-        moe = p + ("block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in names else "mlp.")
-        pl.router(i, p, moe)
-        per = None
-        if f"{moe}experts.0.w1.weight" in names:
-            def per(j: int, moe: str = moe) -> list[Source]:
-                return [Source(f"{moe}experts.{j}.{w}.weight") for w in ("w1", "w3", "w2")]
-        else:
-            per = per_expert_names(names, moe)
-        pl.experts(i, moe, per)
-    return pl.done(names, NAME)
+    return build_plan(cfg, names, lambda pl, i, p: _ffn(pl, i, p, names))

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import HFConfig, Plan, UnsupportedModel, base_config, per_expert_names
+from engine.models.family import (
+    HFConfig,
+    Plan,
+    UnsupportedModel,
+    base_config,
+    build_plan,
+    per_expert_names,
+)
 from engine.models.mixtral import check_plain_rope, moe_counts, window
 
 NAME = "qwen2_moe"
@@ -62,14 +69,12 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
     return cfg
 
 
+def _ffn(pl: Plan, i: int, p: str, names: set[str]) -> None:
+    moe = p + "mlp."
+    pl.router(i, p, moe, shared_gate="shared_expert_gate.weight")
+    pl.experts(i, moe, per_expert_names(names, moe))
+    pl.shared(i, moe + "shared_expert.")
+
+
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
-    pl = Plan(cfg)
-    pl.embeddings()
-    for i in range(cfg["n_layer"]):
-        p = f"model.layers.{i}."
-        moe = p + "mlp."
-        pl.attention(i, p)
-        pl.router(i, p, moe, shared_gate="shared_expert_gate.weight")
-        pl.experts(i, moe, per_expert_names(names, moe))
-        pl.shared(i, moe + "shared_expert.")
-    return pl.done(names, NAME)
+    return build_plan(cfg, names, lambda pl, i, p: _ffn(pl, i, p, names))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import HFConfig, Plan, UnsupportedModel, base_config, per_expert_names
+from engine.models.family import HFConfig, UnsupportedModel, base_config, build_plan, routed_ffn
 from engine.models.mixtral import check_plain_rope, moe_counts
 from engine.models.qwen2_moe import check_all_sparse, qwen_window
 
@@ -39,11 +39,4 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
 
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
-    pl = Plan(cfg)
-    pl.embeddings()
-    for i in range(cfg["n_layer"]):
-        p = f"model.layers.{i}."
-        pl.attention(i, p)
-        pl.router(i, p, p + "mlp.")
-        pl.experts(i, p + "mlp.", per_expert_names(names, p + "mlp."))
-    return pl.done(names, NAME)
+    return build_plan(cfg, names, routed_ffn(names))
