@@ -36,6 +36,11 @@ from engine.executor.model import Model  # noqa: E402
 from engine.format import quant  # noqa: E402
 from engine.format.convert import convert  # noqa: E402
 from engine.models import archs  # noqa: E402
+from tests.parity_helpers import ISAS  # noqa: E402
+from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
+from tests.parity_helpers import prefill as _prefill  # noqa: E402
+from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
+from tests.parity_helpers import rel_max as _rel_max  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 PROMPT_LEN = 24
@@ -50,7 +55,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe-tied": ("qwen3_moe", {"tie_word_embeddings": True}),
     "olmoe-clip": ("olmoe", {"clip_qkv": 1.5}),
 }
-ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):  # noqa: ANN201
+    before = _core.isa_active()
+    _core.isa_force(request.param)
+    yield request.param
+    _core.isa_force(before)
 
 
 class Case:
@@ -91,36 +103,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return _CACHE[name]
 
 
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest):  # noqa: ANN201
-    before = _core.isa_active()
-    _core.isa_force(request.param)
-    yield request.param
-    _core.isa_force(before)
-
-
-def _hf_model(path: Path) -> Any:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
-
-
 def _hf_logits(model: Any, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
-
-
-def _prefill(m: Model, ids: np.ndarray, seq: int = 0, start: int = 0) -> np.ndarray:
-    n = ids.size
-    return m.forward(ids, np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32))
-
-
-def _rel_max(x: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
-
-
-def _rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def test_prompts_route_to_several_experts(case: Case) -> None:

@@ -42,6 +42,11 @@ from engine.format import quant  # noqa: E402
 from engine.format.convert import convert  # noqa: E402
 from engine.models import archs  # noqa: E402
 from engine.models.family import transform, untransform  # noqa: E402
+from tests.parity_helpers import ISAS  # noqa: E402
+from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
+from tests.parity_helpers import prefill as _prefill  # noqa: E402
+from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
+from tests.parity_helpers import rel_max as _rel_max  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 PROMPT_LEN = 24
@@ -66,12 +71,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v2-lite-shape": ("deepseek_v2", {}),
 }
 MOE_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
-
-
-def _hf_model(path: Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
@@ -143,6 +142,14 @@ def _ours_with_routes(path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarr
                      routes=routes), routes
 
 
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):  # noqa: ANN201
+    before = _core.isa_active()
+    _core.isa_force(request.param)
+    yield request.param
+    _core.isa_force(before)
+
+
 class Case:
     """One tiny checkpoint, its conversions (made on first use) and transformers references."""
 
@@ -183,27 +190,6 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def moe_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
     """The cases with routed experts."""
     return _case(request.param, tmp_path_factory)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest):  # noqa: ANN201
-    before = _core.isa_active()
-    _core.isa_force(request.param)
-    yield request.param
-    _core.isa_force(before)
-
-
-def _prefill(m: Model, ids: np.ndarray, seq: int = 0, start: int = 0) -> np.ndarray:
-    n = ids.size
-    return m.forward(ids, np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32))
-
-
-def _rel_max(x: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
-
-
-def _rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
