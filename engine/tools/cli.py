@@ -51,7 +51,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-@command("convert", "convert a Hugging Face MoE checkpoint into a Colibri folder", _convert_args)
+@command("convert", "convert a Hugging Face checkpoint into a Colibri folder", _convert_args)
 def _convert(args: argparse.Namespace) -> int:
     from engine.format.convert import convert
 
