@@ -1,7 +1,7 @@
-"""Tiny random Hugging Face MoE checkpoints for tests (a helper module, not a test file).
+"""Tiny random Hugging Face checkpoints for tests (a helper module, not a test file).
 
-`make_checkpoint` builds a real transformers model of one of the four supported
-architectures with small dimensions, re-initialises every weight with a seeded generator
+`make_checkpoint` builds a real transformers model of one of the architectures in ALL_ARCHS
+with small dimensions, re-initialises every weight with a seeded generator
 (norm weights and biases too, so a norm or bias bug changes the output), trains a real
 byte-level BPE tokenizer of exactly the model's vocabulary size, and saves it all with
 `save_pretrained`. Deterministic for a seed; needs torch and transformers (test extras).
