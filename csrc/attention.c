@@ -163,10 +163,16 @@ static void att_worker(void *vctx, int ith, int nth) {
 
 clb_status clb_attend(clb_model *m, const clb_kv *kv, const clb_batch *b, int64_t il, int64_t T,
                       const int32_t *seq, const int32_t *pos, const clb_att_io *io) {
-    /* a whole kv head's group per work item (rows widened once for the group) when that
-     * still gives every worker something to do; otherwise one query head per item */
-    const int64_t H = m->hp.n_head, Hkv = kv->n_head_kv;
-    int64_t nh = T * Hkv >= clb_threadpool_n_threads(m->tp) ? H / Hkv : 1;
+    /* as many of a kv head's query heads per work item as still give every worker something
+     * to do: rows are widened once per item, so a decode step of a model with one cached head
+     * (MLA) splits its heads in a few large groups rather than one per head */
+    const int64_t H = m->hp.n_head, Hkv = kv->n_head_kv, group = H / Hkv;
+    const int64_t n_threads = clb_threadpool_n_threads(m->tp);
+    int64_t nh = group;
+    while (nh > 1 && T * Hkv * (group / nh) < n_threads) {
+        do nh--;
+        while (group % nh);
+    }
     att_task task = {m, kv, il, T, seq, pos, b->block_tables, b->max_blocks, nh, *io};
     const int64_t t0 = clb_now_ns();
     clb_status st = clb_threadpool_run(m->tp, att_worker, &task);
