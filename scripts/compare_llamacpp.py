@@ -689,6 +689,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp
 
     return {
+        "commit": _commit(), "command": " ".join(sys.argv),
         "model": asdict(d), "workdir": str(base), "threads": args.threads, "cpu": cpu_model(),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
@@ -703,6 +704,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "greedy_agreement_first16": agreement, "greedy_tokens_first16": {
             k: v[:16] for k, v in tokens.items()},
     }
+
+
+def _commit() -> str | None:
+    """This checkout's commit (None outside git), recorded with the figures."""
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                       text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def render(res: dict[str, Any]) -> str:
