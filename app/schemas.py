@@ -186,6 +186,8 @@ class ExpertCacheInfo(BaseModel):
     n_layer: int = Field(description="the model's layers (rows of state and heat)")
     n_moe_layers: int = Field(description="the layers with routed experts")
     dense_layers: list[int] = Field(description="the layers without experts (rows of zeros)")
+    shared_expert_bytes: int = Field(description="the shared experts of every layer: always "
+                                     "resident, not routed, not counted in the budget")
     n_expert: int
     slots_per_layer: int
     expert_bytes: int

@@ -90,6 +90,8 @@ def test_glm_serves_and_its_cache_counts_moe_layers_only(glm_server: InProcessSe
     for layer in (2, 3):
         assert sum(s >= 1 for s in info.state[layer]) == 3 and info.layers[layer]["loads"] > 0
     assert info.totals["resident_bytes"] == 2 * 3 * info.expert_bytes
+    # the two shared experts of each MoE layer: apart from the routed ones, never budgeted
+    assert info.shared_expert_bytes > 0 and info.n_expert == 8
 
 
 def test_dense_model_serves_without_an_expert_cache(ckpts: dict[str, Path],

@@ -149,7 +149,8 @@ function showNumbers(d) {
   const nDense = (d.dense_layers || []).length;
   $("reason").textContent = d.n_moe_layers + " MoE layers of " + d.n_expert + " experts, " +
     mb(d.expert_bytes) + " each" + (nDense ? ", " + nDense + " dense layers" : "") +
-    "; size: " + d.reason;
+    (d.shared_expert_bytes ? "; shared experts " + mb(d.shared_expert_bytes) +
+      ", always resident, not routed" : "") + "; size: " + d.reason;
 }
 
 function show(d) {

@@ -144,8 +144,9 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
     # budgets count the layers with experts: a dense layer's slots are never filled
     plan = plan_cache(model.core, xc, n_moe, cfg.n_expert, cfg.n_expert_used, other,
                       memory_free(available_memory_bytes()))
-    plan = replace(plan, dense_layers=tuple(i for i in range(cfg.n_layer)
-                                            if i not in cfg.moe_layers))
+    shared = sum(p.stat().st_size for p in (folder / "shared").glob("*.bin"))
+    plan = replace(plan, shared_bytes=shared,
+                   dense_layers=tuple(i for i in range(cfg.n_layer) if i not in cfg.moe_layers))
     # the layout this CPU's kernels read fastest; the cache repacks the experts it loads, and
     # resident experts are copied only when they fit (else the OS pages their mappings)
     repacked = model.core.repack(experts=plan.fits) if repack_enabled() else 0

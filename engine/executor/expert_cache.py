@@ -75,6 +75,7 @@ class CachePlan:
     # experts may then be copied (repacked) instead of read through their mappings
     fits: bool = False
     dense_layers: tuple[int, ...] = ()  # layers without experts (drawn apart on the page)
+    shared_bytes: int = 0  # shared experts, all layers: always resident, never in the budget
 
     @property
     def budget_bytes(self) -> int:
@@ -328,6 +329,7 @@ class ExpertCacheMonitor:
         out: dict[str, Any] = {
             "enabled": st is not None, "n_layer": n_rows, "n_moe_layers": self.plan.n_layer,
             "dense_layers": list(self.plan.dense_layers),
+            "shared_expert_bytes": self.plan.shared_bytes,
             "n_expert": self.plan.n_expert, "slots_per_layer": self.plan.per_layer
             or self.plan.n_expert, "expert_bytes": self.plan.expert_bytes,
             "budget_bytes": self.plan.budget_bytes, "reason": self.plan.reason,
