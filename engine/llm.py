@@ -44,7 +44,11 @@ class LLM:
         quant: str = "q8",
         config: EngineConfig | None = None,
     ) -> None:
-        source = Path(path) if path is not None else default_model_path()
+        from engine.format.hub import download, is_repo_id
+
+        repo = path if is_repo_id(path) else None
+        source = (download(repo) if repo else
+                  Path(path) if path is not None else default_model_path())
         if not source.exists():
             raise FileNotFoundError(f"model folder not found: {source}")
         cfg = replace(config or EngineConfig(), quant=quant)
@@ -59,7 +63,7 @@ class LLM:
         self.tokenizer = self.core.tokenizer
         self.n_ctx: int = self.model.n_ctx
         self.vocab_size: int = self.model.n_vocab
-        self.model_name: str = source.name
+        self.model_name: str = repo or source.name
         self._lock = threading.Lock()
 
     @property

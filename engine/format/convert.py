@@ -378,7 +378,9 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
     it; a file lock serialises concurrent converters, and the atomic rename in convert()
     means a reader never sees a half-written entry.
     """
-    path = Path(path)
+    from engine.format.hub import download, is_repo_id, repo_name
+
+    path = download(path) if is_repo_id(path) else Path(path)
     if is_colibri_dir(path):
         return path
     if not path.is_dir():
@@ -387,7 +389,8 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
         raise ValueError(f"{path}: no config.json found (not a model folder)")
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    dest = root / f"{path.resolve().name}-{_source_key(path, quant)}-{quant}"
+    name = (repo_name(path) or path.resolve().name).replace("/", "--")
+    dest = root / f"{name}-{_source_key(path, quant)}-{quant}"
     with open(root / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         for stale in root.glob(f".{dest.name}.tmp-*"):  # left by a killed converter

@@ -25,7 +25,8 @@ def bundled_model_path() -> Path:
 
 
 def _hint(flag: str) -> str:
-    hint = f"{flag} must name a Colibri or Hugging Face model folder"
+    hint = (f"{flag} must name a Colibri or Hugging Face model folder, or a Hugging Face repo "
+            "id (owner/name)")
     if flag.startswith("--"):
         hint += f" (leave {flag} out for the bundled demo model)"
     return hint
@@ -46,7 +47,10 @@ def check_model(path: str | Path | None, flag: str = "--model",
     option the user gave the path with, for the hint ("--model", or a positional like
     "HF_DIR").
     """
-    source = bundled_model_path() if path is None else Path(path)
+    from engine.format.hub import download, is_repo_id
+
+    source = (bundled_model_path() if path is None
+              else download(path) if is_repo_id(path) else Path(path))
     hint = _hint(flag)
     if not source.exists():
         raise ModelError(f"model folder not found: {source}; {hint}")
