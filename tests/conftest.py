@@ -1,0 +1,76 @@
+"""Test-session setup: every test file belongs to one subsystem, marked so a change runs its
+part alone (`pytest -m kernels`, `pytest -m "models and not slow"`), and files whose tests take
+long (browsers, real client libraries, whole-model references) are also marked `slow`, so
+`pytest -m "not slow"` is the quick pass. The session keeps converted models in a temporary
+folder (COLIBRI_CACHE_DIR), never in the user's ~/.cache/colibri."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# subsystem -> its test files (tests/test_markers.py checks that every file has exactly one)
+SUBSYSTEMS: dict[str, tuple[str, ...]] = {
+    # C kernels, pool, threads, KV layout: what a csrc/ change touches first
+    "kernels": ("test_kernels.py", "test_kernel_invariance.py", "test_repack.py", "test_pool.py",
+                "test_threadpool.py", "test_paged_kv.py", "test_c_api.py",
+                "test_hparams_contract.py"),
+    # model families, conversion, weight files: engine/models and engine/format
+    "models": ("test_parity.py", "test_parity_families.py", "test_fp8_checkpoint.py",
+               "test_convert.py", "test_model_files.py", "test_reliability_files.py",
+               "test_reliability_verify.py", "test_hub_models.py", "test_expert_cache.py",
+               "test_demo_model.py", "test_demo_data.py", "test_demo_report.py"),
+    # scheduling, sampling, text: engine/core, engine/sample, engine/text
+    "engine": ("test_batching.py", "test_block_manager.py", "test_llm.py", "test_sampling.py",
+               "test_sample_batch.py", "test_constraints.py", "test_tokenizer.py",
+               "test_detok.py", "test_toolcalls.py", "test_chat_template_files.py",
+               "test_input_checks.py", "test_reliability_templates.py"),
+    # the HTTP server and what clients see
+    "server": ("test_server_openai.py", "test_server_errors.py", "test_server_lifecycle.py",
+               "test_server_settings.py", "test_server_batching.py",
+               "test_server_expert_cache.py", "test_families_serving.py",
+               "test_reliability_http.py", "test_reliability_requests.py",
+               "test_reliability_schema.py", "test_reliability_tooling.py",
+               "test_server_clients.py", "test_server_browser.py",
+               "test_expert_page_browser.py", "test_lm_eval.py"),
+    # command-line tools, scripts, packaging, docs
+    "tools": ("test_bench.py", "test_cli_models.py", "test_evaluate.py", "test_replay.py",
+              "test_compare_llamacpp.py", "test_layering.py", "test_packaging.py",
+              "test_readme_examples.py", "test_markers.py"),
+}
+# files whose tests take the longest or need a browser or client libraries (measured with
+# --durations on 2 cores: the schema fuzzing alone is about half of the whole suite)
+SLOW: tuple[str, ...] = ("test_reliability_schema.py", "test_expert_page_browser.py",
+                         "test_server_browser.py", "test_lm_eval.py", "test_server_clients.py")
+
+_BY_FILE = {f: name for name, files in SUBSYSTEMS.items() for f in files}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in SUBSYSTEMS:
+        config.addinivalue_line("markers", f"{name}: tests of the {name} subsystem")
+    config.addinivalue_line("markers", "slow: long tests (browsers, client libraries, whole "
+                                       "models); `-m 'not slow'` leaves them out")
+    if not hasattr(config, "workerinput"):  # one folder per session, removed at its end
+        cache = tempfile.mkdtemp(prefix="colibri-test-cache-")
+        config._colibri_cache = cache  # type: ignore[attr-defined]
+        os.environ["COLIBRI_CACHE_DIR"] = cache
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    cache = getattr(config, "_colibri_cache", None)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = Path(str(item.fspath)).name
+        if name in _BY_FILE:
+            item.add_marker(getattr(pytest.mark, _BY_FILE[name]))
+        if name in SLOW:
+            item.add_marker(pytest.mark.slow)
