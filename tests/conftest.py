@@ -2,7 +2,8 @@
 part alone (`pytest -m kernels`, `pytest -m "models and not slow"`), and files whose tests take
 long (browsers, real client libraries, whole-model references) are also marked `slow`, so
 `pytest -m "not slow"` is the quick pass. The session keeps converted models in a temporary
-folder (COLIBRI_CACHE_DIR), never in the user's ~/.cache/colibri."""
+folder (COLIBRI_CACHE_DIR), never in the user's ~/.cache/colibri. The `isa` fixture runs a
+test on the reference kernels and on the best this CPU has."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from engine import _core
 
 # subsystem -> its test files (tests/test_markers.py checks that every file has exactly one)
 SUBSYSTEMS: dict[str, tuple[str, ...]] = {
@@ -48,6 +51,16 @@ SLOW: tuple[str, ...] = ("test_reliability_schema.py", "test_expert_page_browser
                          "test_server_browser.py", "test_lm_eval.py", "test_server_clients.py")
 
 _BY_FILE = {f: name for name, files in SUBSYSTEMS.items() for f in files}
+
+
+@pytest.fixture(params=sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref"))
+def isa(request: pytest.FixtureRequest):  # noqa: ANN201
+    """The reference kernels, then the best this CPU runs, for tests that compare a model or
+    the cache across them (the kernel tests define their own, over every ISA)."""
+    before = _core.isa_active()
+    _core.isa_force(request.param)
+    yield request.param
+    _core.isa_force(before)
 
 
 def pytest_configure(config: pytest.Config) -> None:

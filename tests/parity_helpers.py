@@ -1,5 +1,5 @@
 """What the parity tests share (a helper module, not a test file): transformers' reference
-model, Colibri's prompt forward, the error measures and the kernel ISAs to run them on."""
+model, Colibri's prompt forward and the error measures."""
 
 from __future__ import annotations
 
@@ -8,11 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import _core
 from engine.executor.model import Model
-
-# the reference kernels and the best this CPU runs
-ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
 
 
 def hf_model(path: Path) -> Any:

@@ -48,15 +48,6 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe-hd4": ("qwen2_moe", {"num_attention_heads": 16, "num_key_value_heads": 4}),
 }
 _DIRS: dict[str, tuple[Path, Any]] = {}
-ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest):  # noqa: ANN201
-    before = _core.isa_active()
-    _core.isa_force(request.param)
-    yield request.param
-    _core.isa_force(before)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

@@ -31,12 +31,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import _core  # noqa: E402
 from engine.executor.model import Model  # noqa: E402
 from engine.format import quant  # noqa: E402
 from engine.format.convert import convert  # noqa: E402
 from engine.models import archs  # noqa: E402
-from tests.parity_helpers import ISAS  # noqa: E402
 from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
 from tests.parity_helpers import prefill as _prefill  # noqa: E402
 from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
@@ -55,14 +53,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe-tied": ("qwen3_moe", {"tie_word_embeddings": True}),
     "olmoe-clip": ("olmoe", {"clip_qkv": 1.5}),
 }
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest):  # noqa: ANN201
-    before = _core.isa_active()
-    _core.isa_force(request.param)
-    yield request.param
-    _core.isa_force(before)
 
 
 class Case:

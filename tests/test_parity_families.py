@@ -42,7 +42,6 @@ from engine.format import quant  # noqa: E402
 from engine.format.convert import convert  # noqa: E402
 from engine.models import archs  # noqa: E402
 from engine.models.family import transform, untransform  # noqa: E402
-from tests.parity_helpers import ISAS  # noqa: E402
 from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
 from tests.parity_helpers import prefill as _prefill  # noqa: E402
 from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
@@ -140,14 +139,6 @@ def _ours_with_routes(path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarr
               if cfg.n_expert else None)
     return m.forward(ids, np.zeros(ids.size, np.int32), np.arange(ids.size, dtype=np.int32),
                      routes=routes), routes
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest):  # noqa: ANN201
-    before = _core.isa_active()
-    _core.isa_force(request.param)
-    yield request.param
-    _core.isa_force(before)
 
 
 class Case:
