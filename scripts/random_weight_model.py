@@ -3,8 +3,8 @@
 Every tensor of the checkpoint becomes Gaussian noise with that tensor's own mean and
 standard deviation (so norms stay near their trained scale and activations keep their size);
 config and tokenizer are copied unchanged. The result routes like an untrained model of the
-same shape: the contrast for a routing trace of the trained one (docs/expert-cache.md, "Expert cache:
-routing replay"). Needs torch and safetensors.
+same shape: the contrast for a routing trace of the trained one (docs/expert-cache.md,
+"Expert cache: routing replay"). Needs torch and safetensors.
 
     python scripts/random_weight_model.py OUT_DIR [--model HF_DIR] [--seed N]
 """
