@@ -1,4 +1,4 @@
-"""Build of the one C extension, engine._core: Cython binding over csrc/*.c.
+"""Build of the one C extension, colibri.engine._core: Cython binding over csrc/*.c.
 
 Per-ISA kernel files (csrc/*_avx2.c, csrc/*_avx512.c) get their own target flags so one
 build runs on any x86-64; the kernel to use is picked at run time from CPUID.
@@ -9,7 +9,7 @@ import os
 import platform
 
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
@@ -58,7 +58,7 @@ link_args = ["-pthread", "-lm"]
 link_args += SAN_FLAGS
 
 ext = Extension(
-    "engine._core",
+    "colibri.engine._core",
     sources=["engine/_core.pyx", *c_sources()],
     include_dirs=["csrc"],
     # a header change rebuilds the extension (sources alone would leave it as it was)
@@ -67,7 +67,15 @@ ext = Extension(
     extra_link_args=link_args,
 )
 
+# The repository's app/ and engine/ install as colibri.app and colibri.engine.
+TOPS = ("app", "engine")
+PACKAGES = ["colibri." + p
+            for p in find_packages(include=[name for t in TOPS for name in (t, f"{t}.*")])]
+PACKAGE_DIR = {f"colibri.{t}": t for t in TOPS}
+
 setup(
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
     ext_modules=cythonize([ext], language_level=3, compiler_directives={"boundscheck": False}),
     cmdclass={"build_ext": BuildExt},
 )

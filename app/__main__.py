@@ -1,7 +1,7 @@
-"""`python -m app ...`: the `colibri` command without its installed entry point."""
+"""`python -m colibri.app ...`: the `colibri` command without its installed entry point."""
 
 import sys
 
-from app.cli import main
+from colibri.app.cli import main
 
 sys.exit(main())

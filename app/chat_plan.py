@@ -20,10 +20,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.errors import APIError
-from app.protocol_tools import ResponseFormat, Tool, ToolChoice, named_choice
-from app.templates import render_prompt_ids
-from engine import (
+from colibri.app.errors import APIError
+from colibri.app.protocol_tools import ResponseFormat, Tool, ToolChoice, named_choice
+from colibri.app.templates import render_prompt_ids
+from colibri.engine import (
     ConstraintCompiler,
     ConstraintError,
     ConstraintSpec,

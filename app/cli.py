@@ -22,11 +22,11 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
-from app.http import uvicorn_options
-from app.server import create_app
-from app.settings import Settings
-from app.state import ServerState
-from engine import (
+from colibri.app.http import uvicorn_options
+from colibri.app.server import create_app
+from colibri.app.settings import Settings
+from colibri.app.state import ServerState
+from colibri.engine import (
     DEFAULT_QUANT,
     KV_CACHE_TYPES,
     QUANT_PRESETS,

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from app.errors import APIError
-from app.state import DrainExpiredError, ServerState, get_state, shutting_down, unavailable
-from app.worker import (
+from colibri.app.errors import APIError
+from colibri.app.state import DrainExpiredError, ServerState, get_state, shutting_down, unavailable
+from colibri.app.worker import (
     EngineUnavailableError,
     Job,
     Output,
@@ -28,7 +28,7 @@ from app.worker import (
     QueueFullError,
     Sequence,
 )
-from engine import ContextLengthError, ModelFaultError, SamplingParamError, TokenIdError
+from colibri.engine import ContextLengthError, ModelFaultError, SamplingParamError, TokenIdError
 
 log = logging.getLogger("colibri.app")
 T = TypeVar("T")

@@ -17,8 +17,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from app.errors import error_bytes
-from app.settings import Settings
+from colibri.app.errors import error_bytes
+from colibri.app.settings import Settings
 
 # Room above max_header_bytes so the guard middleware (not the parser) answers ordinary
 # oversized heads; heads past this are refused by the parser itself, as 431.

@@ -17,9 +17,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import error_bytes
-from app.metrics import Metrics
-from app.settings import Settings
+from colibri.app.errors import error_bytes
+from colibri.app.metrics import Metrics
+from colibri.app.settings import Settings
 
 log = logging.getLogger("colibri.app")
 

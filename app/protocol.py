@@ -21,8 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-from app.errors import APIError
-from app.protocol_tools import (
+from colibri.app.errors import APIError
+from colibri.app.protocol_tools import (
     ResponseFormat,
     Tool,
     ToolCallIn,
@@ -30,9 +30,9 @@ from app.protocol_tools import (
     check_hosted_fields,
     check_tools,
 )
-from app.settings import Settings
-from engine import MIN_REPETITION_PENALTY, SamplingParams, TokenIdError, join_text_parts
-from engine import check_token_ids as engine_check_token_ids
+from colibri.app.settings import Settings
+from colibri.engine import MIN_REPETITION_PENALTY, SamplingParams, TokenIdError, join_text_parts
+from colibri.engine import check_token_ids as engine_check_token_ids
 
 SEED_MOD = 1 << 63  # seeds reach the engine as non-negative 63-bit integers
 

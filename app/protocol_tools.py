@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.errors import APIError
-from engine import ConstraintSpec
+from colibri.app.errors import APIError
+from colibri.engine import ConstraintSpec
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 

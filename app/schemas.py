@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.settings import Settings
+from colibri.app.settings import Settings
 
 
 class ErrorDetail(BaseModel):

@@ -15,15 +15,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from app.errors import install_error_handlers
-from app.metrics import Metrics
-from app.middleware import PROTECTED, GuardMiddleware
-from app.routes import chat, completions, experts, health, models, responses, tokenize
-from app.schemas import install_schema
-from app.settings import Settings
-from app.state import ServerState
-from app.worker import EngineWorker
-from engine import LLM, EngineConfig, ExpertCacheConfig, __version__
+from colibri.app.errors import install_error_handlers
+from colibri.app.metrics import Metrics
+from colibri.app.middleware import PROTECTED, GuardMiddleware
+from colibri.app.routes import chat, completions, experts, health, models, responses, tokenize
+from colibri.app.schemas import install_schema
+from colibri.app.settings import Settings
+from colibri.app.state import ServerState
+from colibri.app.worker import EngineWorker
+from colibri.engine import LLM, EngineConfig, ExpertCacheConfig, __version__
 
 log = logging.getLogger("colibri.app")
 

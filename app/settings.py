@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine import DEFAULT_QUANT, QUANT_PRESETS
+from colibri.engine import DEFAULT_QUANT, QUANT_PRESETS
 
 
 class Settings(BaseSettings):

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from app.errors import APIError
-from app.metrics import Metrics
-from app.settings import Settings
-from app.worker import EngineWorker
+from colibri.app.errors import APIError
+from colibri.app.metrics import Metrics
+from colibri.app.settings import Settings
+from colibri.app.worker import EngineWorker
 
 T = TypeVar("T")
 

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 
 from sse_starlette import EventSourceResponse
 
-from app.errors import error_body
-from app.generation import engine_error
-from app.http import DRAIN_GRACE_S
-from app.state import DrainExpiredError, ServerState, shutting_down
+from colibri.app.errors import error_body
+from colibri.app.generation import engine_error
+from colibri.app.http import DRAIN_GRACE_S
+from colibri.app.state import DrainExpiredError, ServerState, shutting_down
 
 
 async def _next_or_drain(state: ServerState, it: AsyncIterator[str]) -> str:

@@ -15,8 +15,8 @@ import logging
 import threading
 from typing import Any
 
-from app.errors import APIError
-from engine import ModelTemplateError
+from colibri.app.errors import APIError
+from colibri.engine import ModelTemplateError
 
 log = logging.getLogger("colibri.app")
 

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.metrics import Metrics
-from engine import (
+from colibri.app.metrics import Metrics
+from colibri.engine import (
     LLM,
     AsyncEngine,
     AsyncEngineConfig,

@@ -12,45 +12,45 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "StepOutput": "engine.llm",
-    "ContextLengthError": "engine.core.engine",
-    "default_model_path": "engine.llm",
-    "SamplingParams": "engine.sample.sampler",
-    "AsyncEngine": "engine.core.async_engine",
-    "AsyncEngineConfig": "engine.core.async_engine",
-    "EngineUnavailableError": "engine.core.async_engine",
-    "QueueFullError": "engine.core.async_engine",
-    "RequestOutput": "engine.core.request",
-    "EngineConfig": "engine.core.loader",
-    "ExpertCacheConfig": "engine.executor.expert_cache",
-    "add_expert_cache_args": "engine.tools.cache_args",
-    "KV_CACHE_TYPES": "engine.tools.cache_args",
-    "ModelFaultError": "engine.errors",
-    "TokenIdError": "engine.errors",
-    "check_token_ids": "engine.errors",
-    "MIN_REPETITION_PENALTY": "engine.sample.sampler",
-    "SamplingParamError": "engine.sample.sampler",
-    "Tokenizer": "engine.text.tokenizer",
-    "join_text_parts": "engine.text.tokenizer",
-    "ModelTemplateError": "engine.text.tokenizer",
-    "ConstraintCompiler": "engine.sample.constraints",
-    "ConstraintError": "engine.sample.constraints",
-    "ConstraintSpec": "engine.sample.constraints",
-    "ToolCall": "engine.text.toolcalls",
-    "ToolCallParser": "engine.text.toolcalls",
-    "template_tools": "engine.text.toolcalls",
-    "forced_calls_schema": "engine.text.toolcalls",
-    "forced_calls": "engine.text.toolcalls",
-    "generic_preamble": "engine.text.toolcalls",
-    "history_call_text": "engine.text.toolcalls",
-    "convert": "engine.format.convert",
-    "DEFAULT_QUANT": "engine.format.convert",
-    "QUANT_PRESETS": "engine.format.convert",
-    "ModelError": "engine.format.modelcheck",
-    "check_model": "engine.format.modelcheck",
-    "ensure_converted": "engine.format.convert",
-    "cli_main": "engine.tools.cli",
+    "LLM": "colibri.engine.llm",
+    "StepOutput": "colibri.engine.llm",
+    "ContextLengthError": "colibri.engine.core.engine",
+    "default_model_path": "colibri.engine.llm",
+    "SamplingParams": "colibri.engine.sample.sampler",
+    "AsyncEngine": "colibri.engine.core.async_engine",
+    "AsyncEngineConfig": "colibri.engine.core.async_engine",
+    "EngineUnavailableError": "colibri.engine.core.async_engine",
+    "QueueFullError": "colibri.engine.core.async_engine",
+    "RequestOutput": "colibri.engine.core.request",
+    "EngineConfig": "colibri.engine.core.loader",
+    "ExpertCacheConfig": "colibri.engine.executor.expert_cache",
+    "add_expert_cache_args": "colibri.engine.tools.cache_args",
+    "KV_CACHE_TYPES": "colibri.engine.tools.cache_args",
+    "ModelFaultError": "colibri.engine.errors",
+    "TokenIdError": "colibri.engine.errors",
+    "check_token_ids": "colibri.engine.errors",
+    "MIN_REPETITION_PENALTY": "colibri.engine.sample.sampler",
+    "SamplingParamError": "colibri.engine.sample.sampler",
+    "Tokenizer": "colibri.engine.text.tokenizer",
+    "join_text_parts": "colibri.engine.text.tokenizer",
+    "ModelTemplateError": "colibri.engine.text.tokenizer",
+    "ConstraintCompiler": "colibri.engine.sample.constraints",
+    "ConstraintError": "colibri.engine.sample.constraints",
+    "ConstraintSpec": "colibri.engine.sample.constraints",
+    "ToolCall": "colibri.engine.text.toolcalls",
+    "ToolCallParser": "colibri.engine.text.toolcalls",
+    "template_tools": "colibri.engine.text.toolcalls",
+    "forced_calls_schema": "colibri.engine.text.toolcalls",
+    "forced_calls": "colibri.engine.text.toolcalls",
+    "generic_preamble": "colibri.engine.text.toolcalls",
+    "history_call_text": "colibri.engine.text.toolcalls",
+    "convert": "colibri.engine.format.convert",
+    "DEFAULT_QUANT": "colibri.engine.format.convert",
+    "QUANT_PRESETS": "colibri.engine.format.convert",
+    "ModelError": "colibri.engine.format.modelcheck",
+    "check_model": "colibri.engine.format.modelcheck",
+    "ensure_converted": "colibri.engine.format.convert",
+    "cli_main": "colibri.engine.tools.cli",
 }
 
 __all__ = [
@@ -97,24 +97,37 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.core.async_engine import (
+    from colibri.engine.core.async_engine import (
         AsyncEngine,
         AsyncEngineConfig,
         EngineUnavailableError,
         QueueFullError,
     )
-    from engine.core.engine import ContextLengthError
-    from engine.core.loader import EngineConfig
-    from engine.core.request import RequestOutput
-    from engine.errors import ModelFaultError, TokenIdError, check_token_ids
-    from engine.executor.expert_cache import ExpertCacheConfig
-    from engine.format.convert import DEFAULT_QUANT, QUANT_PRESETS, convert, ensure_converted
-    from engine.format.modelcheck import ModelError, check_model
-    from engine.llm import LLM, StepOutput, default_model_path
-    from engine.sample.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
-    from engine.sample.sampler import MIN_REPETITION_PENALTY, SamplingParamError, SamplingParams
-    from engine.text.tokenizer import ModelTemplateError, Tokenizer
-    from engine.text.toolcalls import (
+    from colibri.engine.core.engine import ContextLengthError
+    from colibri.engine.core.loader import EngineConfig
+    from colibri.engine.core.request import RequestOutput
+    from colibri.engine.errors import ModelFaultError, TokenIdError, check_token_ids
+    from colibri.engine.executor.expert_cache import ExpertCacheConfig
+    from colibri.engine.format.convert import (
+        DEFAULT_QUANT,
+        QUANT_PRESETS,
+        convert,
+        ensure_converted,
+    )
+    from colibri.engine.format.modelcheck import ModelError, check_model
+    from colibri.engine.llm import LLM, StepOutput, default_model_path
+    from colibri.engine.sample.constraints import (
+        ConstraintCompiler,
+        ConstraintError,
+        ConstraintSpec,
+    )
+    from colibri.engine.sample.sampler import (
+        MIN_REPETITION_PENALTY,
+        SamplingParamError,
+        SamplingParams,
+    )
+    from colibri.engine.text.tokenizer import ModelTemplateError, Tokenizer
+    from colibri.engine.text.toolcalls import (
         ToolCall,
         ToolCallParser,
         forced_calls,
@@ -123,14 +136,14 @@ if TYPE_CHECKING:  # pragma: no cover
         history_call_text,
         template_tools,
     )
-    from engine.tools.cache_args import KV_CACHE_TYPES, add_expert_cache_args
-    from engine.tools.cli import main as cli_main
+    from colibri.engine.tools.cache_args import KV_CACHE_TYPES, add_expert_cache_args
+    from colibri.engine.tools.cli import main as cli_main
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+        raise AttributeError(f"module 'colibri.engine' has no attribute {name!r}")
     attr = "main" if name == "cli_main" else name
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value

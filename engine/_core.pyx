@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""engine._core: the Cython binding of the C core (csrc/).
+"""colibri.engine._core: the Cython binding of the C core (csrc/).
 
 One include per C area so each grows on its own; Python code uses engine's modules, not this.
 """

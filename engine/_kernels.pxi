@@ -11,7 +11,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 import numpy as np
 
-from engine.errors import (
+from colibri.engine.errors import (
     ColibriError,
     ContextOverflowError,
     FormatError,

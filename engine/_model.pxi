@@ -11,7 +11,7 @@ from libc.string cimport strlen
 import operator
 import threading
 
-from engine.errors import FormatError, InputError
+from colibri.engine.errors import FormatError, InputError
 
 cdef extern from "clb_model.h" nogil:
     int CLB_ERR_LEN

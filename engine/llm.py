@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.core.engine import ContextLengthError, EngineCore
-from engine.core.loader import EngineConfig, load_engine
-from engine.core.request import RequestOutput
-from engine.demo import default_model_path
-from engine.sample.sampler import SamplingParams
+from colibri.engine.core.engine import ContextLengthError, EngineCore
+from colibri.engine.core.loader import EngineConfig, load_engine
+from colibri.engine.core.request import RequestOutput
+from colibri.engine.demo import default_model_path
+from colibri.engine.sample.sampler import SamplingParams
 
 DEFAULT_N_CTX = 4096
 StepOutput = RequestOutput  # one sampled token and the text it lets the caller emit
@@ -44,7 +44,7 @@ class LLM:
         quant: str = "q8",
         config: EngineConfig | None = None,
     ) -> None:
-        from engine.format.hub import download, is_repo_id
+        from colibri.engine.format.hub import download, is_repo_id
 
         repo = path if is_repo_id(path) else None
         source = (download(repo) if repo else

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds engine._core with AddressSanitizer + UndefinedBehaviorSanitizer (COLIBRI_SANITIZE=1)
+# Builds colibri.engine._core with AddressSanitizer + UndefinedBehaviorSanitizer (COLIBRI_SANITIZE=1)
 # in a throw-away copy of the tree, so the normal in-place build is left alone, then runs the
 # default tests below (kernels, pool, thread pool, weight-file loader, weight faults) under it.
 # Usage: scripts/asan.sh [extra pytest args]. Needs Cython (in the `test` extras) and gcc.

@@ -28,11 +28,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.executor.model import Model  # noqa: E402
-from engine.format.convert import ensure_converted  # noqa: E402
-from engine.llm import default_model_path  # noqa: E402
-from engine.sample.constraints import ConstraintCompiler, ConstraintSpec  # noqa: E402
-from engine.text.tokenizer import Tokenizer  # noqa: E402
+from colibri.engine.executor.model import Model  # noqa: E402
+from colibri.engine.format.convert import ensure_converted  # noqa: E402
+from colibri.engine.llm import default_model_path  # noqa: E402
+from colibri.engine.sample.constraints import ConstraintCompiler, ConstraintSpec  # noqa: E402
+from colibri.engine.text.tokenizer import Tokenizer  # noqa: E402
 
 BATCH = 8
 SCHEMA = {"type": "object", "properties": {
@@ -110,7 +110,7 @@ def run(model: Model, tok: Tokenizer, comp: ConstraintCompiler, steps: int, vari
 def run_engine(source: Path | None, quant: str, threads: int | None, steps: int
                ) -> dict[str, Any]:
     """Per-step time outside the forward pass in the step engine, constrained or not."""
-    from engine import LLM, SamplingParams
+    from colibri.engine import LLM, SamplingParams
 
     llm = LLM(source, threads=threads, quant=quant)
     comp = ConstraintCompiler.for_tokenizer(llm.tokenizer, llm.vocab_size)

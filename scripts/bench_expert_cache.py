@@ -50,7 +50,7 @@ GROUP = "colibri_bench_expert_cache"
 
 # -- machine facts ------------------------------------------------------------------------
 
-from engine.tools.bench import cpu_model  # noqa: E402  (after the sys.path lines)
+from colibri.engine.tools.bench import cpu_model  # noqa: E402  (after the sys.path lines)
 
 
 def drop_caches() -> None:
@@ -159,7 +159,7 @@ def child(args: argparse.Namespace) -> int:
     there (it writes its own pid into cgroup.procs first)."""
     if args.cgroup:
         (Path(args.cgroup) / "cgroup.procs").write_text(str(os.getpid()))
-    from engine.tools.bench import bench_prompt
+    from colibri.engine.tools.bench import bench_prompt
 
     prompt = bench_prompt(args.vocab, args.prompt_tokens)
     n_ctx = args.prompt_tokens + args.gen_tokens + 8
@@ -174,10 +174,10 @@ def child(args: argparse.Namespace) -> int:
         io0, f0 = _io_read_bytes(), _majflt()
         pre, dec, toks = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
-        from engine.core.loader import start_expert_cache
-        from engine.executor.expert_cache import ExpertCacheConfig, resolve_load
-        from engine.executor.model import Model
-        from engine.tools.bench import timed_greedy_run
+        from colibri.engine.core.loader import start_expert_cache
+        from colibri.engine.executor.expert_cache import ExpertCacheConfig, resolve_load
+        from colibri.engine.executor.model import Model
+        from colibri.engine.tools.bench import timed_greedy_run
 
         m = Model.load(args.child_model, threads=args.threads, n_ctx=n_ctx)
         xc = ExpertCacheConfig(size=args.size, load=args.load, prefetch=args.prefetch,
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs root and the cgroup v1 memory controller at "
                          f"{CGROUP_ROOT} (to cap memory and drop the page cache)")
 
-    from engine.format.convert import convert_once
+    from colibri.engine.format.convert import convert_once
 
     d = cl.Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts,
                 args.top_k, dflt.heads, dflt.kv_heads, dflt.seed)

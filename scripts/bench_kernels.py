@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine import _core  # noqa: E402
-from engine.tools.bench import cpu_model  # noqa: E402
+from colibri.engine import _core  # noqa: E402
+from colibri.engine.tools.bench import cpu_model  # noqa: E402
 
 
 def ints(s: str) -> list[int]:

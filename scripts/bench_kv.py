@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from engine.executor.model import Model
+from colibri.engine.executor.model import Model
 
 N = 2000
 

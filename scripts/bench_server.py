@@ -4,7 +4,7 @@ calling the engine directly, on the same model, prompt and sampling parameters.
     python scripts/bench_server.py --model MODEL_DIR [--runs 5] [--max-tokens 64]
 
 The direct runs call LLM.generate_tokens in this process; the HTTP runs start
-`python -m app serve` on 127.0.0.1 (after the direct runs, so the two never compete for the
+`python -m colibri.app serve` on 127.0.0.1 (after the direct runs, so the two never compete for the
 cores) and stream /v1/completions with logprobs=0, so that every token is one SSE event.
 A benchmark, not a test: it prints numbers and asserts nothing.
 """
@@ -43,7 +43,7 @@ def _summary(ttft: list[float], itl: list[float]) -> dict[str, float]:
 def bench_direct(model: str | None, n_ctx: int, runs: int, max_tokens: int,
                  threads: int | None) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    from engine import LLM, SamplingParams
+    from colibri.engine import LLM, SamplingParams
 
     llm = LLM(model, threads=threads, n_ctx=n_ctx)
     ids = llm.tokenizer.encode(PROMPT)
@@ -66,7 +66,7 @@ def bench_http(model: str | None, n_ctx: int, runs: int, max_tokens: int,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "app", "serve", "--port", str(port), "--n-ctx", str(n_ctx),
+    cmd = [sys.executable, "-m", "colibri.app", "serve", "--port", str(port), "--n-ctx", str(n_ctx),
            "--log-level", "warning"]
     if model:
         cmd += ["--model", model]

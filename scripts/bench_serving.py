@@ -120,7 +120,7 @@ class Server:
 
 def colibri_server(model: Path, threads: int, max_seqs: int, n_ctx: int) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "colibri.app", "serve", "--model", str(model), "--port", str(port),
            "--threads", str(threads), "--max-num-seqs", str(max_seqs), "--n-ctx", str(n_ctx),
            "--max-queue", "64", "--served-model-name", "bench", "--log-level", "warning"]
     return Server("colibri", cmd, port, "/ready", "bench")
@@ -284,8 +284,8 @@ async def ttft_under_load(srv: Server, prompts: Prompts, n_gen: int, probes: int
 
 def ceiling(model_dir: Path, dims: Dims, threads: int, levels: list[int]) -> dict[str, Any]:
     """Weight bytes per token at each concurrency B and the bound at the measured bandwidth."""
-    from engine import _core
-    from engine.tools.bench import weight_bytes_per_token
+    from colibri.engine import _core
+    from colibri.engine.tools.bench import weight_bytes_per_token
 
     parts = weight_bytes_per_token(model_dir)
     expert_one = parts["experts"] / (dims.layers * dims.top_k)  # one expert's bytes
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir) / dims.tag()
     work.mkdir(parents=True, exist_ok=True)
     hf = build_checkpoint(work / "hf", dims)
-    from engine.format.convert import convert
+    from colibri.engine.format.convert import convert
 
     col = work / "colibri-q8"
     if not (col / "config.json").is_file():

@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.tools.bench import (  # noqa: E402
+from colibri.engine.tools.bench import (  # noqa: E402
     bench_prompt,
     cpu_model,
     percent_of_read,
@@ -541,9 +541,9 @@ def child_run(args: argparse.Namespace) -> int:
         llama_greedy_run(lm, prompt, 8)  # warm-up: page weights in, start threads
         run = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
-        from engine.core.loader import start_expert_cache
-        from engine.executor.expert_cache import ExpertCacheConfig
-        from engine.executor.model import Model
+        from colibri.engine.core.loader import start_expert_cache
+        from colibri.engine.executor.expert_cache import ExpertCacheConfig
+        from colibri.engine.executor.model import Model
 
         # loaded as the server and colibri bench load it: the expert budget, the repacking,
         # the f16 KV cache (llama.cpp's default too)
@@ -559,7 +559,7 @@ def child_run(args: argparse.Namespace) -> int:
 
 
 def _core_kv_block() -> int:
-    from engine import _core
+    from colibri.engine import _core
 
     return int(_core.KV_BLOCK)
 
@@ -581,9 +581,9 @@ _KV_BYTES: dict[str, float | None] = {}  # each engine's KV bytes per token, fro
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import _core
-    from engine.executor.model import kernels_from_env
-    from engine.format.convert import convert_once
+    from colibri.engine import _core
+    from colibri.engine.executor.model import kernels_from_env
+    from colibri.engine.format.convert import convert_once
 
     isa = kernels_from_env()  # a COLIBRI_ISA this CPU cannot run fails here, not after the runs
     d = Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts, args.top_k,

@@ -24,11 +24,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.executor.model import Model  # noqa: E402
-from engine.format.convert import convert, is_colibri_dir  # noqa: E402
-from engine.format.modelcheck import check_model  # noqa: E402
-from engine.text.tokenizer import Tokenizer  # noqa: E402
-from engine.tools.evaluate import demo_validation_text  # noqa: E402
+from colibri.engine.executor.model import Model  # noqa: E402
+from colibri.engine.format.convert import convert, is_colibri_dir  # noqa: E402
+from colibri.engine.format.modelcheck import check_model  # noqa: E402
+from colibri.engine.text.tokenizer import Tokenizer  # noqa: E402
+from colibri.engine.tools.evaluate import demo_validation_text  # noqa: E402
 
 BANDS = (0, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 

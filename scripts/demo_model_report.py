@@ -45,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.tools.evaluate import demo_validation_text, perplexity  # noqa: E402
+from colibri.engine.tools.evaluate import demo_validation_text, perplexity  # noqa: E402
 
 WINDOW, STRIDE = 512, 256
 TEXT_PROMPTS = ["ROMEO. What light through yonder", "ROMEO.\n", "KING HENRY.\nNow, lords, ",
@@ -62,7 +62,7 @@ def words_of(text: str) -> list[str]:
 
 def training_word_list() -> set[str]:
     """Every word of the training plays (the held-out plays are not in it)."""
-    from engine.demo import data as demo_data
+    from colibri.engine.demo import data as demo_data
 
     corpus = demo_data.load_corpus()
     return {w for text in corpus.train.values() for w in words_of(text)}
@@ -98,7 +98,7 @@ def is_loop(ids: list[int]) -> bool:
 def bpc(model: str, quant: str, backend: str, threads: int | None) -> dict[str, Any]:
     text = demo_validation_text()
     if backend == "colibri":
-        from engine import LLM
+        from colibri.engine import LLM
 
         llm = LLM(model, quant=quant, threads=threads, n_ctx=WINDOW)
         ids = llm.tokenizer.encode(text)
@@ -133,7 +133,7 @@ def bpc(model: str, quant: str, backend: str, threads: int | None) -> dict[str, 
 # -- samples: word share and loops -------------------------------------------------------
 
 def words(model: str, threads: int | None, seeds: int, max_tokens: int) -> dict[str, Any]:
-    from engine import LLM
+    from colibri.engine import LLM
 
     vocab = training_word_list()
     llm = LLM(model, threads=threads)
@@ -164,7 +164,7 @@ def words(model: str, threads: int | None, seeds: int, max_tokens: int) -> dict[
 
 
 def loops(model: str, threads: int | None, n_tokens: int) -> dict[str, Any]:
-    from engine import LLM
+    from colibri.engine import LLM
 
     llm = LLM(model, threads=threads)
     rows = []

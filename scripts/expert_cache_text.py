@@ -23,11 +23,11 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.demo import default_model_path
-    from engine.executor.model import Model
-    from engine.format.convert import ensure_converted
-    from engine.text.tokenizer import Tokenizer
-    from engine.tools.routing_trace import (
+    from colibri.engine.demo import default_model_path
+    from colibri.engine.executor.model import Model
+    from colibri.engine.format.convert import ensure_converted
+    from colibri.engine.text.tokenizer import Tokenizer
+    from colibri.engine.tools.routing_trace import (
         RouteRecorder,
         greedy_run,
         read_trace_text,

@@ -2,8 +2,8 @@
 # Coverage-guided fuzzing of the two parsers a model folder reaches first, under
 # AddressSanitizer + UBSan, for a fixed number of runs per target:
 #   wfile-c   libFuzzer on csrc/wfile.c itself (scripts/fuzz/wfile_fuzzer.c, needs clang)
-#   wfile     the same parser through engine._core (atheris; an ASan build made in a copy)
-#   config    config.json reading and checking (engine.format.jsonfile + engine.models.config, atheris)
+#   wfile     the same parser through colibri.engine._core (atheris; an ASan build made in a copy)
+#   config    config.json reading and checking (colibri.engine.format.jsonfile + colibri.engine.models.config, atheris)
 # Usage: scripts/fuzz.sh [RUNS per target, default 20000]. Needs atheris and Cython (pip) and
 # gcc; clang for wfile-c (skipped with a note without it). Exit status is non-zero on a
 # finding; libFuzzer leaves the input that crashed as crash-* in the current folder.
@@ -22,6 +22,8 @@ COLIBRI_SANITIZE=1 python setup.py build_ext --inplace -j 1 --build-temp "$work/
     > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
 syms="$(nm -D engine/_core*.so)"
 grep -q __asan_report <<<"$syms" || { echo "build is not instrumented"; exit 1; }
+. "$repo/scripts/sanitized_build.sh"
+point_names_at "$work"
 
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so)"
 export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1
@@ -29,11 +31,11 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 
 # seeds: a small valid file and the demo model's converted weight files
 mkdir -p "$work/corpus-wfile"
-PYTHONPATH="$work" python - "$work/corpus-wfile" <<'PY'
+python - "$work/corpus-wfile" <<'PY'
 import shutil, sys
 from pathlib import Path
-from engine.format.convert import ensure_converted
-from engine.llm import default_model_path
+from colibri.engine.format.convert import ensure_converted
+from colibri.engine.llm import default_model_path
 out = Path(sys.argv[1])
 sys.argv = ["fuzz_loader"]
 import importlib.util
@@ -63,7 +65,7 @@ for target in wfile config; do
     # atheris' coverage feedback working (the wfile target goes through the ASan build)
     pre=()
     [ "$target" = config ] && pre=(env -u LD_PRELOAD)
-    PYTHONPATH="$work" "${pre[@]}" python scripts/fuzz_loader.py "$target" -runs="$runs" \
+    "${pre[@]}" python scripts/fuzz_loader.py "$target" -runs="$runs" \
         -max_len=65536 -timeout=10 -print_final_stats=1 2>&1 | tail -12
     test "${PIPESTATUS[0]}" -eq 0
 done

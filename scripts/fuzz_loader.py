@@ -20,11 +20,11 @@ import atheris
 import numpy as np
 
 with atheris.instrument_imports():
-    from engine.errors import FormatError
-    from engine.format import quant
-    from engine.format.jsonfile import read_json_object
-    from engine.format.wfile import TensorSpec, write_wfile
-    from engine.models.config import ModelConfig
+    from colibri.engine.errors import FormatError
+    from colibri.engine.format import quant
+    from colibri.engine.format.jsonfile import read_json_object
+    from colibri.engine.format.wfile import TensorSpec, write_wfile
+    from colibri.engine.models.config import ModelConfig
 
 _TMP = Path(tempfile.mkdtemp(prefix="colibri-fuzz-"))
 _PATH = _TMP / "input.bin"
@@ -42,7 +42,7 @@ def _seed_weight_file() -> bytes:
 
 
 def fuzz_wfile(data: bytes) -> None:
-    from engine import _core  # the C extension: only this target needs (and loads) it
+    from colibri.engine import _core  # the C extension: only this target needs (and loads) it
 
     _PATH.write_bytes(data)
     try:
@@ -66,8 +66,8 @@ def fuzz_config(data: bytes) -> None:
 
 def _seed_config() -> bytes:
     """The bundled demo model's converted config.json (converted once into the cache)."""
-    from engine.format.convert import ensure_converted
-    from engine.llm import default_model_path
+    from colibri.engine.format.convert import ensure_converted
+    from colibri.engine.llm import default_model_path
 
     return (ensure_converted(default_model_path(), "q8") / "config.json").read_bytes()
 

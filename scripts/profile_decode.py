@@ -36,7 +36,7 @@ def build_checkpoint(hf_dir: Path) -> None:
     import torch
     import transformers as tf
 
-    from engine.text.bpe import train_bpe_tokenizer
+    from colibri.engine.text.bpe import train_bpe_tokenizer
 
     torch.manual_seed(0)
     cfg = tf.MixtralConfig(**SIZE, bos_token_id=None, eos_token_id=2, pad_token_id=0)
@@ -59,7 +59,7 @@ def build_checkpoint(hf_dir: Path) -> None:
 
 
 def ensure(base: Path, quant: str) -> Path:
-    from engine.format.convert import convert_once
+    from colibri.engine.format.convert import convert_once
 
     hf = base / "hf"
     build_checkpoint(hf)
@@ -70,7 +70,7 @@ def time_model(path: Path, threads: int, n_prompt: int, n_decode: int,
                runs: int) -> tuple[float, float, float, float]:
     """Median prefill and decode tokens/s over wall time, then over CPU time x threads (what
     the figure would be if the threads had their cores to themselves: useful on a busy box)."""
-    from engine.executor.model import Model
+    from colibri.engine.executor.model import Model
 
     m = Model.load(path, threads=threads, n_ctx=n_prompt + n_decode + 8)
     rng = np.random.default_rng(0)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.demo import default_model_path
+from colibri.engine.demo import default_model_path
 
 
 def randomize(src: Path, out: Path, seed: int) -> Path:

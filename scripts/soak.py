@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.metrics import parse_metrics  # noqa: E402
+from colibri.app.metrics import parse_metrics  # noqa: E402
 from tests.server_helpers import free_port  # noqa: E402
 
 
@@ -142,7 +142,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="colibri-soak-"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p))
-    cmd = [sys.executable, "-m", "app", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "colibri.app", "serve", "--port", str(port),
            "--max-queue", str(args.streams * 2), "--drain-timeout-s", "10"]
     if args.model:
         cmd += ["--model", args.model]

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="temperature 0.8, top_p 0.95 and penalties instead of greedy")
     args = p.parse_args(argv)
 
-    from engine import LLM, EngineConfig, SamplingParams
+    from colibri.engine import LLM, EngineConfig, SamplingParams
 
     llm = LLM(args.model, threads=args.threads, quant=args.quant,
               config=EngineConfig(max_num_seqs=args.seqs, max_num_batched_tokens=4096))

@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVED_CTX = 4096  # context of the saved model (positions past training go through a window)
 sys.path.insert(0, str(ROOT))
 
-from engine.demo import data as demo_data  # noqa: E402
-from engine.text.bpe import EOS_TOKEN, IM_END, train_bpe_tokenizer  # noqa: E402
-from engine.tools.evaluate import (  # noqa: E402
+from colibri.engine.demo import data as demo_data  # noqa: E402
+from colibri.engine.text.bpe import EOS_TOKEN, IM_END, train_bpe_tokenizer  # noqa: E402
+from colibri.engine.tools.evaluate import (  # noqa: E402
     VALIDATION_FILE,
     perplexity,
     unigram_perplexity,

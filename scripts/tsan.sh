@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds engine._core with ThreadSanitizer (COLIBRI_SANITIZE=thread) in a throw-away copy of
+# Builds colibri.engine._core with ThreadSanitizer (COLIBRI_SANITIZE=thread) in a throw-away copy of
 # the tree, then runs the tests of the threaded C code under it: the thread pool and the expert
 # cache with its prefetch thread. Fails on any data race report.
 # Usage: scripts/tsan.sh [extra pytest args]. Needs Cython (in the `test` extras) and gcc.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import _core
+from colibri.engine import _core
 
 # subsystem -> its test files (tests/test_markers.py checks that every file has exactly one)
 SUBSYSTEMS: dict[str, tuple[str, ...]] = {

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.executor.model import Model
+from colibri.engine.executor.model import Model
 
 
 def hf_model(path: Path) -> Any:

@@ -1,7 +1,7 @@
 """Helpers for the server tests (not a test file): tiny models, servers in a subprocess or
 in this process, metrics.
 
-Subprocess servers run `python -m app serve` (what `colibri serve` runs) on 127.0.0.1 with
+Subprocess servers run `python -m colibri.app serve` (what `colibri serve` runs) on 127.0.0.1 with
 a free port, in a temporary working folder (so no stray .env applies) and a temporary
 conversion cache. In-process servers run the real app and the real LLM in a uvicorn thread;
 `PacedLLM` wraps the real LLM so a test decides when each engine step may run
@@ -63,7 +63,7 @@ def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 class SubprocessServer:
-    """`python -m app serve` in a child process."""
+    """`python -m colibri.app serve` in a child process."""
 
     def __init__(self, model: Path | None, workdir: Path, *args: str,
                  env: dict[str, str] | None = None) -> None:
@@ -76,7 +76,7 @@ class SubprocessServer:
             p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)
         full_env.setdefault("COLIBRI_CACHE_DIR", str(workdir / "cache"))
         full_env.update(env or {})
-        cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "colibri.app", "serve", "--port", str(self.port), *args]
         if model is not None:
             cmd += ["--model", str(model)]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -159,7 +159,7 @@ def _paced_core(real: Any, paced: PacedLLM) -> Any:
 
     Without a permit the step does nothing and returns at once, so the engine thread keeps
     applying aborts and new requests between the steps the test allows."""
-    from engine.core.engine import EngineCore
+    from colibri.engine.core.engine import EngineCore
 
     class PacedCore(EngineCore):
         def step(self) -> list[Any]:

@@ -43,13 +43,13 @@ def _cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _llm(hf_dir: Path, quant: str = "f32", **cfg: Any) -> Any:
-    from engine import LLM, EngineConfig
+    from colibri.engine import LLM, EngineConfig
 
     return LLM(hf_dir, threads=2, quant=quant, n_ctx=256, config=EngineConfig(**cfg))
 
 
 def _params(**kw: Any) -> Any:
-    from engine import SamplingParams
+    from colibri.engine import SamplingParams
 
     base = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
     base.update(kw)
@@ -94,7 +94,7 @@ def test_a_step_samples_all_its_rows_in_one_call(llm: Any,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Sampling is batched: each step hands the logits of every request it finished a token
     for to one sample_rows call, as one [B, V] array."""
-    import engine.core.engine as engine_core
+    import colibri.engine.core.engine as engine_core
 
     calls: list[tuple[int, int]] = []
     real = engine_core.sample_rows
@@ -201,7 +201,7 @@ def test_sampled_rows_apart_in_the_logits(hf_dir: Path,
     """A prompt scored row by row (prompt_logprobs) sits between two decoding requests, so
     the rows a step samples are not next to each other in its logits: each request still gets
     its own row, and the same tokens and prompt logprobs as alone."""
-    import engine.core.engine as engine_core
+    import colibri.engine.core.engine as engine_core
 
     llm = _llm(hf_dir, max_num_seqs=4, max_num_batched_tokens=32,
                prefill_tokens_while_decoding=8, enable_prefix_cache=False)
@@ -245,7 +245,7 @@ def test_sampled_rows_apart_in_the_logits(hf_dir: Path,
 def test_preemption_recomputes_the_same_tokens(hf_dir: Path) -> None:
     """A KV pool too small for every request at once: the newest is preempted, recomputed
     later, and still produces exactly the tokens it produces alone."""
-    from engine.core.block_manager import BLOCK_SIZE
+    from colibri.engine.core.block_manager import BLOCK_SIZE
 
     probe = _llm(hf_dir, max_num_seqs=1)
     block_mb = probe.model.kv_block_bytes() / (1024 * 1024)
@@ -314,7 +314,7 @@ def test_prefix_cache_reuses_a_shared_system_prompt(llm: Any) -> None:
     assert results[0][2] == 0
     assert results[1][2] == 64  # four full blocks of the shared system prompt
     fresh = replace(llm.config, enable_prefix_cache=False)
-    from engine import LLM
+    from colibri.engine import LLM
 
     other = LLM(llm.path, threads=2, quant="f32", n_ctx=256, config=fresh)
     for prompt, toks, _ in results:
@@ -322,7 +322,7 @@ def test_prefix_cache_reuses_a_shared_system_prompt(llm: Any) -> None:
 
 
 def test_prompt_longer_than_the_kv_pool_is_refused(hf_dir: Path) -> None:
-    from engine import ContextLengthError
+    from colibri.engine import ContextLengthError
 
     probe = _llm(hf_dir, max_num_seqs=1)
     block_mb = probe.model.kv_block_bytes() / (1024 * 1024)

@@ -22,15 +22,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from app.settings import Settings  # noqa: E402
-from engine import _core  # noqa: E402
-from engine.core.loader import EngineConfig  # noqa: E402
-from engine.executor.model import Model  # noqa: E402
-from engine.format.convert import convert  # noqa: E402
-from engine.format.wfile import read_wfile  # noqa: E402
-from engine.tools.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
-from engine.tools.cache_args import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES  # noqa: E402
-from engine.tools.cli import main  # noqa: E402
+from colibri.app.settings import Settings  # noqa: E402
+from colibri.engine import _core  # noqa: E402
+from colibri.engine.core.loader import EngineConfig  # noqa: E402
+from colibri.engine.executor.model import Model  # noqa: E402
+from colibri.engine.format.convert import convert  # noqa: E402
+from colibri.engine.format.wfile import read_wfile  # noqa: E402
+from colibri.engine.tools.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
+from colibri.engine.tools.cache_args import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES  # noqa: E402
+from colibri.engine.tools.cli import main  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 # tests/tiny_models.py's mixtral dimensions
@@ -219,7 +219,7 @@ def test_kv_cache_type_names_match_the_core() -> None:
 @pytest.mark.parametrize("quant, want", [("f32", "f32"), ("f16", "f16"), ("q8", "f16"),
                                          ("q4", "f16")])
 def test_auto_kv_cache_follows_the_weights(quant: str, want: str) -> None:
-    from engine.core.kv_types import resolve_kv_type
+    from colibri.engine.core.kv_types import resolve_kv_type
 
     assert resolve_kv_type("auto", quant) == want
     assert resolve_kv_type("q8", quant) == "q8"  # a type asked for is kept
@@ -230,7 +230,7 @@ def test_auto_kv_cache_follows_the_weights(quant: str, want: str) -> None:
 def test_bench_leaves_out_the_reads_between_runs_when_memory_is_short(
         tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    import engine.tools.bench as bench
+    import colibri.engine.tools.bench as bench
 
     args = ["bench", "--model", str(tiny["q4"]), "--prompt-tokens", "12", "--gen-tokens", "6",
             "--threads", "2", "--repeat", "2", "--probe-mib", "8"]

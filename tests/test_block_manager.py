@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine.core.block_manager import BLOCK_SIZE, BlockManager
+from colibri.engine.core.block_manager import BLOCK_SIZE, BlockManager
 
 
 def test_grow_and_free_returns_every_block() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import _core
-from engine.executor.model import Model
-from engine.models.config import ModelConfig
+from colibri.engine import _core
+from colibri.engine.executor.model import Model
+from colibri.engine.models.config import ModelConfig
 
 N_CTX = 80
 
@@ -42,7 +42,7 @@ class _HParams(ctypes.Structure):
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from engine.format.convert import convert
+    from colibri.engine.format.convert import convert
     from tests.tiny_models import make_checkpoint
 
     root = tmp_path_factory.mktemp("capi")

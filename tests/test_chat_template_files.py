@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.format.convert import convert
-from engine.text.tokenizer import Tokenizer
+from colibri.engine.format.convert import convert
+from colibri.engine.text.tokenizer import Tokenizer
 from tests.tiny_models import make_checkpoint
 
 MESSAGES = [{"role": "system", "content": "Be brief."},

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.format.convert import DEFAULT_QUANT, convert
-from engine.format.modelcheck import bundled_model_path
+from colibri.engine.format.convert import DEFAULT_QUANT, convert
+from colibri.engine.format.modelcheck import bundled_model_path
 from tests.server_helpers import ROOT, free_port, tiny_model
 
 MODEL_COMMANDS: dict[str, list[str]] = {
@@ -58,7 +58,7 @@ def bad_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    from app.cli import main
+    from colibri.app.cli import main
 
     code = main(argv)
     captured = capsys.readouterr()
@@ -94,7 +94,7 @@ def test_bad_model_is_one_line_and_exit_2(bad_models: dict[str, Path], tmp_path:
 def _serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
            "COLIBRI_CACHE_DIR": str(cwd / "cache"), "HOME": str(cwd)}
-    return subprocess.run([sys.executable, "-m", "app", "serve", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "colibri.app", "serve", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -123,20 +123,20 @@ def test_serve_taken_port_is_found_before_the_model(tmp_path: Path) -> None:
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
-    from engine import __version__
+    from colibri.engine import __version__
 
     code, out, _ = _run_main(["--version"], capsys)
     assert code == 0 and out.strip() == f"colibri {__version__}"
 
 
 def test_one_default_quant_everywhere() -> None:
-    from app.cli import add_serve_parser
-    from app.settings import Settings
-    from engine import LLM
-    from engine.format.convert import convert as convert_fn
-    from engine.format.convert import ensure_converted
-    from engine.tools.bench import BenchSettings
-    from engine.tools.cli import build_parser
+    from colibri.app.cli import add_serve_parser
+    from colibri.app.settings import Settings
+    from colibri.engine import LLM
+    from colibri.engine.format.convert import convert as convert_fn
+    from colibri.engine.format.convert import ensure_converted
+    from colibri.engine.tools.bench import BenchSettings
+    from colibri.engine.tools.cli import build_parser
 
     parser = build_parser([add_serve_parser])
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -161,8 +161,8 @@ def test_one_default_quant_everywhere() -> None:
 
 
 def test_help_texts_speak_to_users() -> None:
-    from app.cli import add_serve_parser
-    from engine.tools.cli import build_parser
+    from colibri.app.cli import add_serve_parser
+    from colibri.engine.tools.cli import build_parser
 
     parser = build_parser([add_serve_parser])
     texts = [parser.format_help()]

@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from engine import LLM, ConstraintCompiler, ConstraintError, ConstraintSpec, SamplingParams
+from colibri.engine import LLM, ConstraintCompiler, ConstraintError, ConstraintSpec, SamplingParams
 
 S = {"type": "string"}
 SCHEMAS: list[dict[str, Any]] = [

@@ -22,18 +22,18 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors = pytest.importorskip("safetensors")
 
-from engine.format import quant  # noqa: E402
-from engine.format.convert import convert, ensure_converted, verify  # noqa: E402
-from engine.format.safetensors_io import Checkpoint  # noqa: E402
-from engine.format.wfile import read_wfile  # noqa: E402
-from engine.models import archs  # noqa: E402
-from engine.tools.cli import main as cli_main  # noqa: E402
-from engine.tools.info import describe  # noqa: E402
+from colibri.engine.format import quant  # noqa: E402
+from colibri.engine.format.convert import convert, ensure_converted, verify  # noqa: E402
+from colibri.engine.format.safetensors_io import Checkpoint  # noqa: E402
+from colibri.engine.format.wfile import read_wfile  # noqa: E402
+from colibri.engine.models import archs  # noqa: E402
+from colibri.engine.tools.cli import main as cli_main  # noqa: E402
+from colibri.engine.tools.info import describe  # noqa: E402
 from tests.tiny_models import ARCHS, make_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # the module itself (engine/__init__ re-exports a function of the same name)
-convert_mod = importlib.import_module("engine.format.convert")
+convert_mod = importlib.import_module("colibri.engine.format.convert")
 PRESETS = ("f32", "f16", "q8", "q4")
 
 
@@ -328,13 +328,14 @@ def test_cli_convert_info(ckpts: dict[str, Path], tmp_path: Path,
 
 def test_cli_subprocess_progress_bar(ckpts: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "m"
-    r = subprocess.run([sys.executable, "-m", "engine.tools.cli", "convert", str(ckpts["mixtral"]),
-                        str(out), "--quant", "q4"], cwd=ROOT, capture_output=True, text=True)
+    cli = [sys.executable, "-m", "colibri.engine.tools.cli"]
+    r = subprocess.run([*cli, "convert", str(ckpts["mixtral"]), str(out), "--quant", "q4"],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "converting" in r.stderr and "100%" in r.stderr
     check_folder(out, ckpts["mixtral"], "mixtral", "q4")
-    r = subprocess.run([sys.executable, "-m", "engine.tools.cli", "convert", str(tmp_path / "nope"),
-                        str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([*cli, "convert", str(tmp_path / "nope"), str(tmp_path / "o")],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "colibri: error:" in r.stderr
 
 
@@ -511,7 +512,7 @@ def test_ensure_converted_concurrent(ckpts: dict[str, Path], tmp_path: Path) -> 
 
 
 def _wfile(tmp_path: Path) -> tuple[Path, bytes]:
-    from engine.format.wfile import TensorSpec, write_wfile
+    from colibri.engine.format.wfile import TensorSpec, write_wfile
 
     rng = np.random.default_rng(0)
     specs = []
@@ -581,7 +582,7 @@ def test_wfile_truncated(tmp_path: Path) -> None:
 
 
 def test_convert_once_keeps_a_current_folder_and_redoes_a_stale_one(tmp_path: Path) -> None:
-    from engine.format.convert import PRESET_REVISION, convert_once, is_current_conversion
+    from colibri.engine.format.convert import PRESET_REVISION, convert_once, is_current_conversion
 
     hf = make_checkpoint("mixtral", tmp_path / "hf", seed=5)
     out = convert_once(hf, tmp_path / "out", "q4")

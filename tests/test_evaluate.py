@@ -1,5 +1,5 @@
-"""engine.tools.evaluate: sliding-window perplexity, the unigram baseline, the demo validation
-text."""
+"""colibri.engine.tools.evaluate: sliding-window perplexity, the unigram baseline, the demo
+validation text."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.tools.evaluate import perplexity, unigram_perplexity, window_plan
+from colibri.engine.tools.evaluate import perplexity, unigram_perplexity, window_plan
 
 PLAN_CASES = [
     (2, 2, 1), (5, 8, 4), (8, 8, 4), (9, 8, 4), (100, 8, 4), (100, 8, 1), (100, 8, 7),
@@ -131,7 +131,7 @@ def cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
 def run_eval(argv: list[str]) -> int:
     import argparse
 
-    from engine.tools.evaluate import add_eval_parser
+    from colibri.engine.tools.evaluate import add_eval_parser
 
     parser = argparse.ArgumentParser()
     add_eval_parser(parser.add_subparsers(dest="command", required=True))
@@ -185,8 +185,8 @@ def test_eval_command_on_the_demo_dataset(tiny_hf, cache, capsys) -> None:
 def test_demo_validation_text_is_the_held_out_plays() -> None:
     import gzip
 
-    from engine.llm import default_model_path
-    from engine.tools.evaluate import VALIDATION_FILE, demo_validation_text
+    from colibri.engine.llm import default_model_path
+    from colibri.engine.tools.evaluate import VALIDATION_FILE, demo_validation_text
 
     text = demo_validation_text()
     shipped = default_model_path() / VALIDATION_FILE

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.core.loader import EngineConfig
-from engine.demo import default_model_path
-from engine.errors import ModelFaultError, WeightFileChangedError
-from engine.executor.expert_cache import (
+from colibri.engine.core.loader import EngineConfig
+from colibri.engine.demo import default_model_path
+from colibri.engine.errors import ModelFaultError, WeightFileChangedError
+from colibri.engine.executor.expert_cache import (
     MIN_MARGIN_BYTES,
     ROUTING_FILE,
     ExpertCacheConfig,
@@ -29,9 +29,9 @@ from engine.executor.expert_cache import (
     plan_cache,
     resolve_load,
 )
-from engine.executor.model import Model
-from engine.format.convert import convert, ensure_converted
-from engine.llm import LLM
+from colibri.engine.executor.model import Model
+from colibri.engine.format.convert import convert, ensure_converted
+from colibri.engine.llm import LLM
 
 pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from app.schemas import ExpertCacheInfo  # noqa: E402
+from colibri.app.schemas import ExpertCacheInfo  # noqa: E402
 from tests.server_helpers import InProcessServer, wait_for  # noqa: E402
 from tests.tiny_models import make_checkpoint  # noqa: E402
 
@@ -32,7 +32,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _llm(hf: Path, quant: str, **engine: Any) -> Any:
-    from engine import LLM, EngineConfig
+    from colibri.engine import LLM, EngineConfig
 
     return LLM(hf, threads=2, quant=quant, n_ctx=N_CTX, config=EngineConfig(**engine))
 
@@ -52,15 +52,15 @@ def test_default_settings_match_transformers_at_f32(ckpts: dict[str, Path], arch
 
 
 def _app(llm: Any) -> Any:
-    from app.server import create_app
-    from app.settings import Settings
+    from colibri.app.server import create_app
+    from colibri.app.settings import Settings
 
     return create_app(Settings(_env_file=None), loader=lambda: llm)  # type: ignore[call-arg]
 
 
 @pytest.fixture(scope="module")
 def glm_server(ckpts: dict[str, Path]) -> Iterator[InProcessServer]:
-    from engine import ExpertCacheConfig
+    from colibri.engine import ExpertCacheConfig
 
     llm = _llm(ckpts["glm4_moe"], "q8", expert_cache=ExpertCacheConfig(size=3, pin=False))
     srv = InProcessServer(_app(llm)).start()
@@ -96,7 +96,7 @@ def test_glm_serves_and_its_cache_counts_moe_layers_only(glm_server: InProcessSe
 
 def test_dense_model_serves_without_an_expert_cache(ckpts: dict[str, Path],
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    from engine import ExpertCacheConfig
+    from colibri.engine import ExpertCacheConfig
 
     with caplog.at_level(logging.INFO, logger="colibri.engine"):
         llm = _llm(ckpts["llama"], "q8", expert_cache=ExpertCacheConfig(size=4))
@@ -115,8 +115,8 @@ def test_dense_model_serves_without_an_expert_cache(ckpts: dict[str, Path],
 
 
 def test_info_names_the_layers(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    from engine.format.convert import convert
-    from engine.tools.info import describe, render
+    from colibri.engine.format.convert import convert
+    from colibri.engine.tools.info import describe, render
 
     d = describe(convert(ckpts["glm4_moe"], tmp_path / "glm", quant="q8", progress=False))
     text = render(d)
@@ -132,9 +132,9 @@ def test_info_names_the_layers(ckpts: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_routing_trace_holds_the_moe_layers(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    from engine.executor.model import Model
-    from engine.format.convert import convert
-    from engine.tools.routing_trace import RouteRecorder, RoutingTrace, greedy_run
+    from colibri.engine.executor.model import Model
+    from colibri.engine.format.convert import convert
+    from colibri.engine.tools.routing_trace import RouteRecorder, RoutingTrace, greedy_run
 
     m = Model.load(convert(ckpts["glm4_moe"], tmp_path / "glm", quant="q8", progress=False),
                    threads=2, n_ctx=64)
@@ -152,9 +152,9 @@ def test_bench_counts_dense_layers(ckpts: dict[str, Path], arch: str, tmp_path: 
                                    capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from app.cli import main
-    from engine.format.convert import convert
-    from engine.tools.bench import weight_bytes_per_token
+    from colibri.app.cli import main
+    from colibri.engine.format.convert import convert
+    from colibri.engine.tools.bench import weight_bytes_per_token
 
     out = convert(ckpts[arch], tmp_path / "q8", quant="q8", progress=False)
     parts = weight_bytes_per_token(out)
@@ -169,7 +169,7 @@ def test_bench_counts_dense_layers(ckpts: dict[str, Path], arch: str, tmp_path: 
 
 
 def _run(core: Any, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
-    from engine import SamplingParams
+    from colibri.engine import SamplingParams
 
     core.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     toks, cached = [], -1
@@ -201,7 +201,7 @@ def test_mla_batch_of_requests_equals_each_alone(tmp_path: Path) -> None:
     llm = _llm(hf, "q8", max_num_seqs=4)
     prompts = [list(range(5, 5 + n)) for n in (7, 20, 33, 12)]
     alone = [_run(llm.core, f"alone{i}", p, 8)[0] for i, p in enumerate(prompts)]
-    from engine import SamplingParams
+    from colibri.engine import SamplingParams
 
     for i, p in enumerate(prompts):
         llm.core.add_request(f"b{i}", p, SamplingParams(max_tokens=8, temperature=0.0))

@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.executor.model import Model  # noqa: E402
-from engine.format.convert import convert  # noqa: E402
-from engine.format.safetensors_io import E4M3, Checkpoint, CheckpointError  # noqa: E402
-from engine.models import archs  # noqa: E402
+from colibri.engine.executor.model import Model  # noqa: E402
+from colibri.engine.format.convert import convert  # noqa: E402
+from colibri.engine.format.safetensors_io import E4M3, Checkpoint, CheckpointError  # noqa: E402
+from colibri.engine.models import archs  # noqa: E402
 from tests.tiny_models import make_checkpoint  # noqa: E402
 
 BLOCK = 32  # the tiny checkpoint's scale blocks (real ones use 128; several blocks per matrix)

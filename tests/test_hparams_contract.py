@@ -62,11 +62,11 @@ def test_binding_key_lists_cover_the_struct() -> None:
 
 
 def test_model_config_fills_every_field(tmp_path: Path) -> None:
-    from engine.models.config import ModelConfig
+    from colibri.engine.models.config import ModelConfig
     from tests.tiny_models import make_checkpoint
 
     hf = make_checkpoint("qwen2_moe", tmp_path / "hf", seed=0)
-    from engine.format.convert import convert
+    from colibri.engine.format.convert import convert
 
     out = convert(hf, tmp_path / "c", "f32", progress=False)
     hp = ModelConfig.from_dir(out).to_hparams(64)

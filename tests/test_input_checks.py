@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.errors import APIError
-from app.protocol import check_token_ids as http_check_token_ids
-from engine import (
+from colibri.app.errors import APIError
+from colibri.app.protocol import check_token_ids as http_check_token_ids
+from colibri.engine import (
     SamplingParamError,
     SamplingParams,
     TokenIdError,
@@ -18,8 +18,8 @@ from engine import (
     check_token_ids,
     join_text_parts,
 )
-from engine.errors import ContextOverflowError, InputError
-from engine.text.tokenizer import TokenizerError
+from colibri.engine.errors import ContextOverflowError, InputError
+from colibri.engine.text.tokenizer import TokenizerError
 
 DEMO = Path(__file__).resolve().parents[1] / "engine" / "demo_model"
 
@@ -72,7 +72,7 @@ def test_text_parts_join_as_the_string_they_split() -> None:
 
 
 def test_c_statuses_map_to_one_set_of_exceptions() -> None:
-    from engine import _core as core
+    from colibri.engine import _core as core
 
     with pytest.raises(InputError, match="cannot start a thread pool of 0 threads"):
         core.ThreadPool(0)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import _core as core
-from engine.format import quant
+from colibri.engine import _core as core
+from colibri.engine.format import quant
 
 WEIGHT_TYPES = ["f32", "f16", "bf16", "q8", "q4", "q6"]
 ISAS = core.isa_supported()

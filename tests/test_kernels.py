@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import _core as core
-from engine.format import quant
+from colibri.engine import _core as core
+from colibri.engine.format import quant
 
 # ---- error budgets -------------------------------------------------------------------------
 # U: unit roundoff of float32. Any order of float32 summation of k terms (with or without FMA)

@@ -1,4 +1,5 @@
-"""Dependencies point one way: app -> engine (its package exports only) -> csrc."""
+"""Dependencies point one way: app -> engine (its package exports only) -> csrc. The code
+imports itself by its installed names, colibri.app and colibri.engine."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _imports(path: Path) -> list[str]:
 
 def test_engine_never_imports_app() -> None:
     for path in (ROOT / "engine").rglob("*.py"):
-        bad = [n for n in _imports(path) if n == "app" or n.startswith("app.")]
+        bad = [n for n in _imports(path) if n == "colibri.app" or n.startswith("colibri.app.")]
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
@@ -29,7 +30,7 @@ def test_app_uses_only_engine_exports() -> None:
     files = list((ROOT / "app").rglob("*.py"))
     assert files, "app/ has no Python files"
     for path in files:
-        bad = [n for n in _imports(path) if n.startswith("engine.")]
+        bad = [n for n in _imports(path) if n.startswith("colibri.engine.")]
         assert not bad, f"{path.relative_to(ROOT)} imports engine submodules {bad}"
 
 
@@ -41,12 +42,13 @@ def _engine_module_names() -> set[str]:
 
 
 def test_app_never_imports_engine_modules_by_name() -> None:
-    """`from engine import _core` (or any submodule) reaches past the exports too."""
+    """`from colibri.engine import _core` (or any submodule) reaches past the exports too."""
     modules = _engine_module_names()
     for path in (ROOT / "app").rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "engine" and node.level == 0:
+            if (isinstance(node, ast.ImportFrom) and node.module == "colibri.engine"
+                    and node.level == 0):
                 bad = [a.name for a in node.names if a.name in modules]
                 assert not bad, f"{path.relative_to(ROOT)} imports engine modules {bad}"
 
@@ -58,3 +60,12 @@ def test_engine_top_level_holds_only_the_facade() -> None:
     assert top == {"__init__.py", "llm.py", "errors.py"}, sorted(top)
     for pkg in ("core", "sample", "text", "models", "format", "executor", "tools", "demo"):
         assert (ROOT / "engine" / pkg / "__init__.py").is_file(), pkg
+
+
+def test_code_imports_only_installed_names() -> None:
+    """`import engine` works from the repository root only; installed, the packages are
+    colibri.app and colibri.engine, so no code, script or test may use the bare names."""
+    for folder in ("app", "engine", "scripts", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            bad = [n for n in _imports(path) if n.split(".")[0] in ("app", "engine")]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

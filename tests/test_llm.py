@@ -19,7 +19,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from engine import LLM
+    from colibri.engine import LLM
 
     old = os.environ.get("COLIBRI_CACHE_DIR")
     os.environ["COLIBRI_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
@@ -76,7 +76,7 @@ def test_stop_string_cut_and_not_leaked(llm) -> None:
 
 
 def test_finish_reasons(llm) -> None:
-    from engine import SamplingParams
+    from colibri.engine import SamplingParams
 
     ids = llm.tokenizer.encode("A", add_special_tokens=True)
     outs = list(llm.generate_tokens(ids, SamplingParams(max_tokens=5, temperature=0.0,
@@ -86,13 +86,13 @@ def test_finish_reasons(llm) -> None:
 
 
 def test_context_errors(llm) -> None:
-    from engine import ContextLengthError, SamplingParams
+    from colibri.engine import ContextLengthError, SamplingParams
 
     with pytest.raises(ContextLengthError):
         list(llm.generate_tokens([1] * 300, SamplingParams(max_tokens=1)))
     with pytest.raises(ContextLengthError):
         list(llm.generate_tokens([1] * 200, SamplingParams(max_tokens=100)))
-    from engine import TokenIdError
+    from colibri.engine import TokenIdError
 
     with pytest.raises(TokenIdError, match="vocabulary"):
         list(llm.generate_tokens([llm.vocab_size + 5], SamplingParams(max_tokens=1)))
@@ -101,7 +101,7 @@ def test_context_errors(llm) -> None:
 
 
 def test_abort_stops_within_one_token(llm) -> None:
-    from engine import SamplingParams
+    from colibri.engine import SamplingParams
 
     abort = threading.Event()
     ids = llm.tokenizer.encode("A", add_special_tokens=True)

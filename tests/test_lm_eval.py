@@ -1,5 +1,5 @@
 """lm-evaluation-harness' `local-completions` model on a small multiple-choice task built
-from local files, against `python -m app serve` on the bundled model: every loglikelihood it
+from local files, against `python -m colibri.app serve` on the bundled model: every loglikelihood it
 reports equals the one computed from Colibri's own LLM.logits (same precision) within 1e-4,
 and prompt scoring with max_tokens 0 answers in OpenAI's echo + logprobs shape."""
 
@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engine import LLM, default_model_path
+from colibri.engine import LLM, default_model_path
 from tests.server_helpers import SubprocessServer
 
 MODEL = "demo"

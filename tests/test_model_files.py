@@ -17,16 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import _core
-from engine.errors import (
+from colibri.engine import _core
+from colibri.engine.errors import (
     ContextOverflowError,
     FormatError,
     InputError,
     ModelFileNotFoundError,
     ShapeError,
 )
-from engine.executor.model import Model
-from engine.format.wfile import TensorSpec, read_wfile, write_wfile
+from colibri.engine.executor.model import Model
+from colibri.engine.format.wfile import TensorSpec, read_wfile, write_wfile
 
 HEADER, ENTRY = 64, 128
 # byte offsets inside a table entry
@@ -36,7 +36,7 @@ E_DTYPE, E_NDIMS, E_SHAPE, E_OFFSET, E_NBYTES = 64, 68, 72, 104, 112
 def _spec(name: str, ty: str, shape: tuple[int, ...]) -> TensorSpec:
     rng = np.random.default_rng(len(name))
     x = rng.standard_normal(shape).astype(np.float32)
-    from engine.format import quant
+    from colibri.engine.format import quant
 
     return TensorSpec(name, ty, shape, lambda: quant.encode(x, ty))
 
@@ -208,7 +208,7 @@ def test_random_corruption_never_crashes(tmp_path: Path) -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from engine.format.convert import convert
+    from colibri.engine.format.convert import convert
     from tests.tiny_models import make_checkpoint
 
     root = tmp_path_factory.mktemp("model")
@@ -324,7 +324,7 @@ def test_invalid_config_values(model_copy: Path, changes: dict, words: str) -> N
 
 def test_c_checks_hparams_too(tiny_model: Path) -> None:
     """The C loader refuses inconsistent hparams even if Python let them through."""
-    from engine.models.config import ModelConfig
+    from colibri.engine.models.config import ModelConfig
 
     hp = ModelConfig.from_dir(tiny_model).to_hparams(32)
     for key, value, words in [("n_head_kv", 3, "multiple of n_head_kv"),

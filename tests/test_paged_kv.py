@@ -22,10 +22,10 @@ import transformers  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, eager_mask  # noqa: E402
 
-from engine import _core  # noqa: E402
-from engine.errors import ContextOverflowError, InputError  # noqa: E402
-from engine.executor.model import Model, kv_block_bytes  # noqa: E402
-from engine.format.convert import convert  # noqa: E402
+from colibri.engine import _core  # noqa: E402
+from colibri.engine.errors import ContextOverflowError, InputError  # noqa: E402
+from colibri.engine.executor.model import Model, kv_block_bytes  # noqa: E402
+from colibri.engine.format.convert import convert  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 N_CTX = 96

@@ -36,12 +36,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import _core  # noqa: E402
-from engine.executor.model import Model  # noqa: E402
-from engine.format import quant  # noqa: E402
-from engine.format.convert import convert  # noqa: E402
-from engine.models import archs  # noqa: E402
-from engine.models.family import transform, untransform  # noqa: E402
+from colibri.engine import _core  # noqa: E402
+from colibri.engine.executor.model import Model  # noqa: E402
+from colibri.engine.format import quant  # noqa: E402
+from colibri.engine.format.convert import convert  # noqa: E402
+from colibri.engine.models import archs  # noqa: E402
+from colibri.engine.models.family import transform, untransform  # noqa: E402
 from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
 from tests.parity_helpers import prefill as _prefill  # noqa: E402
 from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402

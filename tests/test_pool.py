@@ -6,7 +6,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from engine import _core as core
+from colibri.engine import _core as core
 
 KIB, MIB = 1 << 10, 1 << 20
 # (size, class) across every boundary: small < 4 KiB <= medium < 1 MiB <= large

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.format.modelcheck import bundled_model_path
+from colibri.engine.format.modelcheck import bundled_model_path
 from tests.server_helpers import ROOT, SubprocessServer
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")

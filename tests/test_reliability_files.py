@@ -19,10 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-from engine import _core
-from engine.errors import ModelFaultError, WeightFileChangedError
-from engine.executor.model import Model
-from engine.format.convert import convert
+from colibri.engine import _core
+from colibri.engine.errors import ModelFaultError, WeightFileChangedError
+from colibri.engine.executor.model import Model
+from colibri.engine.format.convert import convert
 from tests.server_helpers import SubprocessServer, tiny_model
 
 
@@ -99,7 +99,7 @@ def test_fifo_in_place_of_a_weight_file_is_refused(model_copy: Path) -> None:
 
 
 def test_fifo_in_place_of_config_json_is_refused(model_copy: Path) -> None:
-    from engine.format.jsonfile import read_json_object
+    from colibri.engine.format.jsonfile import read_json_object
 
     (model_copy / "config.json").unlink()
     os.mkfifo(model_copy / "config.json")

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
+from colibri.app.server import create_app
+from colibri.app.settings import Settings
 from tests.server_helpers import SubprocessServer, tiny_model, wait_for
 
 KEY = "sk-reliability"

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engine.sample.sampler import GREEDY_TEMPERATURE, Sampler, SamplingParams
+from colibri.engine.sample.sampler import GREEDY_TEMPERATURE, Sampler, SamplingParams
 from tests.server_helpers import SubprocessServer, tiny_model
 from tests.test_server_errors import assert_error
 
@@ -86,7 +86,7 @@ def test_temperature_boundary_in_the_sampler() -> None:
             assert np.isfinite(res.logprob)
     # the batched sampler takes the same rule: below the boundary, the argmax, no draw and
     # no overflow in a division by a subnormal temperature
-    from engine.sample.batch import sample_rows
+    from colibri.engine.sample.batch import sample_rows
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

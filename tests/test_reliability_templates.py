@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.text.template_sandbox import TemplateStoppedError
-from engine.text.tokenizer import ChatTemplateError, ModelTemplateError, Tokenizer
+from colibri.engine.text.template_sandbox import TemplateStoppedError
+from colibri.engine.text.tokenizer import ChatTemplateError, ModelTemplateError, Tokenizer
 from tests.server_helpers import SubprocessServer, tiny_model, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -75,7 +75,7 @@ def _render_children(pid: int) -> set[int]:
                 cmd = Path(f"/proc/{child}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"engine.text.template_sandbox" in cmd:
+            if b"colibri.engine.text.template_sandbox" in cmd:
                 out.add(int(child))
     return out
 

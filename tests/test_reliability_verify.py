@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.errors import FormatError, ModelFaultError
-from engine.executor.model import Model
-from engine.format.convert import convert, verify
-from engine.format.wfile import read_wfile
+from colibri.engine.errors import FormatError, ModelFaultError
+from colibri.engine.executor.model import Model
+from colibri.engine.format.convert import convert, verify
+from colibri.engine.format.wfile import read_wfile
 from tests.server_helpers import ROOT, tiny_model
 
 
@@ -46,7 +46,7 @@ def _edit(folder: Path, **changes: object) -> None:
 
 def test_fresh_conversion_verifies(converted: Path) -> None:
     verify(converted, full=True, deep=True)
-    out = subprocess.run([sys.executable, "-m", "app", "verify", str(converted)],
+    out = subprocess.run([sys.executable, "-m", "colibri.app", "verify", str(converted)],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
@@ -121,7 +121,7 @@ def _poison(folder: Path, file: str, tensor: str) -> None:
     with open(path, "r+b") as f:
         f.seek(info.offset + 4)
         f.write(struct.pack("<f", float("nan")))
-    from engine.format.convert import _sha256
+    from colibri.engine.format.convert import _sha256
 
     cfg = json.loads((folder / "config.json").read_text())
     cfg["files"][file]["sha256"] = _sha256(path)
@@ -130,7 +130,7 @@ def _poison(folder: Path, file: str, tensor: str) -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_all_finite_agrees_with_numpy(seed: int) -> None:
-    from engine import _core
+    from colibri.engine import _core
 
     rng = np.random.default_rng(seed)
     f32 = np.finfo(np.float32)

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import _core
-from engine.demo import default_model_path
-from engine.executor.model import Model
-from engine.format.convert import convert, ensure_converted
+from colibri.engine import _core
+from colibri.engine.demo import default_model_path
+from colibri.engine.executor.model import Model
+from colibri.engine.format.convert import convert, ensure_converted
 
 BLOCK = {"q8": 34, "q4": 18, "q6": 26}  # bytes per 32-value block: f16 scale, then the quants
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import engine.tools.routing_trace as rt
-from engine.tools.cli import main
-from engine.tools.replay import (
+import colibri.engine.tools.routing_trace as rt
+from colibri.engine.tools.cli import main
+from colibri.engine.tools.replay import (
     POLICIES,
     belady,
     hot_set,
@@ -33,7 +33,7 @@ from engine.tools.replay import (
     simulate,
     split_chunk,
 )
-from engine.tools.routing_trace import RouteRecorder, RoutingTrace, greedy_run
+from colibri.engine.tools.routing_trace import RouteRecorder, RoutingTrace, greedy_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,9 +200,9 @@ def test_chunk_size_is_the_cores() -> None:
 
 @pytest.fixture(scope="module")
 def demo() -> tuple[Path, np.ndarray]:
-    from engine.demo import default_model_path
-    from engine.format.convert import ensure_converted
-    from engine.text.tokenizer import Tokenizer
+    from colibri.engine.demo import default_model_path
+    from colibri.engine.format.convert import ensure_converted
+    from colibri.engine.text.tokenizer import Tokenizer
 
     folder = ensure_converted(default_model_path(), "q8", progress=False)
     text = rt.read_trace_text("demo")
@@ -212,7 +212,7 @@ def demo() -> tuple[Path, np.ndarray]:
 
 def _cached_run(folder: Path, ids: np.ndarray, n_slots: int,
                 pins: list[list[int]] | None) -> tuple[RoutingTrace, dict[str, np.ndarray]]:
-    from engine.executor.model import Model
+    from colibri.engine.executor.model import Model
 
     model = Model.load(folder, n_ctx=1024)
     pinned = None
@@ -268,8 +268,8 @@ def test_bench_writes_a_trace_and_replay_reads_it(tmp_path: Path,
     assert tr.prefill.tolist() == [True] * 16 + [False] * 8
     assert tr.n_expert == 64 and tr.k == 8 and tr.model == result["model"]
     # the same workload traced again routes the same way
-    from engine.executor.model import Model
-    from engine.tools.bench import bench_prompt
+    from colibri.engine.executor.model import Model
+    from colibri.engine.tools.bench import bench_prompt
 
     model = Model.load(result["model"], n_ctx=24)
     rec = RouteRecorder(model)
@@ -307,8 +307,8 @@ def test_bench_traces_a_text(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     model_dir = json.loads(capsys.readouterr().out)["model"]
     tr = RoutingTrace.load(out)
     assert tr.n_tokens == 75 and "the text's next tokens" in tr.source
-    from engine.executor.model import Model
-    from engine.text.tokenizer import Tokenizer
+    from colibri.engine.executor.model import Model
+    from colibri.engine.text.tokenizer import Tokenizer
 
     ids = Tokenizer.from_dir(model_dir).encode(text.read_text(encoding="utf-8"),
                                                add_special_tokens=False)

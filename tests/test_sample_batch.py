@@ -1,4 +1,4 @@
-"""engine.sample.batch.sample_rows against the per-sequence Sampler (the specification): the
+"""colibri.engine.sample.batch.sample_rows against the per-sequence Sampler (the specification): the
 same tokens, logprobs and random draws for every row, whatever the other rows are."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sample.batch import sample_rows
-from engine.sample.sampler import Sampler, SampleResult, SamplingParams
+from colibri.engine.sample.batch import sample_rows
+from colibri.engine.sample.sampler import Sampler, SampleResult, SamplingParams
 
 
 def _same(a: SampleResult, b: SampleResult) -> bool:

@@ -1,4 +1,5 @@
-"""engine.sample.sampler: parameter validation and the sampler against plain numpy references."""
+"""colibri.engine.sample.sampler: parameter validation and the sampler against plain numpy
+references."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.sample.sampler import (
+from colibri.engine.sample.sampler import (
     MAX_STOP_STRINGS,
     Sampler,
     SamplingParamError,

@@ -1,4 +1,4 @@
-"""Many clients at once against `python -m app serve`: the official openai SDK driving 8
+"""Many clients at once against `python -m colibri.app serve`: the official openai SDK driving 8
 concurrent streams (each text equal to the same request run alone), prefix reuse reported
 in usage, KV blocks freed on disconnect (queued, in prefill, mid-stream), a prompt larger
 than the KV pool refused, and SIGTERM under 8 streams draining cleanly."""

@@ -1,4 +1,4 @@
-"""Clients nobody here wrote, against `python -m app serve` on the bundled demo model:
+"""Clients nobody here wrote, against `python -m colibri.app serve` on the bundled demo model:
 the openai SDK (parse, streamed parse, tool-call round trips, the Responses API), LangChain's
 ChatOpenAI (with_structured_output, bind_tools), instructor, and an Open WebUI-shaped
 streaming request with 36 tools. The demo model writes Shakespeare, not JSON: every answer

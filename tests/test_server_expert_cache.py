@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.schemas import ExpertCacheInfo
+from colibri.app.schemas import ExpertCacheInfo
 from tests.server_helpers import InProcessServer, wait_for
 
 KEY = "sk-experts"
@@ -29,7 +29,7 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me about the river."}],
 def _llm(slots: int, tmp_path_factory: pytest.TempPathFactory) -> Any:
     import os
 
-    from engine import LLM, EngineConfig, ExpertCacheConfig
+    from colibri.engine import LLM, EngineConfig, ExpertCacheConfig
 
     os.environ.setdefault("COLIBRI_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     return LLM(None, n_ctx=N_CTX, config=EngineConfig(
@@ -42,8 +42,8 @@ def cached_llm(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _app(loader: Any, **settings: Any) -> Any:
-    from app.server import create_app
-    from app.settings import Settings
+    from colibri.app.server import create_app
+    from colibri.app.settings import Settings
 
     return create_app(Settings(_env_file=None, **settings), loader=loader)  # type: ignore[call-arg]
 

@@ -3,7 +3,7 @@
 Most tests run the real app and the real LLM in this process, with `PacedLLM` deciding when
 each token may come, so that "a request is running", "one is queued" and "the client left
 after 3 tokens" are exact states rather than races. Process-level behaviour (SIGTERM drain,
-exit code after a failed load) runs `python -m app serve` in a subprocess.
+exit code after a failed load) runs `python -m colibri.app serve` in a subprocess.
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def real_llm(model_dir: Path) -> Any:
-    from engine import LLM, EngineConfig
+    from colibri.engine import LLM, EngineConfig
 
     # one sequence at a time, so that one running and one waiting request fill the queue
     return LLM(str(model_dir), n_ctx=N_CTX, config=EngineConfig(max_num_seqs=1))
 
 
 def _app(loader: Any, **settings: Any) -> Any:
-    from app.server import create_app
-    from app.settings import Settings
+    from colibri.app.server import create_app
+    from colibri.app.settings import Settings
 
     return create_app(Settings(_env_file=None, **settings), loader=loader)  # type: ignore[call-arg]
 
@@ -74,7 +74,7 @@ def paced(real_llm: Any) -> Iterator[tuple[InProcessServer, PacedLLM]]:
 def paced_pair(model_dir: Path) -> Iterator[tuple[InProcessServer, PacedLLM]]:
     """Two seats and prompt chunks of at most 16 tokens: a long prompt takes several steps,
     and a second request shares the running batch."""
-    from engine import LLM, EngineConfig
+    from colibri.engine import LLM, EngineConfig
 
     real = LLM(str(model_dir), n_ctx=N_CTX,
                config=EngineConfig(max_num_seqs=2, max_num_batched_tokens=16))
@@ -294,7 +294,7 @@ def test_disconnect_during_prefill_frees_its_blocks_without_another_step(
 
 def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
         paced_pair: tuple[InProcessServer, PacedLLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    import app.routes.chat as chat_route
+    import colibri.app.routes.chat as chat_route
 
     srv, llm, before = _quiet(paced_pair)
     monkeypatch.setattr(chat_route, "compile_constraints", lambda _llm, spec, budgets: [
@@ -353,7 +353,7 @@ def test_cors_when_configured(paced: tuple[InProcessServer, PacedLLM]) -> None:
 
 
 def test_client_chat_template_when_enabled(real_llm: Any) -> None:
-    from engine.text.bpe import CHATML_TEMPLATE
+    from colibri.engine.text.bpe import CHATML_TEMPLATE
 
     srv = InProcessServer(_app(lambda: real_llm, allow_client_chat_template=True)).start()
     try:
@@ -418,7 +418,7 @@ def _refused(port: int) -> bool:
 def test_failed_load_exits_1(tmp_path: Path) -> None:
     # a missing folder is refused before start (exit 2, tests/test_cli_models.py); a folder
     # whose weight file is garbage of the right size passes those checks and fails to load
-    from engine.format.convert import convert
+    from colibri.engine.format.convert import convert
 
     model = convert(tiny_model(tmp_path / "hf"), tmp_path / "broken", progress=False)
     victim = model / "embeddings.bin"

@@ -1,4 +1,4 @@
-"""The official `openai` client against `python -m app serve` on 127.0.0.1 with a tiny model.
+"""The official `openai` client against `colibri serve` on 127.0.0.1 with a tiny model.
 
 Chat and text completions, streamed and not, n=2, stop strings across token boundaries,
 seed reproducibility, include_usage, logprobs, echo, prompt forms, and streamed text equal

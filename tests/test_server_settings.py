@@ -12,7 +12,7 @@ from tests.server_helpers import ROOT
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from app.cli import add_serve_parser
+    from colibri.app.cli import add_serve_parser
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
@@ -20,7 +20,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_safe_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from app.settings import Settings
+    from colibri.app.settings import Settings
 
     monkeypatch.chdir(tmp_path)
     s = Settings()
@@ -30,7 +30,7 @@ def test_safe_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_precedence_options_env_dotenv(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from app.cli import settings_from_args
+    from colibri.app.cli import settings_from_args
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".env").write_text("COLIBRI_PORT=9100\nCOLIBRI_MAX_QUEUE=3\n"
@@ -51,7 +51,7 @@ def test_dotenv_sets_the_engine_variables_too(monkeypatch: pytest.MonkeyPatch,
     environment; .env sets them where the environment does not."""
     import os
 
-    from app.cli import settings_from_args
+    from colibri.app.cli import settings_from_args
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".env").write_text("COLIBRI_ISA=ref\nCOLIBRI_REPACK=false\n"
@@ -66,7 +66,7 @@ def test_dotenv_sets_the_engine_variables_too(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_env_example_lists_every_setting() -> None:
-    from app.settings import Settings
+    from colibri.app.settings import Settings
 
     text = (ROOT / ".env.example").read_text()
     listed = {line.split("=", 1)[0].lstrip("# ").strip() for line in text.splitlines()

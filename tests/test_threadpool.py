@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from engine import _core as core
+from colibri.engine import _core as core
 
 CLB_E_ARG = -5
 

@@ -1,4 +1,5 @@
-"""engine.text.tokenizer against transformers' AutoTokenizer on a real byte-level BPE tokenizer."""
+"""colibri.engine.text.tokenizer against transformers' AutoTokenizer on a real byte-level BPE
+tokenizer."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.text.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
-from engine.text.tokenizer import (
+from colibri.engine.text.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
+from colibri.engine.text.tokenizer import (
     ChatTemplateError,
     ChatTemplateRefused,
     Tokenizer,

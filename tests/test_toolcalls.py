@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from engine import ToolCallParser, forced_calls, forced_calls_schema, template_tools
+from colibri.engine import ToolCallParser, forced_calls, forced_calls_schema, template_tools
 
 NAMES = {"get_weather", "search"}
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}
@@ -122,7 +122,7 @@ def test_template_inspection() -> None:
 
 
 def test_forced_calls_cut_by_the_token_limit_keep_the_complete_ones() -> None:
-    from engine.text.toolcalls import forced_calls
+    from colibri.engine.text.toolcalls import forced_calls
 
     cut = ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
            '{"name": "get_weather", "argu')

@@ -191,7 +191,7 @@ def make_checkpoint(
     """
     import torch
 
-    from engine.text.bpe import train_bpe_tokenizer
+    from colibri.engine.text.bpe import train_bpe_tokenizer
 
     config_cls, model_cls = _classes(arch)
     out = Path(out_dir)

@@ -9,9 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.chat_plan import ChatPlan, compile_constraints, context_note, plan_chat
-from app.errors import APIError
-from app.generation import (
+from colibri.app.chat_plan import ChatPlan, compile_constraints, context_note, plan_chat
+from colibri.app.errors import APIError
+from colibri.app.generation import (
     Choice,
     ClientGoneError,
     add_output,
@@ -27,12 +27,12 @@ from app.generation import (
     usage,
     with_first,
 )
-from app.protocol import ChatCompletionRequest
-from app.schemas import ChatCompletion, error_responses, sse_200
-from app.state import ServerState, get_state
-from app.streaming import sse_response
-from app.worker import Output, Sequence
-from engine import ToolCall
+from colibri.app.protocol import ChatCompletionRequest
+from colibri.app.schemas import ChatCompletion, error_responses, sse_200
+from colibri.app.state import ServerState, get_state
+from colibri.app.streaming import sse_response
+from colibri.app.worker import Output, Sequence
+from colibri.engine import ToolCall
 
 router = APIRouter()
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.chat_plan import compile_constraints
-from app.errors import APIError
-from app.generation import (
+from colibri.app.chat_plan import compile_constraints
+from colibri.app.errors import APIError
+from colibri.app.generation import (
     Choice,
     add_output,
     collect,
@@ -23,11 +23,11 @@ from app.generation import (
     usage,
     with_first,
 )
-from app.protocol import CompletionRequest
-from app.schemas import Completion, error_responses, sse_200
-from app.state import ServerState, get_state
-from app.streaming import sse_response
-from app.worker import Output, Sequence
+from colibri.app.protocol import CompletionRequest
+from colibri.app.schemas import Completion, error_responses, sse_200
+from colibri.app.state import ServerState, get_state
+from colibri.app.streaming import sse_response
+from colibri.app.worker import Output, Sequence
 
 router = APIRouter()
 

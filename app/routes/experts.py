@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 
-from app.routes.health import STATIC
-from app.schemas import ExpertCacheInfo, error_responses
-from app.state import get_state, unavailable
+from colibri.app.routes.health import STATIC
+from colibri.app.schemas import ExpertCacheInfo, error_responses
+from colibri.app.state import get_state, unavailable
 
 router = APIRouter()
 

@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
-from app.schemas import HealthStatus, ReadyStatus
-from app.state import get_state, model_fault
+from colibri.app.schemas import HealthStatus, ReadyStatus
+from colibri.app.state import get_state, model_fault
 
 router = APIRouter()
 _READY: dict[int | str, dict[str, Any]] = {

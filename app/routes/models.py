@@ -6,9 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.errors import APIError
-from app.schemas import ModelCard, ModelList, error_responses
-from app.state import get_state
+from colibri.app.errors import APIError
+from colibri.app.schemas import ModelCard, ModelList, error_responses
+from colibri.app.state import get_state
 
 router = APIRouter()
 

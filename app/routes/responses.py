@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
 
-from app.chat_plan import ChatPlan
-from app.errors import APIError
-from app.generation import (
+from colibri.app.chat_plan import ChatPlan
+from colibri.app.errors import APIError
+from colibri.app.generation import (
     Choice,
     add_output,
     collect,
@@ -28,13 +28,13 @@ from app.generation import (
     submit,
     with_first,
 )
-from app.protocol import ChatCompletionRequest, Finite, _Model
-from app.routes.chat import _ChoiceStream, prepare_chat, reply_of
-from app.schemas import ResponseObject, error_responses, sse_200
-from app.state import ServerState, get_state
-from app.streaming import sse_response
-from app.worker import Output
-from engine import ToolCall
+from colibri.app.protocol import ChatCompletionRequest, Finite, _Model
+from colibri.app.routes.chat import _ChoiceStream, prepare_chat, reply_of
+from colibri.app.schemas import ResponseObject, error_responses, sse_200
+from colibri.app.state import ServerState, get_state
+from colibri.app.streaming import sse_response
+from colibri.app.worker import Output
+from colibri.engine import ToolCall
 
 router = APIRouter()
 

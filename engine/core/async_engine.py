@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.engine import EngineCore
-from engine.core.request import RequestOutput
-from engine.sample.sampler import SamplingParams
-from engine.text.token_text import TokenTexts
+from colibri.engine.core.engine import EngineCore
+from colibri.engine.core.request import RequestOutput
+from colibri.engine.sample.sampler import SamplingParams
+from colibri.engine.text.token_text import TokenTexts
 
 log = logging.getLogger("colibri.engine")
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.block_manager import BLOCK_SIZE, BlockManager
-from engine.core.request import Request, RequestOutput, Status, new_request
-from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.errors import check_token_ids
-from engine.sample.batch import prompt_logprobs, sample_rows
-from engine.sample.sampler import SamplingParams
+from colibri.engine.core.block_manager import BLOCK_SIZE, BlockManager
+from colibri.engine.core.request import Request, RequestOutput, Status, new_request
+from colibri.engine.core.scheduler import Scheduler, SchedulerConfig
+from colibri.engine.errors import check_token_ids
+from colibri.engine.sample.batch import prompt_logprobs, sample_rows
+from colibri.engine.sample.sampler import SamplingParams
 
 log = logging.getLogger("colibri.engine")
 

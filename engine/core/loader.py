@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.core.block_manager import BLOCK_SIZE
-from engine.core.engine import EngineCore
-from engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
-from engine.core.scheduler import SchedulerConfig
-from engine.executor.expert_cache import (
+from colibri.engine.core.block_manager import BLOCK_SIZE
+from colibri.engine.core.engine import EngineCore
+from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
+from colibri.engine.core.scheduler import SchedulerConfig
+from colibri.engine.executor.expert_cache import (
     CachePlan,
     ExpertCacheConfig,
     ExpertCacheMonitor,
@@ -26,10 +26,10 @@ from engine.executor.expert_cache import (
     plan_cache,
     resolve_load,
 )
-from engine.executor.model import Model, kv_block_bytes
-from engine.format.convert import ensure_converted
-from engine.models.config import ModelConfig
-from engine.text.tokenizer import Tokenizer
+from colibri.engine.executor.model import Model, kv_block_bytes
+from colibri.engine.format.convert import ensure_converted
+from colibri.engine.models.config import ModelConfig
+from colibri.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri.engine")
 

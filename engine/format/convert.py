@@ -20,13 +20,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from engine.format import quant
-from engine.format.jsonfile import read_json_object
-from engine.format.safetensors_io import Checkpoint, CheckpointError
-from engine.format.verify import check_finite, converted_hparams, member, verify_problems
-from engine.format.wfile import TensorSpec, write_wfile
-from engine.models import archs
-from engine.models.family import transform
+from colibri.engine.format import quant
+from colibri.engine.format.jsonfile import read_json_object
+from colibri.engine.format.safetensors_io import Checkpoint, CheckpointError
+from colibri.engine.format.verify import check_finite, converted_hparams, member, verify_problems
+from colibri.engine.format.wfile import TensorSpec, write_wfile
+from colibri.engine.models import archs
+from colibri.engine.models.family import transform
 
 PRESETS = ("f32", "f16", "q8", "q4")
 DEFAULT_QUANT = "q8"  # the one default of every command, of convert() and of engine.LLM
@@ -378,7 +378,7 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
     it; a file lock serialises concurrent converters, and the atomic rename in convert()
     means a reader never sees a half-written entry.
     """
-    from engine.format.hub import download, is_repo_id, repo_name
+    from colibri.engine.format.hub import download, is_repo_id, repo_name
 
     path = download(path) if is_repo_id(path) else Path(path)
     if is_colibri_dir(path):

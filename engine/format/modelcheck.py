@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.demo import default_model_path
-from engine.errors import ColibriError
+from colibri.engine.demo import default_model_path
+from colibri.engine.errors import ColibriError
 
 
 class ModelError(ColibriError, ValueError):
@@ -47,7 +47,7 @@ def check_model(path: str | Path | None, flag: str = "--model",
     option the user gave the path with, for the hint ("--model", or a positional like
     "HF_DIR").
     """
-    from engine.format.hub import download, is_repo_id
+    from colibri.engine.format.hub import download, is_repo_id
 
     source = (bundled_model_path() if path is None
               else download(path) if is_repo_id(path) else Path(path))
@@ -74,20 +74,20 @@ def check_model(path: str | Path | None, flag: str = "--model",
 
 def _check_files(source: Path) -> int:
     """Check the files a load reads first; returns the model's max_position_embeddings."""
-    from engine.format.convert import CONFIG_MAX_BYTES, _check_sources, verify
-    from engine.format.jsonfile import read_json_object
-    from engine.text.tokenizer import Tokenizer
+    from colibri.engine.format.convert import CONFIG_MAX_BYTES, _check_sources, verify
+    from colibri.engine.format.jsonfile import read_json_object
+    from colibri.engine.text.tokenizer import Tokenizer
 
     raw = read_json_object(source / "config.json", "config.json", CONFIG_MAX_BYTES)
     if raw.get("format") == "colibri":
-        from engine.models.config import ModelConfig
+        from colibri.engine.models.config import ModelConfig
 
         max_positions = ModelConfig.from_dict(
             raw, source=str(source / "config.json")).max_position_embeddings
         verify(source, full=False)  # sizes only: a truncated file is refused before mapping
     else:
-        from engine.format.safetensors_io import Checkpoint
-        from engine.models import archs
+        from colibri.engine.format.safetensors_io import Checkpoint
+        from colibri.engine.models import archs
 
         gen_path = source / "generation_config.json"
         gen = (read_json_object(gen_path, "generation_config.json", CONFIG_MAX_BYTES)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.format.jsonfile import read_json_object
-from engine.format.quant import bf16_bits_to_f32
+from colibri.engine.format.jsonfile import read_json_object
+from colibri.engine.format.quant import bf16_bits_to_f32
 
 HEADER_MAX_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 INDEX_NAME = "model.safetensors.index.json"

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import FormatError
+from colibri.engine.errors import FormatError
 
 # The config.json keys that shape the computation; the converter records their values under
 # "converted_hparams" so an edited config.json no longer passes for the weights it describes.
@@ -65,7 +65,7 @@ def _group(file: str) -> str:
 def tensor_type_problems(model_dir: Path, tensor_types: dict[str, str],
                          files: list[str]) -> list[str]:
     """Tensors whose dtype in the file differs from config.json's tensor_types."""
-    from engine import _core
+    from colibri.engine import _core
 
     problems = []
     for file in files:
@@ -88,7 +88,7 @@ def check_tensor_types(model_dir: Path, tensor_types: dict[str, str]) -> None:
 
 
 def _non_finite(path: Path) -> list[str]:
-    from engine.format.wfile import read_wfile
+    from colibri.engine.format.wfile import read_wfile
 
     wf = read_wfile(path)
     bad = []
@@ -101,9 +101,9 @@ def _non_finite(path: Path) -> list[str]:
 
 def verify_problems(model_dir: Path, raw: dict[str, Any], full: bool) -> list[str]:
     """Everything wrong with a converted folder whose config.json is raw; [] when sound."""
-    from engine import _core
-    from engine.models.config import ModelConfig
-    from engine.text.tokenizer import Tokenizer
+    from colibri.engine import _core
+    from colibri.engine.models.config import ModelConfig
+    from colibri.engine.text.tokenizer import Tokenizer
 
     problems: list[str] = []
     try:

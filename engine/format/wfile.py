@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.format import quant
+from colibri.engine.format import quant
 
 MAGIC = b"CLBWGT1\0"
 VERSION = 1

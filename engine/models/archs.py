@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import (
+from colibri.engine.models.family import (
     BIAS,
     DENSE,
     EXPERT,
@@ -24,7 +24,7 @@ from engine.models.family import (
     UnsupportedModel,
     fused_shape,
 )
-from engine.models.registry import SUPPORTED, for_hf_class, for_name
+from colibri.engine.models.registry import SUPPORTED, for_hf_class, for_name
 
 __all__ = ["BIAS", "DENSE", "EXPERT", "NORM", "ROUTER", "SHARED", "SUPPORTED", "VOCAB",
            "Source", "Target", "UnsupportedModel", "colibri_config", "fused_shape", "plan"]

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import FormatError
-from engine.format.jsonfile import read_json_object
-from engine.models.registry import family_names
-from engine.models.rope import rope_frequencies
+from colibri.engine.errors import FormatError
+from colibri.engine.format.jsonfile import read_json_object
+from colibri.engine.models.registry import family_names
+from colibri.engine.models.rope import rope_frequencies
 
 QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}
 ATTN_IDS = {"gqa": 0, "mla": 1}  # clb_attn_kind

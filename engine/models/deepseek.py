@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.models.family import (
+from colibri.engine.models.family import (
     DENSE,
     NORM,
     HFConfig,
@@ -31,8 +31,8 @@ from engine.models.family import (
     build_plan,
     rope_parameters,
 )
-from engine.models.glm4_moe import grouped_ffn, grouped_router, mtp_layer
-from engine.models.rope import rope_config, yarn_mscale
+from colibri.engine.models.glm4_moe import grouped_ffn, grouped_router, mtp_layer
+from colibri.engine.models.rope import rope_config, yarn_mscale
 
 NAME = "deepseek"
 HF_CLASSES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import (
+from colibri.engine.models.family import (
     HFConfig,
     Plan,
     UnsupportedModel,
@@ -22,7 +22,7 @@ from engine.models.family import (
     per_expert_names,
     rope_parameters,
 )
-from engine.models.rope import rope_config
+from colibri.engine.models.rope import rope_config
 
 NAME = "glm4_moe"
 HF_CLASSES = ("Glm4MoeForCausalLM",)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import (
+from colibri.engine.models.family import (
     HFConfig,
     Plan,
     UnsupportedModel,
@@ -19,8 +19,8 @@ from engine.models.family import (
     no_experts,
     rope_parameters,
 )
-from engine.models.mixtral import window
-from engine.models.rope import rope_config
+from colibri.engine.models.mixtral import window
+from colibri.engine.models.rope import rope_config
 
 NAME = "llama"
 HF_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import (
+from colibri.engine.models.family import (
     HFConfig,
     Plan,
     Source,

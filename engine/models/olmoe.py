@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import HFConfig, UnsupportedModel, base_config, build_plan, routed_ffn
-from engine.models.mixtral import check_plain_rope, moe_counts
+from colibri.engine.models.family import (
+    HFConfig,
+    UnsupportedModel,
+    base_config,
+    build_plan,
+    routed_ffn,
+)
+from colibri.engine.models.mixtral import check_plain_rope, moe_counts
 
 NAME = "olmoe"
 HF_CLASSES = ("OlmoeForCausalLM",)

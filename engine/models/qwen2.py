@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import HFConfig, UnsupportedModel
-from engine.models.llama import dense_config
-from engine.models.llama import plan as plan
-from engine.models.qwen2_moe import qwen_window
+from colibri.engine.models.family import HFConfig, UnsupportedModel
+from colibri.engine.models.llama import dense_config
+from colibri.engine.models.llama import plan as plan
+from colibri.engine.models.qwen2_moe import qwen_window
 
 NAME = "qwen2"
 HF_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")

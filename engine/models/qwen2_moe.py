@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import (
+from colibri.engine.models.family import (
     HFConfig,
     Plan,
     UnsupportedModel,
@@ -16,7 +16,7 @@ from engine.models.family import (
     build_plan,
     per_expert_names,
 )
-from engine.models.mixtral import check_plain_rope, moe_counts, window
+from colibri.engine.models.mixtral import check_plain_rope, moe_counts, window
 
 NAME = "qwen2_moe"
 HF_CLASSES = ("Qwen2MoeForCausalLM",)

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.family import HFConfig, UnsupportedModel, base_config, build_plan, routed_ffn
-from engine.models.mixtral import check_plain_rope, moe_counts
-from engine.models.qwen2_moe import check_all_sparse, qwen_window
+from colibri.engine.models.family import (
+    HFConfig,
+    UnsupportedModel,
+    base_config,
+    build_plan,
+    routed_ffn,
+)
+from colibri.engine.models.mixtral import check_plain_rope, moe_counts
+from colibri.engine.models.qwen2_moe import check_all_sparse, qwen_window
 
 NAME = "qwen3_moe"
 HF_CLASSES = ("Qwen3MoeForCausalLM",)

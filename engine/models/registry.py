@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from engine.models import deepseek, glm4_moe, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3_moe
+from colibri.engine.models import (
+    deepseek,
+    glm4_moe,
+    llama,
+    mixtral,
+    olmoe,
+    qwen2,
+    qwen2_moe,
+    qwen3_moe,
+)
 
 FAMILIES: tuple[ModuleType, ...] = (mixtral, qwen2_moe, qwen3_moe, olmoe, llama, qwen2,
                                     glm4_moe, deepseek)

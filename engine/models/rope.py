@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.models.family import UnsupportedModel
+from colibri.engine.models.family import UnsupportedModel
 
 TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sample.sampler import (
+from colibri.engine.sample.sampler import (
     _TOP_P_CANDIDATES,
     GREEDY_TEMPERATURE,
     Sampler,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import TokenIdError, check_token_ids
+from colibri.engine.errors import TokenIdError, check_token_ids
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from engine.text.tokenizer import ChatTemplateError, TemplateLimitError
+from colibri.engine.text.tokenizer import ChatTemplateError, TemplateLimitError
 
 RENDER_MEMORY_BYTES = 192 << 20
 RENDER_TIMEOUT_S = 2.0
@@ -66,12 +66,12 @@ def _recv(f: Any) -> Any:
 
 
 class _Renderer:
-    """One render process (python -m engine.text.template_sandbox)."""
+    """One render process (python -m colibri.engine.text.template_sandbox)."""
 
     def __init__(self) -> None:
         env = dict(os.environ, COLIBRI_RENDER_MEMORY=str(RENDER_MEMORY_BYTES))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.text.template_sandbox"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "colibri.engine.text.template_sandbox"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0,
             start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -144,7 +144,7 @@ def _child() -> None:
     """The render process: limit memory, then render requests until stdin closes."""
     import resource
 
-    from engine.text.tokenizer import _render
+    from colibri.engine.text.tokenizer import _render
 
     extra = int(os.environ.get("COLIBRI_RENDER_MEMORY", RENDER_MEMORY_BYTES))
     if os.path.exists("/proc/self/statm"):  # Linux: the address space in use now

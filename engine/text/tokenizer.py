@@ -26,8 +26,8 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.errors import TokenIdError, check_token_ids
-from engine.format.jsonfile import read_json_object
+from colibri.engine.errors import TokenIdError, check_token_ids
+from colibri.engine.format.jsonfile import read_json_object
 
 MAX_TEMPLATE_CHARS = 200_000
 # The rendering is capped at a fixed allowance plus a multiple of the text the caller passed in,
@@ -614,7 +614,7 @@ class Tokenizer:
         cap = RENDER_BASE_CHARS + RENDER_INPUT_FACTOR * sum(len(s) for s in client_strings)
         # Every template, the model's and a client's, renders in a process that is stopped
         # after render_timeout_s, at its memory limit or when `cancel` is set.
-        from engine.text.template_sandbox import SANDBOX
+        from colibri.engine.text.template_sandbox import SANDBOX
 
         def render(t: str, ctx: dict[str, Any], c: int) -> str:
             try:

@@ -22,19 +22,19 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.kv_types import resolve_kv_type
-from engine.core.loader import available_memory_bytes, start_expert_cache
-from engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
-from engine.format.convert import DEFAULT_QUANT, PRESETS
-from engine.format.modelcheck import check_model
-from engine.models.config import ModelConfig
-from engine.tools.cache_args import (
+from colibri.engine.core.kv_types import resolve_kv_type
+from colibri.engine.core.loader import available_memory_bytes, start_expert_cache
+from colibri.engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
+from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
+from colibri.engine.format.modelcheck import check_model
+from colibri.engine.models.config import ModelConfig
+from colibri.engine.tools.cache_args import (
     DEFAULT_KV_CACHE_TYPE,
     add_expert_cache_args,
     add_kv_cache_type_arg,
     expert_cache_from_args,
 )
-from engine.tools.routing_trace import add_trace_args, check_trace_args, record_bench_trace
+from colibri.engine.tools.routing_trace import add_trace_args, check_trace_args, record_bench_trace
 
 PROMPT_SEED = 20240601
 DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300 MiB seen)
@@ -44,7 +44,7 @@ DEFAULT_PROBE_MIB = 1024  # several times any last-level cache this runs on (300
 
 def _file_bytes(model_dir: Path, rel: str) -> dict[str, int]:
     """nbytes of each tensor of one weight file, from its validated table."""
-    from engine.format.wfile import read_wfile
+    from colibri.engine.format.wfile import read_wfile
 
     return {name: t.nbytes for name, t in read_wfile(model_dir / rel).tensors.items()}
 
@@ -58,7 +58,7 @@ def weight_bytes_per_token(model_dir: str | Path) -> dict[str, int]:
     embedding row, the final norm and the lm_head (the whole embedding matrix when tied).
     Counts tensor data, not file headers.
     """
-    from engine.models.config import ModelConfig
+    from colibri.engine.models.config import ModelConfig
 
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
@@ -269,9 +269,9 @@ def same_minute(runs: list[RunTiming], reads: list[float], n_gen: int,
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Measure a model; returns the result object `--json` prints."""
-    from engine import _core
-    from engine.executor.model import Model
-    from engine.format.convert import ensure_converted
+    from colibri.engine import _core
+    from colibri.engine.executor.model import Model
+    from colibri.engine.format.convert import ensure_converted
 
     s.check()
     path = ensure_converted(check_model(s.model), s.quant, progress=False)
@@ -349,7 +349,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "expert_cache": cache,
     }
     if s.profile:
-        from engine.tools.bench_profile import decode_profile
+        from colibri.engine.tools.bench_profile import decode_profile
 
         i = median_run(runs)
         read = max(reads[i], reads[i + 1]) if reads else gbps
@@ -421,7 +421,7 @@ def render(r: dict[str, Any]) -> str:
     elif xc:
         lines.append(f"expert cache   off: every expert resident ({xc['reason']})")
     if "profile" in r:
-        from engine.tools.bench_profile import render_profile
+        from colibri.engine.tools.bench_profile import render_profile
 
         lines.append(render_profile(r["profile"]))
     return "\n".join(lines)

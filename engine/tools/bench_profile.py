@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.tools.bench import RunTiming
+    from colibri.engine.tools.bench import RunTiming
 
 
 def decode_profile(run: RunTiming, n_gen: int, read_gb_s: float,
@@ -22,7 +22,7 @@ def decode_profile(run: RunTiming, n_gen: int, read_gb_s: float,
     """Seconds, weight bytes and calls per decoded token of each product phase of `run` (the
     phases that ran), the non-product parts, and read_gb_s, the memory's read rate around the
     run; with the thread pool's cost of one empty run on n_threads threads."""
-    from engine import _core
+    from colibri.engine import _core
 
     phases = {}
     for name, ph in run.decode_phases.items():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES
-from engine.executor.expert_cache import LOAD_MODES, ExpertCacheConfig
+from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES
+from colibri.engine.executor.expert_cache import LOAD_MODES, ExpertCacheConfig
 
 
 def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine import __version__
-from engine.format.convert import DEFAULT_QUANT, PRESETS
-from engine.format.modelcheck import ModelError, check_model
-from engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
+from colibri.engine import __version__
+from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
+from colibri.engine.format.modelcheck import ModelError, check_model
+from colibri.engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
 
 @command("convert", "convert a Hugging Face checkpoint into a Colibri folder", _convert_args)
 def _convert(args: argparse.Namespace) -> int:
-    from engine.format.convert import convert
+    from colibri.engine.format.convert import convert
 
     check_model(args.hf_dir, flag="HF_DIR")
     out = convert(args.hf_dir, args.out_dir, quant=args.quant, progress=not args.no_progress)
@@ -79,8 +79,8 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 
 @command("info", "describe a model: architecture, parameters, bytes by type", _info_args)
 def _info(args: argparse.Namespace) -> int:
-    from engine.format.convert import ensure_converted
-    from engine.tools.info import describe, render
+    from colibri.engine.format.convert import ensure_converted
+    from colibri.engine.tools.info import describe, render
 
     if args.model_dir is not None and args.model is not None:
         raise ValueError("give the model folder once: DIR or --model")
@@ -98,7 +98,7 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 
 @command("verify", "check a converted model's files against config.json", _verify_args)
 def _verify(args: argparse.Namespace) -> int:
-    from engine.format.convert import verify
+    from colibri.engine.format.convert import verify
 
     check_model(args.model_dir, flag="DIR")
     verify(args.model_dir, full=not args.quick, deep=True)
@@ -124,9 +124,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 @command("generate", "write a completion of a prompt to stdout as it is generated",
          _generate_args)
 def _generate(args: argparse.Namespace) -> int:
-    from engine.core.loader import EngineConfig
-    from engine.llm import LLM
-    from engine.sample.sampler import SamplingParams
+    from colibri.engine.core.loader import EngineConfig
+    from colibri.engine.llm import LLM
+    from colibri.engine.sample.sampler import SamplingParams
 
     check_model(args.model)
     config = EngineConfig(expert_cache=expert_cache_from_args(args))
@@ -147,20 +147,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    from engine.tools.evaluate import configure_eval_parser
+    from colibri.engine.tools.evaluate import configure_eval_parser
 
     configure_eval_parser(p)
 
 
 @command("eval", "perplexity of a model over a text (quantization quality check)", _eval_args)
 def _eval(args: argparse.Namespace) -> int:
-    from engine.tools.evaluate import eval_main
+    from colibri.engine.tools.evaluate import eval_main
 
     return eval_main(args)
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from engine.tools.bench import add_bench_args
+    from colibri.engine.tools.bench import add_bench_args
 
     add_bench_args(p)
 
@@ -168,13 +168,13 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 @command("bench", "measure prefill and decode tokens/s against the memory-bandwidth bound",
          _bench_args)
 def _bench(args: argparse.Namespace) -> int:
-    from engine.tools.bench import bench_main
+    from colibri.engine.tools.bench import bench_main
 
     return bench_main(args)
 
 
 def _replay_args(p: argparse.ArgumentParser) -> None:
-    from engine.tools.replay import add_replay_args
+    from colibri.engine.tools.replay import add_replay_args
 
     add_replay_args(p)
 
@@ -182,7 +182,7 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
 @command("replay", "hit rates of expert cache policies (and the optimum) on a routing trace",
          _replay_args)
 def _replay(args: argparse.Namespace) -> int:
-    from engine.tools.replay import replay_main
+    from colibri.engine.tools.replay import replay_main
 
     return replay_main(args)
 

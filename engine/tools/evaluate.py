@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.demo import default_model_path
-from engine.format.convert import DEFAULT_QUANT, PRESETS
-from engine.format.modelcheck import check_model
-from engine.tools.cache_args import (
+from colibri.engine.demo import default_model_path
+from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
+from colibri.engine.format.modelcheck import check_model
+from colibri.engine.tools.cache_args import (
     add_expert_cache_args,
     add_kv_cache_type_arg,
     expert_cache_from_args,
@@ -128,7 +128,7 @@ def demo_validation_text() -> str:
     shipped = default_model_path() / VALIDATION_FILE
     if shipped.is_file():
         return gzip.decompress(shipped.read_bytes()).decode("utf-8")
-    from engine.demo import data as demo_data
+    from colibri.engine.demo import data as demo_data
 
     try:
         corpus = demo_data.load_corpus()
@@ -173,8 +173,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 def eval_main(args: argparse.Namespace) -> int:
     """Run `colibri eval`: print the token count and a final line `perplexity: N`."""
-    from engine.core.loader import EngineConfig
-    from engine.llm import LLM
+    from colibri.engine.core.loader import EngineConfig
+    from colibri.engine.llm import LLM
 
     if args.ctx < 2:
         raise ValueError(f"--ctx must be at least 2, got {args.ctx}")

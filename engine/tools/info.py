@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.format.jsonfile import read_json_object
-from engine.format.wfile import read_wfile
+from colibri.engine.format.jsonfile import read_json_object
+from colibri.engine.format.wfile import read_wfile
 
 _DIMS = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
          "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense")

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-import engine.tools.routing_trace as rt
-from engine.tools.routing_trace import RoutingTrace
+import colibri.engine.tools.routing_trace as rt
+from colibri.engine.tools.routing_trace import RoutingTrace
 
 POLICIES = ("lru", "lfu", "lru+heat")
 DEFAULT_HEAT_WINDOW = 16  # tokens, the core's default

@@ -171,7 +171,7 @@ def text_segments(ids: list[int] | np.ndarray, prompt_tokens: int, gen_tokens: i
 def read_trace_text(spec: str) -> str:
     """The text to trace: "demo" for the demo model's held-out plays, else a UTF-8 file."""
     if spec == "demo":
-        from engine.tools.evaluate import demo_validation_text
+        from colibri.engine.tools.evaluate import demo_validation_text
 
         return demo_validation_text()
     p = Path(spec)
@@ -185,7 +185,7 @@ def trace_text(model: Any, text: str, prompt_tokens: int, gen_tokens: int,
     prompt prefilled as a fresh sequence and followed by gen_tokens decode steps (greedy, or
     with follow the piece's own next tokens), until about max_tokens tokens are traced.
     Raises ValueError when the text is shorter than one piece."""
-    from engine.text.tokenizer import Tokenizer
+    from colibri.engine.text.tokenizer import Tokenizer
 
     if prompt_tokens < 1 or gen_tokens < 0 or max_tokens < 1:
         raise ValueError("trace lengths must be positive")
@@ -249,7 +249,7 @@ def record_bench_trace(args: argparse.Namespace, model_dir: str | Path,
                        prompt_of: Callable[[int], np.ndarray]) -> RoutingTrace:
     """The trace `colibri bench --routing-trace` writes: bench's workload (prompt_of(n_vocab)
     prefilled, --gen-tokens greedy steps) or, with --trace-text, that text."""
-    from engine.executor.model import Model
+    from colibri.engine.executor.model import Model
 
     n_ctx = args.prompt_tokens + args.gen_tokens
     model = Model.load(model_dir, threads=args.threads, n_ctx=n_ctx)
