@@ -334,3 +334,19 @@ def test_profile_times_every_product_of_a_decode_step_in_place(
     for label in ("experts gate+up", "attention over the cache", "outside the forward pass",
                   "measured decode step"):
         assert label in out
+
+
+def test_bench_profile_never_imports_bench() -> None:
+    """bench imports bench_profile, never the other way round, not even inside a function or
+    for type checking: the two modules are one layer over the other, not a circle."""
+    import ast
+
+    import colibri.engine.tools.bench_profile as bench_profile
+
+    tree = ast.parse(Path(bench_profile.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [f"{n.module}.{a.name}" for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    bench = "colibri.engine.tools.bench"
+    assert not [n for n in names if n == bench or n.startswith(bench + ".")], names

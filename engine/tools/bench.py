@@ -28,6 +28,7 @@ from colibri.engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheM
 from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
 from colibri.engine.format.modelcheck import check_model
 from colibri.engine.models.config import ModelConfig
+from colibri.engine.tools.bench_profile import decode_profile, render_profile
 from colibri.engine.tools.cache_args import (
     DEFAULT_KV_CACHE_TYPE,
     add_expert_cache_args,
@@ -349,8 +350,6 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "expert_cache": cache,
     }
     if s.profile:
-        from colibri.engine.tools.bench_profile import decode_profile
-
         i = median_run(runs)
         read = max(reads[i], reads[i + 1]) if reads else gbps
         result["profile"] = decode_profile(runs[i], s.gen_tokens, read, n_threads)
@@ -421,8 +420,6 @@ def render(r: dict[str, Any]) -> str:
     elif xc:
         lines.append(f"expert cache   off: every expert resident ({xc['reason']})")
     if "profile" in r:
-        from colibri.engine.tools.bench_profile import render_profile
-
         lines.append(render_profile(r["profile"]))
     return "\n".join(lines)
 

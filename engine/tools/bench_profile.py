@@ -11,13 +11,26 @@ just before and just after that run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from colibri.engine.tools.bench import RunTiming
+from typing import Any, Protocol
 
 
-def decode_profile(run: RunTiming, n_gen: int, read_gb_s: float,
+class DecodeTimings(Protocol):
+    """What a profile reads of one timed run; bench.RunTiming has it. Typed by shape, so that
+    this module never imports bench: bench imports it, never the other way round."""
+
+    @property
+    def decode_s(self) -> float: ...
+    @property
+    def decode_phases(self) -> dict[str, dict[str, float]]: ...
+    @property
+    def decode_attention_s(self) -> float: ...
+    @property
+    def decode_forward_s(self) -> float: ...
+    @property
+    def decode_products_s(self) -> float: ...
+
+
+def decode_profile(run: DecodeTimings, n_gen: int, read_gb_s: float,
                    n_threads: int) -> dict[str, Any]:
     """Seconds, weight bytes and calls per decoded token of each product phase of `run` (the
     phases that ran), the non-product parts, and read_gb_s, the memory's read rate around the
