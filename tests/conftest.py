@@ -28,7 +28,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_reliability_verify.py", "test_hub_models.py", "test_expert_cache.py",
                "test_demo_model.py", "test_demo_data.py", "test_demo_report.py"),
     # scheduling, sampling, text: engine/core, engine/sample, engine/text
-    "engine": ("test_batching.py", "test_block_manager.py", "test_llm.py", "test_sampling.py",
+    "engine": ("test_batching.py", "test_block_manager.py", "test_scheduler.py", "test_llm.py",
+               "test_sampling.py",
                "test_sample_batch.py", "test_constraints.py", "test_tokenizer.py",
                "test_detok.py", "test_toolcalls.py", "test_chat_template_files.py",
                "test_input_checks.py", "test_reliability_templates.py"),
