@@ -1,5 +1,5 @@
 """Colibri's HTTP server: the OpenAI-compatible API over the engine.
 
-Knows nothing of tensors: it sees the engine only through `engine`'s package exports, and
-runs every engine call on one engine thread (app.worker) so the event loop never blocks.
+Knows nothing of tensors: it sees the engine only through `colibri.engine`'s package exports
+(an EngineClient), whose own thread runs the model, so the event loop never blocks.
 """

@@ -97,7 +97,7 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_chat(
-    llm: Any,
+    tok: Any,
     messages: list[dict[str, Any]],
     tools: list[Tool] | None,
     tool_choice: ToolChoice | None,
@@ -109,8 +109,8 @@ def plan_chat(
     template_timeout_s: float = 2.0,
     cancel: threading.Event | None = None,
 ) -> ChatPlan:
-    """Render the prompt and choose the output mode; APIError(400) for what cannot be done."""
-    tok = llm.tokenizer
+    """Render the prompt (tok: the model's tokenizer) and choose the output mode;
+    APIError(400) for what cannot be done."""
     template = client_template if client_template is not None else tok.chat_template
     info = template_tools(template)
     spec = response_format.spec(format_param) if response_format is not None else None
@@ -151,13 +151,14 @@ def _with_system(msgs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}, *msgs]
 
 
-def compile_constraints(llm: Any, spec: ConstraintSpec | None, budgets: list[int]) -> list[Any]:
+def compile_constraints(tok: Any, vocab_size: int, spec: ConstraintSpec | None,
+                        budgets: list[int]) -> list[Any]:
     """One fresh constraint per sequence (None without a spec); 400 naming what the grammar
     engine cannot enforce. Runs on the tokenizer pool (a first compile can take a while)."""
     if spec is None:
         return [None] * len(budgets)
     try:
-        compiler = ConstraintCompiler.for_tokenizer(llm.tokenizer, int(llm.vocab_size))
+        compiler = ConstraintCompiler.for_tokenizer(tok, vocab_size)
         return [compiler.compile(spec, max_tokens=b) for b in budgets]
     except ConstraintError as exc:
         raise APIError(400, exc.message, exc.param) from None

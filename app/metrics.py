@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
+
+from colibri.engine import EngineClient
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
@@ -52,16 +52,18 @@ class Metrics:
         self.aborted = 0
         self.waiting = 0
         self.running = 0
-        self.model_loaded = 0
         self.ttft = Histogram()
         self.itl = Histogram()
         self.e2e = Histogram()
         self.batch_seqs = Histogram(_BATCH_BUCKETS)
         self.batch_tokens = Histogram(_BATCH_BUCKETS)
-        self.model_name = ""
-        # the engine's counters, read at render time (None until the model is loaded)
-        self.engine_stats: Callable[[], dict[str, Any]] | None = None
-        self.expert_cache: Any = None  # the engine's ExpertCacheMonitor
+        self.engine: EngineClient | None = None  # read at render time
+
+    def attach(self, engine: EngineClient) -> None:
+        """Export engine's counters; call before the engine starts (its steps are
+        observed from the first)."""
+        self.engine = engine
+        engine.observe_steps(self.observe_step)
 
     # -- recorders ---------------------------------------------------------------------
     def count_request(self, endpoint: str, status: int) -> None:
@@ -126,7 +128,8 @@ class Metrics:
             head("colibri_requests_running", "gauge", "Requests being generated.")
             out.append(f"colibri_requests_running {self.running}")
             head("colibri_model_loaded", "gauge", "1 when the model is loaded and ready.")
-            out.append(f"colibri_model_loaded {self.model_loaded}")
+            loaded = self.engine is not None and self.engine.health() in ("ready", "stopping")
+            out.append(f"colibri_model_loaded {int(loaded)}")
             head("colibri_time_to_first_token_seconds", "histogram",
                  "From arrival in the queue to the first generated token.")
             out += self.ttft.render("colibri_time_to_first_token_seconds")
@@ -145,11 +148,12 @@ class Metrics:
     def _render_engine(self) -> list[str]:
         """The scheduler and KV cache numbers under vLLM's names, so gateways that route on
         them (queue depth, KV usage) work unchanged."""
-        stats = self.engine_stats() if self.engine_stats is not None else None
-        if stats is None:
+        engine = self.engine
+        stats = engine.stats() if engine is not None else None
+        if not stats or engine is None:
             return []
         self.waiting, self.running = int(stats["waiting"]), int(stats["running"])
-        name = self.model_name.replace("\\", "").replace('"', "")
+        name = engine.info.name.replace("\\", "").replace('"', "")
         lab = f'{{model_name="{name}"}}'
         rows = [
             ("vllm:num_requests_running", "gauge", "Sequences in the running batch.",
@@ -182,7 +186,7 @@ class Metrics:
 
     def _render_expert_cache(self) -> list[str]:
         """Expert cache counters per layer, and its occupancy (nothing when it is off)."""
-        mon = self.expert_cache
+        mon = self.engine.expert_cache() if self.engine is not None else None
         st = mon.stats() if mon is not None else None
         if st is None:
             return []

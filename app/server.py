@@ -20,16 +20,25 @@ from colibri.app.metrics import Metrics
 from colibri.app.middleware import PROTECTED, GuardMiddleware
 from colibri.app.routes import chat, completions, experts, health, models, responses, tokenize
 from colibri.app.schemas import install_schema
+from colibri.app.serving import Serving
 from colibri.app.settings import Settings
 from colibri.app.state import ServerState
-from colibri.app.worker import EngineWorker
-from colibri.engine import LLM, EngineConfig, ExpertCacheConfig, __version__
+from colibri.engine import (
+    AsyncEngine,
+    AsyncEngineConfig,
+    EngineConfig,
+    EngineCore,
+    ExpertCacheConfig,
+    __version__,
+    engine_loader,
+)
 
 log = logging.getLogger("colibri.app")
 
 
-def default_loader(settings: Settings) -> Callable[[], LLM]:
-    """Load settings.model (None: the bundled demo model) the way `colibri serve` does."""
+def default_loader(settings: Settings) -> Callable[[], EngineCore]:
+    """Load settings.model (a folder, a Hugging Face repo id, or None for the bundled demo
+    model) the way `colibri serve` does."""
 
     config = EngineConfig(
         threads=settings.threads, n_ctx=settings.n_ctx, quant=settings.quant,
@@ -43,15 +52,11 @@ def default_loader(settings: Settings) -> Callable[[], LLM]:
             prefetch_window=settings.prefetch_window, load=settings.expert_load,
             prefetch=settings.expert_prefetch, pin=settings.expert_pin,
             huge_pages=settings.expert_huge_pages))
-
-    def load() -> LLM:
-        return LLM(settings.model, quant=settings.quant, config=config)
-
-    return load
+    return engine_loader(settings.model, config)
 
 
-def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> FastAPI:
-    """The app for settings; loader builds the LLM on the engine thread."""
+def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = None) -> FastAPI:
+    """The app for settings; loader builds the engine core on the engine's thread."""
     metrics = Metrics()
     holder: list[ServerState] = []
 
@@ -61,9 +66,10 @@ def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> F
         if state.request_exit is not None:
             state.request_exit(1)
 
-    worker = EngineWorker(loader or default_loader(settings), settings.max_queue, metrics,
-                          on_fatal)
-    state = ServerState(settings, metrics, worker)
+    engine = AsyncEngine(loader or default_loader(settings),
+                         AsyncEngineConfig(max_queue=settings.max_queue), on_fatal)
+    metrics.attach(engine)
+    state = ServerState(settings, metrics, engine)
     holder.append(state)
 
     async def drain_watch() -> None:
@@ -79,14 +85,14 @@ def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> F
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        engine.start()
         watch = asyncio.create_task(drain_watch())
         try:
             yield
         finally:
             watch.cancel()
             state.draining = True
-            await asyncio.to_thread(worker.stop, settings.drain_timeout_s)
+            await asyncio.to_thread(engine.stop, settings.drain_timeout_s)
             state.tok_pool.shutdown(wait=False, cancel_futures=True)
 
     docs = settings.docs
@@ -95,6 +101,7 @@ def create_app(settings: Settings, loader: Callable[[], LLM] | None = None) -> F
                   openapi_url="/openapi.json" if docs else None)
     install_schema(app, settings, PROTECTED)
     app.state.colibri = state
+    app.state.serving = Serving(state)
     install_error_handlers(app)
     paths: set[str] = set()
     for module in (models, chat, completions, responses, tokenize, experts, health):

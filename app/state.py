@@ -1,7 +1,8 @@
-"""What the routes share: settings, metrics, the engine worker and a tokenizer pool.
+"""What the routes share: settings, metrics, the engine (an EngineClient) and a tokenizer
+pool.
 
 Tokenizing, chat-template rendering and detokenizing run on `tok_pool` threads, never on
-the event loop; generation runs only on the worker's engine thread.
+the event loop; generation runs only on the engine's own thread.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi import Request
 from colibri.app.errors import APIError
 from colibri.app.metrics import Metrics
 from colibri.app.settings import Settings
-from colibri.app.worker import EngineWorker
+from colibri.engine import EngineClient, ModelInfo
 
 T = TypeVar("T")
 
@@ -30,7 +31,7 @@ class ServerState:
 
     settings: Settings
     metrics: Metrics
-    worker: EngineWorker
+    engine: EngineClient
     tok_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="colibri-tok"))
     started: int = field(default_factory=lambda: int(time.time()))
@@ -42,14 +43,20 @@ class ServerState:
     request_exit: Callable[[int], None] | None = None
 
     @property
-    def llm(self) -> Any:
-        llm = self.worker.llm
-        if llm is None or not self.worker.ready or model_fault(self) is not None:
+    def model(self) -> ModelInfo:
+        """The served model; 503 while loading, draining, failed or faulty."""
+        if self.engine.health() != "ready":
             raise unavailable(self)
-        return llm
+        return self.engine.info
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer; 503 like `model`."""
+        self.model  # noqa: B018 - the 503 when not ready
+        return self.engine.tokenizer
 
     def model_names(self) -> list[str]:
-        return self.settings.model_names(self.llm.model_name)
+        return self.settings.model_names(self.model.name)
 
     def served_name(self) -> str:
         return self.model_names()[0]
@@ -81,19 +88,14 @@ def shutting_down(state: ServerState) -> APIError:
                     headers={"Retry-After": str(state.settings.retry_after_s)})
 
 
-def model_fault(state: ServerState) -> str | None:
-    """Why the loaded model can no longer serve (weights changed, non-finite outputs)."""
-    llm = state.worker.llm
-    return None if llm is None else getattr(llm, "fault", None)
-
-
 def unavailable(state: ServerState) -> APIError:
     """503 while loading, draining, after a failed load or once the model is faulty."""
-    if state.worker.error is not None:
+    health = state.engine.health()
+    if health == "failed":
         why = "the model failed to load"
-    elif model_fault(state) is not None:
+    elif health == "faulty":
         why = "the model's weights changed or went bad; the server needs a restart"
-    elif state.draining or state.worker.stopping:
+    elif state.draining or health == "stopping":
         why = "the server is shutting down"
     else:
         why = "the model is still loading"

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from sse_starlette import EventSourceResponse
 
 from colibri.app.errors import error_body
-from colibri.app.generation import engine_error
 from colibri.app.http import DRAIN_GRACE_S
+from colibri.app.serving import engine_error
 from colibri.app.state import DrainExpiredError, ServerState, shutting_down
 
 

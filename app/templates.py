@@ -40,9 +40,9 @@ def render_prompt_ids(tok: Any, messages: list[dict[str, Any]], add_generation_p
         raise APIError(500, str(exc), code="model_chat_template_failed") from None
 
 
-def chat_prompt_ids(llm: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+def chat_prompt_ids(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     client_template: str | None, timeout_s: float = 2.0,
                     cancel: threading.Event | None = None) -> list[int]:
     """Token ids of the chat prompt (see render_prompt_ids)."""
-    return render_prompt_ids(llm.tokenizer, messages, add_generation_prompt, client_template,
+    return render_prompt_ids(tok, messages, add_generation_prompt, client_template,
                              timeout_s, cancel)

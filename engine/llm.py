@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri.engine.core.engine import ContextLengthError, EngineCore
-from colibri.engine.core.loader import EngineConfig, load_engine
+from colibri.engine.core.loader import EngineConfig, load_engine, resolve_model
 from colibri.engine.core.request import RequestOutput
 from colibri.engine.demo import default_model_path
 from colibri.engine.sample.sampler import SamplingParams
@@ -44,13 +44,7 @@ class LLM:
         quant: str = "q8",
         config: EngineConfig | None = None,
     ) -> None:
-        from colibri.engine.format.hub import download, is_repo_id
-
-        repo = path if is_repo_id(path) else None
-        source = (download(repo) if repo else
-                  Path(path) if path is not None else default_model_path())
-        if not source.exists():
-            raise FileNotFoundError(f"model folder not found: {source}")
+        source, name = resolve_model(path)
         cfg = replace(config or EngineConfig(), quant=quant)
         if threads is not None:
             cfg.threads = threads
@@ -63,7 +57,8 @@ class LLM:
         self.tokenizer = self.core.tokenizer
         self.n_ctx: int = self.model.n_ctx
         self.vocab_size: int = self.model.n_vocab
-        self.model_name: str = repo or source.name
+        self.model_name: str = name
+        self.core.model_name = name
         self._lock = threading.Lock()
 
     @property

@@ -55,7 +55,7 @@ def _app(llm: Any) -> Any:
     from colibri.app.server import create_app
     from colibri.app.settings import Settings
 
-    return create_app(Settings(_env_file=None), loader=lambda: llm)  # type: ignore[call-arg]
+    return create_app(Settings(_env_file=None), loader=lambda: llm.core)  # type: ignore[call-arg]
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,9 @@ def _app(loader: Any, **settings: Any) -> Any:
     from colibri.app.server import create_app
     from colibri.app.settings import Settings
 
-    return create_app(Settings(_env_file=None, **settings), loader=loader)  # type: ignore[call-arg]
+    # the app takes a loader of the engine core; these tests hand it an LLM's
+    return create_app(Settings(_env_file=None, **settings),  # type: ignore[call-arg]
+                      loader=lambda: loader().core)
 
 
 @pytest.fixture(scope="module")

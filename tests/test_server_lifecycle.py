@@ -56,7 +56,9 @@ def _app(loader: Any, **settings: Any) -> Any:
     from colibri.app.server import create_app
     from colibri.app.settings import Settings
 
-    return create_app(Settings(_env_file=None, **settings), loader=loader)  # type: ignore[call-arg]
+    # the app takes a loader of the engine core; these tests hand it an LLM's
+    return create_app(Settings(_env_file=None, **settings),  # type: ignore[call-arg]
+                      loader=lambda: loader().core)
 
 
 @pytest.fixture(scope="module")
@@ -294,10 +296,10 @@ def test_disconnect_during_prefill_frees_its_blocks_without_another_step(
 
 def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
         paced_pair: tuple[InProcessServer, PacedLLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    import colibri.app.routes.chat as chat_route
+    import colibri.app.chat_serving as chat_serving
 
     srv, llm, before = _quiet(paced_pair)
-    monkeypatch.setattr(chat_route, "compile_constraints", lambda _llm, spec, budgets: [
+    monkeypatch.setattr(chat_serving, "compile_constraints", lambda _tok, _v, spec, budgets: [
         None if spec is None else ExplodingConstraint() for _ in budgets])
     results: dict[str, httpx.Response] = {}
 

@@ -10,38 +10,34 @@ from fastapi import APIRouter, Request
 
 from colibri.app.chat_plan import compile_constraints
 from colibri.app.errors import APIError
-from colibri.app.generation import (
+from colibri.app.protocol import CompletionRequest
+from colibri.app.replies import (
     Choice,
+    Output,
     add_output,
-    collect,
     completion_logprobs,
-    first_output,
-    max_tokens_for,
     new_id,
     now,
-    submit,
     usage,
     with_first,
 )
-from colibri.app.protocol import CompletionRequest
 from colibri.app.schemas import Completion, error_responses, sse_200
-from colibri.app.state import ServerState, get_state
+from colibri.app.serving import Sequence, get_serving
 from colibri.app.streaming import sse_response
-from colibri.app.worker import Output, Sequence
 
 router = APIRouter()
 
 
-def _tokenize_prompts(llm: Any, prompts: list[str | list[int]],
+def _tokenize_prompts(tok: Any, prompts: list[str | list[int]],
                       echo: bool) -> list[tuple[list[int], str]]:
     """(ids, echo text) per prompt; runs on the tokenizer pool."""
     out = []
     for p in prompts:
         if isinstance(p, str):
-            ids = list(llm.tokenizer.encode(p, add_special_tokens=True))
+            ids = list(tok.encode(p, add_special_tokens=True))
             out.append((ids, p))
         else:
-            text = llm.tokenizer.decode(p, skip_special_tokens=False) if echo else ""
+            text = tok.decode(p, skip_special_tokens=False) if echo else ""
             out.append((list(p), text))
     return out
 
@@ -51,12 +47,13 @@ def _tokenize_prompts(llm: Any, prompts: list[str | list[int]],
                         **error_responses(400, 404, 500, 503)})
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """OpenAI's (legacy) text completions."""
-    state = get_state(request)
+    serving = get_serving(request)
+    state = serving.state
     model = state.check_model(body.model)
-    llm = state.llm
-    vocab = int(llm.tokenizer.vocab_size)
+    tok = state.tokenizer
+    vocab = int(tok.vocab_size)
     body.check(state.settings, vocab)
-    prompts = await state.off_loop(_tokenize_prompts, llm, body.prompt_list(), body.echo)
+    prompts = await state.off_loop(_tokenize_prompts, tok, body.prompt_list(), body.echo)
     sequences = []
     # echo with logprobs scores the prompt too; max_tokens 0 only scores it
     prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
@@ -66,22 +63,23 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     for ids, _ in prompts:
         if not ids:
             raise APIError(400, "prompt must not be empty", "prompt")
-        budget = max_tokens_for(state, len(ids), body.max_tokens, "prompt")
-        constraints = await state.off_loop(compile_constraints, llm, spec, [budget] * body.n)
+        budget = serving.budget(len(ids), body.max_tokens, "prompt")
+        constraints = await state.off_loop(compile_constraints, tok, vocab, spec,
+                                           [budget] * body.n)
         for j in range(body.n):
             params = body.sampling_params(budget, j, vocab, body.logprobs, prompt_lp)
             params.constraint = constraints[j]
             sequences.append(Sequence(ids, params))
-    job = submit(state, sequences, want_token_text=body.logprobs is not None)
+    job = serving.submit(sequences, want_token_text=body.logprobs is not None)
     echoes = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
     n_prompt = sum(len(ids) for ids, _ in prompts)
     meta = {"id": new_id("cmpl"), "created": now(), "model": model}
     if not body.stream:
-        choices = await collect(state, request, job, len(sequences), "prompt", body.echo)
+        choices = await serving.collect(request, job, len(sequences), "prompt", body.echo)
         return _response(meta, choices, n_prompt, body, echoes)
-    first, outputs = await first_output(state, request, job, "prompt")
-    return sse_response(state, _stream(state, body, meta, n_prompt, len(sequences), echoes,
-                                       first, outputs))
+    first, outputs = await serving.first_output(request, job, "prompt")
+    return sse_response(state, _stream(serving.eos_ids, body, meta, n_prompt, len(sequences),
+                                       echoes, first, outputs))
 
 
 def _response(meta: dict[str, Any], choices: list[Choice], n_prompt: int,
@@ -99,7 +97,7 @@ def _response(meta: dict[str, Any], choices: list[Choice], n_prompt: int,
             "usage": usage(n_prompt, choices)}
 
 
-async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, Any],
+async def _stream(eos_ids: frozenset[int], body: CompletionRequest, meta: dict[str, Any],
                   n_prompt: int, n_choices: int, echoes: list[str] | None,
                   first: Output | None, outputs: AsyncIterator[Output]) -> AsyncIterator[str]:
     base = {**meta, "object": "text_completion", "system_fingerprint": None}
@@ -122,7 +120,7 @@ async def _stream(state: ServerState, body: CompletionRequest, meta: dict[str, A
         async for out in with_first(first, outputs):
             choice = choices[out.index]
             before = len(choice.logprob_outputs)
-            add_output(choice, out, state, body.echo)
+            add_output(choice, out, eos_ids, body.echo)
             if echo_late and echoes and out.prompt is not None:
                 assert body.logprobs is not None
                 lp_prompt = completion_logprobs([], body.logprobs, 0, out.prompt)

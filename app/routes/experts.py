@@ -21,8 +21,8 @@ async def expert_cache(request: Request) -> dict[str, Any]:
     """Residency and heat of every routed expert, the cache's counters and the last minutes
     of speed, batch size and hit rate; 503 while the model loads."""
     state = get_state(request)
-    state.llm  # noqa: B018 - raises the 503 while loading, draining or faulty
-    monitor = state.metrics.expert_cache
+    state.model  # noqa: B018 - raises the 503 while loading, draining or faulty
+    monitor = state.engine.expert_cache()
     if monitor is None:
         raise unavailable(state)
     # off the event loop: it takes the cache's lock, which the engine thread also holds

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
 from colibri.app.schemas import HealthStatus, ReadyStatus
-from colibri.app.state import get_state, model_fault
+from colibri.app.state import get_state
 
 router = APIRouter()
 _READY: dict[int | str, dict[str, Any]] = {
@@ -24,7 +24,7 @@ async def health(request: Request) -> JSONResponse:
     """Liveness: 200 while the process works (also while loading); 503 after an engine fault
     or once the model is faulty (a weight file changed, non-finite outputs)."""
     state = get_state(request)
-    if state.worker.error is not None or model_fault(state) is not None:
+    if state.engine.health() in ("failed", "faulty"):
         return JSONResponse({"status": "error"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -34,15 +34,15 @@ async def health(request: Request) -> JSONResponse:
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once the model is loaded; 503 while loading, draining or failed."""
     state = get_state(request)
-    worker = state.worker
+    health = state.engine.health()
     retry = {"Retry-After": str(state.settings.retry_after_s)}
-    if worker.error is not None:
+    if health == "failed":
         return JSONResponse({"status": "failed", "model_loaded": False}, 503, retry)
-    if model_fault(state) is not None:
+    if health == "faulty":
         return JSONResponse({"status": "failed", "model_loaded": True}, 503, retry)
-    if state.draining or worker.stopping:
+    if state.draining or health == "stopping":
         return JSONResponse({"status": "draining", "model_loaded": True}, 503, retry)
-    if not worker.ready:
+    if health != "ready":
         return JSONResponse({"status": "loading", "model_loaded": False}, 503, retry)
     return JSONResponse({"status": "ready", "model_loaded": True,
                          "model": state.served_name()})

@@ -23,9 +23,8 @@ def _card(name: str, created: int, n_ctx: int) -> dict[str, Any]:
 async def list_models(request: Request) -> dict[str, Any]:
     """The served model (one per server)."""
     state = get_state(request)
-    llm = state.llm
-    return {"object": "list",
-            "data": [_card(state.served_name(), state.started, int(llm.n_ctx))]}
+    n_ctx = state.model.n_ctx
+    return {"object": "list", "data": [_card(state.served_name(), state.started, n_ctx)]}
 
 
 @router.get("/v1/models/{model:path}", response_model=None,
@@ -33,7 +32,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def get_model(model: str, request: Request) -> dict[str, Any]:
     """One model by name; 404 for any other."""
     state = get_state(request)
-    llm = state.llm
+    n_ctx = state.model.n_ctx
     if model not in state.model_names() and not state.settings.accept_any_model:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-    return _card(state.served_name(), state.started, int(llm.n_ctx))
+    return _card(state.served_name(), state.started, n_ctx)

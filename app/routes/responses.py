@@ -17,23 +17,13 @@ from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
 
 from colibri.app.chat_plan import ChatPlan
+from colibri.app.chat_serving import ChoiceStream, prepare_chat, reply_of
 from colibri.app.errors import APIError
-from colibri.app.generation import (
-    Choice,
-    add_output,
-    collect,
-    first_output,
-    new_id,
-    now,
-    submit,
-    with_first,
-)
 from colibri.app.protocol import ChatCompletionRequest, Finite, _Model
-from colibri.app.routes.chat import _ChoiceStream, prepare_chat, reply_of
+from colibri.app.replies import Choice, Output, add_output, new_id, now, with_first
 from colibri.app.schemas import ResponseObject, error_responses, sse_200
-from colibri.app.state import ServerState, get_state
+from colibri.app.serving import get_serving
 from colibri.app.streaming import sse_response
-from colibri.app.worker import Output
 from colibri.engine import ToolCall
 
 router = APIRouter()
@@ -195,19 +185,20 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
                         **error_responses(400, 404, 500, 503)})
 async def responses(body: ResponsesRequest, request: Request) -> Any:
     """OpenAI's Responses API without stored state."""
-    state = get_state(request)
+    serving = get_serving(request)
+    state = serving.state
     model = state.check_model(body.model)
     chat = to_chat(body)
-    plan, sequences = await prepare_chat(state, chat, "text.format")
-    job = submit(state, sequences, want_token_text=False)
+    plan, sequences = await prepare_chat(serving, chat, "text.format")
+    job = serving.submit(sequences, want_token_text=False)
     meta = _meta(body, model)
     if not body.stream:
-        choices = await collect(state, request, job, 1, "input")
+        choices = await serving.collect(request, job, 1, "input")
         c = choices[0]
         content, calls, finish = reply_of(plan, c.text, c.finish_reason)
         return _final(meta, _items(content, calls), finish, len(plan.prompt), c.n_tokens)
-    first, outputs = await first_output(state, request, job, "input")
-    return sse_response(state, _stream(state, plan, meta, first, outputs))
+    first, outputs = await serving.first_output(request, job, "input")
+    return sse_response(state, _stream(serving.eos_ids, plan, meta, first, outputs))
 
 
 def _meta(body: ResponsesRequest, model: str) -> dict[str, Any]:
@@ -253,7 +244,7 @@ def _final(meta: dict[str, Any], items: list[dict[str, Any]], finish: str, n_in:
                       "total_tokens": n_in + n_out}}
 
 
-async def _stream(state: ServerState, plan: ChatPlan, meta: dict[str, Any],
+async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
                   first: Output | None, outputs: AsyncIterator[Output]
                   ) -> AsyncIterator[dict[str, str]]:
     seq = 0
@@ -265,7 +256,7 @@ async def _stream(state: ServerState, plan: ChatPlan, meta: dict[str, Any],
                                                    **fields}, ensure_ascii=False)}
 
     choice = Choice(0)
-    stream = _ChoiceStream(plan)
+    stream = ChoiceStream(plan)
     items: list[dict[str, Any]] = []  # finished output items
     text_item: dict[str, Any] | None = None  # the message being streamed
     call_item: dict[str, Any] | None = None  # the function call being streamed
@@ -341,7 +332,7 @@ async def _stream(state: ServerState, plan: ChatPlan, meta: dict[str, Any],
                                                       "output": [], "usage": None})
         finish = "stop"
         async for out in with_first(first, outputs):
-            add_output(choice, out, state)
+            add_output(choice, out, eos_ids)
             if out.step.text:
                 for delta in stream.push(out.step.text):
                     for ev in on_delta(delta):

@@ -29,18 +29,18 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     """Token ids of a prompt, or of chat messages rendered with the model's template."""
     state = get_state(request)
     state.check_model(body.model)
-    llm = state.llm
-    special = None if body.prompt is None else llm.tokenizer.special_token_id(body.prompt)
+    tok = state.tokenizer
+    special = None if body.prompt is None else tok.special_token_id(body.prompt)
     if body.messages is not None:
         messages = [m.to_template() for m in body.messages]
-        ids = await state.off_loop(chat_prompt_ids, llm, messages, body.add_generation_prompt,
+        ids = await state.off_loop(chat_prompt_ids, tok, messages, body.add_generation_prompt,
                                    None, state.settings.model_template_timeout_s)
     elif special is not None:
         ids = [special]
     else:
-        ids = await state.off_loop(llm.tokenizer.encode, body.prompt,
+        ids = await state.off_loop(tok.encode, body.prompt,
                                    add_special_tokens=body.add_special_tokens)
-    return {"tokens": list(ids), "count": len(ids), "max_model_len": int(llm.n_ctx)}
+    return {"tokens": list(ids), "count": len(ids), "max_model_len": state.model.n_ctx}
 
 
 @router.post("/detokenize", response_model=None,
@@ -50,9 +50,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     """Text of token ids (special tokens kept, so round trips are exact)."""
     state = get_state(request)
     state.check_model(body.model)
-    llm = state.llm
-    check_token_ids(body.tokens, int(llm.tokenizer.vocab_size), "tokens")
-    text = await state.off_loop(llm.tokenizer.decode, body.tokens, skip_special_tokens=False)
+    tok = state.tokenizer
+    check_token_ids(body.tokens, int(tok.vocab_size), "tokens")
+    text = await state.off_loop(tok.decode, body.tokens, skip_special_tokens=False)
     return {"prompt": text}
 
 
@@ -61,8 +61,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 async def tokenizer_info(request: Request) -> dict[str, Any]:
     """The tokenizer's special tokens, chat template and limits (vLLM's shape)."""
     state = get_state(request)
-    llm = state.llm
-    tok = llm.tokenizer
+    tok = state.tokenizer
+    n_ctx = state.model.n_ctx
     eos_ids = sorted(tok.eos_token_ids)
     eos_id = tok.eos_token_id if tok.eos_token_id is not None else (eos_ids or [None])[0]
     eos = tok.eos_token
@@ -82,6 +82,6 @@ async def tokenizer_info(request: Request) -> dict[str, Any]:
         "add_eos_token": tok.add_eos_token,
         "chat_template": tok.chat_template,
         "vocab_size": int(tok.vocab_size),
-        "model_max_length": int(llm.n_ctx),
-        "max_model_len": int(llm.n_ctx),
+        "model_max_length": n_ctx,
+        "max_model_len": n_ctx,
     }

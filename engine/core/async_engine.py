@@ -1,6 +1,6 @@
-"""AsyncEngine: the engine as an asyncio service. `generate(request_id, prompt_ids, params)`
-yields a request's outputs as they are sampled and `abort(request_id)` drops it; that is all a
-server needs to see of generation.
+"""AsyncEngine: the engine as an asyncio service, the EngineClient a server drives.
+`generate(request_id, prompt_ids, params)` yields a request's outputs as they are sampled and
+`abort(request_id)` drops it; that is all a server needs to see of generation.
 
 One engine thread owns the EngineCore: it loads the model, applies queued commands (add,
 abort) between steps, runs steps while there is work and sleeps when there is none. Outputs
@@ -25,7 +25,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from colibri.engine.core.client import Health, ModelInfo
 from colibri.engine.core.engine import EngineCore
+from colibri.engine.core.options import default
 from colibri.engine.core.request import RequestOutput
 from colibri.engine.sample.sampler import SamplingParams
 from colibri.engine.text.token_text import TokenTexts
@@ -49,7 +51,7 @@ class EngineDeadError(RuntimeError):
 class AsyncEngineConfig:
     """Admission limits of the async engine (the step limits live in SchedulerConfig)."""
 
-    max_queue: int = 64  # requests waiting beyond the running batch
+    max_queue: int = default("max_queue")  # requests waiting beyond the running batch
 
 
 _END = object()
@@ -85,17 +87,20 @@ class Stream:
             self.closed = True
             self.engine.release(self)
 
+    def finish(self) -> None:
+        """From the loop: the consumer saw the end (or the error) of the request."""
+        self.closed = True
+        self.engine.release(self, ended=True)
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 _, item = await self.queue.get()
                 if item is _END:
-                    self.closed = True
-                    self.engine.release(self, ended=True)
+                    self.finish()
                     return
                 if isinstance(item, BaseException):
-                    self.closed = True
-                    self.engine.release(self, ended=True)
+                    self.finish()
                     raise item
                 for out in item:
                     yield out
@@ -120,6 +125,8 @@ class AsyncEngine:
         self._streams: dict[str, Stream] = {}  # engine thread only
         self.core: EngineCore | None = None
         self.token_text: TokenTexts | None = None
+        self._info: ModelInfo | None = None
+        self._step_observers: list[Callable[[int, int], None]] = []
         self.loaded = threading.Event()
         self.error: BaseException | None = None
         self.stopping = False
@@ -134,6 +141,56 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self.loaded.is_set() and self.error is None and not self.stopping
+
+    def health(self) -> Health:
+        if self.error is not None:
+            return "failed"
+        if self.fault is not None:
+            return "faulty"
+        if self.stopping:
+            return "stopping"
+        return "ready" if self.loaded.is_set() else "loading"
+
+    @property
+    def fault(self) -> str | None:
+        core = self.core
+        return None if core is None else core.model.fault
+
+    # -- the model (EngineClient) ------------------------------------------------------------
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise EngineUnavailableError("the model is not loaded")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._loaded_core().tokenizer
+
+    def context_budget(self, n_prompt: int, requested: int | None) -> int:
+        return self._loaded_core().context_budget(n_prompt, requested)
+
+    def token_texts(self, token_ids: list[int]) -> list[Any]:
+        tt = self.token_text
+        if tt is None:
+            raise EngineUnavailableError("the model is not loaded")
+        return [tt(t) for t in token_ids]
+
+    def observe_steps(self, fn: Callable[[int, int], None]) -> None:
+        self._step_observers.append(fn)
+
+    def stats(self) -> dict[str, float]:
+        core = self.core
+        return {} if core is None or not self.loaded.is_set() else core.snapshot()
+
+    def expert_cache(self) -> Any:
+        return self.core.expert_cache if self.loaded.is_set() and self.core else None
+
+    def _loaded_core(self) -> EngineCore:
+        core = self.core
+        if core is None or not self.loaded.is_set():
+            raise EngineUnavailableError("the model is not loaded")
+        return core
 
     @property
     def n_live(self) -> int:
@@ -201,8 +258,22 @@ class AsyncEngine:
     # -- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.core = self._loader()
-            self.token_text = TokenTexts(self.core.tokenizer)
+            core = self._loader()
+            self.core = core
+            self.token_text = TokenTexts(core.tokenizer)
+            self._info = ModelInfo(
+                name=str(core.model_name), path=core.model_path, n_ctx=core.n_ctx,
+                max_request_tokens=core.max_request_tokens, vocab_size=core.vocab_size,
+                eos_token_ids=frozenset(core.eos_ids))
+            log.info("model %s loaded (context %d tokens)", core.model_name, core.n_ctx)
+            if self._step_observers:
+                observers = list(self._step_observers)
+
+                def on_step(n_seq: int, n_tok: int) -> None:
+                    for fn in observers:
+                        fn(n_seq, n_tok)
+
+                core.on_step = on_step
         except BaseException as exc:  # noqa: BLE001 - reported, then the server exits
             log.error("could not load the model: %s", exc, exc_info=exc)
             self.error = exc

@@ -71,6 +71,7 @@ class EngineCore:
         self.eos_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self.on_step: Callable[[int, int], None] | None = None  # (sequences, tokens) per step
         self.model_path: Any = None
+        self.model_name = ""  # the repo id or folder name the loader was given
         self.expert_cache: Any = None  # ExpertCacheMonitor, set by the loader
 
     # -- admission -------------------------------------------------------------------------
@@ -80,24 +81,34 @@ class EngineCore:
         whole KV pool when that is smaller, so a request alone always fits."""
         return min(self.n_ctx, self.blocks.n_blocks * BLOCK_SIZE)
 
+    def context_budget(self, n_prompt: int, requested: int | None) -> int:
+        """Completion tokens a prompt of n_prompt tokens may have: requested, or what is left
+        of max_request_tokens when None (0 scores the prompt only). ContextLengthError, in
+        the words OpenAI's API uses, when it does not fit."""
+        cap = self.max_request_tokens
+        if cap < self.n_ctx:
+            limit = (f"This server's KV cache holds {cap} tokens per request (the model's "
+                     f"context is {self.n_ctx})")
+        else:
+            limit = f"This model's maximum context length is {self.n_ctx} tokens"
+        if n_prompt >= cap:
+            raise ContextLengthError(f"{limit}, and the prompt has {n_prompt} tokens.",
+                                     n_prompt, cap)
+        if requested is None:
+            return cap - n_prompt
+        if n_prompt + requested > cap:
+            raise ContextLengthError(
+                f"{limit}. However, you requested {n_prompt + requested} tokens ({n_prompt} in "
+                f"the prompt, {requested} for the completion). Please reduce the prompt or "
+                f"max_tokens.", n_prompt, cap)
+        return int(requested)
+
     def check_request(self, prompt: list[int], params: SamplingParams) -> int:
         """Validate a request; return its completion budget (max new tokens). Raises
         SamplingParamError, TokenIdError (bad token ids, empty prompt) or ContextLengthError."""
         params.validate(self.vocab_size)
         n = len(check_token_ids(prompt, self.vocab_size, "prompt"))
-        cap = self.max_request_tokens
-        where = "context" if cap == self.n_ctx else "KV cache"
-        if n >= cap:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens, the {where} holds {cap}", n, cap)
-        room = cap - n
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ContextLengthError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceed the "
-                f"{where} of {cap} tokens", n, cap)
-        return int(params.max_tokens)
+        return self.context_budget(n, params.max_tokens)
 
     def add_request(self, request_id: str, prompt: list[int],
                     params: SamplingParams | list[SamplingParams]) -> None:

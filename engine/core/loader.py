@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from colibri.engine.core.block_manager import BLOCK_SIZE
 from colibri.engine.core.engine import EngineCore
 from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
+from colibri.engine.core.options import default
 from colibri.engine.core.scheduler import SchedulerConfig
 from colibri.engine.executor.expert_cache import (
     CachePlan,
@@ -33,12 +35,12 @@ from colibri.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri.engine")
 
-DEFAULT_MAX_NUM_SEQS = 16
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+DEFAULT_MAX_NUM_SEQS = default("max_num_seqs")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = default("max_num_batched_tokens")
 # measured on the benchmark Mixtral (2 threads, 8 streams): p99 inter-token latency 0.54 s
 # instead of 0.93 s with whole 256-token chunks, a new request's p99 time to first token
 # about 2x its idle one (with 64: 0.28 s, but 3.4x)
-DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 128
+DEFAULT_PREFILL_TOKENS_WHILE_DECODING = default("prefill_tokens_while_decoding")
 
 
 @dataclass
@@ -47,14 +49,14 @@ class EngineConfig:
 
     threads: int | None = None  # None: physical cores
     n_ctx: int | None = None  # None: the model's own, capped at 4096
-    quant: str = "q8"  # precision a Hugging Face folder is converted to
+    quant: str = default("quant")  # precision a Hugging Face folder is converted to
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # prompt tokens a step carries while other requests decode (None: max_num_batched_tokens)
     prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     kv_cache_mb: float | None = None  # None: sized from max_num_seqs and available memory
     kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
-    enable_prefix_cache: bool = True
+    prefix_cache: bool = default("prefix_cache")
     progress: bool = True  # show the conversion progress bar
     expert_cache: ExpertCacheConfig = field(default_factory=ExpertCacheConfig.from_env)
 
@@ -88,6 +90,33 @@ def kv_pool_blocks(block_bytes: int, n_ctx: int, config: EngineConfig) -> int:
     return max(n, per_ctx)
 
 
+def resolve_model(model: str | Path | None) -> tuple[Path, str]:
+    """(folder, name) of what a user named: a Hugging Face repo id (downloaded once into the
+    Hugging Face cache), a folder, or None for the bundled demo model. FileNotFoundError when
+    a folder does not exist."""
+    from colibri.engine.demo import default_model_path
+    from colibri.engine.format.hub import download, is_repo_id
+
+    if is_repo_id(model):
+        return download(str(model)), str(model)
+    source = Path(model) if model is not None else default_model_path()
+    if not source.exists():
+        raise FileNotFoundError(f"model folder not found: {source}")
+    return source, source.name
+
+
+def engine_loader(model: str | Path | None, config: EngineConfig) -> Callable[[], EngineCore]:
+    """What AsyncEngine runs on its thread to load `model` (see resolve_model)."""
+
+    def load() -> EngineCore:
+        folder, name = resolve_model(model)
+        core = load_engine(folder, config)
+        core.model_name = name
+        return core
+
+    return load
+
+
 def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     """An EngineCore over the model at path (a Colibri or Hugging Face folder)."""
     folder = ensure_converted(Path(path), config.quant, progress=config.progress)
@@ -107,8 +136,9 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             prefill_tokens_while_decoding=config.prefill_tokens_while_decoding)
-    core = EngineCore(model, tokenizer, sched, n_blocks, config.enable_prefix_cache)
+    core = EngineCore(model, tokenizer, sched, n_blocks, config.prefix_cache)
     core.model_path = folder
+    core.model_name = Path(path).name
     core.expert_cache = monitor
     return core
 
@@ -131,7 +161,7 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
     other = kv_bytes + sum(p.stat().st_size for p in other_files)
     n_moe = len(cfg.moe_layers)
     if n_moe == 0:
-        if xc.size is not None or xc.mb is not None:
+        if xc.expert_cache_size is not None or xc.expert_cache_mb is not None:
             log.warning("expert cache: a dense model has no routed experts; the expert cache "
                         "budget is ignored")
         repacked = model.core.repack(experts=False) if repack_enabled() else 0
@@ -157,16 +187,16 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
                  n_moe * cfg.n_expert, plan.budget_bytes / 1e6, plan.reason)
     else:
         pinned = (load_pinned(folder, cfg.n_layer, cfg.n_expert, plan.per_layer)
-                  if xc.pin else None)
-        load = resolve_load(xc.load, folder)
-        model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.prefetch,
-                                       huge_pages=xc.huge_pages,
-                                       heat_window=xc.prefetch_window, pinned=pinned)
+                  if xc.expert_pin else None)
+        load = resolve_load(xc.expert_load, folder)
+        model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.expert_prefetch,
+                                       huge_pages=xc.expert_huge_pages,
+                                       prefetch_window=xc.prefetch_window, pinned=pinned)
         pages = "" if load == "mmap" else (", slots on 2 MiB pages where granted"
-                                           if xc.huge_pages else ", slots on 4 KiB pages")
+                                           if xc.expert_huge_pages else ", slots on 4 KiB pages")
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
                  "load %s%s, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
                  plan.budget_bytes / 1e6, n_moe * cfg.n_expert * plan.expert_bytes / 1e6,
-                 plan.reason, load, pages, "on" if xc.prefetch else "off",
+                 plan.reason, load, pages, "on" if xc.expert_prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
     return ExpertCacheMonitor(model.core, plan, folder)
