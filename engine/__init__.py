@@ -18,6 +18,10 @@ _EXPORTS = {
     "default_model_path": "colibri.engine.llm",
     "SamplingParams": "colibri.engine.sample.sampler",
     "AsyncEngine": "colibri.engine.core.async_engine",
+    "EngineClient": "colibri.engine.core.client",
+    "ModelInfo": "colibri.engine.core.client",
+    "EngineCore": "colibri.engine.core.engine",
+    "engine_loader": "colibri.engine.core.loader",
     "AsyncEngineConfig": "colibri.engine.core.async_engine",
     "EngineUnavailableError": "colibri.engine.core.async_engine",
     "QueueFullError": "colibri.engine.core.async_engine",
@@ -69,6 +73,10 @@ __all__ = [
     "history_call_text",
     "template_tools",
     "AsyncEngine",
+    "EngineClient",
+    "EngineCore",
+    "ModelInfo",
+    "engine_loader",
     "AsyncEngineConfig",
     "EngineConfig",
     "ExpertCacheConfig",
@@ -103,8 +111,9 @@ if TYPE_CHECKING:  # pragma: no cover
         EngineUnavailableError,
         QueueFullError,
     )
-    from colibri.engine.core.engine import ContextLengthError
-    from colibri.engine.core.loader import EngineConfig
+    from colibri.engine.core.client import EngineClient, ModelInfo
+    from colibri.engine.core.engine import ContextLengthError, EngineCore
+    from colibri.engine.core.loader import EngineConfig, engine_loader
     from colibri.engine.core.request import RequestOutput
     from colibri.engine.errors import ModelFaultError, TokenIdError, check_token_ids
     from colibri.engine.executor.expert_cache import ExpertCacheConfig
