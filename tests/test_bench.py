@@ -350,3 +350,21 @@ def test_bench_profile_never_imports_bench() -> None:
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     bench = "colibri.engine.tools.bench"
     assert not [n for n in names if n == bench or n.startswith(bench + ".")], names
+
+
+def test_bench_shows_its_progress_on_stderr(tiny: dict[str, Path],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A bar on stderr names each phase and counts them (first read, load, warm-up, each
+    timed run, last read); --no-progress leaves stderr empty; stdout is the result alone."""
+    args = ["bench", "--model", str(tiny["q4"]), "--prompt-tokens", "12", "--gen-tokens", "6",
+            "--threads", "2", "--repeat", "2", "--probe-mib", "8", "--json"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)
+    for shown in ("bench 0/6", "reading memory", "loading the model", "warm-up",
+                  "timed run 1 of 2", "timed run 2 of 2 (the last decoded", "bench 6/6"):
+        assert shown in err, err
+    assert main([*args, "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)
+    assert err == ""

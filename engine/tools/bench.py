@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from colibri.engine.core.kv_types import resolve_kv_type
 from colibri.engine.core.loader import available_memory_bytes, start_expert_cache
@@ -200,13 +201,15 @@ class BenchSettings:
     profile: bool = False
     expert_cache: ExpertCacheConfig | None = None  # None: from the environment
     kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
+    progress: bool = False  # a bar on stderr over the phases and runs
 
     def check(self) -> None:
-        for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name.replace('_', '-')} must be positive")
-        if self.threads is not None and self.threads <= 0:
-            raise ValueError("threads must be positive")
+        """Refuse counts below 1, named by their `colibri bench` option."""
+        for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes",
+                     "threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, Any] | None,
@@ -270,27 +273,45 @@ def same_minute(runs: list[RunTiming], reads: list[float], n_gen: int,
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Measure a model; returns the result object `--json` prints."""
-    from colibri.engine import _core
-    from colibri.engine.executor.model import Model
     from colibri.engine.format.convert import ensure_converted
 
     s.check()
-    path = ensure_converted(check_model(s.model), s.quant, progress=False)
+    path = ensure_converted(check_model(s.model), s.quant, progress=s.progress)
+    # one step per phase: the first read, loading, the warm-up, each timed run, the last read
+    bar = tqdm(total=s.repeat + 4, desc="bench", file=sys.stderr, disable=not s.progress,
+               bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| {elapsed}{postfix}")
+    try:
+        return _measure(s, path, bar)
+    finally:
+        bar.close()
+
+
+def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
+    """run_bench's measurements; bar names each phase as it starts and counts it when done."""
+    from colibri.engine import _core
+    from colibri.engine.executor.model import Model
+
     # the memory's read rate drifts on shared machines: probe before loading and again after
     # the runs (with the model freed, so the buffer never competes with it) and take the
     # higher, which bounds the decode in between from above
     n_threads = s.threads or _core.physical_cores()
+    bar.set_postfix_str("reading memory")
     probes = [_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes)]
+    bar.update()
+    bar.set_postfix_str("loading the model")
     t0 = time.perf_counter()
     model = Model.load(path, threads=n_threads, n_ctx=s.prompt_tokens + s.gen_tokens,
                        kv_type=resolve_kv_type(s.kv_cache_type, ModelConfig.from_dir(path).quant))
     monitor = start_expert_cache(model, path, s.expert_cache or ExpertCacheConfig.from_env(),
                                  model.n_kv_blocks * model.kv_block_bytes())
     load_s = time.perf_counter() - t0
+    bar.update()
     cfg = model.config
     prompt = bench_prompt(cfg.n_vocab, s.prompt_tokens)
 
+    bar.set_postfix_str("warm-up")
     timed_greedy_run(model, prompt, min(s.gen_tokens, 8))  # warm-up: page in, spin up
+    bar.update()
     before = monitor.stats()
     # a read just before every run and after the last, where the probe's buffer fits beside
     # the model with room to spare (a model that fills the memory is never pushed out)
@@ -298,10 +319,14 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     between = free is not None and free > 2 * (s.probe_mib << 20)
     reads: list[float] = []
     runs = []
-    for _ in range(s.repeat):
+    for i in range(s.repeat):
+        bar.set_postfix_str(f"timed run {i + 1} of {s.repeat}" + (
+            f" (the last decoded {s.gen_tokens / runs[-1].decode_s:.1f} tok/s)" if runs else ""))
         if between:
             reads.append(_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes))
         runs.append(timed_greedy_run(model, prompt, s.gen_tokens))
+        bar.update()
+    bar.set_postfix_str("reading memory")
     if between:
         reads.append(_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes))
     cache = expert_cache_report(monitor, before, s.repeat * (s.prompt_tokens + s.gen_tokens))
@@ -316,6 +341,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
 
     per_token = weight_bytes_per_token(path)
     probes.append(_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes))
+    bar.set_postfix_str("done", refresh=False)
+    bar.update()
     gbps = max(probes)
     bound = gbps * 1e9 / per_token["total"]
     result = {
@@ -439,6 +466,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-mib", type=int, default=DEFAULT_PROBE_MIB,
                    help=f"bandwidth probe buffer in MiB (default {DEFAULT_PROBE_MIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--profile", action="store_true",
                    help="also print where a decoded token's time goes, timed in place: the "
                         "weight products of each phase (attention projections, router, "
@@ -450,13 +478,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run `colibri bench` with parsed arguments; prints the table or JSON."""
-    check_model(args.model)  # before anything is timed or converted
-    check_trace_args(args)
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
         profile=args.profile, expert_cache=expert_cache_from_args(args),
-        kv_cache_type=args.kv_cache_type)
+        kv_cache_type=args.kv_cache_type, progress=not args.no_progress)
+    settings.check()  # before anything is read, timed or converted
+    check_model(args.model)
+    check_trace_args(args)
     result = run_bench(settings)
     print(json.dumps(result, indent=2) if args.json else render(result))
     if args.routing_trace is not None:
