@@ -13,12 +13,15 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colibri.engine import __version__
 from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
 from colibri.engine.format.modelcheck import ModelError, check_model
 from colibri.engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
+
+if TYPE_CHECKING:
+    from colibri.engine.sample.sampler import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -121,13 +124,32 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     add_expert_cache_args(p)
 
 
+def _generate_params(args: argparse.Namespace) -> SamplingParams:
+    """generate's sampling options as SamplingParams, checked before anything loads, each by
+    the one check the server applies to the same field, and named by its option."""
+    from colibri.engine.sample.sampler import SamplingParamError, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    try:
+        # none of these options is a token id, so the vocabulary's size (known once the
+        # model is loaded) plays no part in the check
+        params.validate(vocab_size=1)
+    except SamplingParamError as e:
+        flag = "--" + e.param.replace("_", "-") + (" " if e.message.startswith("must") else ": ")
+        raise ValueError(f"{flag}{e.message}, got {getattr(params, e.param)!r}") from None
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    return params
+
+
 @command("generate", "write a completion of a prompt to stdout as it is generated",
          _generate_args)
 def _generate(args: argparse.Namespace) -> int:
     from colibri.engine.core.loader import EngineConfig
     from colibri.engine.llm import LLM
-    from colibri.engine.sample.sampler import SamplingParams
 
+    params = _generate_params(args)
     check_model(args.model)
     config = EngineConfig(expert_cache=expert_cache_from_args(args))
     llm = LLM(args.model, threads=args.threads, quant=args.quant, config=config)
@@ -136,8 +158,6 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         ids = llm.tokenizer.encode(args.prompt, add_special_tokens=True)
         sys.stdout.write(args.prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
     for out in llm.generate_tokens(ids, params):
         sys.stdout.write(out.text)
         sys.stdout.flush()

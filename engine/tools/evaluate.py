@@ -171,18 +171,46 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return p
 
 
+def check_eval_args(args: argparse.Namespace) -> None:
+    """The numeric options, before anything is read or loaded. The window can only shrink to
+    the model's context later, where window_plan checks the stride against it again."""
+    if args.ctx < 2:
+        raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
+    if args.stride is not None and not 1 <= args.stride <= args.ctx - 1:
+        raise ValueError(f"--stride must be in [1, ctx - 1] = [1, {args.ctx - 1}], "
+                         f"got {args.stride}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+
+
+def read_text_file(path: str | Path) -> str:
+    """The text of --text, or a ValueError that names the file and says what is wrong."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--text {path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"--text {path}: a folder, not a text file") from None
+    except PermissionError:
+        raise ValueError(f"--text {path}: not allowed to read it") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {path}: not UTF-8 text (byte {e.start} cannot be "
+                         "decoded)") from None
+    except OSError as e:
+        raise ValueError(f"--text {path}: cannot be read ({e.strerror or e})") from None
+
+
 def eval_main(args: argparse.Namespace) -> int:
     """Run `colibri eval`: print the token count and a final line `perplexity: N`."""
     from colibri.engine.core.loader import EngineConfig
     from colibri.engine.llm import LLM
 
-    if args.ctx < 2:
-        raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
+    check_eval_args(args)
     check_model(args.model)
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     if args.text is not None:
-        text = Path(args.text).read_text(encoding="utf-8")
+        text = read_text_file(args.text)
     else:
         try:
             text = demo_validation_text()
