@@ -46,12 +46,13 @@ def default_loader(settings: Settings) -> Callable[[], EngineCore]:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefill_tokens_while_decoding=settings.prefill_tokens_while_decoding,
         kv_cache_mb=settings.kv_cache_mb, kv_cache_type=settings.kv_cache_type,
-        enable_prefix_cache=settings.prefix_cache,
+        prefix_cache=settings.prefix_cache,
         expert_cache=ExpertCacheConfig(
-            mb=settings.expert_cache_mb, size=settings.expert_cache_size,
-            prefetch_window=settings.prefetch_window, load=settings.expert_load,
-            prefetch=settings.expert_prefetch, pin=settings.expert_pin,
-            huge_pages=settings.expert_huge_pages))
+            expert_cache_mb=settings.expert_cache_mb,
+            expert_cache_size=settings.expert_cache_size,
+            prefetch_window=settings.prefetch_window, expert_load=settings.expert_load,
+            expert_prefetch=settings.expert_prefetch, expert_pin=settings.expert_pin,
+            expert_huge_pages=settings.expert_huge_pages))
     return engine_loader(settings.model, config)
 
 

@@ -207,7 +207,7 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * expert the running step still uses is never evicted; when a step needs more experts in a
  * layer than fit, the layer runs in waves, in expert order, so results are bit-identical to the
  * all-resident model whatever the budget. Victims: an empty slot, else the unpinned expert with
- * the least heat (selections over the last heat_window tokens, decayed), oldest use first on
+ * the least heat (selections over the last prefetch_window tokens, decayed), oldest use first on
  * ties. With prefetch, a thread reads ahead the experts that layer L+1's router picks for
  * layer L's input while layer L computes; a layer whose prefetches are mostly evicted unused
  * prefetches only one step in eight until that changes. */
@@ -219,11 +219,11 @@ typedef enum {
 } clb_xc_load;
 
 typedef struct {
-    int64_t per_layer;   /* slots per layer, 1..n_expert */
-    int32_t load;        /* clb_xc_load */
-    int32_t prefetch;    /* 1: pre-gating prefetch thread */
-    int32_t huge_pages;  /* 1: ask for 2 MiB transparent huge pages on the slots */
-    int64_t heat_window; /* tokens, >= 1 */
+    int64_t per_layer;       /* slots per layer, 1..n_expert */
+    int32_t load;            /* clb_xc_load */
+    int32_t prefetch;        /* 1: pre-gating prefetch thread */
+    int32_t huge_pages;      /* 1: ask for 2 MiB transparent huge pages on the slots */
+    int64_t prefetch_window; /* tokens of routing history that make heat, >= 1 */
 } clb_xc_config;
 
 typedef struct {

@@ -516,11 +516,11 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         return CLB_E_ARG;
     }
     if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
-        cfg->load > CLB_XC_MMAP || cfg->heat_window < 1) {
+        cfg->load > CLB_XC_MMAP || cfg->prefetch_window < 1) {
         clb_set_err(err,
-                    "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, heat "
-                    "window %lld)", (long long)cfg->per_layer, (long long)E, (int)cfg->load,
-                    (long long)cfg->heat_window);
+                    "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, "
+                    "prefetch window %lld)", (long long)cfg->per_layer, (long long)E,
+                    (int)cfg->load, (long long)cfg->prefetch_window);
         return CLB_E_ARG;
     }
     const int64_t N = cfg->per_layer;
@@ -546,7 +546,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->L = L;
     xc->E = E;
     xc->N = N;
-    xc->decay = 1.0f - 1.0f / (float)cfg->heat_window;
+    xc->decay = 1.0f - 1.0f / (float)cfg->prefetch_window;
     pthread_mutex_init(&xc->mu, NULL);
     pthread_cond_init(&xc->loaded, NULL);
     pthread_cond_init(&xc->work, NULL);

@@ -27,7 +27,11 @@ _EXPORTS = {
     "QueueFullError": "colibri.engine.core.async_engine",
     "RequestOutput": "colibri.engine.core.request",
     "EngineConfig": "colibri.engine.core.loader",
-    "ExpertCacheConfig": "colibri.engine.executor.expert_cache",
+    "ExpertCacheConfig": "colibri.engine.core.options",
+    "OPTION": "colibri.engine.core.options",
+    "add_option_args": "colibri.engine.core.options",
+    "command_options": "colibri.engine.core.options",
+    "engine_env_variables": "colibri.engine.core.options",
     "add_expert_cache_args": "colibri.engine.tools.cache_args",
     "KV_CACHE_TYPES": "colibri.engine.tools.cache_args",
     "ModelFaultError": "colibri.engine.errors",
@@ -80,6 +84,10 @@ __all__ = [
     "AsyncEngineConfig",
     "EngineConfig",
     "ExpertCacheConfig",
+    "OPTION",
+    "add_option_args",
+    "command_options",
+    "engine_env_variables",
     "add_expert_cache_args",
     "EngineUnavailableError",
     "QueueFullError",
@@ -114,9 +122,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from colibri.engine.core.client import EngineClient, ModelInfo
     from colibri.engine.core.engine import ContextLengthError, EngineCore
     from colibri.engine.core.loader import EngineConfig, engine_loader
+    from colibri.engine.core.options import (
+        OPTION,
+        ExpertCacheConfig,
+        add_option_args,
+        command_options,
+        engine_env_variables,
+    )
     from colibri.engine.core.request import RequestOutput
     from colibri.engine.errors import ModelFaultError, TokenIdError, check_token_ids
-    from colibri.engine.executor.expert_cache import ExpertCacheConfig
     from colibri.engine.format.convert import (
         DEFAULT_QUANT,
         QUANT_PRESETS,

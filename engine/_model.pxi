@@ -110,7 +110,7 @@ cdef extern from "clb_model.h" nogil:
         int32_t load
         int32_t prefetch
         int32_t huge_pages
-        int64_t heat_window
+        int64_t prefetch_window
 
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
@@ -452,7 +452,7 @@ cdef class CoreModel:
         return n
 
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
-                            bint huge_pages=False, int heat_window=16, pinned=None) -> None:
+                            bint huge_pages=False, int prefetch_window=16, pinned=None) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
         load: "pread", "direct" (O_DIRECT) or "mmap" (madvise on the mappings); pinned: bool
@@ -466,7 +466,7 @@ cdef class CoreModel:
         cfg.load = XC_LOADS.index(load)
         cfg.prefetch = 1 if prefetch else 0
         cfg.huge_pages = 1 if huge_pages else 0
-        cfg.heat_window = heat_window
+        cfg.prefetch_window = prefetch_window
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef uint8_t[::1] pv
         cdef const uint8_t *pp = NULL

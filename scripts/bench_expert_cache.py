@@ -175,13 +175,15 @@ def child(args: argparse.Namespace) -> int:
         pre, dec, toks = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
         from colibri.engine.core.loader import start_expert_cache
-        from colibri.engine.executor.expert_cache import ExpertCacheConfig, resolve_load
+        from colibri.engine.core.options import ExpertCacheConfig
+        from colibri.engine.executor.expert_cache import resolve_load
         from colibri.engine.executor.model import Model
         from colibri.engine.tools.bench import timed_greedy_run
 
         m = Model.load(args.child_model, threads=args.threads, n_ctx=n_ctx)
-        xc = ExpertCacheConfig(size=args.size, load=args.load, prefetch=args.prefetch,
-                               pin=False, huge_pages=args.huge)
+        xc = ExpertCacheConfig(expert_cache_size=args.size, expert_load=args.load,
+                               expert_prefetch=args.prefetch, expert_pin=False,
+                               expert_huge_pages=args.huge)
         mon = start_expert_cache(m, Path(args.child_model), xc, 0)
         load_s = time.perf_counter() - t_load
         if args.warm:
@@ -191,8 +193,8 @@ def child(args: argparse.Namespace) -> int:
         r = timed_greedy_run(m, prompt, args.gen_tokens)
         pre, dec, toks = r.prefill_s, r.decode_s, r.tokens
         after = mon.totals()
-        plan = {"per_layer": mon.plan.per_layer, "load": xc.load if mon.plan.per_layer
-                      is None else resolve_load(xc.load, Path(args.child_model))}
+        plan = {"per_layer": mon.plan.per_layer, "load": xc.expert_load if mon.plan.per_layer
+                      is None else resolve_load(xc.expert_load, Path(args.child_model))}
         if after:
             stats = {k: after[k] - before.get(k, 0.0) for k in after
                      if k not in ("hit_rate", "resident_bytes", "budget_bytes")}

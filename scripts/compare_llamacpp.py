@@ -542,7 +542,7 @@ def child_run(args: argparse.Namespace) -> int:
         run = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
         from colibri.engine.core.loader import start_expert_cache
-        from colibri.engine.executor.expert_cache import ExpertCacheConfig
+        from colibri.engine.core.options import ExpertCacheConfig
         from colibri.engine.executor.model import Model
 
         # loaded as the server and colibri bench load it: the expert budget, the repacking,

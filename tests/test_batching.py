@@ -85,7 +85,7 @@ def test_batch_invariance_greedy_and_seeded(hf_dir: Path, quant: str) -> None:
     # alone: on an engine of its own, with no prefix cache that could hand it blocks the
     # batch computed
     solo = _llm(hf_dir, quant, max_num_seqs=8, max_num_batched_tokens=64,
-                enable_prefix_cache=False)
+                prefix_cache=False)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         assert _alone(solo, prompt, p) == together[i], f"request {i} changed in the batch"
 
@@ -167,7 +167,7 @@ def test_prompt_chunks_shrink_while_others_decode(hf_dir: Path) -> None:
     chunks of prefill_tokens_while_decoding, and the decoding stream gets a token every step.
     The tokens are the same either way."""
     llm = _llm(hf_dir, max_num_seqs=4, max_num_batched_tokens=32,
-               prefill_tokens_while_decoding=8, enable_prefix_cache=False)
+               prefill_tokens_while_decoding=8, prefix_cache=False)
     core = llm.core
     long = _ids(llm, " ".join(PROMPTS) * 2)[:100]
     core.add_request("solo", long, _params(max_tokens=3))
@@ -204,7 +204,7 @@ def test_sampled_rows_apart_in_the_logits(hf_dir: Path,
     import colibri.engine.core.engine as engine_core
 
     llm = _llm(hf_dir, max_num_seqs=4, max_num_batched_tokens=32,
-               prefill_tokens_while_decoding=8, enable_prefix_cache=False)
+               prefill_tokens_while_decoding=8, prefix_cache=False)
     core = llm.core
     long = _ids(llm, " ".join(PROMPTS) * 2)[:60]
     first, last = _ids(llm, "Water"), _ids(llm, "The quick brown fox")
@@ -279,7 +279,7 @@ def test_abort_frees_blocks_at_once(llm: Any) -> None:
 
 
 def test_n_choices_share_one_prefill(hf_dir: Path) -> None:
-    llm = _llm(hf_dir, max_num_seqs=4, enable_prefix_cache=False)
+    llm = _llm(hf_dir, max_num_seqs=4, prefix_cache=False)
     prompt = _ids(llm, " ".join(PROMPTS))[:70]
     choices = [_params(max_tokens=6, temperature=1.0, seed=11 + i) for i in range(3)]
     core = llm.core
@@ -313,7 +313,7 @@ def test_prefix_cache_reuses_a_shared_system_prompt(llm: Any) -> None:
         results.append((prompt, toks, cached))
     assert results[0][2] == 0
     assert results[1][2] == 64  # four full blocks of the shared system prompt
-    fresh = replace(llm.config, enable_prefix_cache=False)
+    fresh = replace(llm.config, prefix_cache=False)
     from colibri.engine import LLM
 
     other = LLM(llm.path, threads=2, quant="f32", n_ctx=256, config=fresh)

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from colibri.engine.core.loader import EngineConfig
+from colibri.engine.core.options import ExpertCacheConfig
 from colibri.engine.demo import default_model_path
 from colibri.engine.errors import ModelFaultError, WeightFileChangedError
 from colibri.engine.executor.expert_cache import (
     MIN_MARGIN_BYTES,
     ROUTING_FILE,
-    ExpertCacheConfig,
     load_pinned,
     plan_cache,
     resolve_load,
@@ -144,7 +144,7 @@ def test_batch_of_sequences_in_waves(shared_dir: Path) -> None:
 
 def test_budget_holds_after_every_step_under_random_routing(shared_dir: Path) -> None:
     m = Model.load(shared_dir, n_seq=0, kv_blocks=64)
-    m.core.enable_expert_cache(2, prefetch=True, heat_window=4)
+    m.core.enable_expert_cache(2, prefetch=True, prefetch_window=4)
     rng = np.random.default_rng(7)
     positions: dict[int, int] = {}
     n_tokens = 0
@@ -249,7 +249,7 @@ def test_truncated_expert_file_at_load_is_a_clean_error(demo_dir: Path,
     shutil.copytree(demo_dir, copy)
     victim = copy / "experts" / "layer_1_expert_5.bin"
     os.truncate(victim, victim.stat().st_size // 2)
-    cfg = EngineConfig(expert_cache=ExpertCacheConfig(size=8), progress=False)
+    cfg = EngineConfig(expert_cache=ExpertCacheConfig(expert_cache_size=8), progress=False)
     with pytest.raises(Exception, match="layer_1_expert_5.bin"):
         LLM(copy, config=cfg)
 
@@ -260,13 +260,13 @@ def test_plan_refuses_a_budget_below_one_layers_top_k(demo_dir: Path) -> None:
     eb = m.core.expert_bytes
     minimum_mb = cfg.n_expert_used * cfg.n_layer * eb / 1e6
     with pytest.raises(ValueError, match=f"minimum of {minimum_mb:.1f} MB"):
-        plan_cache(m.core, ExpertCacheConfig(mb=0.1), cfg.n_layer, cfg.n_expert,
+        plan_cache(m.core, ExpertCacheConfig(expert_cache_mb=0.1), cfg.n_layer, cfg.n_expert,
                    cfg.n_expert_used, 0, None)
     with pytest.raises(ValueError, match="must be in 8..64"):
-        plan_cache(m.core, ExpertCacheConfig(size=3), cfg.n_layer, cfg.n_expert,
+        plan_cache(m.core, ExpertCacheConfig(expert_cache_size=3), cfg.n_layer, cfg.n_expert,
                    cfg.n_expert_used, 0, None)
     layer = cfg.n_layer * eb
-    p = plan_cache(m.core, ExpertCacheConfig(mb=20 * layer / 2**20), cfg.n_layer,
+    p = plan_cache(m.core, ExpertCacheConfig(expert_cache_mb=20 * layer / 2**20), cfg.n_layer,
                    cfg.n_expert, cfg.n_expert_used, 0, None)
     assert p.per_layer == 20
     # no budget given: everything resident when it fits, else what free memory allows
@@ -278,7 +278,7 @@ def test_plan_refuses_a_budget_below_one_layers_top_k(demo_dir: Path) -> None:
                    cfg.n_expert_used, 10 << 20, free)
     assert p.per_layer == 30 and not p.fits
     # every expert resident: in memory of its own (repacked) only when it fits
-    every = ExpertCacheConfig(size=cfg.n_expert)
+    every = ExpertCacheConfig(expert_cache_size=cfg.n_expert)
     p = plan_cache(m.core, every, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, 10 << 20, free)
     assert p.per_layer is None and not p.fits  # asked for, but left to the OS's paging
     p = plan_cache(m.core, every, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, 10 << 20,
@@ -289,7 +289,7 @@ def test_plan_refuses_a_budget_below_one_layers_top_k(demo_dir: Path) -> None:
 def test_routing_history_pins_the_next_start(demo_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "m"
     shutil.copytree(demo_dir, copy)
-    cfg = EngineConfig(expert_cache=ExpertCacheConfig(size=16), progress=False)
+    cfg = EngineConfig(expert_cache=ExpertCacheConfig(expert_cache_size=16), progress=False)
     llm = LLM(copy, config=cfg)
     llm.generate_ids(list(PROMPT), 8, temperature=0.0)
     llm.core.close()
@@ -304,7 +304,8 @@ def test_routing_history_pins_the_next_start(demo_dir: Path, tmp_path: Path) -> 
     llm2 = LLM(copy, config=cfg)
     st = llm2.model.core.expert_cache_stats()
     assert (st["state"][pinned] == 3).all()
-    off = EngineConfig(expert_cache=ExpertCacheConfig(size=16, pin=False), progress=False)
+    off = EngineConfig(expert_cache=ExpertCacheConfig(expert_cache_size=16, expert_pin=False),
+                       progress=False)
     st = LLM(copy, config=off).model.core.expert_cache_stats()
     assert (st["state"] != 3).all()
 

@@ -62,7 +62,8 @@ def _app(llm: Any) -> Any:
 def glm_server(ckpts: dict[str, Path]) -> Iterator[InProcessServer]:
     from colibri.engine import ExpertCacheConfig
 
-    llm = _llm(ckpts["glm4_moe"], "q8", expert_cache=ExpertCacheConfig(size=3, pin=False))
+    llm = _llm(ckpts["glm4_moe"], "q8",
+               expert_cache=ExpertCacheConfig(expert_cache_size=3, expert_pin=False))
     srv = InProcessServer(_app(llm)).start()
     wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 60, "ready")
     yield srv
@@ -99,7 +100,7 @@ def test_dense_model_serves_without_an_expert_cache(ckpts: dict[str, Path],
     from colibri.engine import ExpertCacheConfig
 
     with caplog.at_level(logging.INFO, logger="colibri.engine"):
-        llm = _llm(ckpts["llama"], "q8", expert_cache=ExpertCacheConfig(size=4))
+        llm = _llm(ckpts["llama"], "q8", expert_cache=ExpertCacheConfig(expert_cache_size=4))
     assert "a dense model has no routed experts; the expert cache budget is ignored" \
         in caplog.text
     srv = InProcessServer(_app(llm)).start()
@@ -190,7 +191,7 @@ def test_prefix_cache_reuses_latent_blocks(tmp_path: Path) -> None:
     first = _run(core, "a", system + [60, 61], 6)
     second = _run(core, "b", system + [70, 71, 72], 6)
     assert first[1] == 0 and second[1] == 48
-    plain = _llm(hf, "f32", enable_prefix_cache=False)
+    plain = _llm(hf, "f32", prefix_cache=False)
     assert second[0] == _run(plain.core, "c", system + [70, 71, 72], 6)[0]
     assert core.blocks.n_free == core.blocks.n_blocks
 

@@ -33,7 +33,7 @@ def _llm(slots: int, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     os.environ.setdefault("COLIBRI_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     return LLM(None, n_ctx=N_CTX, config=EngineConfig(
-        expert_cache=ExpertCacheConfig(size=slots, pin=False)))
+        expert_cache=ExpertCacheConfig(expert_cache_size=slots, expert_pin=False)))
 
 
 @pytest.fixture(scope="module")

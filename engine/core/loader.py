@@ -17,11 +17,10 @@ from pathlib import Path
 from colibri.engine.core.block_manager import BLOCK_SIZE
 from colibri.engine.core.engine import EngineCore
 from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
-from colibri.engine.core.options import default
+from colibri.engine.core.options import ExpertCacheConfig, default
 from colibri.engine.core.scheduler import SchedulerConfig
 from colibri.engine.executor.expert_cache import (
     CachePlan,
-    ExpertCacheConfig,
     ExpertCacheMonitor,
     load_pinned,
     memory_free,

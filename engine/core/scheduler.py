@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from colibri.engine.core.block_manager import BlockManager
+from colibri.engine.core.options import default
 from colibri.engine.core.request import Request, Status
 
 
@@ -22,11 +23,11 @@ from colibri.engine.core.request import Request, Status
 class SchedulerConfig:
     """Limits of one step."""
 
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = default("max_num_seqs")
+    max_num_batched_tokens: int = default("max_num_batched_tokens")
     # prompt tokens one step may carry while some request decodes (None: the whole budget).
     # A step takes as long as its prompt chunks, and every decoding stream waits for it.
-    prefill_tokens_while_decoding: int | None = None
+    prefill_tokens_while_decoding: int | None = default("prefill_tokens_while_decoding")
 
 
 @dataclass

@@ -21,9 +21,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # the options live above the executor, in engine.core.options
+    from colibri.engine.core.options import ExpertCacheConfig
 
 log = logging.getLogger("colibri.engine")
 
@@ -33,33 +36,6 @@ LOAD_MODES = ("auto", "direct", "pread", "mmap")
 MARGIN_BYTES = 256 << 20
 MIN_MARGIN_BYTES = 32 << 20
 PIN_SHARE = 0.25  # share of each layer's slots given to pinned experts
-
-
-@dataclass
-class ExpertCacheConfig:
-    """How many experts to keep resident and how to load the others."""
-
-    mb: float | None = None  # budget for all layers' experts; None: from memory
-    size: int | None = None  # slots per layer (wins over mb); None: from mb or memory
-    prefetch_window: int = 16  # tokens of routing history that make an expert "hot"
-    load: str = "auto"  # auto (direct where the file system allows it, else pread) | direct
-    #                     | pread | mmap
-    prefetch: bool = True  # pre-gating prefetch thread
-    pin: bool = True  # pin the hot set learned from earlier runs
-    huge_pages: bool = True  # 2 MiB transparent huge pages on the slots
-
-    @classmethod
-    def from_env(cls) -> ExpertCacheConfig:
-        """Defaults, with COLIBRI_EXPERT_CACHE_MB / COLIBRI_EXPERT_CACHE_SIZE applied."""
-        c = cls()
-        mb = os.environ.get("COLIBRI_EXPERT_CACHE_MB")
-        size = os.environ.get("COLIBRI_EXPERT_CACHE_SIZE")
-        try:
-            c.mb = float(mb) if mb else None
-            c.size = int(size) if size else None
-        except ValueError as exc:
-            raise ValueError(f"COLIBRI_EXPERT_CACHE_MB / _SIZE must be numbers: {exc}") from None
-        return c
 
 
 @dataclass
@@ -171,26 +147,27 @@ def _plan_budget(cfg: ExpertCacheConfig, eb: int, n_layer: int, n_expert: int, t
     memory beside the rest and a margin)."""
     layer_bytes = n_layer * eb
     minimum = top_k * layer_bytes
-    if cfg.load not in LOAD_MODES:
+    if cfg.expert_load not in LOAD_MODES:
         raise ValueError(f"expert load mode must be one of {', '.join(LOAD_MODES)}")
-    if cfg.size is not None:
-        if not top_k <= cfg.size <= n_expert:
-            raise ValueError(f"--expert-cache-size {cfg.size} must be in {top_k}..{n_expert} "
+    size, mb = cfg.expert_cache_size, cfg.expert_cache_mb
+    if size is not None:
+        if not top_k <= size <= n_expert:
+            raise ValueError(f"--expert-cache-size {size} must be in {top_k}..{n_expert} "
                              f"(the model routes each token to {top_k} of {n_expert} experts "
                              f"per layer)")
-        if cfg.size == n_expert:
+        if size == n_expert:
             return CachePlan(None, eb, n_layer, n_expert, "every expert resident (asked)")
-        return CachePlan(cfg.size, eb, n_layer, n_expert, f"--expert-cache-size {cfg.size}")
-    if cfg.mb is not None:
-        per = int(cfg.mb * 1024 * 1024) // layer_bytes
+        return CachePlan(size, eb, n_layer, n_expert, f"--expert-cache-size {size}")
+    if mb is not None:
+        per = int(mb * 1024 * 1024) // layer_bytes
         if per < top_k:
-            raise ValueError(f"--expert-cache-mb {cfg.mb:g} is below the minimum of "
+            raise ValueError(f"--expert-cache-mb {mb:g} is below the minimum of "
                              f"{minimum / 1e6:.1f} MB ({top_k} experts of "
                              f"{eb / 1e6:.2f} MB in each of {n_layer} layers)")
         if per >= n_expert:
             return CachePlan(None, eb, n_layer, n_expert,
-                             f"--expert-cache-mb {cfg.mb:g} holds every expert")
-        return CachePlan(per, eb, n_layer, n_expert, f"--expert-cache-mb {cfg.mb:g}")
+                             f"--expert-cache-mb {mb:g} holds every expert")
+        return CachePlan(per, eb, n_layer, n_expert, f"--expert-cache-mb {mb:g}")
     if fits or free is None:
         return CachePlan(None, eb, n_layer, n_expert, "the model fits in memory")
     total = n_expert * layer_bytes

@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from colibri.engine.core.kv_types import resolve_kv_type
 from colibri.engine.core.loader import available_memory_bytes, start_expert_cache
-from colibri.engine.executor.expert_cache import ExpertCacheConfig, ExpertCacheMonitor
+from colibri.engine.core.options import ExpertCacheConfig
+from colibri.engine.executor.expert_cache import ExpertCacheMonitor
 from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
 from colibri.engine.format.modelcheck import check_model
 from colibri.engine.models.config import ModelConfig

@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 
 import colibri.engine.tools.routing_trace as rt
+from colibri.engine.core.options import add_option_args, default, option_values
 from colibri.engine.tools.routing_trace import RoutingTrace
 
 POLICIES = ("lru", "lfu", "lru+heat")
-DEFAULT_HEAT_WINDOW = 16  # tokens, the core's default
+DEFAULT_PREFETCH_WINDOW: int = default("prefetch_window")  # tokens, the core's default
 PIN_FRACTIONS = (0.25, 0.5)
 
 
@@ -80,7 +81,7 @@ class Result:
 
 
 def _simulate_layer(req: LayerRequests, n_expert: int, n_slots: int, policy: str,
-                    pinned: Sequence[int], heat_window: int, score_from: int
+                    pinned: Sequence[int], prefetch_window: int, score_from: int
                     ) -> tuple[int, int]:
     """(hits, misses) of one layer over chunks score_from.. (see the module doc)."""
     if policy not in POLICIES:
@@ -96,7 +97,7 @@ def _simulate_layer(req: LayerRequests, n_expert: int, n_slots: int, policy: str
         tick += 1
         last[e] = tick
     heat = np.zeros(n_expert, np.float32)
-    decay = np.float32(1) - np.float32(1) / np.float32(heat_window)
+    decay = np.float32(1) - np.float32(1) / np.float32(prefetch_window)
     dense = np.zeros(n_expert, np.float32)
     hits = misses = 0
     for ci, (ids, rows) in enumerate(zip(req.experts, req.rows, strict=True)):
@@ -145,7 +146,7 @@ def _simulate_layer(req: LayerRequests, n_expert: int, n_slots: int, policy: str
 
 def simulate(trace: RoutingTrace, n_slots: int, policy: str,
              pinned: Sequence[Sequence[int]] | None = None,
-             heat_window: int = DEFAULT_HEAT_WINDOW, score_from: int = 0,
+             prefetch_window: int = DEFAULT_PREFETCH_WINDOW, score_from: int = 0,
              requests: list[LayerRequests] | None = None) -> Result:
     """Play the whole trace through a cache of n_slots per layer; count chunks score_from...
 
@@ -154,11 +155,11 @@ def simulate(trace: RoutingTrace, n_slots: int, policy: str,
     """
     if not 1 <= n_slots <= trace.n_expert:
         raise ValueError(f"slots per layer must be in 1..{trace.n_expert}, got {n_slots}")
-    if heat_window < 1:
-        raise ValueError(f"heat window must be at least 1 token, got {heat_window}")
+    if prefetch_window < 1:
+        raise ValueError(f"prefetch window must be at least 1 token, got {prefetch_window}")
     reqs = requests if requests is not None else layer_requests(trace)
     pins = pinned if pinned is not None else [()] * trace.n_layer
-    hm = [_simulate_layer(r, trace.n_expert, n_slots, policy, p, heat_window, score_from)
+    hm = [_simulate_layer(r, trace.n_expert, n_slots, policy, p, prefetch_window, score_from)
           for r, p in zip(reqs, pins, strict=True)]
     return Result(np.array([h for h, _ in hm], np.int64), np.array([m for _, m in hm], np.int64))
 
@@ -230,7 +231,7 @@ def hot_set(trace: RoutingTrace, n_pin: int, until_chunk: int) -> list[list[int]
 
 
 def replay_table(trace: RoutingTrace, budgets: Sequence[int] | None = None,
-                 heat_window: int = DEFAULT_HEAT_WINDOW) -> dict[str, Any]:
+                 prefetch_window: int = DEFAULT_PREFETCH_WINDOW) -> dict[str, Any]:
     """Hit rates of every policy at every budget on the second half of the trace."""
     if trace.chunks.size < 2:
         raise ValueError("the trace needs at least two forward chunks to score a second half")
@@ -248,17 +249,18 @@ def replay_table(trace: RoutingTrace, budgets: Sequence[int] | None = None,
 
     for n in bs:
         for policy in POLICIES:
-            add(policy, n, 0, simulate(trace, n, policy, None, heat_window, half, reqs))
+            add(policy, n, 0, simulate(trace, n, policy, None, prefetch_window, half, reqs))
             for frac in PIN_FRACTIONS:
                 p = int(n * frac)
                 if 1 <= p <= n - 1:
                     pins = hot_set(trace, p, half)
-                    add(policy, n, p, simulate(trace, n, policy, pins, heat_window, half, reqs))
+                    add(policy, n, p,
+                        simulate(trace, n, policy, pins, prefetch_window, half, reqs))
         add("belady", n, 0, belady(trace, n, half, reqs))
     return {"model": trace.model, "source": trace.source, "n_tokens": trace.n_tokens,
             "n_prefill": int(trace.prefill.sum()), "n_layer": trace.n_layer,
             "n_expert": trace.n_expert, "k": trace.k, "scored_from_token":
-            int(trace.chunk_starts()[half]), "heat_window": heat_window, "budgets": bs,
+            int(trace.chunk_starts()[half]), "prefetch_window": prefetch_window, "budgets": bs,
             "rows": rows}
 
 
@@ -300,9 +302,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=None, metavar="N,N,...",
                    help="slots per layer to compare (default: K, 1.5K, 2K, E/4, E/2 for K "
                         "experts per token out of E)")
-    p.add_argument("--heat-window", type=int, default=DEFAULT_HEAT_WINDOW,
-                   help=f"heat window of lru+heat in tokens (default {DEFAULT_HEAT_WINDOW}, "
-                        "the expert cache's)")
+    add_option_args(p, ("prefetch_window",))  # the expert cache's, simulated by lru+heat
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -315,6 +315,7 @@ def replay_main(args: argparse.Namespace) -> int:
             budgets = [int(x) for x in args.budgets.split(",") if x.strip()]
         except ValueError as e:
             raise ValueError(f"--budgets must be integers separated by commas: {e}") from e
-    t = replay_table(trace, budgets, args.heat_window)
+    window = option_values(args, ("prefetch_window",))["prefetch_window"]
+    t = replay_table(trace, budgets, window)
     print(json.dumps(t, indent=2) if args.json else render(t))
     return 0
