@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <string.h>
 
 #include "clb_kernels.h"
 #include "clb_kernels_isa.h"
@@ -279,6 +280,17 @@ void clb_repack_x8(clb_type t, int64_t n, int64_t n_rows, const void *src, void 
     }
 #endif
     clb_repack_x8_ref(t, n, n_rows, src, dst);
+}
+
+/* Here rather than beside clb_repack_x8_ref: it goes through the dispatcher, and the reference
+ * kernels depend on nothing above them. */
+void clb_repack_x8_inplace(clb_type t, int64_t n, int64_t n_rows, void *w, void *scratch) {
+    const size_t group = 8 * clb_type_row_size(t, n);
+    for (int64_t g = 0; g < n_rows / 8; g++) {
+        char *p = (char *)w + (size_t)g * group;
+        memcpy(scratch, p, group);
+        clb_repack_x8(t, n, 8, scratch, p);
+    }
 }
 
 int clb_kernel_wants_x8(clb_type t) {

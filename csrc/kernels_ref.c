@@ -348,15 +348,6 @@ void clb_repack_x8_ref(clb_type t, int64_t n, int64_t n_rows, const void *src, v
     }
 }
 
-void clb_repack_x8_inplace(clb_type t, int64_t n, int64_t n_rows, void *w, void *scratch) {
-    const size_t group = 8 * clb_type_row_size(t, n);
-    for (int64_t g = 0; g < n_rows / 8; g++) {
-        char *p = (char *)w + (size_t)g * group;
-        memcpy(scratch, p, group);
-        clb_repack_x8(t, n, 8, scratch, p);
-    }
-}
-
 /* block b of row r (0..7) of an interleaved group, back in the row layout */
 static void clb_x8_block(size_t bs, const char *grp, int64_t b, int r, char *out) {
     const char *db = grp + (size_t)b * 8 * bs;
