@@ -1,8 +1,8 @@
 /* The forward pass's shared block library (internal to csrc/): the helpers every block uses
- * (norms, counted weight products, RoPE) and the blocks a family's layer plan chooses from:
- * attention (GQA in attention.c, MLA in mla.c) and, in forward.c, dense FFN and routed
- * experts. A block reads and writes the model's scratch (clb_model_internal.h) and never
- * allocates.
+ * (norms, counted weight products, RoPE; in forward_ops.c) and the blocks a family's layer
+ * plan chooses from: attention (GQA in attention.c, MLA in mla.c) and, in forward.c, dense FFN
+ * and routed experts. A block reads and writes the model's scratch (clb_model_internal.h)
+ * and never allocates.
  * Refuses: nothing; clb_forward validated the batch before any block runs. */
 #ifndef CLB_FORWARD_H
 #define CLB_FORWARD_H
