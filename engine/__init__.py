@@ -40,8 +40,8 @@ _EXPORTS = {
     "MIN_REPETITION_PENALTY": "colibri.engine.sample.sampler",
     "SamplingParamError": "colibri.engine.sample.sampler",
     "Tokenizer": "colibri.engine.text.tokenizer",
-    "join_text_parts": "colibri.engine.text.tokenizer",
-    "ModelTemplateError": "colibri.engine.text.tokenizer",
+    "join_text_parts": "colibri.engine.text.messages",
+    "ModelTemplateError": "colibri.engine.text.errors",
     "ConstraintCompiler": "colibri.engine.sample.constraints",
     "ConstraintError": "colibri.engine.sample.constraints",
     "ConstraintSpec": "colibri.engine.sample.constraints",
@@ -149,7 +149,9 @@ if TYPE_CHECKING:  # pragma: no cover
         SamplingParamError,
         SamplingParams,
     )
-    from colibri.engine.text.tokenizer import ModelTemplateError, Tokenizer
+    from colibri.engine.text.errors import ModelTemplateError
+    from colibri.engine.text.messages import join_text_parts
+    from colibri.engine.text.tokenizer import Tokenizer
     from colibri.engine.text.toolcalls import (
         ToolCall,
         ToolCallParser,

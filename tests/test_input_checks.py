@@ -19,7 +19,7 @@ from colibri.engine import (
     join_text_parts,
 )
 from colibri.engine.errors import ContextOverflowError, InputError
-from colibri.engine.text.tokenizer import TokenizerError
+from colibri.engine.text.errors import TokenizerError
 
 DEMO = Path(__file__).resolve().parents[1] / "engine" / "demo_model"
 

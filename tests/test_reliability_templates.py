@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from colibri.engine.text.errors import ChatTemplateError, ModelTemplateError
 from colibri.engine.text.template_sandbox import TemplateStoppedError
-from colibri.engine.text.tokenizer import ChatTemplateError, ModelTemplateError, Tokenizer
+from colibri.engine.text.tokenizer import Tokenizer
 from tests.server_helpers import SubprocessServer, tiny_model, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]

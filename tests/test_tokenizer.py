@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 
 from colibri.engine.text.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
-from colibri.engine.text.tokenizer import (
-    ChatTemplateError,
-    ChatTemplateRefused,
-    Tokenizer,
-    TokenizerError,
-)
+from colibri.engine.text.errors import ChatTemplateError, ChatTemplateRefused, TokenizerError
+from colibri.engine.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

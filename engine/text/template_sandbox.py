@@ -6,8 +6,8 @@ address space beyond what the render process needs to start; it is killed (and r
 when it runs out of either or when `cancel` is set (its client left). The server process
 never holds the template's intermediate values. Requests and results cross the pipe as JSON,
 never pickle, so even an escaped sandbox could not hand the server code to run.
-Refuses: nothing itself; the jinja2 sandbox and output cap of engine.text.tokenizer still apply
-inside the render process.
+Refuses: nothing itself; the jinja2 sandbox and output cap of engine.text.template_env still
+apply inside the render process.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Any
 
-from colibri.engine.text.tokenizer import ChatTemplateError, TemplateLimitError
+from colibri.engine.text.errors import ChatTemplateError, TemplateLimitError
+from colibri.engine.text.template_env import render_template
 
 RENDER_MEMORY_BYTES = 192 << 20
 RENDER_TIMEOUT_S = 2.0
@@ -96,7 +97,7 @@ class TemplateSandbox:
     def render(self, template: str, context: dict[str, Any], cap: int,
                timeout_s: float = RENDER_TIMEOUT_S,
                cancel: threading.Event | None = None) -> str:
-        """What engine.text.tokenizer's in-process render would return, or ChatTemplateError."""
+        """What engine.text.template_env's render_template returns, or ChatTemplateError."""
         with self._lock:
             r = self._idle.pop() if self._idle else None
         if r is None or r.proc.poll() is not None:
@@ -144,8 +145,6 @@ def _child() -> None:
     """The render process: limit memory, then render requests until stdin closes."""
     import resource
 
-    from colibri.engine.text.tokenizer import _render
-
     extra = int(os.environ.get("COLIBRI_RENDER_MEMORY", RENDER_MEMORY_BYTES))
     if os.path.exists("/proc/self/statm"):  # Linux: the address space in use now
         with open("/proc/self/statm") as f:
@@ -158,7 +157,8 @@ def _child() -> None:
         except EOFError:
             return
         try:
-            reply: dict[str, Any] = {"text": _render(req["template"], req["context"], req["cap"])}
+            reply: dict[str, Any] = {
+                "text": render_template(req["template"], req["context"], req["cap"])}
         except ChatTemplateError as e:
             reply = {"error": str(e), "param": e.param,
                      "limit": isinstance(e, TemplateLimitError)}
