@@ -24,6 +24,10 @@ class ShapeError(FormatError):
     """A tensor exists but its dtype or shape disagrees with config.json."""
 
 
+class ModelError(ColibriError, ValueError):
+    """A model folder that cannot be loaded; str(error) is one line meant for the user."""
+
+
 class ModelFileNotFoundError(ColibriError, FileNotFoundError):
     """A file the model folder layout requires is missing."""
 

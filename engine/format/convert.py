@@ -36,7 +36,8 @@ QUANT_PRESETS = PRESETS
 PRESET_REVISION = 3
 # Copied beside the weights. Chat templates live in any of three places (transformers'
 # order of precedence: chat_template.jinja and additional_chat_templates/*.jinja, then
-# chat_template.json, then tokenizer_config.json); engine.text.tokenizer reads them in that order.
+# chat_template.json, then tokenizer_config.json); engine.text.tokenizer_files reads them in
+# that order.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 CHAT_TEMPLATE_DIR = "additional_chat_templates"

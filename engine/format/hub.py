@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from colibri.engine.format.modelcheck import ModelError
+from colibri.engine.errors import ModelError
 
 # owner/name as the Hub spells them (letters, digits, '-', '_', '.'; no '..')
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")

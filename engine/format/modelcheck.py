@@ -1,10 +1,10 @@
 """Checking a model folder before anything loads it: one function, one error type.
 
 `check_model(path)` reads what a load would read first (config.json, the weight files'
-headers or sizes, tokenizer.json) and raises `ModelError`, whose message is one line saying
-what is wrong and what to pass instead. Every command line entry point calls it before
-loading, so a bad folder never surfaces as a traceback or after a port is bound. It reads
-no tensor data and converts nothing.
+headers or sizes, tokenizer.json) and raises `ModelError` (engine.errors), whose message is
+one line saying what is wrong and what to pass instead. Every command line entry point calls
+it before loading, so a bad folder never surfaces as a traceback or after a port is bound. It
+reads no tensor data and converts nothing.
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from colibri.engine.demo import default_model_path
-from colibri.engine.errors import ColibriError
-
-
-class ModelError(ColibriError, ValueError):
-    """A model folder that cannot be loaded; str(error) is one line meant for the user."""
+from colibri.engine.errors import ModelError
 
 
 def bundled_model_path() -> Path:
