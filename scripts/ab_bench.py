@@ -6,9 +6,11 @@ fresh process with that checkout first on the path (each checkout needs its exte
 place: `python setup.py build_ext --inplace`), and prints per model the median prefill and
 decode tokens/s of each and the ratio B / A of the medians and repeat by repeat. A model
 folder must be one both checkouts read (a conversion by the older one, or one whose format
-did not change). Writes the whole result as JSON with --json.
+did not change). Writes the whole result as JSON with --json, with the CPU, B's commit, the
+command and the date (docs/performance.md is made from these files):
 
-    python scripts/ab_bench.py --a /tmp/colibri_base --b . --model /tmp/m-q8 --model /tmp/m-q4
+    python scripts/ab_bench.py --a /tmp/colibri_base --b . --model /tmp/m-q8 --model /tmp/m-q4 \
+        --json results/ab_bench/$(date +%F)-<what changed>.json
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from colibri.engine.tools.bench import measured_on
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
     a, b = Path(args.a).resolve(), Path(args.b).resolve()
-    out: dict[str, Any] = {"command": " ".join(sys.argv), "a": str(a), "b": str(b),
+    out: dict[str, Any] = {**measured_on(), "commit": _commit(b), "a": str(a), "b": str(b),
                            "a_commit": _commit(a), "b_commit": _commit(b), "repeat": args.repeat,
                            "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
                            "threads": args.threads, "models": {}}

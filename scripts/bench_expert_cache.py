@@ -50,7 +50,7 @@ GROUP = "colibri_bench_expert_cache"
 
 # -- machine facts ------------------------------------------------------------------------
 
-from colibri.engine.tools.bench import cpu_model  # noqa: E402  (after the sys.path lines)
+from colibri.engine.tools.bench import cpu_model, measured_on  # noqa: E402  (after sys.path)
 
 
 def drop_caches() -> None:
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"; cache time per token / floor: "
                   f"{c['s_per_token'] * c['floor_host_cache_tok_s']:.2f}x", end="")
         print(flush=True)
-    result = {"cpu": cpu_model(), "model": base.name, "quant": args.quant,
+    result = {**measured_on(), "model": base.name, "quant": args.quant,
               "storage": bw, "resident_tok_s": 1 / t_res, "rows": rows,
               "warm_prefetch_tok_s": warm_rows,
               "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens}

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import subprocess
@@ -49,15 +48,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from compare_llamacpp import Dims, _words, build_checkpoint, build_gguf, llama_source  # noqa: E402
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from colibri.engine.tools.bench import measured_on  # noqa: E402
 
 
 def free_port() -> int:
@@ -423,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = Prompts(hf, args.prompt_tokens, dims.seed)
     background = 7
     prompts.make(1 + sum(levels) * args.requests_per_client + 2 * args.probes + 2 * background)
-    res: dict[str, Any] = {"cpu": cpu_model(), "threads": args.threads, "model": dims.tag(),
+    res: dict[str, Any] = {**measured_on(), "threads": args.threads, "model": dims.tag(),
                            "dims": asdict(dims), "prompt_tokens": args.prompt_tokens,
                            "gen_tokens": args.gen_tokens, "engines": {},
                            "ttft_under_load": {},

@@ -27,6 +27,12 @@ Needs the bench extra: pip install -e '.[bench]' (llama-cpp-python, sentencepiec
     python scripts/compare_llamacpp.py --layers 2 --repeat 3 --skip-transformers --json out.json
     python scripts/compare_llamacpp.py --arch deepseek_v2 --skip-transformers   # V2-Lite shape
 
+A measurement for docs/performance.md goes into results/ (the file records the CPU, commit,
+command and date), then `python scripts/make_performance_page.py` makes the page again:
+
+    python scripts/compare_llamacpp.py --skip-transformers --repeat 5 \
+        --json results/compare_llamacpp/$(date +%F)-<machine>-<model>.json
+
 Each run also prints and records the KV cache bytes per token of both engines (llama.cpp's
 from its own log). A DeepSeek checkpoint's converter expects DeepSeek's BPE tokenizer; the
 random model has a sentencepiece one, so its GGUF vocabulary is written as sentencepiece
@@ -67,7 +73,7 @@ if str(ROOT) not in sys.path:
 
 from colibri.engine.tools.bench import (  # noqa: E402
     bench_prompt,
-    cpu_model,
+    measured_on,
     percent_of_read,
     summarize,
     timed_greedy_run,
@@ -689,8 +695,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp
 
     return {
-        "commit": _commit(), "command": " ".join(sys.argv),
-        "model": asdict(d), "workdir": str(base), "threads": args.threads, "cpu": cpu_model(),
+        **measured_on(),  # cpu, commit, command, date: what docs/performance.md shows
+        "model": asdict(d), "workdir": str(base), "threads": args.threads,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "tf_repeat": 0 if args.skip_transformers else args.tf_repeat,
         "llama_cpp_python": llama_cpp.__version__, "colibri_isa": isa,
@@ -704,13 +710,6 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "greedy_agreement_first16": agreement, "greedy_tokens_first16": {
             k: v[:16] for k, v in tokens.items()},
     }
-
-
-def _commit() -> str | None:
-    """This checkout's commit (None outside git), recorded with the figures."""
-    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                       text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def render(res: dict[str, Any]) -> str:

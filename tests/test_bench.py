@@ -28,7 +28,12 @@ from colibri.engine.core.loader import EngineConfig  # noqa: E402
 from colibri.engine.executor.model import Model  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
 from colibri.engine.format.wfile import read_wfile  # noqa: E402
-from colibri.engine.tools.bench import bench_prompt, timed_greedy_run, weight_bytes_per_token  # noqa: E402
+from colibri.engine.tools.bench import (  # noqa: E402
+    bench_prompt,
+    cpu_model,
+    timed_greedy_run,
+    weight_bytes_per_token,
+)
 from colibri.engine.tools.cache_args import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES  # noqa: E402
 from colibri.engine.tools.cli import main  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
@@ -129,6 +134,7 @@ def test_bench_json_has_every_field(tiny: dict[str, Path],
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     assert r["architecture"] == "mixtral" and r["quant"] == "q4"
+    assert r["cpu"] == cpu_model()  # what results files and ab_bench record
     assert (r["threads"], r["prompt_tokens"], r["gen_tokens"], r["repeat"]) == (2, 12, 6, 2)
     assert r["kv_cache_type"] == "f16"  # what the server runs by default
     for key in ("prefill_tok_s", "decode_tok_s"):

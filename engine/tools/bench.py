@@ -10,10 +10,13 @@ tensor tables, and read bandwidth from the C probe). It makes no claim about spe
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import resource
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -25,9 +28,9 @@ from tqdm import tqdm
 
 from colibri.engine.core.kv_types import resolve_kv_type
 from colibri.engine.core.loader import available_memory_bytes, start_expert_cache
-from colibri.engine.core.options import ExpertCacheConfig
+from colibri.engine.core.options import ExpertCacheConfig, add_option_args
 from colibri.engine.executor.expert_cache import ExpertCacheMonitor
-from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
+from colibri.engine.format.convert import DEFAULT_QUANT
 from colibri.engine.format.modelcheck import check_model
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.tools.bench_profile import decode_profile, render_profile
@@ -110,6 +113,22 @@ def cpu_model() -> str:
     except OSError:
         pass
     return f"{name} [{' '.join(f for f in SIMD_FLAGS if f in flags)}]"
+
+
+def measured_on(argv: list[str] | None = None) -> dict[str, str | None]:
+    """Where and when a measurement runs, as each results/ JSON file records it: "cpu" (this
+    machine's cpu_model()), "commit" (of the checkout this code runs from; None outside a
+    git checkout), "command" (the command line, sys.argv by default) and "date" (UTC,
+    YYYY-MM-DD). docs/performance.md names all four beside every figure."""
+    try:
+        r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse",
+                            "HEAD"], capture_output=True, text=True)
+        commit = r.stdout.strip() if r.returncode == 0 else None
+    except OSError:  # no git on this machine
+        commit = None
+    return {"cpu": cpu_model(), "commit": commit,
+            "command": "python " + shlex.join(sys.argv if argv is None else argv),
+            "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
 
 
 def peak_rss_bytes() -> int:
@@ -348,6 +367,7 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
     bound = gbps * 1e9 / per_token["total"]
     result = {
         "model": str(path),
+        "cpu": cpu_model(),
         "architecture": cfg.architecture,
         "quant": cfg.quant,
         "tensor_types": dict(cfg.tensor_types),
@@ -454,16 +474,13 @@ def render(r: dict[str, Any]) -> str:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options of `colibri bench`."""
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="Colibri or Hugging Face folder (converted once, see --quant); "
-                        "default: the bundled demo model")
+    add_option_args(p, ("model",))
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
     p.add_argument("--gen-tokens", type=int, default=128,
                    help="greedy tokens decoded per repeat (default 128)")
-    p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    add_option_args(p, ("threads",))
     p.add_argument("--repeat", type=int, default=3, help="timed repeats (default 3)")
-    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
-                   help=f"precision when PATH is a Hugging Face folder (default {DEFAULT_QUANT})")
+    add_option_args(p, ("quant",))
     p.add_argument("--probe-mib", type=int, default=DEFAULT_PROBE_MIB,
                    help=f"bandwidth probe buffer in MiB (default {DEFAULT_PROBE_MIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
