@@ -44,7 +44,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
     # command-line tools, scripts, packaging, docs
     "tools": ("test_bench.py", "test_cli_models.py", "test_cli_args.py", "test_evaluate.py",
               "test_replay.py",
-              "test_compare_llamacpp.py", "test_layering.py", "test_packaging.py",
+              "test_compare_llamacpp.py", "test_performance_page.py", "test_layering.py",
+              "test_packaging.py",
               "test_readme_examples.py", "test_markers.py"),
 }
 # files whose tests take the longest or need a browser or client libraries (measured with

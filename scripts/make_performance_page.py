@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Writes the current results in docs/performance.md from the benchmark results in results/.
+
+Every results/<script>/<YYYY-MM-DD>-<name>.json is one measurement, written by a benchmark
+script's --json (scripts/compare_llamacpp.py, scripts/ab_bench.py). Files of one script
+whose names differ only in the date are one series; the page shows the newest file of each
+series, in one table per CPU, and each row names its command, commit and date and links its
+file. Everything between the two markers below is made here; the rest of the page is prose
+and is left alone. Refuses a file without a CPU, a command or a date, and a folder of results
+it has no table rows for: a measurement is never left out quietly, and no figure comes from
+anywhere but the files.
+
+    python scripts/make_performance_page.py          # rewrite the part of the page
+    python scripts/make_performance_page.py --check  # exit 1 if the page is not current
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "performance.md"
+RESULTS = ROOT / "results"
+BEGIN = ("<!-- begin: made by scripts/make_performance_page.py from results/; "
+         "edit those files, not this part -->")
+END = "<!-- end: made by scripts/make_performance_page.py -->"
+DATED = re.compile(r"^(\d{4}-\d{2}-\d{2})-(.+)$")
+COLUMNS = ("benchmark", "model, workload", "Colibri", "prefill / decode tok/s", "beside",
+           "its prefill / decode tok/s", "decode ratio (repeat by repeat)", "prefill ratio",
+           "% of the read in the same minute", "command", "commit", "date")
+
+
+@dataclass(frozen=True)
+class Result:
+    """One results file: which script wrote it, its series and date, and what it holds."""
+
+    path: Path
+    script: str
+    series: str
+    date: str
+    data: dict[str, Any]
+
+    @property
+    def cpu(self) -> str:
+        # a name written by hand (cpu_model) reads better than the probe's (cpu)
+        return str(self.data.get("cpu_model") or self.data["cpu"])
+
+
+def load_results(results: Path) -> list[Result]:
+    """Every results/<script>/*.json, checked for what each table row needs."""
+    out = []
+    for path in sorted(results.glob("*/*.json")):
+        data = json.loads(path.read_text())
+        m = DATED.match(path.stem)
+        date = data.get("date") or (m.group(1) if m else None)
+        where = path.relative_to(results.parent)
+        if not date:
+            raise ValueError(f"{where}: no date (a 'date' field, or a YYYY-MM-DD- name)")
+        for key in ("command", "commit"):
+            if key not in data:
+                raise ValueError(f"{where}: no '{key}'")
+        if not (data.get("cpu_model") or data.get("cpu")):
+            raise ValueError(f"{where}: no CPU ('cpu')")
+        out.append(Result(path, path.parent.name, m.group(2) if m else path.stem, str(date),
+                          data))
+    return out
+
+
+def newest(results: list[Result]) -> list[Result]:
+    """The newest file of each series (by date, then name), in script and series order."""
+    best: dict[tuple[str, str], Result] = {}
+    for r in results:
+        key = (r.script, r.series)
+        if key not in best or (r.date, r.path.name) > (best[key].date, best[key].path.name):
+            best[key] = r
+    return [best[k] for k in sorted(best)]
+
+
+# -- the rows of each script's files ---------------------------------------------------------
+
+def _tok(prefill: float, decode: float) -> str:
+    return f"{prefill:.1f} / {decode:.1f}"
+
+
+def _ratio(x: float, pairs: dict[str, float] | None = None) -> str:
+    return f"x{x:.2f}" + (f" (x{pairs['min']:.2f} to x{pairs['max']:.2f})" if pairs else "")
+
+
+def _commit(c: str | None) -> str:
+    """A commit as the page names it: 7 hex digits, or the text written in its place."""
+    if not c:
+        return "–"
+    return c[:7] if re.fullmatch(r"[0-9a-f]{40}", c) else c
+
+
+def _workload(d: dict[str, Any]) -> str:
+    return (f"{d['prompt_tokens']}-token prompt, {d['gen_tokens']} tokens, "
+            f"{d['threads']} threads, {d['repeat']} repeats")
+
+
+def compare_llamacpp_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/compare_llamacpp.py: Colibri beside llama.cpp at q8 and q4, one row each."""
+    m = d["model"]
+    model = (f"random {m.get('arch', 'mixtral')}: hidden {m['hidden']}, {m['layers']} layers, "
+             f"{m['experts']} experts top-{m['top_k']}; {_workload(d)}")
+    by = {(r["engine"], r["precision"]): r for r in d["rows"]}
+    rows = []
+    for q, ratio in d["ratios_colibri_over_llama"].items():
+        lq = {"q8": "Q8_0", "q4": "Q4_0"}[q]
+        c, ll = by[("colibri", q)], by[("llama.cpp", lq)]
+        same = "–"
+        if "percent_of_bound_same_minute" in c:
+            same = (f"{c['percent_of_bound_same_minute']['median']:.1f} / "
+                    f"{ll['percent_of_bound_same_minute']['median']:.1f}")
+        rows.append(["beside llama.cpp", model, q,
+                     _tok(c["prefill_tok_s"]["median"], c["decode_tok_s"]["median"]),
+                     f"llama.cpp {lq} (llama-cpp-python {d['llama_cpp_python']})",
+                     _tok(ll["prefill_tok_s"]["median"], ll["decode_tok_s"]["median"]),
+                     _ratio(ratio["decode_tok_s"], ratio.get("decode_pairs")),
+                     _ratio(ratio["prefill_tok_s"]), same])
+    return rows
+
+
+def ab_bench_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/ab_bench.py: checkout B against checkout A, one row per model."""
+    rows = []
+    for path, r in d["models"].items():
+        p = Path(path)
+        rows.append(["before / after", f"{p.parent.name}/{p.name}; {_workload(d)}",
+                     f"B: {_commit(d.get('b_commit') or d['commit'])}",
+                     _tok(r["b"]["prefill_tok_s"], r["b"]["decode_tok_s"]),
+                     f"A: {_commit(d.get('a_commit'))}",
+                     _tok(r["a"]["prefill_tok_s"], r["a"]["decode_tok_s"]),
+                     _ratio(r["b_over_a"]["decode"], r["b_over_a"].get("decode_pairs")),
+                     _ratio(r["b_over_a"]["prefill"]), "–"])
+    return rows
+
+
+ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
+    "compare_llamacpp": compare_llamacpp_rows,
+    "ab_bench": ab_bench_rows,
+}
+
+
+# -- the page ------------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_results(results: Path, page_dir: Path) -> str:
+    """The generated part: one table per CPU over the newest file of each series."""
+    chosen = newest(load_results(results))
+    unknown = sorted({r.script for r in chosen} - set(ROWS))
+    if unknown:
+        raise ValueError(f"no table rows for results/{unknown[0]}/: teach "
+                         "scripts/make_performance_page.py to read its files")
+    by_cpu: dict[str, list[Result]] = {}
+    for r in chosen:
+        by_cpu.setdefault(r.cpu, []).append(r)
+    lines = ["Colibri's current figures by CPU: the newest measurement of each benchmark, "
+             "from results/. Ratios are Colibri over what it ran beside; % of the read is "
+             "Colibri's decode, then the other engine's, against the memory read measured "
+             "just before and after each run."]
+    for cpu in sorted(by_cpu):
+        lines += ["", f"### {cpu}", "", "| " + " | ".join(COLUMNS) + " |",
+                  "|" + " --- |" * len(COLUMNS)]
+        for r in by_cpu[cpu]:
+            link = Path("..") / r.path.relative_to(page_dir.parent)
+            tail = [f"`{r.data['command']}`", _commit(r.data["commit"]), f"[{r.date}]({link})"]
+            for row in ROWS[r.script](r.data):
+                lines.append("| " + " | ".join(_cell(c) for c in [*row, *tail]) + " |")
+    return "\n".join(lines)
+
+
+def render_page(text: str, results: Path = RESULTS, page_dir: Path = PAGE.parent) -> str:
+    """text with the part between the markers made again from results."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{PAGE.name} needs one {BEGIN!r} line and one {END!r} line after it")
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{render_results(results, page_dir)}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; exit 1 and show the difference if the page is stale")
+    args = p.parse_args(argv)
+    text = PAGE.read_text()
+    new = render_page(text)
+    if args.check:
+        if new == text:
+            return 0
+        sys.stdout.writelines(difflib.unified_diff(
+            text.splitlines(keepends=True), new.splitlines(keepends=True),
+            str(PAGE.relative_to(ROOT)), "made from results/"))
+        return 1
+    if new != text:
+        PAGE.write_text(new)
+        print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

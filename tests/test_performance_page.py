@@ -1,0 +1,133 @@
+"""docs/performance.md's current results are made from results/ and nothing else: making the
+part again from the files gives the committed page, each table row comes from the newest file
+of its series, and a file or folder the page cannot account for is refused, not skipped."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "make_performance_page.py"
+
+
+@pytest.fixture(scope="module")
+def page() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_performance_page", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["make_performance_page"] = mod  # its dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_committed_page_is_made_from_results(page: ModuleType) -> None:
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert page.render_page(text) == text, (
+        "docs/performance.md differs from results/: run python scripts/make_performance_page.py")
+    assert page.main(["--check"]) == 0
+
+
+def test_every_figure_comes_from_a_results_file(page: ModuleType) -> None:
+    """Each row links its file, and its figures are that file's, as the page rounds them."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    part = text.split(page.BEGIN)[1].split(page.END)[0]
+    rows = [ln for ln in part.splitlines() if ln.startswith("| ") and "](../results/" in ln]
+    assert rows
+    for row in rows:
+        link = re.search(r"\]\(\.\./(results/[^)]+\.json)\)", row)
+        assert link is not None, row
+        data = json.loads((ROOT / link.group(1)).read_text())
+        assert f"`{data['command']}`" in row.replace("\\|", "|")
+        assert data["commit"][:7] in row
+        for rate in re.findall(r"\| (\d+\.\d) / (\d+\.\d) \|", row):
+            for x in rate:
+                assert _rounded_in(float(x), data), (x, row)
+
+
+def _rounded_in(x: float, data: object) -> bool:
+    """Some number in data rounds to x at one decimal."""
+    if isinstance(data, dict):
+        return any(_rounded_in(x, v) for v in data.values())
+    if isinstance(data, list):
+        return any(_rounded_in(x, v) for v in data)
+    return isinstance(data, float) and f"{data:.1f}" == f"{x:.1f}"
+
+
+def _copy(src: str, dst: Path, drop: tuple[str, ...] = (), **changes: object) -> None:
+    """A results file of this repository, with changes, at dst."""
+    data = json.loads((ROOT / "results" / src).read_text())
+    data.update(changes)
+    for key in drop:
+        del data[key]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(data))
+
+
+AB = "ab_bench/2026-12-04-xeon-spr-mixtral-before-after-family-modules.json"
+CMP = "compare_llamacpp/2026-12-04-xeon-spr-deepseek_v2-lite-shape.json"
+
+
+def test_a_new_measurement_replaces_the_older_one_of_its_series(page: ModuleType,
+                                                                 tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    _copy(CMP, res / "compare_llamacpp" / "2026-01-01-spr-ds.json", command="old run")
+    _copy(CMP, res / "compare_llamacpp" / "2026-02-01-spr-ds.json", command="new run")
+    _copy(CMP, res / "compare_llamacpp" / "2026-01-15-spr-other.json", command="other series")
+    # another machine: a table of its own
+    _copy(AB, res / "ab_bench" / "2026-01-01-zen5.json", cpu_model="AMD EPYC Zen 5")
+    out = page.render_results(res, tmp_path / "docs")
+    assert "new run" in out and "other series" in out and "old run" not in out
+    assert out.count("\n### ") == 2
+    zen5 = out.split("### AMD EPYC Zen 5")[1].split("\n### ")[0]
+    assert "before / after" in zen5 and "beside llama.cpp" not in zen5
+    assert "(../results/compare_llamacpp/2026-02-01-spr-ds.json)" in out
+
+
+def test_files_the_page_cannot_account_for_are_refused(page: ModuleType, tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    _copy(CMP, res / "compare_llamacpp" / "undated.json")
+    with pytest.raises(ValueError, match="no date"):
+        page.render_results(res, tmp_path / "docs")
+    shutil.rmtree(res)
+    _copy(CMP, res / "compare_llamacpp" / "2026-01-01-x.json", drop=("command",))
+    with pytest.raises(ValueError, match="no 'command'"):
+        page.render_results(res, tmp_path / "docs")
+    shutil.rmtree(res)
+    _copy(CMP, res / "bench_serving" / "2026-01-01-x.json")
+    with pytest.raises(ValueError, match="no table rows for results/bench_serving/"):
+        page.render_results(res, tmp_path / "docs")
+
+
+def test_the_page_keeps_its_prose_around_the_markers(page: ModuleType) -> None:
+    text = "intro\n" + page.BEGIN + "\nstale table\n" + page.END + "\nmethod\n"
+    out = page.render_page(text)
+    assert out.startswith("intro\n" + page.BEGIN + "\n") and out.endswith(page.END + "\nmethod\n")
+    assert "stale table" not in out and "### " in out
+    with pytest.raises(ValueError, match="needs one"):
+        page.render_page("no markers\n")
+
+
+def test_scripts_record_what_the_page_names() -> None:
+    """measured_on(), which the benchmark scripts put into every results file, gives the CPU,
+    this checkout's commit, the command line and today's date."""
+    import datetime
+    import subprocess
+
+    from colibri.engine.tools.bench import cpu_model, measured_on
+
+    rec = measured_on(["scripts/x.py", "--json", "out file.json"])
+    assert set(rec) == {"cpu", "commit", "command", "date"}
+    assert rec["cpu"] == cpu_model()
+    assert rec["command"] == "python scripts/x.py --json 'out file.json'"
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert rec["commit"] == (head or None)
+    assert rec["date"] == datetime.datetime.now(datetime.UTC).date().isoformat()
