@@ -1,7 +1,9 @@
 """End to end in a browser: the expert cache page at /experts in headless Chromium, against
 `colibri serve --expert-cache-size 12` on the bundled demo model (4 layers, 64 experts).
 
-The page reads the API key from its field. After a few chats it must show the hit rate the
+The page reads the API key from its field, folded away at first: when the server asks for a
+key, the page unfolds the field and says a key is needed (or that the one given was refused),
+and the chat page does the same with its settings. After a few chats it must show the hit rate the
 server reports, and its grid must show each expert in the colour of the state the server
 gives it (read back from the canvas' pixels), with resident experts among them. With every
 expert resident it says the cache is off and still draws the tokens/s and batch charts.
@@ -59,14 +61,29 @@ def _api(url: str) -> dict[str, Any]:
     return dict(r.json())
 
 
+KEY_FIELD = """(() => {
+  const field = document.getElementById('api-key');
+  return {open: field.closest('details').open, shown: field.offsetParent !== null,
+          focused: document.activeElement === field};
+})()"""
+
+
+def _status(page: DevTools) -> str:
+    return str(page.eval("document.getElementById('status').textContent"))
+
+
 def _open(page: DevTools, url: str) -> None:
     page.call("Page.enable")
     page.call("Page.navigate", url=url + "/experts")
     wait_for(lambda: page.eval("document.readyState") == "complete", 30, "page load")
-    # without the key the page says why it has nothing to show
-    wait_for(lambda: "API key" in page.eval("document.getElementById('status').textContent"),
-             30, "the missing key on the page")
+    # without the key the page says why it has nothing to show, with the field in sight
+    wait_for(lambda: "API key" in _status(page), 30, "the missing key on the page")
+    assert _status(page) == "this server needs an API key: enter it in the API key field"
+    assert page.eval(KEY_FIELD) == {"open": True, "shown": True, "focused": True}
     assert page.eval("window.expertData") is None
+    page.eval("document.getElementById('api-key').value = 'sk-wrong'")
+    wait_for(lambda: "refused" in _status(page), 30, "the wrong key on the page")
+    assert _status(page) == "the server refused this API key: check it in the API key field"
     page.eval(f"document.getElementById('api-key').value = {json.dumps(KEY)}")
     wait_for(lambda: page.eval("window.expertData !== null"), 30, "the first answer")
 
@@ -180,6 +197,28 @@ def test_page_says_when_the_cache_is_off(tmp_path: Path, cache_dir: Path,
         wait_for(lambda: _chart_ink(page, "chart-tok") > 0, 30, "the tokens/s chart")
         assert _chart_ink(page, "chart-batch") > 0
         assert _numbers(page)["slots"] == "64 of 64"
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
+
+
+def test_chat_page_unfolds_its_settings_for_the_key(tmp_path: Path, cache_dir: Path,
+                                                    page: DevTools) -> None:
+    srv = _serve(tmp_path / "run", cache_dir, "--expert-cache-size", "64")
+    try:
+        page.call("Page.enable")
+        page.call("Page.navigate", url=srv.url + "/")
+        wait_for(lambda: page.eval("document.readyState") == "complete", 30, "page load")
+        model = "document.getElementById('model').textContent"
+        wait_for(lambda: "API key" in page.eval(model), 30, "the missing key on the page")
+        assert page.eval(model) == "this server needs an API key: enter it under Settings"
+        assert page.eval(KEY_FIELD) == {"open": True, "shown": True, "focused": True}
+        page.eval(f"""const f = document.getElementById('api-key');
+                      f.value = {json.dumps(KEY)};
+                      f.dispatchEvent(new Event('change'));""")
+        wait_for(lambda: "API key" not in page.eval(model), 30, "the model name")
+        assert page.eval(model) == httpx.get(srv.url + "/v1/models", headers={
+            "Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
     finally:
         code = srv.stop()
     assert code == 0, srv.log()

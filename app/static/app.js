@@ -30,9 +30,25 @@ function addMessage(role, text) {
   return div;
 }
 
+// The server answered 401: unfold the settings, where the key goes, and say what it wants.
+function keyNeeded() {
+  const box = $("api-key").closest("details");
+  if (!box.open) {
+    box.open = true;
+    $("api-key").focus();
+  }
+  return $("api-key").value.trim()
+    ? "the server refused this API key: check it under Settings"
+    : "this server needs an API key: enter it under Settings";
+}
+
 async function loadModel() {
   try {
     const r = await fetch("/v1/models", { headers: headers() });
+    if (r.status === 401) {
+      $("model").textContent = keyNeeded();
+      return; // the key field's change event asks again
+    }
     const body = await r.json();
     if (!r.ok) throw new Error(body.error ? body.error.message : r.statusText);
     modelName = body.data[0].id;
@@ -46,6 +62,7 @@ async function loadModel() {
 }
 
 async function errorMessage(r) {
+  if (r.status === 401) return keyNeeded();
   const body = await r.json().catch(() => ({}));
   return body.error ? body.error.message : r.status + " " + r.statusText;
 }

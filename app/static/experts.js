@@ -22,6 +22,19 @@ function headers() {
   return key ? { Authorization: "Bearer " + key } : {};
 }
 
+// The server answered 401: unfold the key field (folded away until now) and say what it
+// wants. The field takes the focus once, when it unfolds, not on every poll.
+function askForKey() {
+  const box = $("api-key").closest("details");
+  if (!box.open) {
+    box.open = true;
+    $("api-key").focus();
+  }
+  $("status").textContent = $("api-key").value.trim()
+    ? "the server refused this API key: check it in the API key field"
+    : "this server needs an API key: enter it in the API key field";
+}
+
 function mb(bytes) {
   return (bytes / 1e6).toFixed(bytes < 1e7 ? 2 : 1) + " MB";
 }
@@ -180,6 +193,10 @@ async function poll() {
   }
   try {
     const r = await fetch("/v1/expert_cache", { headers: headers(), cache: "no-store" });
+    if (r.status === 401) {
+      askForKey();
+      return;
+    }
     const body = await r.json().catch(() => ({}));
     if (!r.ok) throw new Error(body.error ? body.error.message : r.status + " " + r.statusText);
     window.expertData = body;
