@@ -4,12 +4,15 @@ driven over the DevTools protocol, streams a reply to a message.
 The page must show the text as it streams (several partial renders before the reply ends,
 watched by a MutationObserver) and end with exactly the text the API returns for the same seed.
 A long conversation must never overflow the context (older turns left out, the reply capped),
-a failed turn must not be sent again, and "New chat" must start over.
+a failed turn must not be sent again, and "New chat" must start over. The status line gives a
+tokens/s rate only over enough tokens and time to mean something (a reply of a few tokens
+shows its count and time instead).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -108,6 +111,22 @@ def _say(page: DevTools, text: str) -> dict[str, Any]:
             "request": page.eval("window.lastRequest")}
 
 
+# the page's thresholds for a rate (app/static/app.js)
+RATE_MIN_TOKENS, RATE_MIN_MS = 8, 250
+SPEED = re.compile(r", (\d+) tokens?(?:, ([\d.]+) tok/s| in ([\d.]+) s)")
+
+
+def _check_speed(status: str) -> int:
+    """The status names the reply's tokens, with a rate only over enough of them; returns
+    how many tokens it names."""
+    m = SPEED.search(status)
+    assert m is not None, status
+    n = int(m.group(1))
+    if m.group(2) is not None:
+        assert n - 1 >= RATE_MIN_TOKENS, status
+    return n
+
+
 def _prompt_tokens(server: SubprocessServer, messages: list[dict[str, str]]) -> int:
     r = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30)
     return int(r.json()["count"])
@@ -135,7 +154,7 @@ def test_chat_page_never_overflows_the_context(server: SubprocessServer,
         assert req["messages"][-1]["content"] == text
         n_prompt = _prompt_tokens(server, req["messages"])
         assert n_prompt + req["max_tokens"] <= N_CTX, (n_prompt, req["max_tokens"])
-        assert "tok/s" in res["status"] or "1 token" in res["status"], res["status"]
+        _check_speed(res["status"])
     # by now the first turns no longer fit: they were left out, and shown as such
     assert firsts[0] not in [m["content"] for m in req["messages"]]
     assert "left out" in res["status"], res["status"]
@@ -162,3 +181,29 @@ def test_failed_turn_is_dropped_and_new_chat_starts_over(server: SubprocessServe
     fresh = _say(page, "A new start.")
     assert fresh["class"] == "msg assistant"
     assert [m["content"] for m in fresh["request"]["messages"]] == ["A new start."]
+
+
+def test_a_rate_is_shown_only_over_enough_tokens_and_time(server: SubprocessServer,
+                                                           page: DevTools) -> None:
+    _open_page(server, page)
+
+    def speed(n: int, sent: float, first: float, last: float) -> str:
+        return str(page.eval(f"speed({{completion_tokens: {n}}}, {sent}, {first}, {last})"))
+
+    # 5 tokens, the last 4 within 2.5 ms: "1600 tok/s" would say nothing about the model
+    assert speed(5, 0, 100, 102.5) == ", 5 tokens in 0.10 s"
+    assert speed(1, 0, 40, 40) == ", 1 token in 0.04 s"
+    assert speed(8, 0, 100, 5100) == ", 8 tokens in 5.10 s"  # 7 after the first: too few
+    assert speed(50, 0, 100, 300) == ", 50 tokens in 0.30 s"  # 200 ms: too short
+    assert speed(50, 0, 100, 2100) == ", 50 tokens, 24.5 tok/s"
+    assert speed(9, 0, 100, 350) == ", 9 tokens, 32.0 tok/s"  # just enough of both
+
+    # a short reply end to end: its count and time, no rate
+    page.eval("document.getElementById('new-chat').click()")
+    page.eval("document.getElementById('max-tokens').value = '5';"
+              "document.getElementById('seed').value = '3';")
+    res = _say(page, "Hello!")
+    assert res["class"] == "msg assistant", res
+    assert "tok/s" not in res["status"], res["status"]
+    assert 1 <= _check_speed(res["status"]) <= 5
+    assert re.search(r" in [\d.]+ s", res["status"]), res["status"]

@@ -119,6 +119,7 @@ async function send(text) {
   let usage = null;
   let failed = false;
   let note = "";
+  let sentAt = performance.now();
   let firstAt = null;
   let lastAt = null;
   try {
@@ -140,6 +141,7 @@ async function send(text) {
     };
     if ($("seed").value !== "") request.seed = Number($("seed").value);
     window.lastRequest = request;
+    sentAt = performance.now();
     const r = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(request),
       signal: controller.signal,
@@ -164,10 +166,10 @@ async function send(text) {
       }
       return true;
     });
-    $("status").textContent = "done" + (finish ? " (" + finish + ")" : "") + speed(usage, firstAt, lastAt) + note;
+    $("status").textContent = "done" + (finish ? " (" + finish + ")" : "") + speed(usage, sentAt, firstAt, lastAt) + note;
   } catch (e) {
     if (e.name === "AbortError") {
-      $("status").textContent = "stopped" + speed(usage, firstAt, lastAt);
+      $("status").textContent = "stopped" + speed(usage, sentAt, firstAt, lastAt);
     } else {
       failed = true;
       out.className = "msg error";
@@ -188,12 +190,23 @@ async function send(text) {
   }
 }
 
-// ", N tokens, X tok/s": tokens after the first over the time they took to stream.
-function speed(usage, firstAt, lastAt) {
+// A rate needs enough tokens over enough time: chunks can arrive bunched (a few tokens within
+// a millisecond), and over a short span that bunching is the whole measurement.
+const RATE_MIN_TOKENS = 8; // tokens after the first
+const RATE_MIN_MS = 250;
+
+// ", N tokens, X tok/s": the decode rate, tokens after the first over the time from the first
+// to the last. Too few tokens or too short a time for that: ", N tokens in T s" from the
+// request to the last token.
+function speed(usage, sentAt, firstAt, lastAt) {
   if (!usage || !usage.completion_tokens) return "";
   const n = usage.completion_tokens;
   let text = ", " + n + " token" + (n > 1 ? "s" : "");
-  if (n > 1 && lastAt > firstAt) text += ", " + ((n - 1) / ((lastAt - firstAt) / 1000)).toFixed(1) + " tok/s";
+  const span = firstAt !== null && lastAt !== null ? lastAt - firstAt : 0;
+  if (n - 1 >= RATE_MIN_TOKENS && span >= RATE_MIN_MS) {
+    return text + ", " + ((n - 1) / (span / 1000)).toFixed(1) + " tok/s";
+  }
+  if (lastAt !== null) text += " in " + ((lastAt - sentAt) / 1000).toFixed(2) + " s";
   return text;
 }
 
