@@ -1,4 +1,5 @@
-"""`colibri serve`: argparse options over COLIBRI_* environment variables over `.env`.
+"""`colibri serve`: argparse options over COLIBRI_* environment variables over `.env`, all made
+from the engine's options table.
 
 `add_serve_parser(subparsers)` registers the subcommand, `serve_main(args)` runs it and
 returns the exit code: 0 after SIGTERM/SIGINT and a drain, 1 when the engine fails. Before
@@ -27,47 +28,12 @@ from colibri.app.server import create_app
 from colibri.app.settings import Settings
 from colibri.app.state import ServerState
 from colibri.engine import (
-    DEFAULT_QUANT,
-    KV_CACHE_TYPES,
-    QUANT_PRESETS,
-    add_expert_cache_args,
+    add_option_args,
     check_model,
     cli_main,
+    command_options,
+    engine_env_variables,
 )
-
-_OPTIONS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", dict(help="model folder (Colibri or Hugging Face); default: the demo model")),
-    ("--host", dict(help="address to bind (default 127.0.0.1)")),
-    ("--port", dict(type=int, help="port (default 8000)")),
-    ("--api-key", dict(help="require 'Authorization: Bearer KEY' on the API")),
-    ("--served-model-name", dict(help="model name clients use (default: folder name)")),
-    ("--accept-any-model", dict(action="store_true",
-                                help="answer requests whatever model name they send")),
-    ("--threads", dict(type=int, help="compute threads (default: all cores)")),
-    ("--n-ctx", dict(type=int, help="context length (default: the model's)")),
-    ("--quant", dict(choices=QUANT_PRESETS,
-                     help=f"precision when converting a Hugging Face folder "
-                          f"(default {DEFAULT_QUANT})")),
-    ("--max-queue", dict(type=int, help="requests that may wait for the engine (default 16)")),
-    ("--max-num-seqs", dict(type=int, help="sequences generated together (default 16)")),
-    ("--max-num-batched-tokens", dict(type=int,
-                                      help="tokens per engine step, prompt chunks included "
-                                           "(default 256)")),
-    ("--prefill-tokens-while-decoding", dict(
-        type=int, help="prompt tokens per engine step while other requests decode; each such "
-                       "step delays their next token (default 128)")),
-    ("--kv-cache-mb", dict(type=float, help="KV cache pool in MB (default: room for "
-                                            "max-num-seqs full contexts, at most a quarter "
-                                            "of free memory)")),
-    ("--kv-cache-type", dict(choices=KV_CACHE_TYPES,
-                             help="KV element type (default auto: f32 for an f32 model, "
-                                  "else f16)")),
-    ("--max-n", dict(type=int, help="largest n per request (default 8)")),
-    ("--max-body-bytes", dict(type=int, help="largest request body (default 1 MiB)")),
-    ("--cors-origins", dict(nargs="+", help="origins allowed by CORS (default: none)")),
-    ("--drain-timeout-s", dict(type=float, help="SIGTERM: seconds to let requests finish")),
-    ("--log-level", dict(help="debug, info, warning, error")),
-]
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -75,33 +41,28 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API. Every option can also "
-                    "be set as COLIBRI_<OPTION> in the environment or in a .env file.")
-    for flag, kwargs in _OPTIONS:
-        parser.add_argument(flag, default=argparse.SUPPRESS, **kwargs)
-    parser.add_argument("--allow-client-chat-template", action="store_true",
-                        default=argparse.SUPPRESS,
-                        help="let requests send their own chat template (sandboxed)")
-    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                        default=argparse.SUPPRESS,
-                        help="do not reuse the KV blocks of prompt prefixes across requests")
-    add_expert_cache_args(parser, suppress=True)
+                    "be set as COLIBRI_<OPTION> in the environment or in a .env file; "
+                    "docs/configuration.md lists them all.")
+    # options not given stay out of the namespace: Settings layers them over the environment
+    add_option_args(parser, command_options("serve"), suppress=True)
     parser.add_argument("--env-file", default=".env", help="settings file (default .env)")
     parser.set_defaults(handler=serve_main)
     return parser
 
 
 # read by the engine from the environment, not by Settings; a .env file sets them too
-ENGINE_VARIABLES = ("COLIBRI_CACHE_DIR", "COLIBRI_REPACK", "COLIBRI_ISA", "COLIBRI_PREFETCH")
+ENGINE_VARIABLES = engine_env_variables()
 
 
 def engine_variables_from_file(env_file: str | None) -> None:
-    """Copy ENGINE_VARIABLES from env_file into the environment where it has none."""
+    """Copy ENGINE_VARIABLES from env_file into the environment where it has none (an empty
+    value is no value, as for Settings)."""
     if not env_file or not Path(env_file).is_file():
         return
     from dotenv import dotenv_values
 
     for key, value in dotenv_values(env_file, encoding="utf-8").items():
-        if key in ENGINE_VARIABLES and value is not None and key not in os.environ:
+        if key in ENGINE_VARIABLES and value and key not in os.environ:
             os.environ[key] = value
 
 

@@ -1,95 +1,103 @@
 """Server settings: command-line options over COLIBRI_* environment variables over `.env`.
 
-Every field here is documented in `.env.example`; the defaults are the safe ones (bind to
-127.0.0.1, no CORS, client chat templates refused).
+Each field is an option of the engine's options table (engine.core.options, exported as
+OPTION): its default, description and limits come from there, and one check (Option.check)
+validates the field whether it came from a flag, the environment or `.env`. The field names and
+types are written here so code that reads `settings.max_queue` is typed; tests/test_options.py
+holds them to the table. The defaults are the safe ones (bind to 127.0.0.1, no CORS, client
+chat templates refused).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from colibri.engine import DEFAULT_QUANT, QUANT_PRESETS
+from colibri.engine import OPTION
+
+
+def _option(name: str) -> Any:
+    """The pydantic field of option `name`: its default and help from the table."""
+    o = OPTION[name]
+    if isinstance(o.default, list):
+        return Field(default_factory=lambda: list(o.default), description=o.help)
+    return Field(o.default, description=o.help)
 
 
 class Settings(BaseSettings):
     """Everything `colibri serve` can be told."""
 
+    # an empty variable (COLIBRI_THREADS=) means unset, so .env.example copied as it is works
     model_config = SettingsConfigDict(
-        env_prefix="COLIBRI_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+        env_prefix="COLIBRI_", env_file=".env", env_file_encoding="utf-8", extra="ignore",
+        env_ignore_empty=True,
     )
 
     # -- model ------------------------------------------------------------------------
-    model: str | None = Field(None, description="model folder; None = the bundled demo model")
-    served_model_name: str | None = Field(None, description="name clients use; default: folder")
-    accept_any_model: bool = Field(
-        False, description="answer requests whatever `model` they name (one model is served)")
-    quant: str = Field(DEFAULT_QUANT, description="precision when converting a HF folder")
-    threads: int | None = Field(None, ge=1, description="compute threads; None = all cores")
-    n_ctx: int | None = Field(None, ge=16, description="context length; None = model default")
+    model: str | None = _option("model")
+    served_model_name: str | None = _option("served_model_name")
+    accept_any_model: bool = _option("accept_any_model")
+    quant: str = _option("quant")
+    threads: int | None = _option("threads")
+    n_ctx: int | None = _option("n_ctx")
 
     # -- batching and KV cache --------------------------------------------------------
-    max_num_seqs: int = Field(16, ge=1, le=256, description="sequences in one batch")
-    max_num_batched_tokens: int = Field(256, ge=16, description="tokens in one step")
-    prefill_tokens_while_decoding: int = Field(
-        128, ge=1, description="prompt tokens in one step while other requests decode (each "
-        "such step delays their next token)")
-    kv_cache_mb: float | None = Field(None, gt=0, description="KV pool; None = from memory")
-    kv_cache_type: Literal["auto", "f32", "f16", "q8"] = Field(
-        "auto", description="KV element type (auto: f32 for an f32 model, else f16)")
-    prefix_cache: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    max_num_seqs: int = _option("max_num_seqs")
+    max_num_batched_tokens: int = _option("max_num_batched_tokens")
+    prefill_tokens_while_decoding: int = _option("prefill_tokens_while_decoding")
+    kv_cache_mb: float | None = _option("kv_cache_mb")
+    kv_cache_type: Literal["auto", "f32", "f16", "q8"] = _option("kv_cache_type")
+    prefix_cache: bool = _option("prefix_cache")
 
     # -- expert cache -----------------------------------------------------------------
-    expert_cache_mb: float | None = Field(None, gt=0, description="memory for routed experts; "
-                                          "None = all when the model fits, else what is free")
-    expert_cache_size: int | None = Field(None, ge=1, description="experts resident per layer")
-    prefetch_window: int = Field(16, ge=1, description="tokens of routing history for heat")
-    expert_load: Literal["auto", "direct", "pread", "mmap"] = Field(
-        "auto", description="how missing experts are read")
-    expert_prefetch: bool = Field(True, description="read the next layer's experts ahead")
-    expert_pin: bool = Field(True, description="pin the experts earlier runs used most")
-    expert_huge_pages: bool = Field(True, description="2 MiB pages on the expert slots")
+    expert_cache_mb: float | None = _option("expert_cache_mb")
+    expert_cache_size: int | None = _option("expert_cache_size")
+    prefetch_window: int = _option("prefetch_window")
+    expert_load: Literal["auto", "direct", "pread", "mmap"] = _option("expert_load")
+    expert_prefetch: bool = _option("expert_prefetch")
+    expert_pin: bool = _option("expert_pin")
+    expert_huge_pages: bool = _option("expert_huge_pages")
 
     # -- network ----------------------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: SecretStr | None = None
-    cors_origins: list[str] = Field(default_factory=list)
-    log_level: str = "info"
-    docs: bool = Field(True, description="serve /docs and /openapi.json (behind the API key "
-                       "when one is set)")
+    host: str = _option("host")
+    port: int = _option("port")
+    api_key: SecretStr | None = _option("api_key")
+    cors_origins: list[str] = _option("cors_origins")
+    log_level: str = _option("log_level")
+    docs: bool = _option("docs")
 
     # -- limits -----------------------------------------------------------------------
-    max_queue: int = Field(16, ge=0, description="requests that may wait for the engine")
-    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503 when full")
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    max_header_bytes: int = Field(16 << 10, ge=1024)
-    max_n: int = Field(8, ge=1, description="largest `n` a request may ask for")
-    max_stop: int = Field(4, ge=1, description="most stop strings per request")
-    max_stop_chars: int = Field(256, ge=1, description="longest stop string")
-    max_logprobs: int = Field(20, ge=0, description="largest top_logprobs / logprobs")
-    send_timeout_s: float = Field(30.0, gt=0, description="give up on a client that stalls")
-    drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: wait this long for work")
-    header_timeout_s: float = Field(10.0, gt=0, description="request line + headers deadline")
-    body_timeout_s: float = Field(30.0, gt=0, description="request body deadline")
-    max_connections: int = Field(256, ge=1, description="open client connections at most")
+    max_queue: int = _option("max_queue")
+    retry_after_s: int = _option("retry_after_s")
+    max_body_bytes: int = _option("max_body_bytes")
+    max_header_bytes: int = _option("max_header_bytes")
+    max_n: int = _option("max_n")
+    max_stop: int = _option("max_stop")
+    max_stop_chars: int = _option("max_stop_chars")
+    max_logprobs: int = _option("max_logprobs")
+    send_timeout_s: float = _option("send_timeout_s")
+    header_timeout_s: float = _option("header_timeout_s")
+    body_timeout_s: float = _option("body_timeout_s")
+    max_connections: int = _option("max_connections")
+    drain_timeout_s: float = _option("drain_timeout_s")
 
     # -- chat templates ---------------------------------------------------------------
-    allow_client_chat_template: bool = False
-    max_chat_template_chars: int = Field(32 << 10, ge=64)
-    client_template_timeout_s: float = Field(2.0, gt=0, description="render time of a client "
-                                             "chat template (separate process)")
-    model_template_timeout_s: float = Field(2.0, gt=0, description="render time of the "
-                                            "model's chat template (separate process)")
+    allow_client_chat_template: bool = _option("allow_client_chat_template")
+    max_chat_template_chars: int = _option("max_chat_template_chars")
+    client_template_timeout_s: float = _option("client_template_timeout_s")
+    model_template_timeout_s: float = _option("model_template_timeout_s")
 
-    @field_validator("quant")
+    @field_validator("*")
     @classmethod
-    def _known_quant(cls, v: str) -> str:
-        if v not in QUANT_PRESETS:
-            raise ValueError(f"quant must be one of {', '.join(QUANT_PRESETS)}")
-        return v
+    def _within_limits(cls, v: Any, info: ValidationInfo) -> Any:
+        """The option's own check: the same limits as the engine's commands apply."""
+        name = str(info.field_name)
+        try:
+            return OPTION[name].check(v)
+        except ValueError as e:
+            raise ValueError(f"{name} {e}") from None
 
     def model_names(self, loaded_name: str) -> list[str]:
         """Names a request's `model` may use: the served name first."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from colibri.engine.core.engine import ContextLengthError, EngineCore
 from colibri.engine.core.loader import EngineConfig, load_engine, resolve_model
+from colibri.engine.core.options import default
 from colibri.engine.core.request import RequestOutput
 from colibri.engine.demo import default_model_path
 from colibri.engine.sample.sampler import SamplingParams
@@ -41,7 +42,7 @@ class LLM:
         path: str | Path | None = None,
         threads: int | None = None,
         n_ctx: int | None = None,
-        quant: str = "q8",
+        quant: str = default("quant"),
         config: EngineConfig | None = None,
     ) -> None:
         source, name = resolve_model(path)
@@ -145,14 +146,15 @@ class LLM:
     def stream(
         self,
         prompt: str | list[int],
-        max_tokens: int | None = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        max_tokens: int | None = default("max_tokens"),
+        temperature: float = default("temperature"),
+        top_p: float = default("top_p"),
         seed: int | None = None,
         stop: str | list[str] | None = None,
         **kw: object,
     ) -> Iterator[str]:
-        """Yield text pieces as tokens are sampled."""
+        """Yield text pieces as tokens are sampled (defaults: those of `colibri generate`, from
+        engine.core.options)."""
         params = self._params(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, **kw
         )
@@ -163,9 +165,9 @@ class LLM:
     def generate(
         self,
         prompt: str | list[int],
-        max_tokens: int | None = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        max_tokens: int | None = default("max_tokens"),
+        temperature: float = default("temperature"),
+        top_p: float = default("top_p"),
         seed: int | None = None,
         stop: str | list[str] | None = None,
         **kw: object,

@@ -121,6 +121,8 @@ class Option:
             return f"default: {self.unset}" if self.unset else "default: unset"
         if self.type is bool:
             return "default on" if self.default else "default off"
+        if self.default == []:
+            return "default: none"
         return f"default {format_value(self.default)}"
 
 
@@ -183,8 +185,8 @@ OPTIONS: tuple[Option, ...] = (
                 "128 cut the p99 time between tokens from 0.93 s to 0.54 s against whole "
                 "256-token chunks."),
     Option("kv_cache_mb", float, None, "KV cache pool in MB", _BATCH, gt=0,
-           unset="room for max_num_seqs full contexts, at most a quarter of the memory free "
-                 "at start", note="The size chosen is printed in the log.", example="512",
+           unset="a full context for each sequence of a batch, at most a quarter of the memory "
+                 "free at start", note="The size chosen is printed in the log.", example="512",
            metavar="MB"),
     Option("kv_cache_type", str, DEFAULT_KV_CACHE_TYPE, "KV cache element type (auto: f32 for "
            "an f32 model, else f16)", _BATCH, commands=("serve", "bench", "eval"),
@@ -199,8 +201,8 @@ OPTIONS: tuple[Option, ...] = (
                 "top-k experts in every layer is refused at start with the minimum.",
            example="2048", metavar="MB"),
     Option("expert_cache_size", int, None, "routed experts kept resident per layer (wins over "
-           "expert_cache_mb)", _XC, commands=_SERVE_ENGINE, engine_env=True, ge=1,
-           unset="from expert_cache_mb or the free memory", example="32", metavar="N"),
+           "the budget in MB)", _XC, commands=_SERVE_ENGINE, engine_env=True, ge=1,
+           unset="from the budget in MB or the free memory", example="32", metavar="N"),
     Option("prefetch_window", int, 16, "tokens of routing history that make an expert hot",
            _XC, commands=(*_SERVE_ENGINE, "replay"), engine_env=True, ge=1,
            note="Heat decides the eviction order: the expert with the least heat goes first.",
@@ -275,7 +277,7 @@ OPTIONS: tuple[Option, ...] = (
            note="Rendered the same way; one that runs past the time, its memory limit or its "
                 "output cap is a 500 naming the model's template, and the server goes on."),
     # -- kernels and folders: read by the engine from the environment ---------------------
-    Option("cache_dir", str, None, "where converted and downloaded models are kept",
+    Option("cache_dir", str, None, "where converted models are kept",
            _KERNELS, commands=(), setting=False, engine_env=True,
            unset="~/.cache/colibri/models", example="/var/cache/colibri"),
     Option("repack", bool, True, "copy q8/q4 weights at start into the layout this CPU's "
@@ -297,12 +299,12 @@ OPTIONS: tuple[Option, ...] = (
            setting=False, ge=1, metavar="N"),
     Option("temperature", float, 0.8, "sampling temperature; 0 is greedy", _GEN,
            commands=("generate",), setting=False, ge=0, le=2),
-    Option("top_p", float, 0.95, "nucleus sampling: the smallest set of tokens with this much "
-           "probability", _GEN, commands=("generate",), setting=False, gt=0, le=1),
+    Option("top_p", float, 1.0, "nucleus sampling: sample among the fewest tokens with this "
+           "much probability; 1 is off", _GEN, commands=("generate",), setting=False, gt=0, le=1),
     Option("top_k", int, -1, "sample among the k most likely tokens; -1 is off", _GEN,
            commands=("generate",), setting=False, ge=-1),
     Option("seed", int, None, "seed of the sampler: the same seed, the same tokens", _GEN,
-           commands=("generate",), setting=False, unset="a fresh one per request"),
+           commands=("generate",), setting=False, unset="random"),
 )
 
 OPTION: dict[str, Option] = {o.name: o for o in OPTIONS}
@@ -456,10 +458,12 @@ def render_env_example() -> str:
             continue
         title = section.split(" (")[0]
         lines += ["", f"# --- {title} " + "-" * (_WIDTH - 7 - len(title))]
+        if section == _XC:
+            lines += _comment("Exported, these apply to generate, bench, eval and the Python "
+                              "API too; their flags win over them.")
         if section == _KERNELS:
-            lines += _comment("The engine reads these itself: they apply to every command "
-                              "(serve, generate, bench, eval) when exported, and serve also "
-                              "takes them from .env.")
+            lines += _comment("The engine reads these itself: exported, they apply to every "
+                              "command and the Python API, and serve also takes them from .env.")
         for o in opts:
             text = _sentence(o.help)
             if o.default is None:
@@ -505,13 +509,17 @@ def _limits(o: Option) -> str:
     return "; ".join(parts)
 
 
-REQUEST_DEFAULTS: tuple[tuple[str, str, str], ...] = (
-    ("`max_tokens`, `/v1/completions`", "`16`", "as OpenAI's completions API"),
-    ("`max_tokens` / `max_completion_tokens`, `/v1/chat/completions`", "unset",
-     "up to the end of the context"),
-    ("`temperature`", "`1`", "every endpoint, as OpenAI's"),
-    ("`top_p`", "`1`", "every endpoint, as OpenAI's"),
-    ("`n`", "`1`", "at most COLIBRI_MAX_N"),
+# The HTTP API's per-request defaults, for the docs only: they follow OpenAI's API and live in
+# the server's request models (tests/test_options.py holds those to this list).
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+REQUEST_DEFAULTS: tuple[tuple[str, tuple[str, ...], Any, str], ...] = (
+    # (field, endpoints, default, note)
+    ("max_tokens", ("completions",), 16, "as OpenAI's completions API"),
+    ("max_tokens", ("chat",), None, "up to the end of the context (max_completion_tokens "
+                                    "likewise)"),
+    ("temperature", ("chat", "completions"), 1.0, "as OpenAI's; the Responses API too"),
+    ("top_p", ("chat", "completions"), 1.0, "as OpenAI's; the Responses API too"),
+    ("n", ("chat", "completions"), 1, "at most COLIBRI_MAX_N"),
 )
 
 
@@ -565,8 +573,11 @@ def render_config_docs() -> str:
         "clients get what they expect; a request sets its own. The server's options above only",
         "bound them (`COLIBRI_MAX_N`, `COLIBRI_MAX_STOP`, `COLIBRI_MAX_LOGPROBS`, the context).",
         "",
-        "| Field | Default | Note |",
-        "|---|---|---|",
+        "| Field | Endpoints | Default | Note |",
+        "|---|---|---|---|",
     ]
-    out += [f"| {f} | {d} | {n} |" for f, d, n in REQUEST_DEFAULTS]
+    for field, endpoints, value, note in REQUEST_DEFAULTS:
+        where = ", ".join(f"`{ENDPOINTS[e]}`" for e in endpoints)
+        shown = "unset" if value is None else f"`{format_value(value)}`"
+        out.append(f"| `{field}` | {where} | {shown} | {note} |")
     return "\n".join(out) + "\n"

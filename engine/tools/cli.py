@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from colibri.engine import __version__
-from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
+from colibri.engine.core.options import GENERATION_OPTIONS, add_option_args
 from colibri.engine.format.modelcheck import ModelError, check_model
 from colibri.engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
 
@@ -48,9 +48,7 @@ def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser],
 def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model folder (safetensors)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output Colibri model folder (new)")
-    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
-                   help=f"weight types (default {DEFAULT_QUANT}; "
-                        "q4: embeddings and lm_head q6, the rest q4)")
+    add_option_args(p, ("quant",))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -66,11 +64,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     """--model and --quant, the same on every command that loads a model."""
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="model folder (Colibri or Hugging Face); default: the bundled demo model")
-    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
-                   help=f"precision when a Hugging Face folder is converted "
-                        f"(default {DEFAULT_QUANT})")
+    add_option_args(p, ("model", "quant"))
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -114,13 +108,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
-    p.add_argument("--top-k", type=int, default=-1, help="-1 = off")
-    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    add_option_args(p, GENERATION_OPTIONS)  # max_tokens, temperature, top_p, top_k, seed
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: cores)")
+    add_option_args(p, ("threads",))
     add_expert_cache_args(p)
 
 

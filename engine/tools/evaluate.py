@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.engine.core.options import add_option_args
 from colibri.engine.demo import default_model_path
-from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
 from colibri.engine.format.modelcheck import check_model
 from colibri.engine.tools.cache_args import (
     add_expert_cache_args,
@@ -141,11 +141,7 @@ def demo_validation_text() -> str:
 
 def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of `colibri eval`."""
-    p.add_argument("--model", default=None,
-                   help="model folder (Hugging Face or Colibri; default: the bundled demo model)")
-    p.add_argument("--quant", choices=PRESETS, default=DEFAULT_QUANT,
-                   help=f"precision when a Hugging Face folder is converted "
-                        f"(default {DEFAULT_QUANT})")
+    add_option_args(p, ("model", "quant"))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", metavar="FILE", help="UTF-8 text file to score")
     src.add_argument("--dataset", choices=(DEMO_DATASET,),
@@ -156,7 +152,7 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
                    help="new tokens scored per window after the first (default ctx/2)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="score only the first N tokens of the text")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    add_option_args(p, ("threads",))
     add_kv_cache_type_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_expert_cache_args(p)
