@@ -43,7 +43,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_expert_page_browser.py", "test_lm_eval.py"),
     # command-line tools, scripts, packaging, docs
     "tools": ("test_bench.py", "test_cli_models.py", "test_cli_args.py", "test_evaluate.py",
-              "test_replay.py",
+              "test_replay.py", "test_options.py",
               "test_compare_llamacpp.py", "test_performance_page.py", "test_layering.py",
               "test_packaging.py",
               "test_readme_examples.py", "test_markers.py"),
