@@ -159,15 +159,41 @@ cdef extern from "clb_pool.h" nogil:
     void clb_pool_get_stats(clb_pool *p, clb_pool_stats *out)
 
 
-KERNEL_TYPES = {"f32": CLB_TYPE_F32, "f16": CLB_TYPE_F16, "bf16": CLB_TYPE_BF16,
-                "q8": CLB_TYPE_Q8, "q4": CLB_TYPE_Q4, "q6": CLB_TYPE_Q6, "q8a": CLB_TYPE_Q8A}
 ISA_NAMES = ("ref", "avx2", "avxvnni", "avx512")
 STREAM_HINTS = ("l2", "nta")
-# in-memory layouts of q8/q4/q6 weights that only the matrix products read (see repack_x8)
-PRODUCT_TYPES = {**KERNEL_TYPES, "q8x8": CLB_TYPE_Q8X8, "q4x8": CLB_TYPE_Q4X8,
-                 "q6x8": CLB_TYPE_Q6X8}
 
 clb_kernels_init()
+
+
+cdef dict _types_by_name(bint row_access):
+    """name -> clb_type from the C traits table (the names are the same in every ISA's table);
+    row_access: only the types whose rows the kernels below can read (to_float), leaving out
+    the interleaved layouts of q8/q4/q6 weights that only the matrix products read."""
+    cdef const clb_type_traits *tr
+    out = {}
+    for t in range(CLB_TYPE_COUNT):
+        tr = clb_get_type_traits(<clb_type>t)
+        if not row_access or tr.to_float != NULL:
+            out[tr.name.decode("ascii")] = t
+    return out
+
+
+# The C core's weight types by name: a copy of its table, never a second spelling of it.
+PRODUCT_TYPES = _types_by_name(False)
+KERNEL_TYPES = _types_by_name(True)
+
+
+def weight_types() -> list:
+    """Every weight type of the C core as (id, name, elements per block, bytes per block, whether
+    weight files may hold it), from the traits table (for the contract test against
+    engine/format/quant.py's WEIGHT_TYPES)."""
+    cdef const clb_type_traits *tr
+    out = []
+    for t in range(CLB_TYPE_COUNT):
+        tr = clb_get_type_traits(<clb_type>t)
+        out.append((t, tr.name.decode("ascii"), tr.blck_size, tr.type_size,
+                    bool(clb_type_valid_for_file(t))))
+    return out
 
 
 def _status_error(int st, message=b"", arg_cls=InputError, range_cls=ContextOverflowError):
@@ -292,8 +318,9 @@ def stream_hint_force(name: str) -> None:
 
 
 def type_row_size(name: str, n: int) -> int:
-    """Bytes of one row of n elements (0 if n does not fill whole blocks)."""
-    return clb_type_row_size(_kernel_type(name), n)
+    """Bytes of one row of n elements of any type, the interleaved layouts included (0 if n
+    does not fill whole blocks)."""
+    return clb_type_row_size(_kernel_type(name, product=True), n)
 
 
 def type_valid_for_file(t: int) -> bool:

@@ -130,7 +130,8 @@ XC_LOADS = ("pread", "direct", "mmap")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns")
 
-_TYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "q8", 4: "q4", 8: "q6"}
+# the types a weight file may hold, by the id it stores
+_TYPE_NAMES = {t: name for name, t in PRODUCT_TYPES.items() if clb_type_valid_for_file(t)}
 
 _HPARAM_INT_KEYS = (
     "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "attn", "q_lora_rank",

@@ -21,7 +21,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
     # C kernels, pool, threads, KV layout: what a csrc/ change touches first
     "kernels": ("test_kernels.py", "test_kernel_invariance.py", "test_repack.py", "test_pool.py",
                 "test_threadpool.py", "test_paged_kv.py", "test_c_api.py",
-                "test_hparams_contract.py"),
+                "test_hparams_contract.py", "test_weight_types.py"),
     # model families, conversion, weight files: engine/models and engine/format
     "models": ("test_parity.py", "test_parity_families.py", "test_fp8_checkpoint.py",
                "test_convert.py", "test_model_files.py", "test_reliability_files.py",

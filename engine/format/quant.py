@@ -6,19 +6,49 @@ match them bit for bit (see docs/INTERNALS.md). Everything is computed in float3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 QK = 32
-TYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 8}
-TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
-BLOCK_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8": 34, "q4": 18, "q6": 26}
-BLOCK_SIZE = {"f32": 1, "f16": 1, "bf16": 1, "q8": QK, "q4": QK, "q6": QK}
+
+
+@dataclass(frozen=True)
+class WeightType:
+    name: str
+    type_id: int  # clb_type in csrc/clb_types.h, the id weight files store
+    block_size: int  # elements per block
+    block_bytes: int  # bytes per block
+    in_files: bool  # may be stored in a weight file (the others exist in memory only)
+
+
+# Every type the C core knows, in clb_type order: the Python side's one table of them.
+# tests/test_weight_types.py checks it against the C enum, the C traits and the binding.
+WEIGHT_TYPES: tuple[WeightType, ...] = (
+    WeightType("f32", 0, 1, 4, True),
+    WeightType("f16", 1, 1, 2, True),
+    WeightType("bf16", 2, 1, 2, True),
+    WeightType("q8", 3, QK, 34, True),
+    WeightType("q4", 4, QK, 18, True),
+    WeightType("q8a", 5, QK, 40, False),  # activations: q8 with an f32 scale and a sum
+    WeightType("q8x8", 6, QK, 34, False),  # q8, q4, q6 rows interleaved 8 at a time at load
+    WeightType("q4x8", 7, QK, 18, False),
+    WeightType("q6", 8, QK, 26, True),
+    WeightType("q6x8", 9, QK, 26, False),
+)
+_FILE_TYPES = tuple(t for t in WEIGHT_TYPES if t.in_files)
+# The types weight files hold, which the converter writes and the loader reads.
+TYPE_IDS = {t.name: t.type_id for t in _FILE_TYPES}
+TYPE_NAMES = {t.type_id: t.name for t in _FILE_TYPES}
+BLOCK_BYTES = {t.name: t.block_bytes for t in _FILE_TYPES}
+BLOCK_SIZE = {t.name: t.block_size for t in _FILE_TYPES}
 
 Q8_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 Q4_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
 # q6: the low nibbles as in q4, then 8 bytes of 2-bit high parts (see quantize_q6)
 Q6_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2 + QK // 4,))])
-assert Q8_DTYPE.itemsize == 34 and Q4_DTYPE.itemsize == 18 and Q6_DTYPE.itemsize == 26
+assert (Q8_DTYPE.itemsize, Q4_DTYPE.itemsize, Q6_DTYPE.itemsize) == (
+    BLOCK_BYTES["q8"], BLOCK_BYTES["q4"], BLOCK_BYTES["q6"])
 
 
 def row_bytes(type_name: str, n: int) -> int:
