@@ -9,11 +9,11 @@ from typing import Any
 
 from fastapi import Request
 
-from colibri.app.chat_plan import ChatPlan, compile_constraints, context_note, plan_chat
+from colibri.app.chat_plan import context_note, request_constraints, request_plan
 from colibri.app.errors import APIError
 from colibri.app.protocol import ChatCompletionRequest
 from colibri.app.serving import ClientGoneError, Sequence, Serving
-from colibri.engine import ToolCall
+from colibri.engine import ChatPlan, ToolCall
 
 
 def _template_timeout_s(state: Any, body: ChatCompletionRequest) -> float:
@@ -32,7 +32,7 @@ async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
     body.check(state.settings, vocab)
     cancel = threading.Event()
     planning = state.off_loop(
-        plan_chat, tok, body.template_messages(), body.tools, body.tool_choice,
+        request_plan, tok, body.template_messages(), body.tools, body.tool_choice,
         body.parallel_tool_calls, body.response_format, body.add_generation_prompt,
         body.chat_template, format_param, _template_timeout_s(state, body), cancel)
     try:
@@ -47,7 +47,7 @@ async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
     budget = serving.budget(len(plan.prompt), body.requested_max_tokens(), "messages",
                             context_note(plan))
     k = body.engine_logprobs()
-    constraints = await state.off_loop(compile_constraints, tok, vocab, plan.spec,
+    constraints = await state.off_loop(request_constraints, tok, vocab, plan.spec,
                                        [budget] * body.n)
     sequences = []
     for i in range(body.n):

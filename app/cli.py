@@ -27,13 +27,7 @@ from colibri.app.http import uvicorn_options
 from colibri.app.server import create_app
 from colibri.app.settings import Settings
 from colibri.app.state import ServerState
-from colibri.engine import (
-    add_option_args,
-    check_model,
-    cli_main,
-    command_options,
-    engine_env_variables,
-)
+from colibri.engine import check_model, cli_main, options
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,14 +38,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "be set as COLIBRI_<OPTION> in the environment or in a .env file; "
                     "docs/configuration.md lists them all.")
     # options not given stay out of the namespace: Settings layers them over the environment
-    add_option_args(parser, command_options("serve"), suppress=True)
+    options.add_option_args(parser, options.command_options("serve"), suppress=True)
     parser.add_argument("--env-file", default=".env", help="settings file (default .env)")
     parser.set_defaults(handler=serve_main)
     return parser
 
 
 # read by the engine from the environment, not by Settings; a .env file sets them too
-ENGINE_VARIABLES = engine_env_variables()
+ENGINE_VARIABLES = options.engine_env_variables()
 
 
 def engine_variables_from_file(env_file: str | None) -> None:

@@ -28,7 +28,6 @@ from colibri.engine import (
     AsyncEngineConfig,
     EngineConfig,
     EngineCore,
-    ExpertCacheConfig,
     __version__,
     engine_loader,
 )
@@ -39,21 +38,7 @@ log = logging.getLogger("colibri.app")
 def default_loader(settings: Settings) -> Callable[[], EngineCore]:
     """Load settings.model (a folder, a Hugging Face repo id, or None for the bundled demo
     model) the way `colibri serve` does."""
-
-    config = EngineConfig(
-        threads=settings.threads, n_ctx=settings.n_ctx, quant=settings.quant,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        prefill_tokens_while_decoding=settings.prefill_tokens_while_decoding,
-        kv_cache_mb=settings.kv_cache_mb, kv_cache_type=settings.kv_cache_type,
-        prefix_cache=settings.prefix_cache,
-        expert_cache=ExpertCacheConfig(
-            expert_cache_mb=settings.expert_cache_mb,
-            expert_cache_size=settings.expert_cache_size,
-            prefetch_window=settings.prefetch_window, expert_load=settings.expert_load,
-            expert_prefetch=settings.expert_prefetch, expert_pin=settings.expert_pin,
-            expert_huge_pages=settings.expert_huge_pages))
-    return engine_loader(settings.model, config)
+    return engine_loader(settings.model, EngineConfig.from_options(settings))
 
 
 def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = None) -> FastAPI:

@@ -1,7 +1,7 @@
 """Server settings: command-line options over COLIBRI_* environment variables over `.env`.
 
-Each field is an option of the engine's options table (engine.core.options, exported as
-OPTION): its default, description and limits come from there, and one check (Option.check)
+Each field is an option of the engine's options table (`colibri.engine.options.OPTION`):
+its default, description and limits come from there, and one check (Option.check)
 validates the field whether it came from a flag, the environment or `.env`. The field names and
 types are written here so code that reads `settings.max_queue` is typed; tests/test_options.py
 holds them to the table. The defaults are the safe ones (bind to 127.0.0.1, no CORS, client
@@ -15,12 +15,12 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from colibri.engine import OPTION
+from colibri.engine import options
 
 
 def _option(name: str) -> Any:
     """The pydantic field of option `name`: its default and help from the table."""
-    o = OPTION[name]
+    o = options.OPTION[name]
     if isinstance(o.default, list):
         return Field(default_factory=lambda: list(o.default), description=o.help)
     return Field(o.default, description=o.help)
@@ -95,7 +95,7 @@ class Settings(BaseSettings):
         """The option's own check: the same limits as the engine's commands apply."""
         name = str(info.field_name)
         try:
-            return OPTION[name].check(v)
+            return options.OPTION[name].check(v)
         except ValueError as e:
             raise ValueError(f"{name} {e}") from None
 

@@ -12,7 +12,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from colibri.engine import LLM, ConstraintCompiler, ConstraintError, ConstraintSpec, SamplingParams
+from colibri.engine import LLM, ConstraintError, ConstraintSpec, SamplingParams
+from colibri.engine.sample.constraints import ConstraintCompiler
 
 S = {"type": "string"}
 SCHEMAS: list[dict[str, Any]] = [

@@ -27,7 +27,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_bundled_model_is_package_data() -> None:
-    from colibri.engine import default_model_path
+    from colibri.engine.demo import default_model_path
 
     root = default_model_path()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
@@ -39,7 +39,7 @@ def test_bundled_model_routes_like_a_many_expert_moe() -> None:
     """Many small experts, top-k renormalised: the routing the expert cache is tuned on."""
     import json
 
-    from colibri.engine import default_model_path
+    from colibri.engine.demo import default_model_path
 
     cfg = json.loads((default_model_path() / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
@@ -55,7 +55,8 @@ def test_greedy_f32_matches_transformers(cache_dir: Path, prompt: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colibri.engine import LLM, default_model_path
+    from colibri.engine import LLM
+    from colibri.engine.demo import default_model_path
 
     llm = LLM(None, quant="f32", threads=2)
     ids = llm.tokenizer.encode(prompt, add_special_tokens=True)
@@ -73,7 +74,8 @@ def test_chat_greedy_matches_transformers(cache_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colibri.engine import LLM, default_model_path
+    from colibri.engine import LLM
+    from colibri.engine.demo import default_model_path
 
     llm = LLM(None, quant="f32", threads=2)
     ids = llm.tokenizer.apply_chat_template(

@@ -60,7 +60,7 @@ def _app(llm: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def glm_server(ckpts: dict[str, Path]) -> Iterator[InProcessServer]:
-    from colibri.engine import ExpertCacheConfig
+    from colibri.engine.core.options import ExpertCacheConfig
 
     llm = _llm(ckpts["glm4_moe"], "q8",
                expert_cache=ExpertCacheConfig(expert_cache_size=3, expert_pin=False))
@@ -97,7 +97,7 @@ def test_glm_serves_and_its_cache_counts_moe_layers_only(glm_server: InProcessSe
 
 def test_dense_model_serves_without_an_expert_cache(ckpts: dict[str, Path],
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    from colibri.engine import ExpertCacheConfig
+    from colibri.engine.core.options import ExpertCacheConfig
 
     with caplog.at_level(logging.INFO, logger="colibri.engine"):
         llm = _llm(ckpts["llama"], "q8", expert_cache=ExpertCacheConfig(expert_cache_size=4))

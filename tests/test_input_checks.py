@@ -14,12 +14,12 @@ from colibri.engine import (
     SamplingParamError,
     SamplingParams,
     TokenIdError,
-    Tokenizer,
     check_token_ids,
     join_text_parts,
 )
 from colibri.engine.errors import ContextOverflowError, InputError
 from colibri.engine.text.errors import TokenizerError
+from colibri.engine.text.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[1] / "engine" / "demo_model"
 

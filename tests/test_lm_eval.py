@@ -13,7 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from colibri.engine import LLM, default_model_path
+from colibri.engine import LLM
+from colibri.engine.demo import default_model_path
 from tests.server_helpers import SubprocessServer
 
 MODEL = "demo"

@@ -29,7 +29,8 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me about the river."}],
 def _llm(slots: int, tmp_path_factory: pytest.TempPathFactory) -> Any:
     import os
 
-    from colibri.engine import LLM, EngineConfig, ExpertCacheConfig
+    from colibri.engine import LLM, EngineConfig
+    from colibri.engine.core.options import ExpertCacheConfig
 
     os.environ.setdefault("COLIBRI_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     return LLM(None, n_ctx=N_CTX, config=EngineConfig(

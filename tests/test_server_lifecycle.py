@@ -299,7 +299,7 @@ def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
     import colibri.app.chat_serving as chat_serving
 
     srv, llm, before = _quiet(paced_pair)
-    monkeypatch.setattr(chat_serving, "compile_constraints", lambda _tok, _v, spec, budgets: [
+    monkeypatch.setattr(chat_serving, "request_constraints", lambda _tok, _v, spec, budgets: [
         None if spec is None else ExplodingConstraint() for _ in budgets])
     results: dict[str, httpx.Response] = {}
 

@@ -8,7 +8,12 @@ import json
 import jsonschema
 import pytest
 
-from colibri.engine import ToolCallParser, forced_calls, forced_calls_schema, template_tools
+from colibri.engine.text.toolcalls import (
+    ToolCallParser,
+    forced_calls,
+    forced_calls_schema,
+    template_tools,
+)
 
 NAMES = {"get_weather", "search"}
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}

@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from colibri.app.chat_plan import ChatPlan
 from colibri.app.chat_serving import ChoiceStream, call_dict, prepare_chat, reply_of
 from colibri.app.protocol import ChatCompletionRequest
 from colibri.app.replies import (
@@ -25,6 +24,7 @@ from colibri.app.replies import (
 from colibri.app.schemas import ChatCompletion, error_responses, sse_200
 from colibri.app.serving import get_serving
 from colibri.app.streaming import sse_response
+from colibri.engine import ChatPlan
 
 router = APIRouter()
 

@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
 
-from colibri.app.chat_plan import ChatPlan
 from colibri.app.chat_serving import ChoiceStream, prepare_chat, reply_of
 from colibri.app.errors import APIError
 from colibri.app.protocol import ChatCompletionRequest, Finite, _Model
@@ -24,7 +23,7 @@ from colibri.app.replies import Choice, Output, add_output, new_id, now, with_fi
 from colibri.app.schemas import ResponseObject, error_responses, sse_200
 from colibri.app.serving import get_serving
 from colibri.app.streaming import sse_response
-from colibri.engine import ToolCall
+from colibri.engine import ChatPlan, ToolCall
 
 router = APIRouter()
 

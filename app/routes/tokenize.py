@@ -14,10 +14,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from colibri.app.chat_plan import chat_prompt_ids
 from colibri.app.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
 from colibri.app.schemas import DetokenizeResponse, TokenizeResponse, TokenizerInfo, error_responses
 from colibri.app.state import get_state
-from colibri.app.templates import chat_prompt_ids
 
 router = APIRouter()
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from colibri.engine.core.block_manager import BLOCK_SIZE
 from colibri.engine.core.engine import EngineCore
@@ -58,6 +59,17 @@ class EngineConfig:
     prefix_cache: bool = default("prefix_cache")
     progress: bool = True  # show the conversion progress bar
     expert_cache: ExpertCacheConfig = field(default_factory=ExpertCacheConfig.from_env)
+
+    @classmethod
+    def from_options(cls, values: object) -> EngineConfig:
+        """The config of an object whose attributes are option values by their option names
+        (the server's Settings, parsed flags); options it lacks keep their defaults."""
+        def pick(names: Iterable[str]) -> dict[str, Any]:
+            return {n: getattr(values, n) for n in names if hasattr(values, n)}
+
+        cache = ExpertCacheConfig(**pick(f.name for f in fields(ExpertCacheConfig)))
+        own = pick(f.name for f in fields(cls) if f.name not in ("expert_cache", "progress"))
+        return cls(**own, expert_cache=cache)
 
 
 def available_memory_bytes() -> int | None:

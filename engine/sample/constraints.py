@@ -341,3 +341,14 @@ class ConstraintCompiler:
 
 _compilers: weakref.WeakKeyDictionary[Any, ConstraintCompiler] = weakref.WeakKeyDictionary()
 _compilers_lock = threading.Lock()
+
+
+def compile_constraints(tokenizer: Any, n_vocab: int, spec: ConstraintSpec | None,
+                        budgets: list[int]) -> list[Constraint | None]:
+    """One fresh constraint per sequence of a request (None each without a spec); budgets:
+    each sequence's token budget. ConstraintError names what cannot be enforced. A first
+    compile for a tokenizer can take a while: run it off any event loop."""
+    if spec is None:
+        return [None] * len(budgets)
+    compiler = ConstraintCompiler.for_tokenizer(tokenizer, n_vocab)
+    return [compiler.compile(spec, max_tokens=b) for b in budgets]
