@@ -54,6 +54,29 @@ def test_app_never_imports_engine_modules_by_name() -> None:
                 assert not bad, f"{path.relative_to(ROOT)} imports engine modules {bad}"
 
 
+# the Python API a user of `from colibri.engine import ...` gets beyond what the server needs
+PYTHON_API = {"__version__", "LLM", "SamplingParams", "convert", "ModelError"}
+
+
+def test_every_engine_export_is_used() -> None:
+    """The facade stays narrow: each name it exports is imported by the server or is part of
+    the Python API (README's `from colibri.engine import LLM`)."""
+    import colibri.engine as engine
+
+    used: set[str] = set()
+    for path in (ROOT / "app").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "colibri.engine":
+                used |= {a.name for a in node.names}
+    assert PYTHON_API <= set(engine.__all__)
+    unused = set(engine.__all__) - used - PYTHON_API
+    assert not unused, f"colibri.engine exports {sorted(unused)}, which nothing in app/ uses"
+    unknown = used - set(engine.__all__)
+    assert not unknown, f"app/ imports {sorted(unknown)}, which colibri.engine does not export"
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None, name
+
+
 def test_engine_top_level_holds_only_the_facade() -> None:
     """The engine's code lives in sub-packages that show the architecture; the top level keeps
     the package exports, the Python facade (llm), the error types and the C binding."""
