@@ -49,7 +49,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
               "test_readme_examples.py", "test_markers.py"),
 }
 # files whose tests take the longest or need a browser or client libraries (measured with
-# --durations on 2 cores: the schema fuzzing alone is about half of the whole suite)
+# --durations on 2 cores: the schema fuzzing alone is about half of the whole suite); single
+# tests of several seconds elsewhere carry @pytest.mark.slow themselves
 SLOW: tuple[str, ...] = ("test_reliability_schema.py", "test_expert_page_browser.py",
                          "test_server_browser.py", "test_lm_eval.py", "test_server_clients.py")
 

@@ -95,6 +95,7 @@ def _generate(llm: LLM, compiler: ConstraintCompiler, spec: ConstraintSpec, seed
     return "".join(o.text for o in outs), outs[-1].finish_reason
 
 
+@pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
 def test_schemas_sampled_at_temperature_1_all_validate(llm: LLM,
                                                        compiler: ConstraintCompiler) -> None:
     assert len(SCHEMAS) >= 20

@@ -133,6 +133,7 @@ def _shorten(files: list[Path], how: str, tmp_path: Path) -> None:
 
 # Without repacking every weight is read through its file's mapping (as on CPUs whose kernels
 # read the files' rows); with it, the embeddings file's lookup table and output norm still are.
+@pytest.mark.slow  # four servers: left out of the quick pass, run by the whole suite
 @pytest.mark.parametrize(("repack", "part"), [("0", "experts/*.bin"), ("1", "embeddings.bin")])
 @pytest.mark.parametrize("how", ["truncate", "cp"])
 def test_server_survives_weights_changed_under_it(model_copy: Path, tmp_path: Path,

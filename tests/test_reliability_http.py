@@ -193,6 +193,7 @@ def test_docs_can_be_switched_off() -> None:
 
 
 # -- defect: the drain timeout answered plain text and cut streams ----------------------------
+@pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
 def test_drain_timeout_answers_in_openai_shape(tmp_path: Path) -> None:
     # a long context, so that generations outlast the drain timeout even when batched
     model = tiny_model(tmp_path / "long", max_position_embeddings=4096)

@@ -90,6 +90,7 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Su
     assert srv.stop() == 0, srv.log()
 
 
+@pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
 def test_server_memory_stays_flat(server: SubprocessServer) -> None:
     url = server.url + "/v1/chat/completions"
     body = {"messages": MSG, "max_tokens": 1}
@@ -155,6 +156,7 @@ def test_model_template_past_its_output_cap_is_a_model_error(model: Path,
     assert not isinstance(exc.value, ValueError)  # not the request's fault (that is a 400)
 
 
+@pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
 def test_server_answers_500_for_a_spinning_model_template_and_keeps_serving(
         spinning_model: Path, tmp_path: Path) -> None:
     srv = SubprocessServer(spinning_model, tmp_path / "run",

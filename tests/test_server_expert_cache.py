@@ -88,6 +88,7 @@ def test_needs_the_api_key_but_the_page_does_not(server: InProcessServer) -> Non
     assert 'href="/experts"' in chat_page
 
 
+@pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
 def test_shape_and_counters_with_12_slots(server: InProcessServer) -> None:
     _chat_twice(server.url, _auth())
     r = httpx.get(server.url + "/v1/expert_cache", headers=_auth())
@@ -156,6 +157,7 @@ def test_503_while_loading(cached_llm: Any) -> None:
         srv.stop()
 
 
+@pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
 def test_cache_off_keeps_the_history(tmp_path_factory: pytest.TempPathFactory) -> None:
     llm = _llm(64, tmp_path_factory)  # every expert asked for: the cache is off
     srv = InProcessServer(_app(lambda: llm)).start()
