@@ -20,8 +20,11 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from checkouts import checkout_python, commit_of
 
 from colibri.engine.tools.bench import measured_on
 
@@ -30,20 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench_once(checkout: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
     """One `colibri bench` of checkout on model, in a fresh process run from the checkout."""
-    code = "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
-    cmd = [sys.executable, "-c", code, "bench", "--model", model, "--prompt-tokens",
-           str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens), "--threads",
-           str(args.threads), "--repeat", "1", "--json"]
-    r = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as work:
+        env, prefix = checkout_python(checkout, Path(work))
+        code = f"import sys; from {prefix}app.cli import main; sys.exit(main(sys.argv[1:]))"
+        cmd = [sys.executable, "-c", code, "bench", "--model", model, "--prompt-tokens",
+               str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens), "--threads",
+               str(args.threads), "--repeat", "1", "--json"]
+        r = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{checkout}: bench failed ({r.returncode}):\n{r.stderr[-2000:]}")
     return json.loads(r.stdout)
-
-
-def _commit(checkout: Path) -> str | None:
-    r = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
-                       text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
@@ -62,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
     a, b = Path(args.a).resolve(), Path(args.b).resolve()
-    out: dict[str, Any] = {**measured_on(), "commit": _commit(b), "a": str(a), "b": str(b),
-                           "a_commit": _commit(a), "b_commit": _commit(b), "repeat": args.repeat,
+    out: dict[str, Any] = {**measured_on(), "commit": commit_of(b), "a": str(a), "b": str(b),
+                           "a_commit": commit_of(a), "b_commit": commit_of(b),
+                           "repeat": args.repeat,
                            "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
                            "threads": args.threads, "models": {}}
     for model in args.model:

@@ -2,13 +2,13 @@
 """Writes the current results in docs/performance.md from the benchmark results in results/.
 
 Every results/<script>/<YYYY-MM-DD>-<name>.json is one measurement, written by a benchmark
-script's --json (scripts/compare_llamacpp.py, scripts/ab_bench.py). Files of one script
-whose names differ only in the date are one series; the page shows the newest file of each
-series, in one table per CPU, and each row names its command, commit and date and links its
-file. Everything between the two markers below is made here; the rest of the page is prose
-and is left alone. Refuses a file without a CPU, a command or a date, and a folder of results
-it has no table rows for: a measurement is never left out quietly, and no figure comes from
-anywhere but the files.
+script's --json (scripts/compare_llamacpp.py, scripts/ab_bench.py, scripts/bench_server.py).
+Files of one script whose names differ only in the date are one series; the page shows the
+newest file of each series, in one table per CPU, and each row names its command, commit and
+date and links its file. Everything between the two markers below is made here; the rest of
+the page is prose and is left alone. Refuses a file without a CPU, a command or a date, and a
+folder of results it has no table rows for: a measurement is never left out quietly, and no
+figure comes from anywhere but the files.
 
     python scripts/make_performance_page.py          # rewrite the part of the page
     python scripts/make_performance_page.py --check  # exit 1 if the page is not current
@@ -35,7 +35,8 @@ END = "<!-- end: made by scripts/make_performance_page.py -->"
 DATED = re.compile(r"^(\d{4}-\d{2}-\d{2})-(.+)$")
 COLUMNS = ("benchmark", "model, workload", "Colibri", "prefill / decode tok/s", "beside",
            "its prefill / decode tok/s", "decode ratio (repeat by repeat)", "prefill ratio",
-           "% of the read in the same minute", "command", "commit", "date")
+           "% of the read in the same minute, or the serving overhead", "command", "commit",
+           "date")
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,30 @@ def ab_bench_rows(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def bench_server_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/bench_server.py: streaming through the server against the engine in-process,
+    one row per server (this checkout's, and a baseline checkout's when there was one)."""
+    direct = d["direct"]["itl_mean_ms"]
+    work = (f"{Path(d['model']).name}; {d['max_tokens']} tokens streamed, logprobs 0, "
+            f"{d['threads'] or 'default'} threads, {d['repeat']} repeats")
+    rows = []
+    for name, commit in (("http", d["commit"]),
+                         ("baseline_http", (d.get("baseline") or {}).get("commit"))):
+        if name not in d:
+            continue
+        r, o = d[name], d[name]["overhead"]
+        cpu = r.get("loop_cpu_ms_per_token")
+        more = (f"TTFT {o['ttft_ms']:+.2f} ms, {o['itl_mean_ms']:+.2f} ms a token (repeats "
+                f"{o['itl_mean_ms_min']:+.2f} to {o['itl_mean_ms_max']:+.2f})"
+                + ("" if cpu is None else f"; event loop {cpu:.2f} ms CPU a token"))
+        rows.append(["server overhead", work, f"HTTP/SSE at {_commit(commit)}",
+                     f"– / {1e3 / r['itl_mean_ms']:.1f}", "the engine in-process",
+                     f"– / {1e3 / direct:.1f}", _ratio(direct / r["itl_mean_ms"]), "–", more])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
+    "bench_server": bench_server_rows,
     "compare_llamacpp": compare_llamacpp_rows,
     "ab_bench": ab_bench_rows,
 }

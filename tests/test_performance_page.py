@@ -131,3 +131,34 @@ def test_scripts_record_what_the_page_names() -> None:
                           text=True).stdout.strip()
     assert rec["commit"] == (head or None)
     assert rec["date"] == datetime.datetime.now(datetime.UTC).date().isoformat()
+
+
+def test_bench_server_rows_name_both_servers(page: ModuleType) -> None:
+    files = sorted((ROOT / "results" / "bench_server").glob("*.json"))
+    assert files, "results/bench_server/ holds no measurement"
+    d = json.loads(files[-1].read_text())
+    rows = page.bench_server_rows(d)
+    assert len(rows) == (2 if "baseline_http" in d else 1)
+    for row, name in zip(rows, ("http", "baseline_http"), strict=False):
+        assert f"{d[name]['overhead']['itl_mean_ms']:+.2f} ms a token" in row[8]
+        assert row[5] == f"– / {1e3 / d['direct']['itl_mean_ms']:.1f}"
+
+
+def test_checkout_python_imports_each_layout(tmp_path: Path) -> None:
+    """A checkout from before the colibri.* names runs as `app`, a later one through links
+    that make colibri.app / colibri.engine its own code."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from checkouts import checkout_python
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    old = tmp_path / "old"
+    (old / "engine").mkdir(parents=True)
+    (old / "engine" / "__init__.py").write_text('"""engine"""\n')
+    env, prefix = checkout_python(old, tmp_path / "work-old")
+    assert prefix == "" and env["PYTHONPATH"].split(":")[0] == str(old)
+    env, prefix = checkout_python(ROOT, tmp_path / "work-new")
+    assert prefix == "colibri."
+    names = Path(env["PYTHONPATH"].split(":")[0]) / "colibri"
+    assert (names / "engine").resolve() == (ROOT / "engine").resolve()
+    assert (names / "app").resolve() == (ROOT / "app").resolve()
