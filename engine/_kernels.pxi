@@ -310,7 +310,7 @@ def stream_hint_active() -> str:
 
 def stream_hint_force(name: str) -> None:
     """Make the AVX-512 interleaved products prefetch this way (process-wide): benchmarks,
-    tests and COLIBRI_PREFETCH. Results do not depend on it."""
+    tests and COLIBRI_STREAM_HINT. Results do not depend on it."""
     if name not in STREAM_HINTS:
         raise ValueError(f"unknown prefetch hint {name!r}; choose one of "
                          f"{', '.join(STREAM_HINTS)}")

@@ -183,12 +183,12 @@ def test_the_cache_is_refused_after_the_experts_were_repacked(quant_dir: Path) -
 
 
 KERNEL_CHOICES = {"COLIBRI_ISA": (_core.isa_active, _core.isa_force),
-                  "COLIBRI_PREFETCH": (_core.stream_hint_active, _core.stream_hint_force)}
+                  "COLIBRI_STREAM_HINT": (_core.stream_hint_active, _core.stream_hint_force)}
 
 
 @pytest.mark.parametrize(("variable", "value"),
                          [("COLIBRI_ISA", isa) for isa in _core.isa_supported()]
-                         + [("COLIBRI_PREFETCH", hint) for hint in _core.STREAM_HINTS])
+                         + [("COLIBRI_STREAM_HINT", hint) for hint in _core.STREAM_HINTS])
 def test_kernel_variables_choose_at_load_and_keep_the_tokens(
         quant_dir: Path, variable: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel path (or AVX-512 prefetch hint) the variable names runs the model, and the
@@ -210,7 +210,7 @@ def test_kernel_variables_choose_at_load_and_keep_the_tokens(
 @pytest.mark.parametrize(("variable", "value", "message"), [
     ("COLIBRI_ISA", "avx1024", "COLIBRI_ISA='avx1024' is not a kernel path this CPU runs; "
                                "choose one of ref"),
-    ("COLIBRI_PREFETCH", "t7", "COLIBRI_PREFETCH='t7' is not a prefetch hint; choose one of "
+    ("COLIBRI_STREAM_HINT", "t7", "COLIBRI_STREAM_HINT='t7' is not a stream hint; choose one of "
                                "l2, nta"),
 ])
 def test_kernel_variables_refuse_an_unknown_choice(quant_dir: Path, variable: str, value: str,

@@ -289,7 +289,7 @@ OPTIONS: tuple[Option, ...] = (
            unset="the best this CPU runs, found at start",
            note="Set it to compare paths on one machine, e.g. what an AVX2-only CPU would run.",
            example="avx2"),
-    Option("prefetch", str, None, "how the AVX-512 products prefetch the weights they stream: "
+    Option("stream_hint", str, None, "how the AVX-512 products prefetch the weights they stream: "
            "l2 (into L2) or nta (non-temporal)", _KERNELS, commands=(), setting=False,
            engine_env=True, unset="picked at start (nta on AMD Zen 5, where it measured "
                                   "faster; l2 elsewhere)",

@@ -31,7 +31,7 @@ log = logging.getLogger("colibri.engine")
 
 
 ISA_ENV = "COLIBRI_ISA"
-PREFETCH_ENV = "COLIBRI_PREFETCH"
+STREAM_HINT_ENV = "COLIBRI_STREAM_HINT"
 
 
 def _choose_from_env(variable: str, label: str, what: str, active: Callable[[], str],
@@ -52,12 +52,12 @@ def _choose_from_env(variable: str, label: str, what: str, active: Callable[[], 
 def kernels_from_env() -> str:
     """The kernel path every product takes: COLIBRI_ISA (ref, avx2, avxvnni, avx512) when set,
     to compare paths on one CPU or to keep off one; else the active one (the best this CPU runs,
-    unless something forced another). COLIBRI_PREFETCH (l2, nta) likewise sets how the AVX-512
+    unless something forced another). COLIBRI_STREAM_HINT (l2, nta) likewise sets how the AVX-512
     products prefetch weights. Process-wide. ValueError names the paths this CPU and build
     support, or the hints there are."""
     _choose_from_env(ISA_ENV, "kernels", "kernel path this CPU runs", _core.isa_active,
                      _core.isa_supported(), _core.isa_force, _core.isa_best)
-    _choose_from_env(PREFETCH_ENV, "prefetch", "prefetch hint", _core.stream_hint_active,
+    _choose_from_env(STREAM_HINT_ENV, "stream hint", "stream hint", _core.stream_hint_active,
                      _core.STREAM_HINTS, _core.stream_hint_force, _core.stream_hint_best)
     return _core.isa_active()
 
