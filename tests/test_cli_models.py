@@ -29,7 +29,7 @@ MODEL_COMMANDS: dict[str, list[str]] = {
     "info --model": ["info", "--model", "MODEL"],
     "verify": ["verify", "MODEL"],
     "generate": ["generate", "--model", "MODEL", "--prompt", "hi", "--max-tokens", "2"],
-    "eval": ["eval", "--model", "MODEL", "--dataset", "demo-validation", "--max-tokens", "8"],
+    "eval": ["eval", "--model", "MODEL", "--dataset", "demo-validation", "--score-tokens", "8"],
     "bench": ["bench", "--model", "MODEL", "--repeat", "1", "--gen-tokens", "2"],
     "serve": ["serve", "--model", "MODEL", "--port", "0"],
 }

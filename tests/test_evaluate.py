@@ -155,7 +155,7 @@ def test_eval_command_matches_transformers(tiny_hf, cache, tmp_path, capsys) -> 
     path = tmp_path / "text.txt"
     path.write_text(text)
     assert run_eval(["--model", str(tiny_hf), "--quant", "f32", "--text", str(path),
-                     "--ctx", "64", "--threads", "1", "--kv-cache-type", "f32",
+                     "--window", "64", "--threads", "1", "--kv-cache-type", "f32",
                      "--no-progress"]) == 0
     ours = printed_perplexity(capsys.readouterr().out)
 
@@ -175,7 +175,7 @@ def test_eval_command_matches_transformers(tiny_hf, cache, tmp_path, capsys) -> 
 
 def test_eval_command_on_the_demo_dataset(tiny_hf, cache, capsys) -> None:
     assert run_eval(["--model", str(tiny_hf), "--quant", "q8", "--dataset", "demo-validation",
-                     "--ctx", "64", "--max-tokens", "300", "--threads", "1",
+                     "--window", "64", "--score-tokens", "300", "--threads", "1",
                      "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "tokens: 300" in out

@@ -36,8 +36,6 @@ from colibri.engine.core.options import (
 from colibri.engine.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-# the same flag name for another knob: eval's --max-tokens counts the tokens of text it scores
-HOMONYMS = {("eval", "max_tokens")}
 # COLIBRI_* names in the code that are not options: the limit the server hands its template
 # renderer process
 INTERNAL_VARIABLES = {"COLIBRI_RENDER_MEMORY"}
@@ -228,7 +226,7 @@ def test_engine_command_flags_and_help_are_the_table() -> None:
             assert o.flag in p.format_help(), (command, name)
         # no flag of the command spells a table option another way or for another knob
         for a in p._actions:
-            if a.dest in OPTION and (command, a.dest) not in HOMONYMS:
+            if a.dest in OPTION:
                 assert a.dest in command_options(command), (command, a.dest)
                 assert OPTION[a.dest].flag in a.option_strings, (command, a.dest)
 

@@ -30,7 +30,7 @@ LogitsFn = Callable[[list[int]], np.ndarray]
 
 DEMO_DATASET = "demo-validation"
 VALIDATION_FILE = "validation.txt.gz"  # inside the bundled demo model's folder
-DEFAULT_CTX = 512
+DEFAULT_WINDOW = 512
 
 
 def window_plan(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -65,7 +65,7 @@ def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def perplexity(
     llm_logits_fn: LogitsFn,
     token_ids: Sequence[int] | np.ndarray,
-    window: int = DEFAULT_CTX,
+    window: int = DEFAULT_WINDOW,
     stride: int | None = None,
     progress: bool = True,
 ) -> float:
@@ -146,11 +146,12 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     src.add_argument("--text", metavar="FILE", help="UTF-8 text file to score")
     src.add_argument("--dataset", choices=(DEMO_DATASET,),
                      help="built-in text: the demo model's held-out plays")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
-                   help=f"tokens per window (default {DEFAULT_CTX}, capped at the model's context)")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"tokens per window, the context each is scored with (default "
+                   f"{DEFAULT_WINDOW}, capped at the model's context)")
     p.add_argument("--stride", type=int, default=None,
-                   help="new tokens scored per window after the first (default ctx/2)")
-    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens scored per window after the first (default window/2)")
+    p.add_argument("--score-tokens", type=int, default=None, metavar="N",
                    help="score only the first N tokens of the text")
     add_option_args(p, ("threads",))
     add_kv_cache_type_arg(p)
@@ -170,13 +171,13 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def check_eval_args(args: argparse.Namespace) -> None:
     """The numeric options, before anything is read or loaded. The window can only shrink to
     the model's context later, where window_plan checks the stride against it again."""
-    if args.ctx < 2:
-        raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
-    if args.stride is not None and not 1 <= args.stride <= args.ctx - 1:
-        raise ValueError(f"--stride must be in [1, ctx - 1] = [1, {args.ctx - 1}], "
+    if args.window < 2:
+        raise ValueError(f"--window must be at least 2, got {args.window}")
+    if args.stride is not None and not 1 <= args.stride <= args.window - 1:
+        raise ValueError(f"--stride must be in [1, window - 1] = [1, {args.window - 1}], "
                          f"got {args.stride}")
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    if args.score_tokens is not None and args.score_tokens < 2:
+        raise ValueError(f"--score-tokens must be at least 2, got {args.score_tokens}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
 
@@ -216,11 +217,11 @@ def eval_main(args: argparse.Namespace) -> int:
         raise ValueError("the text to score is empty")
     config = EngineConfig(kv_cache_type=args.kv_cache_type, max_num_seqs=1,
                           expert_cache=expert_cache_from_args(args))
-    llm = LLM(args.model, threads=args.threads, n_ctx=args.ctx, quant=args.quant, config=config)
-    window = min(args.ctx, llm.n_ctx)
+    llm = LLM(args.model, threads=args.threads, n_ctx=args.window, quant=args.quant, config=config)
+    window = min(args.window, llm.n_ctx)
     ids = llm.tokenizer.encode(text)
-    if args.max_tokens is not None:
-        ids = ids[: args.max_tokens]
+    if args.score_tokens is not None:
+        ids = ids[: args.score_tokens]
     if len(ids) < 2:
         raise ValueError("the text has fewer than 2 tokens")
     stride = args.stride if args.stride is not None else window // 2
