@@ -159,10 +159,16 @@ def http_runner(url: str, max_tokens: int) -> Callable[[int], Run]:
 
 
 def _thread_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) of the process's main thread, which runs the server's
-    event loop; None where /proc cannot tell."""
+    """CPU seconds of the process's main thread, which runs the server's event loop: the
+    scheduler's exact count (schedstat, ns) where the kernel keeps one, else user + system
+    ticks; None where /proc cannot tell."""
+    task = Path(f"/proc/{pid}/task/{pid}")
     try:
-        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
