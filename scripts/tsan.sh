@@ -9,6 +9,9 @@ set -euo pipefail
 sanitized_build tsan.sh thread __tsan_
 
 libtsan="$(gcc -print-file-name=libtsan.so)"
+# the interpreter itself, not a launcher script in front of it (pyenv's shims crash under
+# the preloaded runtime)
+py="$(python -c 'import sys; print(sys.executable)')"
 export LD_PRELOAD="$libtsan"
 # report races in Colibri's C code; the uninstrumented interpreter and numpy are not checked
 # third-party thread pools (the tokenizers' and torch's, used to build test checkpoints) are
@@ -17,7 +20,7 @@ export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 export TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0 log_path=$work/tsan"
 DEFAULT_TESTS=(tests/test_threadpool.py tests/test_expert_cache.py)
 status=0
-python -m pytest -q -p no:cacheprovider "${DEFAULT_TESTS[@]}" "$@" || status=$?
+"$py" -m pytest -q -p no:cacheprovider "${DEFAULT_TESTS[@]}" "$@" || status=$?
 if ls "$work"/tsan.* >/dev/null 2>&1; then
     cat "$work"/tsan.*
     echo "ThreadSanitizer reported the above" >&2
