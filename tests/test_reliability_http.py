@@ -100,6 +100,64 @@ def test_silent_client_is_dropped(server: SubprocessServer) -> None:
     assert _read_all(s) == b""  # closed by the server (the socket timeout is 15 s)
 
 
+def test_event_stream_overrides_what_sse_starlette_calls() -> None:
+    """The server's SSE response keeps its send timeout with asyncio.timeout by overriding
+    sse-starlette's per-event send; were it renamed there, the library's own (slower) would
+    run unnoticed."""
+    import inspect
+
+    from sse_starlette import EventSourceResponse
+
+    from colibri.app.streaming import EventStream
+
+    base = vars(EventSourceResponse).get("_send_with_timeout")
+    assert base is not None, "sse-starlette no longer has _send_with_timeout"
+    assert (inspect.signature(base).parameters.keys()
+            == inspect.signature(EventStream._send_with_timeout).parameters.keys())
+
+
+@pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
+def test_stream_to_a_client_that_stops_reading_is_dropped(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A streaming client that never reads: once the buffers between them are full, an event
+    waits send_timeout_s (1 s here), the connection is closed without [DONE] and the request
+    aborted, its slots freed. A context of 4096 makes the reply (8 choices with logprobs)
+    larger than any socket buffer."""
+    model = tiny_model(tmp_path_factory.mktemp("slow-reader") / "model",
+                       max_position_embeddings=4096)
+    srv = SubprocessServer(model, tmp_path_factory.mktemp("slow-reader-run"), "--api-key", KEY,
+                           env={"COLIBRI_SEND_TIMEOUT_S": "1"}).wait_ready()
+    try:
+        before = srv.metrics()
+        models = httpx.get(srv.url + "/v1/models", headers=AUTH, timeout=5).json()
+        n_ctx, name = models["data"][0]["max_model_len"], models["data"][0]["id"]
+        max_tokens = n_ctx - 16
+        body = json.dumps({"model": name, "prompt": "a", "max_tokens": max_tokens, "n": 8,
+                           "ignore_eos": True, "logprobs": 5, "stream": True}).encode()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                      b"application/json\r\nAuthorization: Bearer " + KEY.encode()
+                      + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            wait_for(lambda: srv.metrics()["colibri_requests_aborted_total"]
+                     > before["colibri_requests_aborted_total"], 60, "the stream to be dropped")
+            s.settimeout(15)
+            received = _read_all(s)  # what was buffered, then the server's close
+        assert received.startswith(b"HTTP/1.1 200")
+        assert b"data: [DONE]" not in received
+        wait_for(lambda: srv.metrics()["colibri_requests_running"] == 0, 10,
+                 "the request's slots to be freed")
+        made = (srv.metrics()["colibri_generation_tokens_total"]
+                - before["colibri_generation_tokens_total"])
+        assert made < 8 * max_tokens, "the whole reply was generated for a client not reading"
+        r = httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=30,
+                       json={"model": name, "prompt": "a", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def test_stalled_body_gets_408(server: SubprocessServer) -> None:
     s = _connect(server)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
