@@ -149,8 +149,10 @@ def bench_server_rows(d: dict[str, Any]) -> list[list[str]]:
     """scripts/bench_server.py: streaming through the server against the engine in-process,
     one row per server (this checkout's, and a baseline checkout's when there was one)."""
     direct = d["direct"]["itl_mean_ms"]
+    n = d["threads"]
+    threads = f"{n} compute thread{'s' if n != 1 else ''}" if n else "default threads"
     work = (f"{Path(d['model']).name}; {d['max_tokens']} tokens streamed, logprobs 0, "
-            f"{d['threads'] or 'default'} threads, {d['repeat']} repeats")
+            f"{threads}, {d['repeat']} repeats")
     rows = []
     for name, commit in (("http", d["commit"]),
                          ("baseline_http", (d.get("baseline") or {}).get("commit"))):
