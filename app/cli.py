@@ -24,10 +24,13 @@ import uvicorn
 from pydantic import ValidationError
 
 from colibri.app.http import uvicorn_options
+from colibri.app.middleware import exposure_warning
 from colibri.app.server import create_app
 from colibri.app.settings import Settings
 from colibri.app.state import ServerState
 from colibri.engine import check_model, cli_main, options
+
+log = logging.getLogger("colibri.app")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -121,6 +124,9 @@ def serve_main(args: argparse.Namespace) -> int:
     check_model(settings.model, n_ctx=settings.n_ctx)
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warning = exposure_warning(settings)
+    if warning:
+        log.warning("%s", warning)
     app = create_app(settings)
     state: ServerState = app.state.colibri
     config = uvicorn.Config(

@@ -1,9 +1,10 @@
-"""The guard in front of every route: header and body size limits, API key, request counts.
+"""The guard in front of every route: header and body size limits, Host names, API key,
+request counts.
 
 Pure ASGI (no BaseHTTPMiddleware) so streaming responses and disconnect messages pass
-through untouched. Order of checks: request line + headers (431), API key (401), body size
-(413) and body deadline (408). The body is read here once, bounded, and replayed to the app;
-after it, `receive` is the server's own, so the app still sees `http.disconnect`.
+through untouched. Order of checks: request line + headers (431), Host (421), API key (401),
+body size (413) and body deadline (408). The body is read here once, bounded, and replayed to
+the app; after it, `receive` is the server's own, so the app still sees `http.disconnect`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,37 @@ log = logging.getLogger("colibri.app")
 # Paths that need the API key when one is set; /health, /ready, /metrics and the page do not.
 # The API description is protected too: it tells a stranger what the server can be made to do.
 PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/openapi.json", "/docs")
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """A bind address only this machine reaches."""
+    return host in LOOPBACK_NAMES or host.startswith("127.")
+
+
+def host_names(settings: Settings) -> frozenset[str] | None:
+    """The Host names the server answers to; None: any. A loopback bind answers its own
+    names and the allowed ones; another bind checks only once names are allowed."""
+    allowed = {h.strip().lower().rstrip(".") for h in settings.allowed_hosts}
+    if "*" in allowed or (not allowed and not is_loopback(settings.host)):
+        return None
+    return LOOPBACK_NAMES | allowed
+
+
+def exposure_warning(settings: Settings) -> str | None:
+    """What to tell the operator of a server others can reach without a key (None: nothing)."""
+    if is_loopback(settings.host) or settings.api_key is not None:
+        return None
+    return (f"listening on {settings.host} without an API key: anyone who can reach port "
+            f"{settings.port} can use the model; set --api-key (or COLIBRI_API_KEY)")
+
+
+def _host_name(value: bytes) -> str:
+    """The name of a Host header, without its port: `[::1]:8000` -> `::1`."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0].rstrip(".") if text.count(":") == 1 else text.rstrip(".")
 
 
 class GuardMiddleware:
@@ -37,6 +69,7 @@ class GuardMiddleware:
         self._known_paths = known_paths
         self.settings = settings
         self.metrics = metrics
+        self._hosts = host_names(settings)
         key = settings.api_key.get_secret_value() if settings.api_key else ""
         self._key = key.encode() if key else None
 
@@ -73,6 +106,13 @@ class GuardMiddleware:
         if head > self.settings.max_header_bytes:
             await _reply(send, 431, "Request header fields too large.")
             return
+        if self._hosts is not None:
+            host = next((v for k, v in headers if k == b"host"), None)
+            if host is not None and _host_name(host) not in self._hosts:
+                await _reply(send, 421, f"This server does not answer to the host name "
+                             f"{_host_name(host)!r}; its operator can allow it with "
+                             "--allowed-hosts.", code="host_not_allowed")
+                return
         path: str = scope["path"]
         if (self._key is not None and scope["method"] != "OPTIONS"
                 and path.startswith(PROTECTED) and not self._authorized(headers)):

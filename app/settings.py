@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     port: int = _option("port")
     api_key: SecretStr | None = _option("api_key")
     cors_origins: list[str] = _option("cors_origins")
+    allowed_hosts: list[str] = _option("allowed_hosts")
     log_level: str = _option("log_level")
     docs: bool = _option("docs")
 

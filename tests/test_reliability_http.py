@@ -74,7 +74,7 @@ def _status_and_error(raw: bytes) -> tuple[int, dict]:
 # -- defect: slow clients held connections forever ----------------------------------------------
 def test_slow_header_lines_get_408(server: SubprocessServer) -> None:
     s = _connect(server)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     raw = b""
     for i in range(30):  # a header line every 0.3 s, never the blank line
         try:
@@ -160,7 +160,7 @@ def test_stream_to_a_client_that_stops_reading_is_dropped(
 
 def test_stalled_body_gets_408(server: SubprocessServer) -> None:
     s = _connect(server)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " +
               KEY.encode() + b"\r\nContent-Type: application/json\r\n"
               b"Content-Length: 100\r\n\r\n{\"prompt\": ")
     status, err = _status_and_error(_read_all(s))
@@ -188,9 +188,9 @@ def test_connections_are_capped(server: SubprocessServer) -> None:
 
 # -- defect: plain-text parser errors and guard gaps ------------------------------------------
 @pytest.mark.parametrize("raw", [
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Bad: a\x00b\r\n\r\n",
     b"GARBAGE\r\n\r\n",
 ])
 def test_malformed_http_gets_json_400(server: SubprocessServer, raw: bytes) -> None:
@@ -202,7 +202,7 @@ def test_malformed_http_gets_json_400(server: SubprocessServer, raw: bytes) -> N
 
 def test_huge_head_in_pieces_gets_431(server: SubprocessServer) -> None:
     s = _connect(server)
-    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     try:
         for i in range(120):  # 120 KiB of headers, 1 KiB at a time
             s.sendall(b"X-Pad-%03d: " % i + b"a" * 1000 + b"\r\n")
@@ -214,7 +214,7 @@ def test_huge_head_in_pieces_gets_431(server: SubprocessServer) -> None:
 
 def test_long_url_counts_against_the_head_limit(server: SubprocessServer) -> None:
     s = _connect(server)  # 70 KB: past max_header_bytes, within what the parser buffers
-    s.sendall(b"GET /health?q=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.sendall(b"GET /health?q=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     status, _ = _status_and_error(_read_all(s))
     assert status == 431
 
@@ -306,3 +306,50 @@ def test_drain_timeout_answers_in_openai_shape(tmp_path: Path) -> None:
         assert r.json()["error"]["code"] == "server_shutting_down"
         assert r.headers.get("retry-after")
     assert "CancelledError" not in log and "Traceback" not in log, log
+
+
+# -- defect: any Host header was answered (DNS rebinding) -----------------------------------
+def _get_with_host(srv: SubprocessServer, host: bytes) -> tuple[int, dict | None]:
+    """(status, error) of GET /health sent with this Host header; error None on a 2xx."""
+    s = _connect(srv)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+    raw = _read_all(s)
+    status = int(raw.split(b" ", 2)[1])
+    return (status, None) if status < 300 else _status_and_error(raw)
+
+
+def test_a_name_the_server_was_not_given_gets_421(server: SubprocessServer) -> None:
+    """A page on a rebound name (evil.example -> 127.0.0.1) cannot drive a local server."""
+    for host in (b"evil.example", b"evil.example:%d" % server.port, b"127.0.0.1.evil.example"):
+        status, err = _get_with_host(server, host)
+        assert status == 421, host
+        assert err is not None and err["code"] == "host_not_allowed", err
+        assert "--allowed-hosts" in err["message"]
+
+
+def test_loopback_names_are_answered(server: SubprocessServer) -> None:
+    for host in (b"127.0.0.1", b"127.0.0.1:%d" % server.port, b"localhost:%d" % server.port,
+                 b"LOCALHOST", b"[::1]:%d" % server.port, b"localhost."):
+        status, _ = _get_with_host(server, host)
+        assert status == 200, host
+
+
+def test_host_names_by_bind_address_and_option() -> None:
+    from colibri.app.middleware import LOOPBACK_NAMES, _host_name, exposure_warning, host_names
+
+    def settings(**kw: object) -> Settings:
+        return Settings(_env_file=None, **kw)  # type: ignore[arg-type]
+
+    assert host_names(settings()) == LOOPBACK_NAMES  # 127.0.0.1 by default
+    assert host_names(settings(allowed_hosts=["Colibri.LAN."])) == LOOPBACK_NAMES | {
+        "colibri.lan"}
+    assert host_names(settings(allowed_hosts=["*"])) is None
+    assert host_names(settings(host="0.0.0.0")) is None  # exposed on purpose: any name
+    assert host_names(settings(host="0.0.0.0", allowed_hosts=["a.example"])) == (
+        LOOPBACK_NAMES | {"a.example"})
+    assert [_host_name(h) for h in (b"[::1]:80", b"::1", b"a.example:8000", b"A.Example.")] == [
+        "::1", "::1", "a.example", "a.example"]
+    assert exposure_warning(settings()) is None
+    assert exposure_warning(settings(host="0.0.0.0", api_key="k")) is None
+    warning = exposure_warning(settings(host="0.0.0.0", port=9000))
+    assert warning is not None and "0.0.0.0" in warning and "--api-key" in warning

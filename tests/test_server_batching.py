@@ -122,7 +122,7 @@ def test_shared_system_prompt_is_reused(server: SubprocessServer) -> None:
 def _raw(port: int, body: dict[str, Any]) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
               b"application/json\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n"
               + data)
     return s

@@ -232,6 +232,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("cors_origins", list, [], "origins allowed to call the API from a browser (CORS)",
            _NET, note='As a variable, a JSON list such as ["http://localhost:3000"]. Empty: '
                       "CORS off. Credentials are never allowed.", metavar="ORIGIN"),
+    Option("allowed_hosts", list, [], "host names the server answers to besides localhost, "
+           "127.0.0.1 and ::1 (the Host header); '*': any", _NET,
+           note='As a variable, a JSON list such as ["colibri.lan"]. Checked while the server '
+                "listens on a loopback address, and on any address once names are given: a "
+                "web page cannot reach a local server through a name of its own (DNS "
+                "rebinding). Other names get 421.", metavar="HOST"),
     Option("log_level", str, "info", "log level: debug, info, warning or error", _NET),
     Option("docs", bool, True, "serve the API description at /docs and /openapi.json (behind "
            "the API key when one is set)", _NET),
