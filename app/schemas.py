@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
+from colibri.app.middleware import host_names
 from colibri.app.settings import Settings
 
 
@@ -211,6 +212,7 @@ _MESSAGES = {
     404: "Unknown model (or URL).",
     408: "The client sent the request body too slowly.",
     413: "The request body is too large.",
+    421: "The Host header names a host this server does not answer to.",
     431: "The request line or headers are too large.",
     500: "The server failed this request (details are in the server log).",
     503: "Loading, draining, queue full or the model is unhealthy; retry after Retry-After.",
@@ -238,7 +240,8 @@ def _error_ref() -> dict[str, Any]:
 
 def install_schema(app: FastAPI, settings: Settings, protected: tuple[str, ...]) -> None:
     """Publish the real responses: drop FastAPI's 422, add what the guard middleware answers
-    on any route (431, and 413/408 on bodies; 401 where a key is required)."""
+    on any route (431, 421 where Host names are checked, and 413/408 on bodies; 401 where a
+    key is required)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -251,7 +254,7 @@ def install_schema(app: FastAPI, settings: Settings, protected: tuple[str, ...])
             for method, op in item.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
-                extra = [431]
+                extra = [431] + ([421] if host_names(settings) is not None else [])
                 if method in ("post", "put", "patch"):
                     extra += [400, 408, 413]
                 if settings.api_key is not None and path.startswith(protected):
