@@ -149,3 +149,43 @@ def test_valid_logit_bias_and_ints_still_work(http: httpx.Client) -> None:
                                            "temperature": 1, "logit_bias": {"5": 100}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"] is None
+
+
+# -- schemas the grammar engine cannot take were a 500 from inside the engine step ---------
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "array", "items": {"type": "integer"}}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+UNSUPPORTED_SCHEMAS = {
+    "arrays 800 deep": (_nested_arrays(800), "nests deeper than"),
+    "a million a's": ({"type": "string", "pattern": "^a{1000000}$"}, "repeats to 1000000"),
+    "nested repeats": ({"type": "string", "pattern": "^((x{1000}){1000}){1000}$"},
+                       "repeats to 1000000000"),
+    "$ref cycle": ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                    "$ref": "#/$defs/a"}, "no output can match"),
+    "$ref to itself": ({"$ref": "#"}, "no output can match"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_SCHEMAS))
+def test_schema_the_grammar_engine_cannot_take_is_400(http: httpx.Client, name: str) -> None:
+    schema, words = UNSUPPORTED_SCHEMAS[name]
+    r = http.post("/v1/chat/completions", json={
+        "messages": MSG, "max_tokens": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    err = assert_error(r, 400, "response_format.json_schema.schema")
+    assert words in err["message"], err
+    ok = http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_schemas_within_the_limits_still_compile(http: httpx.Client) -> None:
+    for schema in (_nested_arrays(40),
+                   {"type": "string", "pattern": "^[a-z]{1,64}(-[0-9]{2,4}){0,8}$"}):
+        r = http.post("/v1/chat/completions", json={
+            "messages": MSG, "max_tokens": 4, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        assert r.status_code == 200, r.text

@@ -25,6 +25,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from colibri.engine.sample.schema_limits import (
+    ConstraintLimitError,
+    check_pattern,
+    check_schema,
+)
+
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
 
 # JSON comes out with one space after ',' and ':' and no other whitespace: a model cannot
@@ -287,6 +293,10 @@ class ConstraintCompiler:
             if not isinstance(schema, dict):
                 raise ConstraintError("the JSON schema must be an object", spec.param)
             try:
+                check_schema(schema)
+            except ConstraintLimitError as exc:
+                raise ConstraintError(str(exc), spec.param) from None
+            try:
                 return M.grammar_from_json_schema(_strict_formats(schema),
                                                   overrides=_JSON_OPTIONS)
             except (ValueError, TypeError) as exc:
@@ -297,6 +307,10 @@ class ConstraintCompiler:
         if not isinstance(spec.value, str) or not spec.value:
             raise ConstraintError(f"the {spec.kind} must be a non-empty string", spec.param)
         if spec.kind == "regex":
+            try:
+                check_pattern(str(spec.value))
+            except ConstraintLimitError as exc:
+                raise ConstraintError(str(exc), spec.param) from None
             return M.grammar_from_regex(spec.value)
         if spec.kind == "grammar":
             return M.grammar_from_lark(spec.value)
@@ -336,7 +350,16 @@ class ConstraintCompiler:
             raise ConstraintError(f"the constraint cannot be compiled: {matcher.get_error()}",
                                   spec.param)
         closing = self.closing_scores() if max_tokens is not None else None
-        return Constraint(matcher, self.n_vocab, overlap, max_tokens, closing)
+        constraint = Constraint(matcher, self.n_vocab, overlap, max_tokens, closing)
+        # the first mask now, off the engine's step: a grammar that cannot match anything (a
+        # $ref cycle, say) fails here as this request's error, not inside a batch
+        allowed = constraint.mask()
+        if matcher.is_error() or not allowed.any():
+            detail = matcher.get_error().splitlines()[0] if matcher.is_error() else ""
+            raise ConstraintError("no output can match the constraint (a $ref that refers to "
+                                  "itself, for one)" + (f": {detail}" if detail else ""),
+                                  spec.param)
+        return constraint
 
 
 _compilers: weakref.WeakKeyDictionary[Any, ConstraintCompiler] = weakref.WeakKeyDictionary()
