@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "clb_model_internal.h"
@@ -98,6 +99,26 @@ static void repack_slot(clb_xcache *xc, int64_t idx, unsigned char *at, void *sc
     }
 }
 
+/* Opens an expert file for reading without ever waiting: O_NONBLOCK so that a FIFO or a
+ * device put in its place fails here instead of blocking the step (or the prefetch thread)
+ * until something writes to it; anything but a regular file is refused. -1 with msg set. */
+static int open_expert_file(const char *path, int extra_flags, char *msg) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | extra_flags);
+    if (fd < 0) {
+        clb_set_err(msg, "weight file changed: %s cannot be opened any more: %s", path,
+                    strerror(errno));
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        clb_set_err(msg, "weight file changed: %s is no longer a regular file; restart to load "
+                    "the model again", path);
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
 /* Loads expert idx into slot s (owned by the caller, state loading), repacking through the
  * loader's scratch. Returns the bytes read, or 0 with msg set. Called without the lock. */
 static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, char *msg) {
@@ -115,12 +136,8 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, 
         return len; /* a file cut short reads as zeros and is reported after the step */
     }
     int direct = xc->cfg.load == CLB_XC_DIRECT;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
-    if (fd < 0) {
-        clb_set_err(msg, "weight file changed: %s cannot be opened any more: %s", path,
-                    strerror(errno));
-        return 0;
-    }
+    int fd = open_expert_file(path, direct ? O_DIRECT : 0, msg);
+    if (fd < 0) return 0;
     size_t off = direct ? direct_start(sp) : sp->lo;
     size_t need = sp->hi - off, want = direct ? round_up(need, PAGE) : need, got = 0;
     while (got < want) {
@@ -154,7 +171,8 @@ static void drop_mapped(clb_xcache *xc, int64_t idx) {
     uintptr_t a = (uintptr_t)sp->mapped[0] - sp->rel[0];
     uintptr_t p0 = round_up(a, PAGE), p1 = (a + (sp->hi - sp->lo)) / PAGE * PAGE;
     if (p1 > p0) madvise((void *)p0, p1 - p0, MADV_DONTNEED);
-    int fd = open(clb_wfile_path(xc->m->expert_files[idx]), O_RDONLY | O_CLOEXEC);
+    char ignored[CLB_ERR_LEN];
+    int fd = open_expert_file(clb_wfile_path(xc->m->expert_files[idx]), 0, ignored);
     if (fd >= 0) {
         posix_fadvise(fd, (off_t)sp->lo, (off_t)(sp->hi - sp->lo), POSIX_FADV_DONTNEED);
         close(fd);

@@ -9,6 +9,8 @@ not waited on.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -163,6 +165,39 @@ def test_server_survives_weights_changed_under_it(model_copy: Path, tmp_path: Pa
     log = srv.log()
     assert "weight file changed: " in log and str(model_copy / part.split("/")[0]) in log, log
     assert "Bus error" not in log and code == 0, (code, log)
+
+
+def test_fifo_under_a_running_expert_cache_fails_the_request(model_copy: Path,
+                                                             tmp_path: Path) -> None:
+    """Expert files swapped for FIFOs while the expert cache reads them on misses: the next
+    read fails at once (a 500 naming the file, /ready 503 so a supervisor restarts the
+    server), instead of blocking the engine forever while /ready stays 200."""
+    n_expert = json.loads((model_copy / "config.json").read_text())["n_expert"]
+    srv = SubprocessServer(model_copy, tmp_path / "run", "--expert-cache-size",
+                           str(n_expert // 2), "--expert-load", "pread", "--no-expert-pin",
+                           env={"COLIBRI_REPACK": "0"}).wait_ready()
+    files = sorted((model_copy / "experts").glob("*.bin"))
+    try:
+        body = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        for f in files:
+            f.unlink()
+            os.mkfifo(f)
+        long = {"prompt": "Hello there, how are you today?", "max_tokens": 24,
+                "temperature": 1.0, "seed": 3}
+        r = httpx.post(srv.url + "/v1/completions", json=long, timeout=30)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] == "model_fault"
+        assert httpx.get(srv.url + "/ready", timeout=5).status_code == 503
+    finally:
+        for f in files:  # a reader still stuck on a FIFO gets its end of file
+            if f.is_fifo():
+                with contextlib.suppress(OSError):
+                    os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+        code = srv.stop(signal.SIGTERM)
+    log = srv.log()
+    assert "is no longer a regular file" in log, log
+    assert code == 0, (code, log)
 
 
 @pytest.mark.skipif(not _core.wants_x8("q8"), reason="this CPU's kernels read the files' rows")
