@@ -189,3 +189,21 @@ def test_schemas_within_the_limits_still_compile(http: httpx.Client) -> None:
             "messages": MSG, "max_tokens": 4, "response_format": {
                 "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
         assert r.status_code == 200, r.text
+
+
+# -- /v1/responses took text parts that chat refuses ---------------------------------------
+@pytest.mark.parametrize("part,why", [
+    ({"type": "input_text", "text": 5}, "not int"),
+    ({"type": "input_text"}, "needs a string 'text'"),
+    ({"type": "output_text", "text": None}, "needs a string 'text'"),
+])
+def test_responses_text_part_without_string_text_is_400(http: httpx.Client, part: dict,
+                                                        why: str) -> None:
+    r = http.post("/v1/responses", json={"max_output_tokens": 4, "input": [
+        {"type": "message", "role": "user", "content": [part]}]})
+    err = assert_error(r, 400, "input.0.content.0.text")
+    assert why in err["message"], err
+    ok = http.post("/v1/responses", json={"max_output_tokens": 4, "input": [
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Hello"}]}]})
+    assert ok.status_code == 200, ok.text

@@ -79,7 +79,12 @@ def _text_of(content: Any, param: str) -> str:
         if kind not in ("input_text", "output_text", "text"):
             raise APIError(400, f"only text input is supported (got {kind!r})",
                            f"{param}.{j}.type")
-        texts.append(str(part.get("text", "")))
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise APIError(400, f"a {kind} part needs a string 'text'"
+                           + ("" if text is None else f", not {type(text).__name__}"),
+                           f"{param}.{j}.text")
+        texts.append(text)
     return "".join(texts)
 
 
