@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -47,6 +48,7 @@ def _valid_unicode(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+NON_EMPTY = {"minItems": 1}  # in /openapi.json: a list the server refuses when empty
 
 
 class _Model(BaseModel):
@@ -230,7 +232,7 @@ class _Sampling(_Model):
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra=NON_EMPTY)
     model: Text | None = None
     logprobs: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -285,7 +287,16 @@ class ChatCompletionRequest(_Sampling):
 _REFUSED = {"audio", "modalities", "prediction", "web_search_options", "functions",
             "function_call"}
 
-Prompt = Text | list[Text] | list[int] | list[list[int]]
+# what the server takes (prompt_list and check refuse the rest), as /openapi.json shows it
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+    {"type": "array", "minItems": 1,
+     "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}}},
+]}
+Prompt = Annotated[Text | list[Text] | list[int] | list[list[int]],
+                   WithJsonSchema(_PROMPT_SCHEMA)]
 
 
 class CompletionRequest(_Sampling):
@@ -351,7 +362,7 @@ class TokenizeRequest(_Model):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, json_schema_extra=NON_EMPTY)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -368,4 +379,4 @@ class DetokenizeRequest(_Model):
     """POST /detokenize."""
 
     model: Text | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra=NON_EMPTY)

@@ -207,3 +207,25 @@ def test_responses_text_part_without_string_text_is_400(http: httpx.Client, part
         {"type": "message", "role": "user",
          "content": [{"type": "input_text", "text": "Hello"}]}]})
     assert ok.status_code == 200, ok.text
+
+
+# -- /openapi.json allowed what the server then refused ------------------------------------
+def test_openapi_says_what_the_server_refuses(http: httpx.Client) -> None:
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+
+    def prop(model: str, name: str) -> dict:
+        return schemas[model]["properties"][name]
+
+    assert prop("ChatCompletionRequest", "messages")["minItems"] == 1
+    assert prop("TokenizeRequest", "messages")["minItems"] == 1
+    assert prop("DetokenizeRequest", "tokens")["minItems"] == 1
+    prompt = prop("CompletionRequest", "prompt")["anyOf"]
+    assert {"type": "string", "minLength": 1} in prompt
+    assert all(p.get("minItems") == 1 for p in prompt if p["type"] == "array")
+    assert prop("ResponsesRequest", "truncation")["enum"] == ["disabled", None]
+    # and the server does refuse each
+    for path, body in (("/v1/chat/completions", {"messages": []}),
+                       ("/v1/completions", {"prompt": ""}), ("/v1/completions", {"prompt": []}),
+                       ("/detokenize", {"tokens": []}), ("/tokenize", {"messages": []}),
+                       ("/v1/responses", {"input": "Hi", "truncation": "auto"})):
+        assert http.post(path, json=body).status_code == 400, (path, body)

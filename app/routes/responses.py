@@ -47,7 +47,7 @@ class ResponsesRequest(_Model):
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
-    truncation: str | None = None
+    truncation: str | None = Field(None, json_schema_extra={"enum": ["disabled", None]})
     # accepted and ignored (see the README): store, metadata, service_tier, user,
     # prompt_cache_key, safety_identifier, include, reasoning
 
