@@ -54,6 +54,11 @@ def bad_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     conv = convert(hf, root / "colibri", progress=False)
     (conv / "tokenizer.json").write_bytes((hf / "tokenizer.json").read_bytes()[:500])
     out["truncated tokenizer.json (converted)"] = conv
+    header = convert(hf, root / "colibri-header", progress=False)
+    victim = sorted((header / "experts").glob("*.bin"))[0]
+    with open(victim, "r+b") as f:  # same size, damaged magic
+        f.write(b"NOTCLB\0\0")
+    out["damaged weight-file header"] = header
     return out
 
 
@@ -68,7 +73,8 @@ def _run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
 @pytest.mark.parametrize("command", list(MODEL_COMMANDS))
 @pytest.mark.parametrize("kind", ["missing", "not a model folder", "config nested 100,000 deep",
                                   "truncated tokenizer.json (HF)",
-                                  "truncated tokenizer.json (converted)"])
+                                  "truncated tokenizer.json (converted)",
+                                  "damaged weight-file header"])
 def test_bad_model_is_one_line_and_exit_2(bad_models: dict[str, Path], tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str], command: str,
                                           kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,6 +91,8 @@ def test_bad_model_is_one_line_and_exit_2(bad_models: dict[str, Path], tmp_path:
     assert str(model) in lines[0]
     if kind == "config nested 100,000 deep":
         assert "nested too deeply" in lines[0]
+    if kind == "damaged weight-file header":
+        assert "experts" in lines[0] and ".bin" in lines[0], lines[0]
     if kind.startswith("truncated"):
         assert "tokenizer.json" in lines[0] and "EOF while parsing" in lines[0]
     if command != "convert" and kind in ("missing", "not a model folder"):

@@ -68,6 +68,17 @@ def check_model(path: str | Path | None, flag: str = "--model",
     return source
 
 
+def _check_weight_headers(source: Path, config: dict) -> None:
+    """Each weight file's header and tensor table, as the C loader checks them (a file of the
+    right size with a damaged header is refused here, before the server binds its port).
+    Reads the headers only."""
+    from colibri.engine import _core
+
+    for name in config.get("files") or {}:
+        if str(name).endswith(".bin"):
+            _core.inspect_weight_file(source / str(name))
+
+
 def _check_files(source: Path) -> int:
     """Check the files a load reads first; returns the model's max_position_embeddings."""
     from colibri.engine.format.convert import CONFIG_MAX_BYTES, _check_sources, verify
@@ -81,6 +92,7 @@ def _check_files(source: Path) -> int:
         max_positions = ModelConfig.from_dict(
             raw, source=str(source / "config.json")).max_position_embeddings
         verify(source, full=False)  # sizes only: a truncated file is refused before mapping
+        _check_weight_headers(source, raw)
     else:
         from colibri.engine.format.safetensors_io import Checkpoint
         from colibri.engine.models import archs
