@@ -156,6 +156,34 @@ def test_model_template_past_its_output_cap_is_a_model_error(model: Path,
     assert not isinstance(exc.value, ValueError)  # not the request's fault (that is a 400)
 
 
+@pytest.mark.parametrize("template,words", [
+    ("{{ raise_exception.__globals__['os'] }}", "__globals__"),
+    ("{% include 'other.jinja' %}", "other.jinja"),
+    ("{% for m in messages %}{{ m.content ", "does not compile"),
+])
+def test_model_template_at_fault_whatever_the_input_is_a_model_error(
+        model: Path, tmp_path: Path, template: str, words: str) -> None:
+    """The model folder's template reaching past the sandbox or not compiling is the model's
+    fault (500), not the client's (it was a 400 naming `messages`)."""
+    folder = Path(shutil.copytree(model, tmp_path / "model"))
+    (folder / "chat_template.jinja").write_text(template)
+    with pytest.raises(ModelTemplateError, match="model's chat template") as exc:
+        Tokenizer.from_dir(folder).apply_chat_template(MSG)
+    assert words in str(exc.value) and not isinstance(exc.value, ValueError)
+
+
+def test_model_template_refusing_the_messages_is_the_requests_error(model: Path,
+                                                                     tmp_path: Path) -> None:
+    """`raise_exception` is the template refusing what it was given: still a 400."""
+    folder = Path(shutil.copytree(model, tmp_path / "model"))
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must "
+        "come first') }}{% endif %}{{ messages[0]['content'] }}")
+    with pytest.raises(ChatTemplateError, match="a system message must come first") as exc:
+        Tokenizer.from_dir(folder).apply_chat_template(MSG)
+    assert exc.value.param == "messages"
+
+
 @pytest.mark.slow  # seconds: left out of the quick pass, run by the whole suite
 def test_server_answers_500_for_a_spinning_model_template_and_keeps_serving(
         spinning_model: Path, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from colibri.engine.text.errors import (
     ChatTemplateError,
     ChatTemplateRefused,
     ModelTemplateError,
+    TemplateFaultError,
     TemplateLimitError,
     TokenizerError,
 )
@@ -124,8 +125,8 @@ class ChatTemplates:
         def render(t: str, ctx: dict[str, Any], c: int) -> str:
             try:
                 return SANDBOX.render(t, ctx, c, render_timeout_s, cancel)
-            except TemplateLimitError as e:
-                if chat_template is not None:
+            except (TemplateLimitError, TemplateFaultError) as e:
+                if chat_template is not None:  # a client's template: that client's 400
                     raise
                 raise ModelTemplateError(
                     f"the model's chat template could not be rendered: {e}. The template "

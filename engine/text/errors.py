@@ -24,10 +24,17 @@ class ChatTemplateRefused(ChatTemplateError):
     """A caller-supplied chat template was given but custom templates are not allowed."""
 
 
+class TemplateFaultError(ChatTemplateError):
+    """The template itself is at fault whatever the input: it does not compile, or it reaches
+    past the sandbox (`__globals__`, `include`). Not a `raise_exception` of its own (it refuses
+    the input it was given) nor a render that breaks on unusual messages (a bad request)."""
+
+
 class TemplateLimitError(ChatTemplateError):
     """The render ran out of time or memory, or its output passed the size cap."""
 
 
 class ModelTemplateError(RuntimeError):
-    """The model's own chat template ran past a render limit: the model folder's template
-    needs fixing, the request is not at fault (the server answers 500 and keeps serving)."""
+    """The model's own chat template ran past a render limit or is at fault whatever the input
+    (TemplateFaultError): the model folder's template needs fixing, the request is not at fault
+    (the server answers 500 and keeps serving)."""

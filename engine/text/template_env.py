@@ -17,10 +17,10 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.exceptions import SecurityError, TemplateError, TemplateNotFound
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from colibri.engine.text.errors import ChatTemplateError, TemplateLimitError
+from colibri.engine.text.errors import ChatTemplateError, TemplateFaultError, TemplateLimitError
 
 MAX_TEMPLATE_CHARS = 200_000
 # The rendering is capped at a fixed allowance plus a multiple of the text the caller passed in,
@@ -53,8 +53,12 @@ class _CappedEnvironment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class TemplateRaisedError(TemplateError):
+    """What a template's `raise_exception(...)` raises: the template refusing its input."""
+
+
 def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+    raise TemplateRaisedError(message)
 
 
 def _tojson(
@@ -96,7 +100,9 @@ class _SafeNamespace(jinja2.utils.Namespace):
 
 def _make_env() -> _CappedEnvironment:
     env = _CappedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+        # a chat template is one string: include / import / extends find nothing
+        loader=jinja2.FunctionLoader(lambda name: None),
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -113,7 +119,7 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return _ENV.from_string(template)
     except TemplateError as e:
-        raise ChatTemplateError(f"chat template does not compile: {e}", "chat_template") from e
+        raise TemplateFaultError(f"chat template does not compile: {e}", "chat_template") from e
 
 
 def render_template(template: str, context: dict[str, Any], cap: int) -> str:
@@ -130,6 +136,13 @@ def render_template(template: str, context: dict[str, Any], cap: int) -> str:
             out.append(chunk)
     except ChatTemplateError:
         raise
-    except Exception as e:  # a template is data: whatever it does wrong is a bad request
+    except TemplateNotFound as e:  # the file itself, whatever the input
+        raise TemplateFaultError(f"chat template includes {e.name!r}: a chat template is one "
+                                 "file and can include no other", "messages") from e
+    except SecurityError as e:
+        raise TemplateFaultError(f"chat template failed to render: {e}", "messages") from e
+    except TemplateRaisedError as e:  # the template refuses the messages it was given
+        raise ChatTemplateError(f"chat template refused the messages: {e}", "messages") from e
+    except Exception as e:  # noqa: BLE001 - input the template does not handle: a bad request
         raise ChatTemplateError(f"chat template failed to render: {e}", "messages") from e
     return "".join(out)

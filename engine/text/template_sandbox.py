@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from colibri.engine.text.errors import ChatTemplateError, TemplateLimitError
+from colibri.engine.text.errors import ChatTemplateError, TemplateFaultError, TemplateLimitError
 from colibri.engine.text.template_env import render_template
 
 RENDER_MEMORY_BYTES = 192 << 20
@@ -127,7 +127,8 @@ class TemplateSandbox:
         if not keep:
             r.kill()
         if reply.get("error") is not None:
-            error = TemplateLimitError if reply.get("limit") else ChatTemplateError
+            error = (TemplateLimitError if reply.get("limit") else TemplateFaultError
+                     if reply.get("fault") else ChatTemplateError)
             raise error(reply["error"], reply.get("param") or "messages")
         return str(reply["text"])
 
@@ -161,7 +162,8 @@ def _child() -> None:
                 "text": render_template(req["template"], req["context"], req["cap"])}
         except ChatTemplateError as e:
             reply = {"error": str(e), "param": e.param,
-                     "limit": isinstance(e, TemplateLimitError)}
+                     "limit": isinstance(e, TemplateLimitError),
+                     "fault": isinstance(e, TemplateFaultError)}
             if isinstance(e.__cause__, MemoryError):
                 reply = {"error": "chat template needs too much memory to render",
                          "param": "chat_template", "limit": True}
