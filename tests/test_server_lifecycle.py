@@ -418,14 +418,17 @@ def _refused(port: int) -> bool:
 
 
 def test_failed_load_exits_1(tmp_path: Path) -> None:
-    # a missing folder is refused before start (exit 2, tests/test_cli_models.py); a folder
-    # whose weight file is garbage of the right size passes those checks and fails to load
+    # a missing folder or a damaged weight file is refused before start (exit 2,
+    # tests/test_cli_models.py); a config.json whose sizes disagree with the weights passes
+    # those checks (they read headers, not shapes against the config) and fails to load
     from colibri.engine.format.convert import convert
 
     model = convert(tiny_model(tmp_path / "hf"), tmp_path / "broken", progress=False)
-    victim = model / "embeddings.bin"
-    victim.write_bytes(b"\xff" * victim.stat().st_size)
+    config = json.loads((model / "config.json").read_text())
+    config["n_ff"] += 32
+    (model / "config.json").write_text(json.dumps(config))
     srv = SubprocessServer(model, tmp_path)
     assert srv.proc.wait(60) == 1
     srv.stop()
-    assert "embeddings.bin" in srv.log()
+    log = srv.log()
+    assert "could not load the model" in log and "the config wants" in log, log
