@@ -107,11 +107,12 @@ class GuardMiddleware:
             await _reply(send, 431, "Request header fields too large.")
             return
         if self._hosts is not None:
-            host = next((v for k, v in headers if k == b"host"), None)
-            if host is not None and _host_name(host) not in self._hosts:
+            raw = next((v for k, v in headers if k == b"host"), None)
+            name = None if raw is None else _host_name(raw)
+            if name is not None and name not in self._hosts:
                 await _reply(send, 421, f"This server does not answer to the host name "
-                             f"{_host_name(host)!r}; its operator can allow it with "
-                             "--allowed-hosts.", code="host_not_allowed")
+                             f"{name!r}; its operator can allow it with --allowed-hosts.",
+                             code="host_not_allowed")
                 return
         path: str = scope["path"]
         if (self._key is not None and scope["method"] != "OPTIONS"

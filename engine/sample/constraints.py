@@ -292,10 +292,7 @@ class ConstraintCompiler:
                 schema = {} if schema else {"not": {}}
             if not isinstance(schema, dict):
                 raise ConstraintError("the JSON schema must be an object", spec.param)
-            try:
-                check_schema(schema)
-            except ConstraintLimitError as exc:
-                raise ConstraintError(str(exc), spec.param) from None
+            check_schema(schema)
             try:
                 return M.grammar_from_json_schema(_strict_formats(schema),
                                                   overrides=_JSON_OPTIONS)
@@ -307,10 +304,7 @@ class ConstraintCompiler:
         if not isinstance(spec.value, str) or not spec.value:
             raise ConstraintError(f"the {spec.kind} must be a non-empty string", spec.param)
         if spec.kind == "regex":
-            try:
-                check_pattern(str(spec.value))
-            except ConstraintLimitError as exc:
-                raise ConstraintError(str(exc), spec.param) from None
+            check_pattern(str(spec.value))
             return M.grammar_from_regex(spec.value)
         if spec.kind == "grammar":
             return M.grammar_from_lark(spec.value)
@@ -327,7 +321,10 @@ class ConstraintCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        grammar = self._grammar(spec)
+        try:
+            grammar = self._grammar(spec)
+        except ConstraintLimitError as exc:  # past schema_limits: the request's own error
+            raise ConstraintError(str(exc), spec.param) from None
         is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
             grammar, self._tok)
         if is_error:
