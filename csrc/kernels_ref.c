@@ -415,6 +415,13 @@ void clb_silu_mul_f32_ref(int64_t n, float *g, const float *u) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + clb_exp1(-g[i])) * u[i];
 }
 
+void clb_glu_clamp_f32(int64_t n, float *g, const float *u, const clb_glu_clamp *c) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = fminf(g[i], c->limit), up = fminf(fmaxf(u[i], -c->limit), c->limit);
+        g[i] = x / (1.0f + clb_exp1(-c->alpha * x)) * (up + 1.0f);
+    }
+}
+
 float clb_att_exp_sum_ref(int64_t n, float *s, float top) {
     float part[CLB_EXP_LANES] = {0};
     for (int64_t j = 0; j < n; j++) {

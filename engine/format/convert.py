@@ -112,8 +112,8 @@ def _check_sources(ckpt: Checkpoint, cfg: dict[str, Any], targets: list[archs.Ta
         )
     for t in targets:
         src = t.source
-        want = (archs.fused_shape(cfg, src.hf_name) if src.index is not None
-                else src.src_shape or t.shape)
+        want = src.src_shape or (archs.fused_shape(cfg, src.hf_name) if src.index is not None
+                                 else t.shape)
         have = ckpt.shape(src.hf_name)
         if have != want:
             raise CheckpointError(
