@@ -333,7 +333,8 @@ def test_f32_prompt_in_several_chunks(case: Case) -> None:
     whole = _prefill(m, case.prompt)
     m.reset(0)
     cuts = [0, 3, 9, 17, PROMPT_LEN]
-    parts = [_prefill(m, case.prompt[a:b], start=a) for a, b in zip(cuts, cuts[1:])]
+    parts = [_prefill(m, case.prompt[a:b], start=a)
+             for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     assert _rel_max(np.concatenate(parts), whole) <= 1e-5
 
 
