@@ -4,7 +4,9 @@ says, YaRN; softmax top-k routing with a router bias (the softmax over the k cho
 experts with biases and the clamped SwiGLU (gate clamped above at swiglu_limit, up to
 [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), stored fused as transformers keeps
 them: gate_up_proj [E, D, 2F] with gate and up interleaved column by column, down_proj
-[E, F, D].
+[E, F, D]; or in MXFP4 as the released checkpoints ship them (gate_up_proj_blocks /
+_scales [E, 2F, D / 32, 16 / -], down_proj_blocks / _scales [E, D, F / 32, 16 / -]), kept in
+MXFP4 byte for byte.
 
 Defaults and semantics follow transformers' configuration_gpt_oss.py / modeling_gpt_oss.py.
 """
@@ -16,6 +18,7 @@ from typing import Any
 from colibri.engine.models.family import (
     BIAS,
     EXPERT,
+    MXFP4,
     NORM,
     ROUTER,
     HFConfig,
@@ -41,6 +44,21 @@ DEFAULTS: dict[str, Any] = dict(
                      "original_max_position_embeddings": 4096},
 )
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+QK = 32  # values per MXFP4 block
+
+
+def check_quantization(hf: HFConfig, n_embd: int, n_ff: int) -> None:
+    """A quantization_config must be MXFP4 (experts in blocks of 32 along their inputs)."""
+    q = hf.raw.get("quantization_config")
+    if q is None:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    if method != "mxfp4":
+        raise UnsupportedModel(f"config.json: quantization_config.quant_method {method!r} is "
+                               f"not supported (gpt-oss: mxfp4 or none)")
+    if n_embd % QK or n_ff % QK:
+        raise UnsupportedModel(f"config.json: MXFP4 experts need hidden_size ({n_embd}) and "
+                               f"intermediate_size ({n_ff}) in whole blocks of {QK}")
 
 
 def layer_attn(hf: HFConfig, n_layer: int) -> list[str]:
@@ -74,6 +92,7 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
     if limit <= 0:
         raise UnsupportedModel(f"config.json: swiglu_limit {limit} must be positive")
     kinds = layer_attn(hf, cfg["n_layer"])
+    check_quantization(hf, cfg["n_embd"], hf.pos_int("intermediate_size"))
     bias = bool(hf.get("attention_bias"))
     cfg.update(
         n_ff=hf.pos_int("intermediate_size"), n_expert=n_expert, n_expert_used=n_used,
@@ -103,16 +122,34 @@ def _layer(pl: Plan, i: int, p: str) -> None:
                                              src_shape=(E, 2 * F)))
     pl.add(r, "exp_b2", BIAS, (E, D), Source(db))
     gu, dn = moe + "experts.gate_up_proj", moe + "experts.down_proj"
+    mx = gu + "_blocks" in pl.names
     for j in range(E):
         e = f"experts/layer_{i}_expert_{j}.bin"
+        if mx:  # *_blocks [E, rows, in / 32, 16] with *_scales [E, rows, in / 32]: rows kept
+            for name, part in (("w1", 0), ("w3", 1)):
+                pl.add(e, name, MXFP4, (F, D), Source(
+                    gu + "_blocks", j, transform="rows", params=(part, 2),
+                    src_shape=(E, 2 * F, D // QK, QK // 2), scales=gu + "_scales"))
+            pl.add(e, "w2", MXFP4, (D, F), Source(dn + "_blocks", j,
+                                                  src_shape=(E, D, F // QK, QK // 2),
+                                                  scales=dn + "_scales"))
+            continue
         for name, part in (("w1", 0), ("w3", 1)):
             pl.add(e, name, EXPERT, (F, D), Source(gu, j, transform="cols_t", params=(part, 2),
                                                    src_shape=(E, D, 2 * F)))
         pl.add(e, "w2", EXPERT, (D, F), Source(dn, j, transform="t", src_shape=(E, F, D)))
 
 
+class _Plan(Plan):
+    """Plan, knowing the checkpoint's names (MXFP4 or float experts)."""
+
+    def __init__(self, cfg: dict[str, Any], names: set[str]) -> None:
+        super().__init__(cfg)
+        self.names = names
+
+
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
-    pl = Plan(cfg)
+    pl = _Plan(cfg, names)
     pl.embeddings()
     for i in range(cfg["n_layer"]):
         _layer(pl, i, f"model.layers.{i}.")
