@@ -364,6 +364,73 @@ def test_gpt_oss_window_sinks_and_clamp_decide_the_reference(tmp_path_factory:
     assert _rel_max(ref, case.ref_logits) > 1e-2
 
 
+def _mxfp4_checkpoint(case: Case) -> Path:
+    """The gpt-oss case's checkpoint with its experts quantized to MXFP4 and stored as the
+    released checkpoints store them (*_blocks [E, rows, in / 32, 16], *_scales [E, rows,
+    in / 32], rows the output features: gate and up alternating) with the matching
+    quantization_config."""
+    from safetensors.numpy import load_file, save_file
+
+    out = case.root / "hf-mxfp4"
+    if (out / "model.safetensors").is_file():
+        return out
+    tensors = load_file(str(case.hf_dir / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = np.ascontiguousarray(np.swapaxes(tensors.pop(name), 1, 2))  # [E, out, in]
+        E, n_out, n_in = rows.shape
+        q = quant.quantize_mxfp4(rows.reshape(-1, n_in))
+        tensors[name + "_blocks"] = np.ascontiguousarray(q["qs"]).reshape(E, n_out, -1, 16)
+        tensors[name + "_scales"] = np.ascontiguousarray(q["e"]).reshape(E, n_out, -1)
+    out.mkdir(exist_ok=True)
+    for f in case.hf_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copyfile(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_gpt_oss_mxfp4_experts_match_their_dequantized_twin(
+        tmp_path_factory: pytest.TempPathFactory, isa: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Experts stored in MXFP4 are converted byte for byte (no second rounding, whatever the
+    preset) and the model matches the same checkpoint as transformers dequantizes it (its own
+    MXFP4 loader): only the activations' q8 rounding in the expert products differs."""
+    from colibri.engine.format.wfile import read_wfile
+
+    case = _case("gpt_oss", tmp_path_factory)
+    mx = _mxfp4_checkpoint(case)
+    out = case.root / f"mxfp4-{isa}"
+    if not out.exists():
+        convert(mx, out, quant="f32", progress=True)
+        err = capsys.readouterr().err
+        assert "2 with a sliding window of 8, 1 full, attention sinks, experts kept in MXFP4" \
+            in err
+        assert "skipping" not in err
+    cfg = json.loads((out / "config.json").read_text())
+    assert {k: v for k, v in cfg["tensor_types"].items() if k.startswith("experts.")} == {
+        "experts.w1": "mxfp4", "experts.w3": "mxfp4", "experts.w2": "mxfp4"}
+    twin = transformers.AutoModelForCausalLM.from_pretrained(
+        str(mx), dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    # the stored experts are transformers' dequantized weights, exactly
+    layer = twin.model.layers[1].mlp.experts
+    f = read_wfile(out / "experts" / "layer_1_expert_5.bin")
+    gate_up = layer.gate_up_proj[5].detach().numpy()  # [D, 2F], gate and up alternating
+    np.testing.assert_array_equal(f.array("w1"), gate_up[:, 0::2].T)
+    np.testing.assert_array_equal(f.array("w3"), gate_up[:, 1::2].T)
+    np.testing.assert_array_equal(f.array("w2"), layer.down_proj[5].detach().numpy().T)
+
+    ours, routes = _ours_with_routes(out, case.prompt)
+    err = _rel_l2(ours, _reference(twin, case.prompt, routes))
+    print(f"\ngpt_oss mxfp4/{isa}: rel L2 vs dequantized HF {err:.3e}")
+    assert err <= 2e-2
+
+
 def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
     from safetensors.numpy import load_file, save_file
 

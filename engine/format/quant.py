@@ -154,7 +154,9 @@ def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
     v = np.empty((q.shape[0], QK), dtype=np.float32)
     v[:, 0::2] = FP4_VALUES[q & 15]
     v[:, 1::2] = FP4_VALUES[q >> 4]
-    return np.ldexp(v, blocks["e"].astype(np.int32)[:, None] - 127).astype(np.float32).reshape(-1)
+    with np.errstate(over="ignore"):  # e 255 times 1 and more: inf, as in float32 anywhere
+        out = np.ldexp(v, blocks["e"].astype(np.int32)[:, None] - 127).astype(np.float32)
+    return out.reshape(-1)
 
 
 def mxfp4_from_checkpoint(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
