@@ -7,6 +7,9 @@ and largest exponents) and the reference against numpy's exact product of the sa
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -152,3 +155,30 @@ def test_reference_product_is_numpys_exact_product(shape: tuple[int, int, int]) 
     exact = xq @ W.T
     bound = (n_in // QK + 2) * 2.0**-24 * (np.abs(xq) @ np.abs(W).T) + 1e-30
     assert np.all(np.abs(got - exact) <= bound)
+
+
+def test_weight_files_hold_mxfp4_and_the_loader_checks_its_sizes(tmp_path: Path) -> None:
+    """An MXFP4 tensor in a weight file: listed with 17 bytes per block by the C loader and
+    read back by numpy; a table whose dtype, row length or byte count disagree is refused."""
+    from colibri.engine.errors import FormatError
+    from colibri.engine.format.wfile import TensorSpec, read_wfile, write_wfile
+
+    rng = np.random.default_rng(4)
+    blocks = _blocks(rng, 3 * 64 // QK, extremes=False)
+    path = tmp_path / "w.bin"
+    write_wfile(path, [TensorSpec("norm", "f32", (4,), lambda: np.ones(4, np.float32).tobytes()),
+                       TensorSpec("w", "mxfp4", (3, 64), lambda: blocks.tobytes())])
+    got = core.inspect_weight_file(path)
+    assert [(t["name"], t["dtype"], t["shape"], t["nbytes"]) for t in got][1] == (
+        "w", "mxfp4", (3, 64), 3 * 2 * 17)
+    np.testing.assert_array_equal(read_wfile(path).array("w"),
+                                  quant.decode(blocks.tobytes(), "mxfp4", (3, 64)))
+    entry = 64 + 128  # header, then the second table entry: dtype at +64, shape at +72
+    for at, fmt, value, words in ((entry + 64, "<I", 3, "nbytes"),      # read as q8
+                                  (entry + 72 + 8, "<q", 48, "whole blocks")):
+        bad = tmp_path / f"bad{at}.bin"
+        data = bytearray(path.read_bytes())
+        struct.pack_into(fmt, data, at, value)
+        bad.write_bytes(bytes(data))
+        with pytest.raises(FormatError, match=words):
+            core.inspect_weight_file(bad)
