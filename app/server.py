@@ -28,6 +28,7 @@ from colibri.engine import (
     AsyncEngineConfig,
     EngineConfig,
     EngineCore,
+    ModelError,
     __version__,
     engine_loader,
 )
@@ -48,9 +49,13 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
 
     def on_fatal(exc: BaseException) -> None:
         state = holder[0]
-        state.exit_code = 1
+        # a model that cannot load (its files, the disk it converts to) exits 2 with one line,
+        # as the checks before binding do; the engine failing later exits 1
+        load_failed = not engine.loaded.is_set()
+        code = 2 if load_failed and isinstance(exc, (ModelError, OSError)) else 1
+        state.exit_code = code
         if state.request_exit is not None:
-            state.request_exit(1)
+            state.request_exit(code)
 
     engine = AsyncEngine(loader or default_loader(settings),
                          AsyncEngineConfig(max_queue=settings.max_queue), on_fatal)
