@@ -85,6 +85,7 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
             state.draining = True
             await asyncio.to_thread(engine.stop, settings.drain_timeout_s)
             state.tok_pool.shutdown(wait=False, cancel_futures=True)
+            state.constraint_pool.shutdown(wait=False, cancel_futures=True)
 
     docs = settings.docs
     app = FastAPI(title="Colibri", version=__version__, lifespan=lifespan,

@@ -81,6 +81,7 @@ class Settings(BaseSettings):
     send_timeout_s: float = _option("send_timeout_s")
     header_timeout_s: float = _option("header_timeout_s")
     body_timeout_s: float = _option("body_timeout_s")
+    constraint_timeout_s: float = _option("constraint_timeout_s")
     max_connections: int = _option("max_connections")
     drain_timeout_s: float = _option("drain_timeout_s")
 

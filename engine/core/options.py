@@ -261,6 +261,11 @@ OPTIONS: tuple[Option, ...] = (
            "headers (else 408 and the connection is closed)", _LIMITS, gt=0),
     Option("body_timeout_s", float, 30.0, "seconds a client has to send a request body (else "
            "408)", _LIMITS, gt=0),
+    Option("constraint_timeout_s", float, 5.0, "seconds a response_format schema, regex or "
+           "grammar may take to compile (400 beyond)", _LIMITS, gt=0,
+           note="It compiles first in a separate process with its own memory limit, stopped "
+                "as soon as its client disconnects; a compiled one is kept for the next "
+                "request with the same schema."),
     Option("max_connections", int, 256, "open client connections at most; more are answered "
            "503 (Retry-After) and closed", _LIMITS, ge=1),
     Option("drain_timeout_s", float, 30.0, "on SIGTERM, seconds running requests get to finish",
