@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from colibri.app.errors import install_error_handlers
+from colibri.app.memory import MemoryReturner
 from colibri.app.metrics import Metrics
 from colibri.app.middleware import PROTECTED, GuardMiddleware
 from colibri.app.routes import chat, completions, experts, health, models, responses, tokenize
@@ -78,10 +79,12 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         watch = asyncio.create_task(drain_watch())
+        returner = asyncio.create_task(MemoryReturner().run())
         try:
             yield
         finally:
             watch.cancel()
+            returner.cancel()
             state.draining = True
             await asyncio.to_thread(engine.stop, settings.drain_timeout_s)
             state.tok_pool.shutdown(wait=False, cancel_futures=True)

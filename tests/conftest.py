@@ -39,6 +39,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_server_expert_cache.py", "test_families_serving.py",
                "test_reliability_http.py", "test_reliability_requests.py",
                "test_reliability_schema.py", "test_reliability_tooling.py",
+               "test_reliability_grammar.py", "test_reliability_soak.py",
                "test_server_clients.py", "test_server_browser.py",
                "test_expert_page_browser.py", "test_lm_eval.py"),
     # command-line tools, scripts, packaging, docs
