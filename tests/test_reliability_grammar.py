@@ -149,9 +149,12 @@ def test_two_runaway_schemas_beside_a_plain_chat(server: SubprocessServer) -> No
             time.sleep(0.05)
 
     replies: dict[str, httpx.Response] = {}
+    took: dict[str, float] = {}
 
     def post(name: str, body: dict[str, Any], timeout: float) -> None:
+        t0 = time.monotonic()
         replies[name] = httpx.post(url, json=body, timeout=timeout)
+        took[name] = time.monotonic() - t0
 
     threads = [threading.Thread(target=watch),
                threading.Thread(target=post, args=("a", chat_body(runaway(20)), 20.0)),
@@ -164,6 +167,7 @@ def test_two_runaway_schemas_beside_a_plain_chat(server: SubprocessServer) -> No
         t.join()
     done.set()
     threads[0].join()
+    print(f"answered in (s): {took}; RSS {start} KiB at the start, {peak[0]} KiB at most")
     assert replies["plain"].status_code == 200, replies["plain"].text
     for name in ("a", "b"):
         r = replies[name]
@@ -197,6 +201,7 @@ def test_sigterm_during_a_compile_exits_within_the_drain_time(
     code = srv.wait_exit(timeout=drain + 15)
     took = time.monotonic() - sent
     t.join()
+    print(f"exited {took:.1f} s after SIGTERM (drain {drain} s)")
     assert code == 0, srv.log()
     assert took < drain + 10, (took, srv.log())
     if "r" in reply:  # answered before the process went: the shutdown's 503
