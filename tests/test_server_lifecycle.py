@@ -299,10 +299,10 @@ def test_disconnect_during_prefill_frees_its_blocks_without_another_step(
 
 def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
         paced_pair: tuple[InProcessServer, PacedLLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    import colibri.app.chat_serving as chat_serving
+    import colibri.app.serving as serving
 
     srv, llm, before = _quiet(paced_pair)
-    monkeypatch.setattr(chat_serving, "request_constraints", lambda _tok, _v, spec, budgets: [
+    monkeypatch.setattr(serving, "request_constraints", lambda _tok, _v, spec, budgets, *_: [
         None if spec is None else ExplodingConstraint() for _ in budgets])
     results: dict[str, httpx.Response] = {}
 
