@@ -1,0 +1,172 @@
+"""Each family's own tool-call format, on replies written as the families' published chat
+templates render calls: Qwen3 JSON in <tool_call>, Qwen3-Coder's, GLM-4.5's and MiniMax-M2's
+XML-style calls, DeepSeek-V3/V3.1's and Kimi K2's special-token sections. Every reply is cut
+at every chunk boundary and at random multi-splits (the streamed parse equals the whole one);
+text that only looks like a call stays text; the family is read from the template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colibri.engine.text.toolcalls import ToolCallParser, template_tools
+from colibri.engine.text.toolformats import family_of
+from colibri.engine.text.toolformats.common import typed_value
+from tests.test_reasoning import every_split
+
+NAMES = {"get_weather", "run", "edit"}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "days": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "run", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"},
+                                         "env": {"type": "object"},
+                                         "timeout": {"type": ["number", "null"]}}}}},
+    {"type": "function", "function": {"name": "edit", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"},
+                                         "text": {"type": "string"}}}}},
+]
+
+
+def maker(family: str):  # noqa: ANN201
+    from colibri.engine.text.reply import ReplyParser
+
+    return lambda: ReplyParser(None, False, ToolCallParser(family, NAMES, TOOLS))
+
+
+PARIS = ("get_weather", {"city": "Paris", "days": 3})
+RUN = ("run", {"command": "ls -la", "env": {"A": "1"}, "timeout": 2.5})
+# a string parameter whose text reads as JSON stays a string
+EDIT = ("edit", {"path": "a.py", "text": "42"})
+
+CASES = [
+    ("qwen3", "hermes",
+     'I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+     '"days": 3}}\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"command": '
+     '"ls -la", "env": {"A": "1"}, "timeout": 2.5}}\n</tool_call>',
+     "I will check both.\n", [PARIS, RUN]),
+    ("qwen3-coder", "qwen3_coder",
+     "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+     "<function=run>\n<parameter=command>\nls -la\n</parameter>\n<parameter=env>\n"
+     '{"A": "1"}\n</parameter>\n<parameter=timeout>\n2.5\n</parameter>\n</function>\n'
+     "</tool_call>\n<tool_call>\n<function=edit>\n<parameter=path>\na.py\n</parameter>\n"
+     "<parameter=text>\n42\n</parameter>\n</function>\n</tool_call>",
+     "Let me look.\n", [PARIS, RUN, EDIT]),
+    ("glm-4.5", "glm45",
+     "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+     "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>edit\n"
+     "<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>text</arg_key>\n"
+     "<arg_value>42</arg_value>\n</tool_call>",
+     "Checking.\n", [PARIS, EDIT]),
+    ("minimax-m2", "minimax",
+     'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+     '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="run">\n'
+     '<parameter name="command">ls -la</parameter>\n<parameter name="env">{"A": "1"}'
+     '</parameter>\n<parameter name="timeout">2.5</parameter>\n</invoke>\n'
+     "</minimax:tool_call>",
+     "Sure.\n", [PARIS, RUN]),
+    ("deepseek-v3.1", "deepseek",
+     "On it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>run<｜tool▁sep｜>'
+     '{"command": "ls -la", "env": {"A": "1"}, "timeout": 2.5}<｜tool▁call▁end｜>'
+     "<｜tool▁calls▁end｜>",
+     "On it.", [PARIS, RUN]),
+    ("deepseek-v3", "deepseek",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "", [PARIS]),
+    ("kimi-k2", "kimi",
+     "Calling.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
+     "<|tool_call_begin|>functions.run:1<|tool_call_argument_begin|>"
+     '{"command": "ls -la", "env": {"A": "1"}, "timeout": 2.5}<|tool_call_end|>'
+     "<|tool_calls_section_end|>",
+     "Calling.", [PARIS, RUN]),
+]
+
+
+@pytest.mark.parametrize(("name", "family", "text", "content", "calls"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_calls_in_every_split(name: str, family: str, text: str, content: str,
+                              calls: list) -> None:
+    assert every_split(maker(family), text) == (None, content, calls)
+
+
+LOOKALIKES = {
+    "hermes": ["Use <tool_call> tags like <tool_call>{not json}</tool_call> here.",
+               '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'],
+    "qwen3_coder": ["Write <tool_call><function=nope>\n</function></tool_call> to call.",
+                    "<tool_call>\nplain words\n</tool_call> after"],
+    "glm45": ["<tool_call>unknown_tool\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
+              "</tool_call>", "The <tool_call> tag opens a call"],
+    "minimax": ['<minimax:tool_call>\n<invoke name="nope">\n</invoke>\n</minimax:tool_call>',
+                "Say <minimax:tool_call> and stop"],
+    "deepseek": ["<｜tool▁calls▁begin｜>just words", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+                 "get_weather<｜tool▁sep｜>{broken<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
+    "kimi": ["<|tool_calls_section_begin|><|tool_call_begin|>functions.nope:0"
+             "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"],
+}
+
+
+@pytest.mark.parametrize(("family", "text"),
+                         [(f, t) for f, texts in LOOKALIKES.items() for t in texts])
+def test_what_only_looks_like_a_call_stays_text(family: str, text: str) -> None:
+    assert every_split(maker(family), text) == (None, text, [])
+
+
+def test_text_streams_and_holds_only_what_could_become_a_marker() -> None:
+    p = ToolCallParser("minimax", NAMES, TOOLS)
+    assert p.push("Hello <mini") == ("Hello ", [])
+    assert p.push("ature>") == ("<miniature>", [])
+    content, calls = p.push('<minimax:tool_call>\n<invoke name="get_weather">\n'
+                            '<parameter name="city">Oslo</parameter>\n</invoke>')
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})]  # released when its </invoke> arrives
+
+
+def test_kimi_keeps_the_written_id() -> None:
+    p = ToolCallParser("kimi", NAMES, TOOLS)
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:7"
+            '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
+            "<|tool_calls_section_end|>")
+    _, calls = p.push(text)
+    assert [c.id for c in calls] == ["functions.get_weather:7"]
+
+
+def test_values_typed_by_the_schema() -> None:
+    assert typed_value("42", {"type": "string"}) == "42"
+    assert typed_value("42", {"type": "integer"}) == 42
+    assert typed_value("true", {"type": "boolean"}) is True
+    assert typed_value("null", {"type": ["number", "null"]}) is None
+    assert typed_value('{"a": [1]}', {"type": "object"}) == {"a": [1]}
+    assert typed_value("not json", {"type": "object"}) == "not json"
+    assert typed_value("[1, 2]", {"anyOf": [{"type": "array"}, {"type": "string"}]}) == [1, 2]
+    assert typed_value("12", {"anyOf": [{"type": "boolean"}, {"type": "string"}]}) == "12"
+    assert typed_value("3.5", None) == 3.5
+    assert typed_value("Paris", None) == "Paris"
+
+
+@pytest.mark.parametrize(("template", "family"), [
+    ("{%- for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>\n"
+     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>', "hermes"),
+    ("<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+     "</parameter>\n</function>\n</tool_call>", "qwen3_coder"),
+    ("<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}"
+     "</arg_value>\n</tool_call>", "glm45"),
+    ("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}<invoke name=\"tool-name-1\">",
+     "minimax"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + "
+     "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}", "deepseek"),
+    ("<|tool_calls_section_begin|>{%- for tool_call in message['tool_calls'] -%}"
+     "<|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>", "kimi"),
+    ("<|start|>assistant<|channel|>commentary to=functions.{{ name }} <|constrain|>json"
+     "<|message|>", "harmony"),
+    ("{{ tools }}[TOOL_CALLS]", "mistral"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "generic"),
+])
+def test_family_read_from_the_template(template: str, family: str) -> None:
+    assert family_of(template) == family
+    assert template_tools(template).family == family
