@@ -114,8 +114,8 @@ class ChoiceStream:
 
     def push(self, text: str) -> list[dict[str, Any]]:
         if self.plan.mode == "forced":
-            if self.plan.forced_name is None:
-                self.held += text
+            if self.plan.forced_name is None or self.plan.forced_markup:
+                self.held += text  # the whole reply, read when it ends
                 return []
             deltas = []
             if self.named is None:  # a named call streams its arguments as they come
@@ -140,7 +140,7 @@ class ChoiceStream:
 
     def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
         if self.plan.mode == "forced":
-            if self.plan.forced_name is not None:
+            if self.plan.forced_name is not None and not self.plan.forced_markup:
                 return [], "tool_calls" if reason == "stop" and self.named else reason
             calls = self.plan.calls_of_forced(self.held)
             if calls is None:

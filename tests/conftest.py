@@ -38,7 +38,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
     "server": ("test_server_openai.py", "test_server_errors.py", "test_server_lifecycle.py",
                "test_server_settings.py", "test_server_batching.py",
                "test_server_expert_cache.py", "test_families_serving.py",
-               "test_reasoning_serving.py",
+               "test_reasoning_serving.py", "test_toolcall_serving.py",
                "test_reliability_http.py", "test_reliability_requests.py",
                "test_reliability_schema.py", "test_reliability_tooling.py",
                "test_server_clients.py", "test_server_browser.py",

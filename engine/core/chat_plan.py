@@ -6,7 +6,8 @@ Decides what the model sees and how its reply is read:
 - `auto`: the tools are rendered by the model's template and the reply is parsed for calls
   in the template family's format (ToolCallParser);
 - `forced` (tool_choice "required" or a named function): the reply is constrained to the
-  calls' JSON Schema; a template that cannot render tools gets them in a generic preamble.
+  calls, in the family's own markup when it has one (Hermes / Qwen3), else to the generic
+  JSON shape; a template that cannot render tools gets them in a generic preamble.
 A content format (a ConstraintSpec) turns tool_choice "auto" into "none": a reply cannot
 both match the format and be a tool call.
 Models that think (a template with `<think>` or gpt-oss's channels) have their reasoning
@@ -37,6 +38,7 @@ from colibri.engine.text.toolcalls import (
     ToolCall,
     ToolCallParser,
     forced_calls,
+    forced_calls_markup,
     forced_calls_schema,
     generic_preamble,
     history_call_text,
@@ -53,6 +55,7 @@ class ChatPlan:
     prompt: list[int]
     mode: Literal["text", "auto", "forced"] = "text"
     forced_name: str | None = None  # tool_choice named a function
+    forced_markup: bool = False  # forced calls are written in the family's own markup
     spec: ConstraintSpec | None = None
     family: str = "generic"
     tool_names: set[str] = field(default_factory=set)
@@ -80,6 +83,10 @@ class ChatPlan:
 
     def calls_of_forced(self, text: str) -> list[ToolCall] | None:
         """The calls of a forced reply; None when it was cut short and does not parse."""
+        if self.forced_markup:
+            parser = ToolCallParser(self.family, self.tool_names, self.tools)
+            calls = parser.push(text)[1] + parser.finish()[1]
+            return calls or None
         try:
             return forced_calls(text, self.forced_name)
         except (ValueError, KeyError, TypeError):
@@ -119,9 +126,14 @@ def plan_chat(
     msgs = _messages(messages, info.renders_tools)
     if forced:
         plan.mode, plan.forced_name = "forced", forced_name
-        plan.spec = ConstraintSpec(
-            "json_schema", forced_calls_schema(tool_dicts, forced_name, parallel_tool_calls),
-            "tools")
+        markup = (forced_calls_markup(tool_dicts, forced_name, parallel_tool_calls, info.family)
+                  if info.renders_tools else None)
+        if markup is not None:
+            plan.spec, plan.forced_markup = ConstraintSpec("tagged_json", markup, "tools"), True
+        else:
+            plan.spec = ConstraintSpec(
+                "json_schema", forced_calls_schema(tool_dicts, forced_name,
+                                                   parallel_tool_calls), "tools")
         if info.renders_tools:
             render_tools = tool_dicts
         else:

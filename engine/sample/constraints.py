@@ -31,7 +31,7 @@ from colibri.engine.sample.schema_limits import (
     check_schema,
 )
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "tagged_json"]
 
 # JSON comes out with one space after ',' and ':' and no other whitespace: a model cannot
 # fill its budget with blanks, and the text reads like json.dumps output.
@@ -94,7 +94,10 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class ConstraintSpec:
     """What the output must match. value: a JSON Schema (dict or JSON text) for json_schema,
-    ignored for json_object, a regular expression for regex, a Lark grammar for grammar."""
+    ignored for json_object, a regular expression for regex, a Lark grammar for grammar;
+    for tagged_json, {"schema", "open", "close", "sep", "max_items"}: one or more JSON values
+    matching schema, each written between the texts open and close, separated by sep (at
+    most max_items of them when it is set) - a model's own tool-call markup."""
 
     kind: ConstraintKind
     value: Any = None
@@ -107,7 +110,25 @@ class ConstraintSpec:
             return "json_schema\0" + v
         if self.kind == "json_object":
             return "json_object"
+        if self.kind == "tagged_json":
+            return "tagged_json\0" + json.dumps(self.value, sort_keys=True, separators=(",", ":"))
         return f"{self.kind}\0{self.value}"
+
+
+def _tagged_json_lark(spec: ConstraintSpec) -> str:
+    """The Lark grammar of a tagged_json spec: each item is open, a JSON value, close."""
+    v = spec.value
+    if not isinstance(v, dict) or not isinstance(v.get("schema"), dict):
+        raise ConstraintError("tagged_json needs a schema object", spec.param)
+    check_schema(v["schema"])
+    schema = {**_strict_formats(v["schema"]), "x-guidance": _JSON_OPTIONS}
+    lit = {k: json.dumps(str(v.get(k) or "")) if v.get(k) else "" for k in ("open", "close",
+                                                                             "sep")}
+    item = " ".join(p for p in (lit["open"], "value", lit["close"]) if p)
+    more = "" if v.get("max_items") == 1 else " (" + " ".join(
+        p for p in (lit["sep"], "item") if p) + ")*"
+    return (f"start: item{more}\nitem: {item}\nvalue: %json "
+            f"{json.dumps(schema, ensure_ascii=False)}\n")
 
 
 class Constraint:
@@ -301,6 +322,8 @@ class ConstraintCompiler:
                                       spec.param) from None
         if spec.kind == "json_object":
             return M.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        if spec.kind == "tagged_json":
+            return M.grammar_from_lark(_tagged_json_lark(spec))
         if not isinstance(spec.value, str) or not spec.value:
             raise ConstraintError(f"the {spec.kind} must be a non-empty string", spec.param)
         if spec.kind == "regex":

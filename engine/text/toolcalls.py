@@ -9,8 +9,10 @@ commentary channel (engine.text.harmony, with its reasoning). For every template
 that is only JSON (optionally in a ``` fence) of the shape `{"tool_calls": [{"name",
 "arguments"}, ...]}`, one `{"name", "arguments"}` object or a list of them, naming a tool that
 was offered, is read as calls too (the generic fallback). Anything else is text. Forced calls
-(tool_choice "required" or a named function) are constrained by JSON Schema
-(`forced_calls_schema`), so they always parse. Knows nothing of HTTP.
+(tool_choice "required" or a named function) are constrained, so they always parse: in the
+family's own markup where it is JSON between fixed texts (`forced_calls_markup`: Hermes /
+Qwen3, so the template renders the call back exactly as the model wrote it), otherwise by a
+JSON Schema of the generic shape (`forced_calls_schema`). Knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -88,6 +90,34 @@ def forced_calls_schema(tools: list[dict[str, Any]], name: str | None,
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+# Families whose calls are one JSON object between fixed texts: (open, close, separator).
+_MARKUP: dict[str, tuple[str, str, str]] = {"hermes": ("<tool_call>\n", "\n</tool_call>", "\n")}
+
+
+def forced_calls_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                        family: str) -> dict[str, Any] | None:
+    """A tagged_json constraint's value for forced calls in the family's own markup, or None
+    when the family has none: each call {"name", "arguments"} between the family's texts, one
+    call for a named function or without parallel calls."""
+    markup = _MARKUP.get(family)
+    if markup is None:
+        return None
+    chosen = [t for t in tools if name is None or function_of(t).get("name") == name]
+    if not chosen:
+        raise ValueError(f"no tool named {name!r}")
+    options = [{
+        "type": "object",
+        "properties": {"name": {"const": function_of(t).get("name")},
+                       "arguments": parameters_of(t)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for t in chosen]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    single = name is not None or not parallel
+    return {"schema": schema, "open": markup[0], "close": markup[1], "sep": markup[2],
+            "max_items": 1 if single else None}
 
 
 def forced_calls(text: str, name: str | None) -> list[ToolCall]:
