@@ -72,7 +72,7 @@ def parsed_reply(plan: ChatPlan, text: str, finish: str | None) -> tuple[ParsedR
     """One finished choice read back: its reasoning, content and calls, and finish_reason."""
     finish = finish or "stop"
     if plan.mode == "forced":
-        calls = plan.calls_of_forced(text)
+        calls = plan.calls_of_forced(text, cut=finish == "length")
         if calls is None:  # cut short by max_tokens: what there is, as text
             return ParsedReply(None, text, []), finish
         return ParsedReply(None, "", calls), "tool_calls" if finish == "stop" else finish
@@ -142,7 +142,7 @@ class ChoiceStream:
         if self.plan.mode == "forced":
             if self.plan.forced_name is not None and not self.plan.forced_markup:
                 return [], "tool_calls" if reason == "stop" and self.named else reason
-            calls = self.plan.calls_of_forced(self.held)
+            calls = self.plan.calls_of_forced(self.held, cut=reason == "length")
             if calls is None:
                 return ([{"content": self.held}] if self.held else []), reason
             return self._call_deltas(calls), "tool_calls" if reason == "stop" else reason

@@ -38,7 +38,7 @@ def streamed(make: Factory, text: str, cuts: list[int]) -> ParsedReply:
         prev = cut
     d = p.finish()
     reasoning, content, calls = reasoning + d.reasoning, content + d.content, calls + d.calls
-    return ParsedReply(reasoning if p.thought else None, content, calls)
+    return ParsedReply(reasoning or None, content, calls)
 
 
 def key(r: ParsedReply) -> tuple:
@@ -106,6 +106,8 @@ CASES = [
      ("Still thinking about th", "", [])),
     # thinking switched off: the template closed <think> itself, the reply is all answer
     ("qwen3-no-think", think(False), "Paris is sunny.", (None, "Paris is sunny.", [])),
+    # Qwen3 deciding not to think: an empty think block is no reasoning
+    ("qwen3-empty-think", think(False), "<think>\n\n</think>\n\nHi!", (None, "Hi!", [])),
     # gpt-oss: analysis, then the final channel
     ("gpt-oss", harmony(False),
      "<|channel|>analysis<|message|>User greets. Reply politely.<|end|>"

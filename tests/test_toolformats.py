@@ -170,3 +170,32 @@ def test_values_typed_by_the_schema() -> None:
 def test_family_read_from_the_template(template: str, family: str) -> None:
     assert family_of(template) == family
     assert template_tools(template).family == family
+
+
+def test_forced_calls_in_the_hermes_markup() -> None:
+    import jsonschema
+
+    from colibri.engine.text.toolcalls import forced_calls_markup, markup_calls
+
+    value = forced_calls_markup(TOOLS, None, True, "hermes")
+    assert value is not None
+    assert (value["open"], value["close"], value["sep"]) == ("<tool_call>\n", "\n</tool_call>",
+                                                           "\n")
+    assert value["max_items"] is None
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}},
+                        value["schema"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "arguments": {"days": "2"}}, value["schema"])
+    named = forced_calls_markup(TOOLS, "run", True, "hermes")
+    assert named is not None and named["max_items"] == 1
+    assert named["schema"]["properties"]["name"] == {"const": "run"}
+    assert forced_calls_markup(TOOLS, None, True, "qwen3_coder") is None  # not JSON markup
+    with pytest.raises(ValueError):
+        forced_calls_markup(TOOLS, "nope", True, "hermes")
+
+    reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+             '\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"command": "ls')
+    whole = [(c.name, c.arguments) for c in markup_calls(reply, "hermes", NAMES, TOOLS)]
+    assert whole == [("get_weather", '{"city": "Paris", "days": 3}')]
+    cut = [(c.name, c.arguments) for c in markup_calls(reply, "hermes", NAMES, TOOLS, cut=True)]
+    assert cut == [*whole, ("run", '{"command": "ls')]  # the cut call stays a call

@@ -42,6 +42,7 @@ from colibri.engine.text.toolcalls import (
     forced_calls_schema,
     generic_preamble,
     history_call_text,
+    markup_calls,
     template_tools,
 )
 
@@ -81,12 +82,12 @@ class ChatPlan:
         vocabularies."""
         return self.reasoning is not None or (self.mode == "auto" and self.family != "generic")
 
-    def calls_of_forced(self, text: str) -> list[ToolCall] | None:
-        """The calls of a forced reply; None when it was cut short and does not parse."""
+    def calls_of_forced(self, text: str, cut: bool = False) -> list[ToolCall] | None:
+        """The calls of a forced reply; None when it was cut short and does not parse. cut:
+        the reply ended at the token limit (a call in the family's markup cut inside its
+        arguments stays a call)."""
         if self.forced_markup:
-            parser = ToolCallParser(self.family, self.tool_names, self.tools)
-            calls = parser.push(text)[1] + parser.finish()[1]
-            return calls or None
+            return markup_calls(text, self.family, self.tool_names, self.tools, cut) or None
         try:
             return forced_calls(text, self.forced_name)
         except (ValueError, KeyError, TypeError):

@@ -38,8 +38,7 @@ class HarmonyParser:
         self._mode = "start"  # start | header | body | plain
         self._channel = ""
         self._recipient = ""
-        self._header = ""
-        self.thought = False
+        self._args = ""
 
     def push(self, text: str) -> ReplyDelta:
         self._buf += text
@@ -97,7 +96,6 @@ class HarmonyParser:
         recipient = _RECIPIENT.search(header)
         self._channel = channel.group(1) if channel else "final"
         self._recipient = recipient.group(1) if recipient else ""
-        self._header = header
         self._args = ""
 
     def _is_call(self) -> bool:
@@ -114,7 +112,6 @@ class HarmonyParser:
                     out.content += self._args
             return
         if self._channel == "analysis":
-            self.thought = True
             out.reasoning += text
         else:
             out.content += text

@@ -59,7 +59,6 @@ class ThinkSplitter:
         self._mode = "reasoning" if in_reasoning else "start"  # start|reasoning|after|content
         self._lead = True  # reasoning: its leading blanks (or a repeated <think>) not yet past
         self._buf = ""
-        self.thought = in_reasoning
 
     def push(self, text: str) -> tuple[str, str]:
         """Feed text; (reasoning, answer) that can be released now."""
@@ -76,7 +75,7 @@ class ThinkSplitter:
             head = self._buf.lstrip()
             if head.startswith(THINK_OPEN):
                 self._buf = head[len(THINK_OPEN):]
-                self._mode, self.thought = "reasoning", True
+                self._mode = "reasoning"
             elif not final and THINK_OPEN.startswith(head):
                 return "", ""
             else:

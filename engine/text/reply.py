@@ -29,14 +29,6 @@ class ReplyParser:
                          if reasoning == "harmony" else None)
         self._think = ThinkSplitter(in_reasoning) if reasoning == "think" else None
         self._calls = calls
-        self.reasons = reasoning is not None  # the reply may carry reasoning
-
-    @property
-    def thought(self) -> bool:
-        """Whether the reply held reasoning (so far)."""
-        if self._harmony is not None:
-            return self._harmony.thought
-        return self._think is not None and self._think.thought
 
     def push(self, text: str) -> ReplyDelta:
         if self._harmony is not None:
@@ -64,7 +56,8 @@ class ReplyParser:
 
 
 def parse_reply(parser: ReplyParser, text: str) -> ParsedReply:
-    """A whole reply read by a fresh parser."""
+    """A whole reply read by a fresh parser; reasoning is None when there was none (an empty
+    think block, as Qwen3 writes when it decides not to think, included)."""
     out = parser.push(text)
     out += parser.finish()
-    return ParsedReply(out.reasoning if parser.thought else None, out.content, out.calls)
+    return ParsedReply(out.reasoning or None, out.content, out.calls)

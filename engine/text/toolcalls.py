@@ -120,6 +120,27 @@ def forced_calls_markup(tools: list[dict[str, Any]], name: str | None, parallel:
             "max_items": 1 if single else None}
 
 
+# a Hermes call that the token limit cut inside its arguments
+_PARTIAL_MARKUP = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.*)\Z', re.DOTALL)
+
+
+def markup_calls(text: str, family: str, names: set[str], tools: list[dict[str, Any]],
+                 cut: bool = False) -> list[ToolCall]:
+    """The calls of a reply constrained by forced_calls_markup. With cut (the reply ended at
+    the token limit), a call cut inside its arguments stays a call, with the arguments
+    written so far (incomplete JSON)."""
+    parser = ToolCallParser(family, names, tools)
+    calls = parser.push(text)[1]
+    rest, more = parser.finish()
+    calls += more
+    opener = _MARKUP[family][0]
+    if cut and opener in rest:
+        m = _PARTIAL_MARKUP.match(rest[rest.rindex(opener) + len(opener):])
+        if m is not None and m.group(1) in names:
+            calls.append(ToolCall(m.group(1), m.group(2).strip()))
+    return calls
+
+
 def forced_calls(text: str, name: str | None) -> list[ToolCall]:
     """The calls in a reply constrained by forced_calls_schema (ValueError if it is not).
     A list cut short by the token limit keeps the calls that were complete."""
