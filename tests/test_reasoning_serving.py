@@ -153,3 +153,13 @@ def test_non_thinking_model_has_no_reasoning_field(tmp_path: Path) -> None:
         assert [i["type"] for i in out["output"]] == ["message"]
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("kwargs", [{"_clb_cap": 10}, {"namespace": "x"}, {"messages": []},
+                                    {"eos_token": "<|im_start|>"}])
+def test_template_variables_cannot_replace_the_renderers(server: SubprocessServer,
+                                                         kwargs: dict[str, Any]) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": MESSAGES, "chat_template_kwargs": kwargs})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs"
