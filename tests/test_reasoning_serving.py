@@ -121,6 +121,15 @@ def test_responses_effort_switch(server: SubprocessServer) -> None:
     assert off["usage"]["input_tokens"] > on["usage"]["input_tokens"]
 
 
+def test_unknown_effort_is_refused_by_name(server: SubprocessServer) -> None:
+    r = httpx.post(server.url + "/v1/responses", timeout=60,
+                   json={"input": "Hi", "reasoning": {"effort": "extreme"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": MESSAGES, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+
+
 def test_earlier_reasoning_goes_back_to_the_template(server: SubprocessServer) -> None:
     """A Responses reasoning item and a chat assistant's reasoning_content both reach the
     template as the assistant message's reasoning_content (this template does not render it,

@@ -205,6 +205,9 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
+        if loc == "reasoning_effort":
+            raise APIError(400, f"reasoning.effort: {first.get('msg')}",
+                           "reasoning.effort") from None
         raise APIError(400, f"{loc}: {first.get('msg')}", "input") from None
 
 
