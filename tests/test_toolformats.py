@@ -199,3 +199,100 @@ def test_forced_calls_in_the_hermes_markup() -> None:
     assert whole == [("get_weather", '{"city": "Paris", "days": 3}')]
     cut = [(c.name, c.arguments) for c in markup_calls(reply, "hermes", NAMES, TOOLS, cut=True)]
     assert cut == [*whole, ("run", '{"command": "ls')]  # the cut call stays a call
+
+
+# Templates that render calls the way the families' published templates do (the assistant's
+# tool calls, the generation prompt), around a bare ChatML-like frame.
+_FRAME_USER = "{%- if tools %}{{- '<tools>' + (tools | tojson) + '</tools>\\n' }}{%- endif %}"\
+    "{%- for m in messages %}{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + "\
+    "m.content + '<|im_end|>\\n' }}{%- elif m.tool_calls %}"
+XML_TEMPLATES = {
+    "qwen3_coder": _FRAME_USER + (
+        "{{- '<|im_start|>assistant\\n' }}{%- for tc in m.tool_calls %}"
+        "{%- set tc = tc.function %}{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+        "{{- '<tool_call>\\n<function=' + tc.name + '>\\n' }}"
+        "{%- for k, v in tc.arguments|items %}{{- '<parameter=' + k + '>\\n' }}"
+        "{{- v | string if v is string else v | tojson }}{{- '\\n</parameter>\\n' }}"
+        "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
+    "glm45": _FRAME_USER + (
+        "{{- '<|assistant|>\\n<think></think>' }}{%- for tc in m.tool_calls %}"
+        "{%- set tc = tc.function %}{{- '\\n<tool_call>' + tc.name }}"
+        "{%- for k, v in tc.arguments.items() %}{{- '<arg_key>' + k + '</arg_key>\\n"
+        "<arg_value>' }}{{- v if v is string else v | tojson }}{{- '</arg_value>' }}"
+        "{%- endfor %}{{- '</tool_call>' }}{%- endfor %}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|assistant|>' }}"
+        "{{- '\\n<think></think>' if enable_thinking is defined and not enable_thinking }}"
+        "{%- endif %}"),
+    "minimax": _FRAME_USER + (
+        "{{- ']~b]ai\\n' + '\\n<minimax:tool_call>\\n' }}{%- for tc in m.tool_calls %}"
+        "{%- set tc = tc.function %}{{- '<invoke name=\"' + tc.name + '\">\\n' }}"
+        "{%- for k, v in tc.arguments|items %}{{- '<parameter name=\"' + k + '\">' }}"
+        "{{- v | tojson if v is not string else v }}{{- '</parameter>\\n' }}{%- endfor %}"
+        "{{- '</invoke>\\n' }}{%- endfor %}{{- '</minimax:tool_call>[e~[\\n' }}{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- ']~b]ai\\n<think>\\n' }}{%- endif %}"),
+}
+XML_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 9}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "run", "parameters": {
+        "type": "object", "properties": {
+            "command": {"enum": ["ls", "pwd"]}, "verbose": {"type": "boolean"},
+            "env": {"type": "object", "properties": {"A": {"type": "integer"}},
+                    "required": ["A"], "additionalProperties": False}},
+        "required": ["command", "verbose"]}}},
+]
+
+
+@pytest.fixture(scope="module")
+def demo():  # noqa: ANN201
+    from colibri.engine import LLM
+
+    return LLM(None)
+
+
+@pytest.mark.parametrize("family", sorted(XML_TEMPLATES))
+def test_forced_xml_calls_render_back_as_written(demo, family: str) -> None:  # noqa: ANN001
+    """Forced calls on an XML-style template: the model writes the family's markup, the
+    calls validate, and the template renders them back into the next prompt verbatim."""
+    import jsonschema
+
+    from colibri.engine import SamplingParams, compile_constraints, plan_chat
+
+    tok, template = demo.tokenizer, XML_TEMPLATES[family]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in XML_TOOLS}
+    messages = [{"role": "user", "content": "What now?"}]
+    for seed in range(3):
+        plan = plan_chat(tok, messages, XML_TOOLS, "required", parallel_tool_calls=False,
+                         client_template=template)
+        assert (plan.family, plan.spec.kind) == (family, "lark_json")
+        constraint = compile_constraints(tok, demo.vocab_size, plan.spec, [300])[0]
+        outs = list(demo.generate_tokens(plan.prompt, SamplingParams(
+            max_tokens=300, temperature=1.0, seed=seed, constraint=constraint)))
+        text = "".join(o.text for o in outs)
+        assert outs[-1].finish_reason == "stop", text
+        calls = plan.calls_of_forced(text)
+        assert calls is not None and len(calls) == 1, text
+        jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}]
+        again = plan_chat(tok, history, XML_TOOLS, "auto", client_template=template,
+                          add_generation_prompt=False)
+        assert text in tok.decode(again.prompt, skip_special_tokens=False)
+
+
+def test_cut_xml_call_stays_a_call_with_what_was_written() -> None:
+    from colibri.engine.text.toolcalls import markup_calls
+
+    cut = "<tool_call>\n<function=run>\n<parameter=verbose>\ntrue\n</parameter>\n<parameter=c"
+    calls = markup_calls(cut, "qwen3_coder", {"run"}, XML_TOOLS, cut=True)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run", {"verbose": True})]
+    cut = '\n<minimax:tool_call>\n<invoke name="run">\n<parameter name="command">ls -'
+    calls = markup_calls(cut, "minimax", {"run"}, XML_TOOLS, cut=True)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run", {"command": "ls -"})]
+    assert markup_calls(cut, "minimax", {"run"}, XML_TOOLS) == []  # not cut: not a call

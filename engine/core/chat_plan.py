@@ -6,8 +6,9 @@ Decides what the model sees and how its reply is read:
 - `auto`: the tools are rendered by the model's template and the reply is parsed for calls
   in the template family's format (ToolCallParser);
 - `forced` (tool_choice "required" or a named function): the reply is constrained to the
-  calls, in the family's own markup when it has one (Hermes / Qwen3), else to the generic
-  JSON shape; a template that cannot render tools gets them in a generic preamble.
+  calls, in the family's own markup when it has one (Hermes / Qwen3 JSON, Qwen3-Coder,
+  GLM-4.5 and MiniMax-M2 XML), else to the generic JSON shape; a template that cannot render
+  tools gets them in a generic preamble.
 A content format (a ConstraintSpec) turns tool_choice "auto" into "none": a reply cannot
 both match the format and be a tool call.
 Models that think (a template with `<think>` or gpt-oss's channels) have their reasoning
@@ -45,6 +46,7 @@ from colibri.engine.text.toolcalls import (
     markup_calls,
     template_tools,
 )
+from colibri.engine.text.toolformats.forced_xml import forced_xml_grammar
 
 log = logging.getLogger("colibri.engine")
 
@@ -127,10 +129,9 @@ def plan_chat(
     msgs = _messages(messages, info.renders_tools)
     if forced:
         plan.mode, plan.forced_name = "forced", forced_name
-        markup = (forced_calls_markup(tool_dicts, forced_name, parallel_tool_calls, info.family)
-                  if info.renders_tools else None)
-        if markup is not None:
-            plan.spec, plan.forced_markup = ConstraintSpec("tagged_json", markup, "tools"), True
+        markup = _forced_markup(tool_dicts, forced_name, parallel_tool_calls, info.family)
+        if markup is not None and info.renders_tools:
+            plan.spec, plan.forced_markup = markup, True
         else:
             plan.spec = ConstraintSpec(
                 "json_schema", forced_calls_schema(tool_dicts, forced_name,
@@ -161,6 +162,16 @@ def plan_chat(
             tail = tok.decode(plan.prompt[-8:], skip_special_tokens=False)
             plan.in_reasoning = opens_reasoning(tail)
     return plan
+
+
+def _forced_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                   family: str) -> ConstraintSpec | None:
+    """The constraint of forced calls in the family's own markup, None when it has none."""
+    value = forced_calls_markup(tools, name, parallel, family)
+    if value is not None:
+        return ConstraintSpec("tagged_json", value, "tools")
+    grammar = forced_xml_grammar(tools, name, parallel, family)
+    return ConstraintSpec("lark_json", grammar, "tools") if grammar is not None else None
 
 
 def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

@@ -10,9 +10,10 @@ that is only JSON (optionally in a ``` fence) of the shape `{"tool_calls": [{"na
 "arguments"}, ...]}`, one `{"name", "arguments"}` object or a list of them, naming a tool that
 was offered, is read as calls too (the generic fallback). Anything else is text. Forced calls
 (tool_choice "required" or a named function) are constrained, so they always parse: in the
-family's own markup where it is JSON between fixed texts (`forced_calls_markup`: Hermes /
-Qwen3, so the template renders the call back exactly as the model wrote it), otherwise by a
-JSON Schema of the generic shape (`forced_calls_schema`). Knows nothing of HTTP.
+family's own markup, so that the template renders the call back exactly as the model wrote
+it (`forced_calls_markup` for Hermes / Qwen3 JSON, toolformats.forced_xml for Qwen3-Coder,
+GLM-4.5 and MiniMax-M2), otherwise by a JSON Schema of the generic shape
+(`forced_calls_schema`). Knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from colibri.engine.text.toolformats import FORMATS, CallStream, ToolSet, family
 from colibri.engine.text.toolformats.common import call_of as _call_of
 from colibri.engine.text.toolformats.common import calls_of as _calls_of
 from colibri.engine.text.toolformats.common import dumps as _dumps
+from colibri.engine.text.toolformats.forced_xml import XML_MARKUP
 
 MISTRAL_OPEN = "[TOOL_CALLS]"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
@@ -126,19 +128,44 @@ _PARTIAL_MARKUP = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.
 
 def markup_calls(text: str, family: str, names: set[str], tools: list[dict[str, Any]],
                  cut: bool = False) -> list[ToolCall]:
-    """The calls of a reply constrained by forced_calls_markup. With cut (the reply ended at
-    the token limit), a call cut inside its arguments stays a call, with the arguments
-    written so far (incomplete JSON)."""
+    """The calls of a reply constrained by forced_calls_markup or forced_xml_grammar. With cut
+    (the reply ended at the token limit), a JSON-markup call cut inside its arguments stays a
+    call, with the arguments written so far (incomplete JSON)."""
     parser = ToolCallParser(family, names, tools)
     calls = parser.push(text)[1]
     rest, more = parser.finish()
     calls += more
-    opener = _MARKUP[family][0]
-    if cut and opener in rest:
-        m = _PARTIAL_MARKUP.match(rest[rest.rindex(opener) + len(opener):])
-        if m is not None and m.group(1) in names:
-            calls.append(ToolCall(m.group(1), m.group(2).strip()))
+    if not cut:
+        return calls
+    if family in _MARKUP:
+        opener = _MARKUP[family][0]
+        if opener in rest:
+            m = _PARTIAL_MARKUP.match(rest[rest.rindex(opener) + len(opener):])
+            if m is not None and m.group(1) in names:
+                calls.append(ToolCall(m.group(1), m.group(2).strip()))
+    elif family in XML_MARKUP:
+        calls += _cut_xml_call(rest, family, ToolSet.of(names, tools))
     return calls
+
+
+def _cut_xml_call(rest: str, family: str, tools: ToolSet) -> list[ToolCall]:
+    """An XML-style call the token limit cut: the parameters written so far (the last one's
+    text as far as it got), read by closing what was left open."""
+    fmt, markup = FORMATS[family], XML_MARKUP[family]
+    if fmt.call_open not in rest:
+        return []
+    body = rest[rest.rindex(fmt.call_open) + len(fmt.call_open):]
+    inner = markup.call_close.partition(fmt.call_close)[0]  # what stands before call_close
+    for closer in (markup.param_close + inner, inner, ""):
+        got = fmt.read(body + closer, tools)
+        if got:
+            return got
+    opener = markup.param_open.partition("{key}")[0]  # cut inside a parameter's name
+    if opener in body:
+        got = fmt.read(body[:body.rindex(opener)] + inner, tools)
+        if got:
+            return got
+    return []
 
 
 def forced_calls(text: str, name: str | None) -> list[ToolCall]:

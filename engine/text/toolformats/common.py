@@ -106,16 +106,21 @@ def _json_type(value: Any) -> str:
 
 def typed_value(raw: str, schema: Any) -> Any:
     """A parameter written as bare text, as the value its schema wants: text stays text for a
-    string parameter; numbers, booleans, null, objects and arrays are read as JSON. Text that
-    does not read as JSON, or reads as a type the schema does not allow where it allows a
-    string, stays text. Without a schema: JSON if it reads, else text."""
+    string parameter; numbers, booleans, null, objects and arrays are read as JSON (True,
+    False and None too, as some templates render them). Text that does not read, or reads as
+    a type the schema does not allow where it allows a string, stays text. Without a schema:
+    JSON if it reads, else text."""
     types = _types_of(schema)
     if types and all(t == "string" for t in types):
         return raw
     body = raw.strip()
     value = loads(body)
     if value is None and body != "null":
-        return raw
+        # Python's spelling, which templates that render values with `| string` write
+        python = {"True": True, "False": False, "None": None}
+        if body not in python:
+            return raw
+        value = python[body]
     kind = _json_type(value)
     allowed = set(types) | ({"integer"} if "number" in types else set())
     if types and kind not in allowed and "string" in types:
