@@ -117,6 +117,13 @@ def test_what_only_looks_like_a_call_stays_text(family: str, text: str) -> None:
     assert every_split(maker(family), text) == (None, text, [])
 
 
+def test_a_marker_named_in_text_before_a_real_call() -> None:
+    text = ('Calls look like <tool_call> blocks:\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris", "days": 3}}\n</tool_call>')
+    assert every_split(maker("hermes"), text) == (
+        None, "Calls look like <tool_call> blocks:\n", [PARIS])
+
+
 def test_text_streams_and_holds_only_what_could_become_a_marker() -> None:
     p = ToolCallParser("minimax", NAMES, TOOLS)
     assert p.push("Hello <mini") == ("Hello ", [])

@@ -92,6 +92,11 @@ class CallStream:
                 body = self._buf[:at]
                 self._buf = self._buf[at + len(fmt.call_close):]
                 got = fmt.read(body, self.tools)
+                again = body.rfind(fmt.call_open)
+                if not got and again >= 0:  # text that named the marker, then a real call
+                    got = fmt.read(body[again + len(fmt.call_open):], self.tools)
+                    if got:
+                        content.append(self._raw + body[:again])
                 if got:
                     calls += got
                     self._read_any = True
@@ -117,7 +122,7 @@ class CallStream:
         if fmt.section_close and head.startswith(fmt.section_close):
             self._buf = head[len(fmt.section_close):]
             self._raw = "" if self._read_any else self._raw + gap + fmt.section_close
-            return True  # the section read nothing: its markers are text
+            return True  # (a section that read no call: its markers are text)
         ends = tuple(m for m in (fmt.call_open, fmt.section_close) if m)
         if not final and (not head or any(m.startswith(head) for m in ends)):
             return None
