@@ -303,3 +303,37 @@ def test_cut_xml_call_stays_a_call_with_what_was_written() -> None:
     calls = markup_calls(cut, "minimax", {"run"}, XML_TOOLS, cut=True)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run", {"command": "ls -"})]
     assert markup_calls(cut, "minimax", {"run"}, XML_TOOLS) == []  # not cut: not a call
+
+
+# DeepSeek-V3.1's way: the call's arguments are concatenated into the markup as JSON text
+DEEPSEEK_TEMPLATE = (
+    "{%- if tools %}{{- '## Tools\\n' + (tools | tojson) }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{{- '<｜User｜>' + m.content }}"
+    "{%- elif m.tool_calls %}{{- '<｜Assistant｜></think><｜tool▁calls▁begin｜>' }}"
+    "{%- for tool in m.tool_calls %}{{- '<｜tool▁call▁begin｜>' + tool['function']['name'] + "
+    "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>' }}{%- endfor %}"
+    "{{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
+    "{%- elif m.role == 'tool' %}{{- '<｜tool▁output▁begin｜>' + m.content + "
+    "'<｜tool▁output▁end｜>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜></think>' }}{%- endif %}")
+
+
+def test_deepseek_templates_get_arguments_as_text(demo) -> None:  # noqa: ANN001
+    """DeepSeek's templates concatenate a call's arguments into the markup, so they get the
+    JSON text (other templates get an object); the rendered call reads back as the call."""
+    from colibri.engine import plan_chat
+    from colibri.engine.text.reply import ReplyParser, parse_reply
+
+    tok = demo.tokenizer
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "c1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    plan = plan_chat(tok, history, TOOLS, "auto", client_template=DEEPSEEK_TEMPLATE)
+    assert plan.family == "deepseek"
+    text = tok.decode(plan.prompt, skip_special_tokens=False)
+    call = text[text.index("<｜tool▁calls▁begin｜>"):text.index("<｜end▁of▁sentence｜>")]
+    got = parse_reply(ReplyParser(None, False, ToolCallParser("deepseek", NAMES, TOOLS)), call)
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "Paris"})]

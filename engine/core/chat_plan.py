@@ -126,7 +126,7 @@ def plan_chat(
     plan = ChatPlan(prompt=[], spec=spec, family=info.family)
     tool_dicts = list(tools or [])
     render_tools: list[dict[str, Any]] | None = None
-    msgs = _messages(messages, info.renders_tools)
+    msgs = _messages(messages, info.renders_tools, info.family in _ARGS_AS_TEXT)
     if forced:
         plan.mode, plan.forced_name = "forced", forced_name
         markup = _forced_markup(tool_dicts, forced_name, parallel_tool_calls, info.family)
@@ -190,17 +190,23 @@ def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt:
         messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs))
 
 
-def _messages(messages: list[dict[str, Any]], template_tools_ok: bool) -> list[dict[str, Any]]:
+# families whose templates write a call's arguments as the JSON text they are given
+# (DeepSeek's concatenate them into the markup)
+_ARGS_AS_TEXT = frozenset({"deepseek"})
+
+
+def _messages(messages: list[dict[str, Any]], template_tools_ok: bool,
+              args_as_text: bool = False) -> list[dict[str, Any]]:
     """Messages as templates want them. Tool-call arguments become objects (templates
-    serialise them themselves); without a tool-capable template, earlier calls are written as
-    generic JSON text and tool results become user messages."""
+    serialise them themselves) unless args_as_text; without a tool-capable template, earlier
+    calls are written as generic JSON text and tool results become user messages."""
     out = []
     for m in messages:
         m = dict(m)
         calls = m.get("tool_calls")
         if m["role"] == "assistant" and calls:
             if template_tools_ok:
-                m["tool_calls"] = [_template_call(c) for c in calls]
+                m["tool_calls"] = [_template_call(c, args_as_text) for c in calls]
             else:
                 del m["tool_calls"]
                 text = m.get("content") or ""
@@ -213,10 +219,13 @@ def _messages(messages: list[dict[str, Any]], template_tools_ok: bool) -> list[d
     return out
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_call(call: dict[str, Any], args_as_text: bool = False) -> dict[str, Any]:
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
-    if isinstance(args, str):
+    if args_as_text:
+        if not isinstance(args, str):
+            fn["arguments"] = json.dumps(args if args is not None else {}, ensure_ascii=False)
+    elif isinstance(args, str):
         try:
             fn["arguments"] = json.loads(args) if args.strip() else {}
         except ValueError:
