@@ -186,19 +186,26 @@ def test_forced_calls_in_the_hermes_markup() -> None:
 
     value = forced_calls_markup(TOOLS, None, True, "hermes")
     assert value is not None
-    assert (value["open"], value["close"], value["sep"]) == ("<tool_call>\n", "\n</tool_call>",
-                                                           "\n")
-    assert value["max_items"] is None
+    assert value["grammar"] == ('start: call ("\\n" call)*\n'
+                                'call: "<tool_call>\\n" value "\\n</tool_call>"\n')
+    schema = value["json"]["value"]
     jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}},
-                        value["schema"])
+                        schema)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"name": "get_weather", "arguments": {"days": "2"}}, value["schema"])
+        jsonschema.validate({"name": "get_weather", "arguments": {"days": "2"}}, schema)
     named = forced_calls_markup(TOOLS, "run", True, "hermes")
-    assert named is not None and named["max_items"] == 1
-    assert named["schema"]["properties"]["name"] == {"const": "run"}
+    assert named is not None and named["grammar"].startswith("start: call\n")  # one call
+    assert named["json"]["value"]["properties"]["name"] == {"const": "run"}
     assert forced_calls_markup(TOOLS, None, True, "qwen3_coder") is None  # not JSON markup
     with pytest.raises(ValueError):
         forced_calls_markup(TOOLS, "nope", True, "hermes")
+    # a marker that is a special token of the vocabulary is allowed as that token
+    split = {"<tool_call>": [7], "</tool_call>": [8]}
+    special = forced_calls_markup(TOOLS, "run", False, "hermes",
+                                  lambda t: [p for x in t.split("\n") for p in
+                                             (split.get(x, [x] if x else []) + ["\n"])][:-1])
+    assert special is not None
+    assert special["grammar"] == 'start: call\ncall: <[7]> "\\n" value "\\n" <[8]>\n'
 
     reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
              '\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"command": "ls')

@@ -80,9 +80,10 @@ class ChatPlan:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the reply must be decoded with special-token text: the markers this plan
-        reads (reasoning tags, call sections, harmony channels) are special tokens in some
+        reads (reasoning tags, call markup, harmony channels) are special tokens in some
         vocabularies."""
-        return self.reasoning is not None or (self.mode == "auto" and self.family != "generic")
+        return (self.reasoning is not None or self.forced_markup
+                or (self.mode == "auto" and self.family != "generic"))
 
     def calls_of_forced(self, text: str, cut: bool = False) -> list[ToolCall] | None:
         """The calls of a forced reply; None when it was cut short and does not parse. cut:
@@ -129,7 +130,8 @@ def plan_chat(
     msgs = _messages(messages, info.renders_tools, info.family in _ARGS_AS_TEXT)
     if forced:
         plan.mode, plan.forced_name = "forced", forced_name
-        markup = _forced_markup(tool_dicts, forced_name, parallel_tool_calls, info.family)
+        markup = _forced_markup(tool_dicts, forced_name, parallel_tool_calls, info.family,
+                                getattr(tok, "split_special", None))
         if markup is not None and info.renders_tools:
             plan.spec, plan.forced_markup = markup, True
         else:
@@ -165,13 +167,13 @@ def plan_chat(
 
 
 def _forced_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
-                   family: str) -> ConstraintSpec | None:
-    """The constraint of forced calls in the family's own markup, None when it has none."""
-    value = forced_calls_markup(tools, name, parallel, family)
-    if value is not None:
-        return ConstraintSpec("tagged_json", value, "tools")
-    grammar = forced_xml_grammar(tools, name, parallel, family)
-    return ConstraintSpec("lark_json", grammar, "tools") if grammar is not None else None
+                   family: str, split: Any) -> ConstraintSpec | None:
+    """The constraint of forced calls in the family's own markup, None when it has none.
+    split: the tokenizer's split_special (markers that are special tokens in its vocabulary
+    are allowed as those tokens, never spelled out)."""
+    value = (forced_calls_markup(tools, name, parallel, family, split)
+             or forced_xml_grammar(tools, name, parallel, family, split))
+    return ConstraintSpec("lark_json", value, "tools") if value is not None else None
 
 
 def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
