@@ -39,13 +39,13 @@ from colibri.engine.text.toolcalls import (
     ToolCall,
     ToolCallParser,
     forced_calls,
-    forced_calls_markup,
     forced_calls_schema,
     generic_preamble,
     history_call_text,
     markup_calls,
     template_tools,
 )
+from colibri.engine.text.toolformats.forced_json import forced_calls_markup
 from colibri.engine.text.toolformats.forced_xml import forced_xml_grammar
 
 log = logging.getLogger("colibri.engine")
