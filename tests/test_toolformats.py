@@ -363,16 +363,30 @@ KIMI_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_assistant|>assistant<|im_middle|>' }}{%- endif %}")
 
 
-@pytest.mark.parametrize("family", ["deepseek", "kimi"])
+# gpt-oss's way: a call is a commentary message to its recipient, ended by <|call|>
+HARMONY_TEMPLATE = (
+    "{%- if tools %}{{- '<|start|>developer<|message|>' + (tools | tojson) + '<|end|>' }}"
+    "{%- endif %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{{- '<|start|>user<|message|>' + m.content + '<|end|>' }}{%- elif m.tool_calls %}"
+    "{%- for tc in m.tool_calls %}{{- '<|start|>assistant to=functions.' + tc.function.name }}"
+    "{{- '<|channel|>commentary json<|message|>' }}{{- tc.function.arguments | tojson }}"
+    "{{- '<|call|>' }}{%- endfor %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
+JSON_MARKUP_TEMPLATES = {"deepseek": DEEPSEEK_TEMPLATE, "kimi": KIMI_TEMPLATE,
+                         "harmony": HARMONY_TEMPLATE}
+
+
+@pytest.mark.parametrize("family", sorted(JSON_MARKUP_TEMPLATES))
 def test_forced_json_markup_calls_render_back_as_written(demo, family: str) -> None:  # noqa: ANN001
-    """DeepSeek's and Kimi's forced calls: the model writes the family's section (Kimi's id
-    numbered), the calls validate, and the template renders them back verbatim."""
+    """DeepSeek's, Kimi's and gpt-oss's forced calls: the model writes the family's markup
+    (Kimi's id numbered, gpt-oss's recipient), the calls validate, and the template renders
+    them back verbatim."""
     import jsonschema
 
     from colibri.engine import SamplingParams, compile_constraints, plan_chat
 
     tok = demo.tokenizer
-    template = DEEPSEEK_TEMPLATE if family == "deepseek" else KIMI_TEMPLATE
+    template = JSON_MARKUP_TEMPLATES[family]
     tools = [{"type": "function", "function": {**t["function"], "parameters": {
         **t["function"]["parameters"], "additionalProperties": False}}} for t in XML_TOOLS]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
@@ -420,3 +434,6 @@ def test_cut_json_markup_call_stays_a_call() -> None:
     calls = markup_calls(cut, "deepseek", NAMES, TOOLS, cut=True)
     assert [(c.name, c.arguments) for c in calls] == [("run", '{"command": "ls", "env": {"A"')]
     assert markup_calls(cut, "deepseek", NAMES, TOOLS) == []
+    cut = ' to=functions.run<|channel|>commentary json<|message|>{"command": "pw'
+    calls = markup_calls(cut, "harmony", NAMES, TOOLS, cut=True)
+    assert [(c.name, c.arguments) for c in calls] == [("run", '{"command": "pw')]

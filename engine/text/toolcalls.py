@@ -27,6 +27,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from colibri.engine.text.harmony import HarmonyParser
 from colibri.engine.text.markers import partial_suffix
 from colibri.engine.text.reply_types import ToolCall
 from colibri.engine.text.toolformats import FORMATS, CallStream, ToolSet, family_of
@@ -101,10 +102,16 @@ def markup_calls(text: str, family: str, names: set[str], tools: list[dict[str, 
     """The calls of a reply constrained by forced_calls_markup or forced_xml_grammar. With cut
     (the reply ended at the token limit), a JSON-markup call cut inside its arguments stays a
     call, with the arguments written so far (incomplete JSON)."""
-    parser = ToolCallParser(family, names, tools)
-    calls = parser.push(text)[1]
-    rest, more = parser.finish()
-    calls += more
+    if family == "harmony":  # one call, which ends the turn: a cut one is in the text
+        harmony = HarmonyParser(names)
+        read = harmony.push(text)
+        read += harmony.finish()
+        calls, rest = read.calls, ("" if read.calls else text)
+    else:
+        parser = ToolCallParser(family, names, tools)
+        calls = parser.push(text)[1]
+        rest, more = parser.finish()
+        calls += more
     if not cut:
         return calls
     partial = cut_json_call(rest, family, names)

@@ -1,8 +1,8 @@
 """Forced calls in the JSON-argument families' own markup (Hermes / Qwen3, DeepSeek-V3.1,
-Kimi K2): a lark_json constraint's value, the calls written as each family's template renders
-them back, the JSON written as response_format JSON is (so json.dumps of the parsed arguments,
-which templates print, gives the same text). Markers that are special tokens in the
-vocabulary are allowed as those tokens (lark_literal).
+Kimi K2, gpt-oss's harmony): a lark_json constraint's value, the calls written as each
+family's template renders them back, the JSON written as response_format JSON is (so
+json.dumps of the parsed arguments, which templates print, gives the same text). Markers
+that are special tokens in the vocabulary are allowed as those tokens (lark_literal).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class JsonMarkup:
     section_close: str = ""
     named_object: bool = False  # the JSON is {"name", "arguments"}, not the arguments alone
     id_between: tuple[str, str] | None = None  # the call's written id stands between these
+    single: bool = False  # a call ends the turn: one per reply
 
 
 JSON_MARKUP: dict[str, JsonMarkup] = {
@@ -37,6 +38,9 @@ JSON_MARKUP: dict[str, JsonMarkup] = {
                        "<|tool_call_end|>", section_open="<|tool_calls_section_begin|>",
                        section_close="<|tool_calls_section_end|>",
                        id_between=("<|tool_call_begin|>", "<|tool_call_argument_begin|>")),
+    # after the prompt's "<|start|>assistant"; <|call|> ends the turn (an end-of-turn token)
+    "harmony": JsonMarkup(" to=functions.{name}<|channel|>commentary json<|message|>", "",
+                          single=True),
 }
 
 
@@ -86,12 +90,13 @@ def forced_calls_markup(tools: list[dict[str, Any]], name: str | None, parallel:
         alternatives = []
         for i, tool in enumerate(chosen):
             json_rules[f"args{i}"] = _params(tool)
-            lines.append(f"call{i}: {_open(markup.call_open, str(_fn(tool).get('name')), split)}"
-                         f" args{i} {lit['call_close']}")
+            opener = _open(markup.call_open, str(_fn(tool).get("name")), split)
+            lines.append(" ".join(p for p in (f"call{i}:", opener, f"args{i}", lit["call_close"])
+                                  if p))
             alternatives.append(f"call{i}")
         lines.append("call: " + " | ".join(alternatives))
     sep = f"{lit['sep']} " if lit["sep"] else ""
-    more = "" if name is not None or not parallel else f" ({sep}call)*"
+    more = "" if name is not None or not parallel or markup.single else f" ({sep}call)*"
     start = " ".join(p for p in (lit["section_open"], f"call{more}", lit["section_close"]) if p)
     return {"grammar": "\n".join([f"start: {start}", *lines]) + "\n", "json": json_rules}
 
