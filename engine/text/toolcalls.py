@@ -11,9 +11,9 @@ that is only JSON (optionally in a ``` fence) of the shape `{"tool_calls": [{"na
 was offered, is read as calls too (the generic fallback). Anything else is text. Forced calls
 (tool_choice "required" or a named function) are constrained, so they always parse: in the
 family's own markup, so that the template renders the call back exactly as the model wrote
-it (toolformats.forced_json for Hermes / Qwen3, DeepSeek-V3.1 and Kimi K2,
-toolformats.forced_xml for Qwen3-Coder, GLM-4.5 and MiniMax-M2), otherwise by a JSON Schema
-of the generic shape
+it (toolformats.forced_json for Hermes / Qwen3, DeepSeek-V3.1, Kimi K2 and gpt-oss,
+toolformats.forced_xml for Qwen3-Coder, GLM-4.5 and MiniMax-M2), otherwise (Mistral, the
+generic fallback) by a JSON Schema of the generic shape
 (`forced_calls_schema`). Knows nothing of HTTP.
 """
 
