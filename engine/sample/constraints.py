@@ -32,7 +32,7 @@ from colibri.engine.sample.schema_limits import (
     check_schema,
 )
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "lark_json"]
 
 # JSON comes out with one space after ',' and ':' and no other whitespace: a model cannot
 # fill its budget with blanks, and the text reads like json.dumps output.
@@ -100,7 +100,10 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class ConstraintSpec:
     """What the output must match. value: a JSON Schema (dict or JSON text) for json_schema,
-    ignored for json_object, a regular expression for regex, a Lark grammar for grammar."""
+    ignored for json_object, a regular expression for regex, a Lark grammar for grammar;
+    for lark_json, {"grammar": Lark text, "json": {rule: JSON Schema}}: the grammar, whose
+    rules named in json are JSON values of their schemas, written as response_format JSON is
+    (a model's own tool-call markup around JSON values)."""
 
     kind: ConstraintKind
     value: Any = None
@@ -113,7 +116,28 @@ class ConstraintSpec:
             return "json_schema\0" + v
         if self.kind == "json_object":
             return "json_object"
+        if self.kind == "lark_json":
+            return self.kind + "\0" + json.dumps(self.value, sort_keys=True,
+                                                 separators=(",", ":"))
         return f"{self.kind}\0{self.value}"
+
+
+def json_lark(schema: Any) -> str:
+    """A Lark rule body for a JSON value matching schema, written as response_format JSON is
+    (formats as strict patterns, fixed separators). ConstraintLimitError past the limits."""
+    check_schema(schema)
+    full = {**_strict_formats(schema), "x-guidance": _JSON_OPTIONS}
+    return "%json " + json.dumps(full, ensure_ascii=False)
+
+
+def _lark_json(spec: ConstraintSpec) -> str:
+    """The Lark grammar of a lark_json spec, its JSON rules written out."""
+    v = spec.value
+    if (not isinstance(v, dict) or not isinstance(v.get("grammar"), str)
+            or not isinstance(v.get("json", {}), dict)):
+        raise ConstraintError("lark_json needs a grammar and a map of JSON rules", spec.param)
+    rules = [f"{name}: {json_lark(schema)}" for name, schema in v.get("json", {}).items()]
+    return "\n".join([v["grammar"].rstrip("\n"), *rules]) + "\n"
 
 
 class Constraint:
@@ -317,6 +341,8 @@ class ConstraintCompiler:
                                       spec.param) from None
         if spec.kind == "json_object":
             return M.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        if spec.kind == "lark_json":
+            return M.grammar_from_lark(_lark_json(spec))
         if not isinstance(spec.value, str) or not spec.value:
             raise ConstraintError(f"the {spec.kind} must be a non-empty string", spec.param)
         if spec.kind == "regex":
