@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "clb_forward.h"
+#include "clb_kernels_isa.h"
 #include "clb_util.h"
 
 typedef struct {
@@ -84,9 +85,10 @@ static void att_worker(void *vctx, int ith, int nth) {
     const att_task *a = vctx;
     const clb_model *m = a->m;
     const clb_kv *kv = a->kv;
-    const clb_hparams *hp = &m->hp;
     const clb_att_io *io = &a->io;
-    const int64_t H = hp->n_head, Hkv = kv->n_head_kv, kd = kv->head_dim, vd = kv->v_dim;
+    const int64_t win = m->layers[a->il].window;
+    const float *sinks = clb_f32_data(m->layers[a->il].sinks); /* [H] or NULL */
+    const int64_t H = m->hp.n_head, Hkv = kv->n_head_kv, kd = kv->head_dim, vd = kv->v_dim;
     const int v_kind = kv->n_kinds == 2 ? 1 : 0;
     const int64_t group = H / Hkv, nh = a->nh, per_kv = group / nh, span = m->span;
     const float scale = io->scale;
@@ -107,7 +109,7 @@ static void att_worker(void *vctx, int ith, int nth) {
         const int32_t *tab = a->tables + (int64_t)a->seq[t] * a->max_blocks;
         const int64_t p = a->pos[t];
         int64_t lo = 0;
-        if (hp->sliding_window > 0 && p - hp->sliding_window + 1 > 0) lo = p - hp->sliding_window + 1;
+        if (win > 0 && p - win + 1 > 0) lo = p - win + 1;
         const float *q0 = io->q + t * io->q_stride + h0 * io->q_head;
         float *out0 = io->out + t * io->out_stride + h0 * io->out_head;
 
@@ -137,8 +139,15 @@ static void att_worker(void *vctx, int ith, int nth) {
             j += n;
         }
         for (int64_t g = 0; g < nh; g++) {
-            /* sum >= 1: the maximum contributes exp(0) = 1 */
-            inv[g] = 1.0f / ak->exp_sum(p - lo + 1, sc + g * span, mx[g]);
+            /* sum >= 1: the maximum contributes exp(0) = 1. A sink is one more logit in the
+             * denominator that weighs no value row */
+            if (sinks) {
+                const float sk = sinks[h0 + g], top = sk > mx[g] ? sk : mx[g];
+                inv[g] = 1.0f / (ak->exp_sum(p - lo + 1, sc + g * span, top) +
+                                 clb_exp1(sk - top));
+            } else {
+                inv[g] = 1.0f / ak->exp_sum(p - lo + 1, sc + g * span, mx[g]);
+            }
             for (int64_t d = 0; d < vd; d++) out0[g * io->out_head + d] = 0.0f;
         }
         for (int64_t j = lo; j <= p;) {

@@ -30,6 +30,9 @@ clb_status clb_fw_mm_tp(clb_model *m, clb_phase ph, const clb_tensor *w, const f
                         clb_threadpool *tp);
 clb_status clb_fw_mm(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
                      int64_t T, float *y, int64_t ldy, const clb_tensor *bias);
+/* clb_fw_mm with the bias as an array [n_out] (NULL: none). */
+clb_status clb_fw_mm_b(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
+                       int64_t T, float *y, int64_t ldy, const float *bias);
 /* Runs m->jobs[0..n_jobs) in one dispatch, counted in phase ph. */
 clb_status clb_fw_run_jobs(clb_model *m, clb_phase ph, int n_jobs);
 /* A job for weight w reading activations act (packed for w's type, or f32 rows). */

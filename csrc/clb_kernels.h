@@ -80,6 +80,14 @@ size_t clb_act_row_size_max(clb_type t, int64_t n_in);
 void clb_act_pack(clb_type t, int64_t n_in, const float *x, int64_t ldx, int64_t n_tok,
                   void *act);
 
+/* The clamped SwiGLU of gpt-oss: g = min(g, limit), u = clamp(u, -limit, limit),
+ * g[i] = g * sigmoid(alpha * g) * (u + 1), the sigmoid's exponent clb_exp1's; one scalar
+ * definition that every ISA calls, so results never depend on the ISA. */
+typedef struct {
+    float alpha, limit;
+} clb_glu_clamp;
+void clb_glu_clamp_f32(int64_t n, float *g, const float *u, const clb_glu_clamp *c);
+
 /* One matrix of a batched product: y[n_tok, ldy] (first n_out columns) = act @ W^T (+ bias).
  * act: n_tok packed rows (clb_act_pack) for quantized types, f32 rows of n_in otherwise. */
 typedef struct {
@@ -91,10 +99,13 @@ typedef struct {
     float *y;            /* [n_tok, ldy] */
     int64_t ldy;
     const float *bias;   /* [n_out] or NULL */
-    /* gated (SwiGLU) job when w_up is set: y = silu(act @ W^T) * (act @ W_up^T), W_up of the
-     * same type and shape as W; y_up [n_tok, ldy] is scratch for the second product; no bias */
+    /* gated (SwiGLU) job when w_up is set: y = glu(act @ W^T + bias, act @ W_up^T + bias_up),
+     * W_up of the same type and shape as W; y_up [n_tok, ldy] is scratch for the second
+     * product; glu is silu(g) * u, or the clamped form when clamp is set */
     const void *w_up;
     float *y_up;
+    const float *bias_up;           /* [n_out] or NULL; only with w_up */
+    const clb_glu_clamp *clamp;     /* NULL: silu(g) * u */
 } clb_mm_job;
 
 /* Runs every job in one thread-pool dispatch (jobs must not write each other's inputs). */

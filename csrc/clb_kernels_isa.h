@@ -85,6 +85,18 @@ static inline float clb_exp_fold(float part[CLB_EXP_LANES]) {
     return part[0];
 }
 
+/* MXFP4's nibbles as doubled values (sign bit 3): every ISA's table */
+#define CLB_MXFP4_VALUES 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+
+/* an MXFP4 block's scale for the doubled values: 2^(e - 128), exact (a subnormal float for
+ * e < 2) */
+static inline float clb_e8m0_half(uint8_t e) {
+    uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* reference (kernels_ref.c) */
 void clb_to_float_f32_ref(int64_t n, const void *x, float *y);
 void clb_to_float_f16_ref(int64_t n, const void *x, float *y);
@@ -121,6 +133,18 @@ void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 void clb_gemm_q6_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+/* MXFP4 rows against q8a rows (every ISA's packed layout for it): each block's integer sum of
+ * doubled values times activations, then s += (2^(e - 128) * d_a) * sum in block order */
+void clb_to_float_mxfp4_ref(int64_t n, const void *x, float *y);
+float clb_vec_dot_mxfp4_ref(int64_t n, const void *w, const void *x);
+void clb_gemm_mxfp4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_mxfp4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                         size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_mxfp4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+float clb_vec_dot_mxfp4_avx2(int64_t n, const void *w, const void *x);
+float clb_vec_dot_mxfp4_avx512(int64_t n, const void *w, const void *x);
 
 /* the interleaved twins (q8x8, q4x8, q6x8 weights, q8a rows): same results as the row products */
 void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,

@@ -36,6 +36,12 @@ typedef enum {
                                        routed_scale */
 } clb_router_kind;
 
+typedef enum {
+    CLB_GLU_SILU = 0,         /* silu(gate) * up */
+    CLB_GLU_SWIGLU_CLAMP = 1, /* gate clamped above at limit, up to [-limit, limit]:
+                                 gate * sigmoid(alpha * gate) * (up + 1) (gpt-oss) */
+} clb_glu_kind;
+
 /* Hyper-parameters, filled by Python from config.json (engine/models/config.py). */
 typedef struct {
     int64_t n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim;
@@ -63,11 +69,21 @@ typedef struct {
     float rope_scale;      /* cos and sin are multiplied by it (1: plain RoPE) */
     float rms_eps;
     int64_t sliding_window; /* <= 0: off */
+    int32_t attn_sinks;    /* GQA: a learned logit per query head (tensor "sinks" [n_head]) joins
+                              every softmax's denominator (gpt-oss) */
+    int32_t router_bias;   /* the router's logits have a bias (tensor "gate_inp_bias" [n_expert]) */
+    int32_t expert_bias;   /* routed experts' gate, up and down have biases (tensors "exp_b1",
+                              "exp_b3" [n_expert, n_ff] and "exp_b2" [n_expert, n_embd] in the
+                              router file) */
+    int32_t glu;           /* clb_glu_kind: the gated activation of every FFN */
+    float glu_alpha, glu_limit; /* CLB_GLU_SWIGLU_CLAMP's sigmoid gain and clamp */
     int64_t n_ctx;         /* KV capacity per sequence */
     /* per-model arrays, copied at load (the caller's may go away after clb_model_load) */
     const float *rope_freqs;   /* [rotary_dim / 2] inverse frequencies (YaRN, llama3, ...);
                                   NULL: 1 / rope_theta^(2i / rotary_dim) */
     const int32_t *layer_ffn;  /* [n_layer] clb_ffn_kind; NULL: every layer CLB_FFN_MOE */
+    const int32_t *layer_sliding; /* [n_layer] 1: the layer attends over sliding_window
+                                     positions, 0: over all; NULL: every layer 1 */
 } clb_hparams;
 
 /* One weight file mapped read-only. */

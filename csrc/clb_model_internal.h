@@ -19,6 +19,8 @@
 
 typedef struct {
     const clb_tensor *w1, *w3, *w2; /* [F, D] gate, [F, D] up, [D, F] down */
+    const float *b1, *b3, *b2;      /* [F], [F], [D] biases, NULL unless expert_bias (they
+                                       stay resident in the router file) */
 } clb_ffn_w;
 
 typedef struct {
@@ -28,6 +30,8 @@ typedef struct {
     const clb_tensor *bq, *bk, *bv;         /* NULL unless qkv_bias */
     const clb_tensor *bo;                   /* [D] or NULL unless o_bias */
     const clb_tensor *q_norm, *k_norm;      /* NULL unless qk_norm */
+    const clb_tensor *sinks;                /* [H] f32 or NULL unless attn_sinks */
+    int64_t window;                         /* keys a query sees at most; 0: all */
     /* MLA (wq above when q_lora_rank is 0; ql = q_lora_rank, kl = kv_lora_rank, dn = head_dim
      * - rotary_dim, dv = v_head_dim) */
     const clb_tensor *wq_a, *q_a_norm, *wq_b; /* [ql, D], [ql], [H*hd, ql] */
@@ -37,6 +41,7 @@ typedef struct {
     const clb_tensor *ffn_norm;             /* [D] */
     const clb_tensor *gate_inp;             /* [E, D] f32; NULL in a dense layer */
     const clb_tensor *gate_bias;            /* [E] f32 selection bias (grouped router) or NULL */
+    const clb_tensor *gate_inp_bias;        /* [E] f32 router logit bias or NULL */
     const clb_tensor *shared_gate;          /* [1, D] f32 or NULL */
     clb_ffn_w shared;                       /* all NULL unless n_ff_shared > 0 */
     clb_ffn_w *experts;                     /* [E], points into clb_model.experts */
@@ -79,6 +84,7 @@ struct clb_model {
     float *rope;     /* [B, rotary_dim]: cos of the rotary_dim/2 frequencies, then sin */
     float *inv_freq; /* [rotary_dim/2] (hp.rope_freqs points here after load) */
     int32_t *layer_ffn; /* [n_layer] (hp.layer_ffn points here after load) */
+    int32_t *layer_sliding; /* [n_layer] (hp.layer_sliding points here after load) */
     float *probs;    /* [B, E] router probabilities */
     float *choice;   /* [E] one token's selection scores (grouped router) */
     int32_t *top_id; /* [B, K] */
@@ -94,7 +100,8 @@ struct clb_model {
     int32_t *out_rows; /* [B] chunk rows that want logits */
     float *scores;   /* [n_threads, H/Hkv, span] attention scores per worker and head */
     float *head_stat; /* [n_threads, 2, H/Hkv] per head: max score, then 1 / sum of exps */
-    int64_t span;    /* most keys one query sees: min(n_ctx, sliding_window) */
+    int64_t span;    /* most keys one query sees in any layer: n_ctx, or the window */
+    clb_glu_clamp glu_clamp; /* hp's clamp, for jobs when glu is CLB_GLU_SWIGLU_CLAMP */
     void *mm_scratch;  /* [B] packed activation rows for clb_matmul (any n_in) */
     size_t mm_scratch_size;
     void *act;         /* [B] packed activation rows shared by the jobs of one dispatch */

@@ -34,6 +34,7 @@ typedef enum {
     CLB_TYPE_Q4X8 = 7,
     CLB_TYPE_Q6 = 8,
     CLB_TYPE_Q6X8 = 9, /* q6 rows interleaved like q8x8 / q4x8 (never stored in files) */
+    CLB_TYPE_MXFP4 = 10, /* OCP microscaling FP4, as gpt-oss checkpoints ship their experts */
     CLB_TYPE_COUNT
 } clb_type;
 
@@ -63,6 +64,18 @@ typedef struct {
     uint8_t qs[CLB_QK / 2 + CLB_QK / 4];
 } clb_block_q6;
 _Static_assert(sizeof(clb_block_q6) == 26, "q6 block must be 26 bytes");
+
+/* MXFP4 (OCP Microscaling): 32 e2m1 values sharing one power-of-two scale. e is an e8m0
+ * exponent, scale 2^(e - 127); element 2k is the low nibble of qs[k], 2k + 1 its high nibble
+ * (the nibble order of the checkpoints' *_blocks tensors, whose 16 bytes per block are copied
+ * as they are). A nibble is sign (bit 3) and magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6 (bits 0-2).
+ * The kernels read the doubled magnitudes (integers 0..12) with scale 2^(e - 128): the same
+ * values, and integer products with q8 activations. */
+typedef struct {
+    uint8_t e;
+    uint8_t qs[CLB_QK / 2];
+} clb_block_mxfp4;
+_Static_assert(sizeof(clb_block_mxfp4) == 17, "mxfp4 block must be 17 bytes");
 
 typedef struct {
     float d;

@@ -74,6 +74,9 @@ static void clb_fill_ref(clb_type_traits *t) {
                                         .to_float = clb_to_float_q8a_ref,
                                         .vec_dot = NULL,
                                         .from_float = clb_from_float_q8a_ref};
+    /* MXFP4 has no quantizer here: the converter copies the checkpoint's blocks as they are */
+    t[CLB_TYPE_MXFP4] = clb_block_ref("mxfp4", sizeof(clb_block_mxfp4), clb_to_float_mxfp4_ref,
+                                      clb_vec_dot_mxfp4_ref, NULL, clb_gemm_mxfp4_ref);
     /* interleaved weights: products only (no row access), on the row type's activations */
     t[CLB_TYPE_Q8X8] = clb_x8_ref("q8x8", sizeof(clb_block_q8), clb_gemm_q8x8_ref);
     t[CLB_TYPE_Q4X8] = clb_x8_ref("q4x8", sizeof(clb_block_q4), clb_gemm_q4x8_ref);
@@ -119,6 +122,10 @@ static void clb_fill_avx2(clb_type_traits *t) {
     t[CLB_TYPE_Q8].prefer_x8 = 1;
     t[CLB_TYPE_Q4].prefer_x8 = 1;
     clb_fill_shared_avx2(t);
+    /* MXFP4 reads q8a rows on every path, packed by the ISA's q8a quantizer (same bytes) */
+    t[CLB_TYPE_MXFP4].vec_dot = clb_vec_dot_mxfp4_avx2;
+    t[CLB_TYPE_MXFP4].act_pack = clb_quantize_q8a_avx2;
+    t[CLB_TYPE_MXFP4].gemm = clb_gemm_mxfp4_avx2;
 }
 
 /* AVX2 with AVX-VNNI: the interleaved products (every weight the loader repacks) take
@@ -152,6 +159,9 @@ static void clb_fill_avx512(clb_type_traits *t) {
     clb_products(&t[CLB_TYPE_Q8X8], clb_act_pack_q8_avx512, clb_gemm_q8x8_avx512, bb);
     clb_products(&t[CLB_TYPE_Q4X8], clb_act_pack_q4_avx512, clb_gemm_q4x8_avx512, bb);
     clb_products(&t[CLB_TYPE_Q6X8], clb_act_pack_q6_avx512, clb_gemm_q6x8_avx512, bb);
+    t[CLB_TYPE_MXFP4].vec_dot = clb_vec_dot_mxfp4_avx512;
+    t[CLB_TYPE_MXFP4].act_pack = clb_quantize_q8a_avx512;
+    t[CLB_TYPE_MXFP4].gemm = clb_gemm_mxfp4_avx512;
 }
 #endif
 

@@ -149,10 +149,13 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
             for (int64_t r = 0; r < c; r++)
                 memcpy(m->xg + r * D, src + (idx ? idx[off[g] + r] : off[g] + r) * D,
                        (size_t)D * sizeof(float));
-            TRY(clb_fw_mm(m, up, w[g]->w1, m->xg, c, m->h1, F, NULL));
-            TRY(clb_fw_mm(m, up, w[g]->w3, m->xg, c, m->h3, F, NULL));
-            clb_silu_mul_f32(c * F, m->h1, m->h3);
-            TRY(clb_fw_mm(m, down, w[g]->w2, m->h1, c, out + r0 * D, D, NULL));
+            TRY(clb_fw_mm_b(m, up, w[g]->w1, m->xg, c, m->h1, F, w[g]->b1));
+            TRY(clb_fw_mm_b(m, up, w[g]->w3, m->xg, c, m->h3, F, w[g]->b3));
+            if (m->hp.glu == CLB_GLU_SWIGLU_CLAMP)
+                clb_glu_clamp_f32(c * F, m->h1, m->h3, &m->glu_clamp);
+            else
+                clb_silu_mul_f32(c * F, m->h1, m->h3);
+            TRY(clb_fw_mm_b(m, down, w[g]->w2, m->h1, c, out + r0 * D, D, w[g]->b2));
         }
         return CLB_OK;
     }
@@ -175,6 +178,9 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
         clb_mm_job j = clb_fw_job(w[g]->w1, (const char *)a + a_off, c, m->h1 + r0 * F, F, NULL);
         j.w_up = w[g]->w3->data;
         j.y_up = m->h3 + r0 * F;
+        j.bias = w[g]->b1;
+        j.bias_up = w[g]->b3;
+        j.clamp = m->hp.glu == CLB_GLU_SWIGLU_CLAMP ? &m->glu_clamp : NULL;
         m->jobs[nj++] = j; /* [c, F] silu(gate) * up */
     }
     TRY(clb_fw_run_jobs(m, up, (int)nj));
@@ -186,7 +192,8 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
         if (c == 0) continue;
         size_t h_off = hrow ? (size_t)r0 * hrow : (size_t)(r0 * F) * sizeof(float);
         const void *hg = (const char *)h + h_off;
-        m->jobs[nj++] = clb_fw_job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
+        m->jobs[nj] = clb_fw_job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
+        m->jobs[nj++].bias = w[g]->b2;
     }
     return clb_fw_run_jobs(m, down, (int)nj);
 }
@@ -198,7 +205,8 @@ static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *nl = &m->layers[il + 1];
     const int64_t E = hp->n_expert, K = hp->n_expert_used;
-    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, nl->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
+    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, nl->gate_inp, m->xn, T, m->probs, E,
+                     nl->gate_inp_bias, NULL));
     /* votes per expert in e_fill (free until the grouping below) */
     int64_t *votes = m->e_fill;
     for (int64_t e = 0; e < E; e++) votes[e] = 0;
@@ -230,7 +238,8 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
 
     /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
-    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E, NULL, NULL));
+    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E,
+                     l->gate_inp_bias, NULL));
     for (int64_t t = 0; t < T; t++)
         route_token(m, l, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
     if (routes)

@@ -30,14 +30,25 @@ static int64_t weight_bytes(clb_type t, int64_t n_out, int64_t n_in) {
     return (int64_t)clb_type_row_size(t, n_in) * n_out;
 }
 
+static clb_status mm_counted(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
+                             int64_t T, float *y, int64_t ldy, const float *bias,
+                             clb_threadpool *tp) {
+    const int64_t t0 = clb_now_ns();
+    clb_status st = clb_matmul(w->type, w->data, w->shape[0], w->shape[1], x, T, y, ldy,
+                               bias, m->mm_scratch, tp);
+    count_product(m, ph, t0, T > 0 ? weight_bytes(w->type, w->shape[0], w->shape[1]) : 0);
+    return st;
+}
+
 clb_status clb_fw_mm_tp(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
                         int64_t T, float *y, int64_t ldy, const clb_tensor *bias,
                         clb_threadpool *tp) {
-    const int64_t t0 = clb_now_ns();
-    clb_status st = clb_matmul(w->type, w->data, w->shape[0], w->shape[1], x, T, y, ldy,
-                               clb_f32_data(bias), m->mm_scratch, tp);
-    count_product(m, ph, t0, T > 0 ? weight_bytes(w->type, w->shape[0], w->shape[1]) : 0);
-    return st;
+    return mm_counted(m, ph, w, x, T, y, ldy, clb_f32_data(bias), tp);
+}
+
+clb_status clb_fw_mm_b(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,
+                       int64_t T, float *y, int64_t ldy, const float *bias) {
+    return mm_counted(m, ph, w, x, T, y, ldy, bias, m->tp);
 }
 
 clb_status clb_fw_mm(clb_model *m, clb_phase ph, const clb_tensor *w, const float *x,

@@ -693,3 +693,59 @@ void clb_vec_mad_f32_avx2(int64_t n, float *y, const float *x, float a) {
                          _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
 }
+
+/* ---- MXFP4 rows against q8a rows ---------------------------------------------------------
+ * Two blocks per register: each 128-bit lane holds one block's 16 nibble bytes; low and high
+ * nibbles unpacked side by side give its 32 elements in order, 0..15 (A) and 16..31 (B); a
+ * shuffle turns each nibble into its doubled value. The signed products go through maddubs as
+ * q8's do (|w| unsigned, the activation taking w's sign), so each block's sum is exact; four
+ * blocks' sums are then added into s in the reference's order, s += (2^(e - 128) * d_a) * sum:
+ * bit for bit clb_gemm_mxfp4_ref. */
+static inline __attribute__((always_inline)) __m256i clb_mxfp4_pair(const clb_block_mxfp4 *w,
+                                                                    const clb_block_q8a *a,
+                                                                    __m256i lut) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)w[0].qs)),
+        _mm_loadu_si128((const __m128i *)w[1].qs), 1);
+    __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    __m256i wa = _mm256_shuffle_epi8(lut, _mm256_unpacklo_epi8(lo, hi)); /* elements 0..15 */
+    __m256i wb = _mm256_shuffle_epi8(lut, _mm256_unpackhi_epi8(lo, hi)); /* 16..31 */
+    __m256i q0 = _mm256_loadu_si256((const __m256i *)a[0].qs);
+    __m256i q1 = _mm256_loadu_si256((const __m256i *)a[1].qs);
+    __m256i qa = _mm256_permute2x128_si256(q0, q1, 0x20), qb = _mm256_permute2x128_si256(q0, q1, 0x31);
+    __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wa), _mm256_sign_epi8(qa, wa)), ones);
+    __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(qb, wb)), ones);
+    return _mm256_add_epi32(pa, pb); /* dwords 0..3: block 0's partial sums, 4..7 block 1's */
+}
+
+float clb_vec_dot_mxfp4_avx2(int64_t n, const void *vw, const void *vx) {
+    const clb_block_mxfp4 *w = vw;
+    const clb_block_q8a *a = vx;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(CLB_MXFP4_VALUES));
+    const int64_t nb = n / CLB_QK;
+    float s = 0.0f;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        __m256i p01 = clb_mxfp4_pair(w + b, a + b, lut), p23 = clb_mxfp4_pair(w + b + 2, a + b + 2, lut);
+        /* hadd twice: dwords [b0, b2, b0, b2 | b1, b3, b1, b3] */
+        __m256i h = _mm256_hadd_epi32(p01, p23);
+        h = _mm256_hadd_epi32(h, h);
+        int32_t v[8];
+        _mm256_storeu_si256((__m256i *)v, h);
+        const int32_t sum[4] = {v[0], v[4], v[1], v[5]};
+        for (int k = 0; k < 4; k++) s += clb_e8m0_half(w[b + k].e) * a[b + k].d * (float)sum[k];
+    }
+    for (; b < nb; b++) { /* the last blocks one at a time, the second lane a copy */
+        const clb_block_mxfp4 wp[2] = {w[b], w[b]};
+        const clb_block_q8a ap[2] = {a[b], a[b]};
+        __m256i p = clb_mxfp4_pair(wp, ap, lut);
+        s += clb_e8m0_half(w[b].e) * a[b].d * (float)(clb_hsum256_i32(p) / 2);
+    }
+    return s;
+}
+
+void clb_gemm_mxfp4_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                         size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_by_dot(clb_vec_dot_mxfp4_avx2, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}

@@ -609,3 +609,82 @@ void clb_att_mad_rows_f32_avx512(int64_t hd, float *out, const float *v, int64_t
         _mm512_mask_storeu_ps(out + d, km, o);
     }
 }
+
+/* ---- MXFP4 rows against q8a rows ---------------------------------------------------------
+ * Four blocks per register, one in each 128-bit lane: low and high nibbles unpacked side by
+ * side give a block's elements 0..15 (A) and 16..31 (B), a shuffle their doubled values plus
+ * 12 (0..24, unsigned for vpdpbusd); the offset comes back out as 12 * the activations' sum,
+ * which q8a carries. Each block's sum is exact, and the four are added into s in the
+ * reference's order, s += (2^(e - 128) * d_a) * sum: bit for bit clb_gemm_mxfp4_ref. */
+static inline __attribute__((always_inline)) __m128i clb_mxfp4_quad(const clb_block_mxfp4 *w,
+                                                                    const clb_block_q8a *a,
+                                                                    __m512i lut) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)w[0].qs));
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)w[1].qs), 1);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)w[2].qs), 2);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)w[3].qs), 3);
+    __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    __m512i wa = _mm512_shuffle_epi8(lut, _mm512_unpacklo_epi8(lo, hi)); /* elements 0..15 */
+    __m512i wb = _mm512_shuffle_epi8(lut, _mm512_unpackhi_epi8(lo, hi)); /* 16..31 */
+    __m512i qa = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)a[0].qs));
+    __m512i qb = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a[0].qs + 16)));
+    for (int k = 1; k < 4; k++) { /* the lane index of an insert must be a constant */
+        const __m128i x = _mm_loadu_si128((const __m128i *)a[k].qs);
+        const __m128i z = _mm_loadu_si128((const __m128i *)(a[k].qs + 16));
+        if (k == 1) {
+            qa = _mm512_inserti32x4(qa, x, 1);
+            qb = _mm512_inserti32x4(qb, z, 1);
+        } else if (k == 2) {
+            qa = _mm512_inserti32x4(qa, x, 2);
+            qb = _mm512_inserti32x4(qb, z, 2);
+        } else {
+            qa = _mm512_inserti32x4(qa, x, 3);
+            qb = _mm512_inserti32x4(qb, z, 3);
+        }
+    }
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, qa);
+    acc = _mm512_dpbusd_epi32(acc, wb, qb);
+    /* each lane's four dwords summed into its first: lane k is block k */
+    acc = _mm512_add_epi32(acc, _mm512_shuffle_epi32(acc, _MM_PERM_BADC));
+    acc = _mm512_add_epi32(acc, _mm512_shuffle_epi32(acc, _MM_PERM_CDAB));
+    const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m128i sums = _mm512_castsi512_si128(_mm512_permutexvar_epi32(pick, acc));
+    const __m128i corr = _mm_mullo_epi32(_mm_setr_epi32(a[0].sum, a[1].sum, a[2].sum, a[3].sum),
+                                         _mm_set1_epi32(12));
+    return _mm_sub_epi32(sums, corr);
+}
+
+float clb_vec_dot_mxfp4_avx512(int64_t n, const void *vw, const void *vx) {
+    const clb_block_mxfp4 *w = vw;
+    const clb_block_q8a *a = vx;
+    const __m512i lut = _mm512_broadcast_i32x4(
+        _mm_add_epi8(_mm_setr_epi8(CLB_MXFP4_VALUES), _mm_set1_epi8(12)));
+    const int64_t nb = n / CLB_QK;
+    float s = 0.0f;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        int32_t sum[4];
+        _mm_storeu_si128((__m128i *)sum, clb_mxfp4_quad(w + b, a + b, lut));
+        for (int k = 0; k < 4; k++) s += clb_e8m0_half(w[b + k].e) * a[b + k].d * (float)sum[k];
+    }
+    if (b < nb) { /* the last one to three blocks, the missing lanes copies of the last */
+        clb_block_mxfp4 wq[4];
+        clb_block_q8a aq[4];
+        for (int k = 0; k < 4; k++) {
+            const int64_t i = b + k < nb ? b + k : nb - 1;
+            wq[k] = w[i];
+            aq[k] = a[i];
+        }
+        int32_t sum[4];
+        _mm_storeu_si128((__m128i *)sum, clb_mxfp4_quad(wq, aq, lut));
+        for (int k = 0; b + k < nb; k++)
+            s += clb_e8m0_half(w[b + k].e) * a[b + k].d * (float)sum[k];
+    }
+    return s;
+}
+
+void clb_gemm_mxfp4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_by_dot(clb_vec_dot_mxfp4_avx512, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}

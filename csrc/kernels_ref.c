@@ -212,6 +212,20 @@ void clb_to_float_q8a_ref(int64_t n, const void *x, float *y) {
         for (int j = 0; j < CLB_QK; j++) y[i * CLB_QK + j] = b[i].d * (float)b[i].qs[j];
 }
 
+static const int8_t clb_mxfp4_lut[16] = {CLB_MXFP4_VALUES};
+
+void clb_to_float_mxfp4_ref(int64_t n, const void *x, float *y) {
+    const clb_block_mxfp4 *b = x;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        const float d = clb_e8m0_half(b[i].e);
+        float *yb = y + i * CLB_QK;
+        for (int k = 0; k < CLB_QK / 2; k++) {
+            yb[2 * k] = d * (float)clb_mxfp4_lut[b[i].qs[k] & 15];
+            yb[2 * k + 1] = d * (float)clb_mxfp4_lut[b[i].qs[k] >> 4];
+        }
+    }
+}
+
 void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y) {
     switch (t) {
     case CLB_TYPE_F32: clb_to_float_f32_ref(n, x, y); break;
@@ -221,6 +235,7 @@ void clb_dequantize_row(clb_type t, int64_t n, const void *x, float *y) {
     case CLB_TYPE_Q4: clb_to_float_q4_ref(n, x, y); break;
     case CLB_TYPE_Q6: clb_to_float_q6_ref(n, x, y); break;
     case CLB_TYPE_Q8A: clb_to_float_q8a_ref(n, x, y); break;
+    case CLB_TYPE_MXFP4: clb_to_float_mxfp4_ref(n, x, y); break;
     default: assert(!"clb_dequantize_row: invalid type");
     }
 }
@@ -289,6 +304,20 @@ float clb_vec_dot_q6_ref(int64_t n, const void *w, const void *x) {
     return s;
 }
 
+float clb_vec_dot_mxfp4_ref(int64_t n, const void *w, const void *x) {
+    const clb_block_mxfp4 *a = w;
+    const clb_block_q8a *b = x;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n / CLB_QK; i++) {
+        int32_t sumi = 0;
+        for (int k = 0; k < CLB_QK / 2; k++)
+            sumi += (int32_t)clb_mxfp4_lut[a[i].qs[k] & 15] * b[i].qs[2 * k] +
+                    (int32_t)clb_mxfp4_lut[a[i].qs[k] >> 4] * b[i].qs[2 * k + 1];
+        s += clb_e8m0_half(a[i].e) * b[i].d * (float)sumi;
+    }
+    return s;
+}
+
 /* ---- multi-row products on q8a rows (the packed layout of the reference) ---- */
 
 size_t clb_act_size_q8a(int64_t n) { return (size_t)(n / CLB_QK) * sizeof(clb_block_q8a); }
@@ -307,6 +336,11 @@ void clb_gemm_q4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, con
 void clb_gemm_q6_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                      size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
     clb_gemm_by_dot(clb_vec_dot_q6_ref, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
+
+void clb_gemm_mxfp4_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
+                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_by_dot(clb_vec_dot_mxfp4_ref, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 /* ---- 8-row interleaved layouts (q8x8, q4x8, q6x8; see clb_types.h) ---- */
@@ -413,6 +447,13 @@ float clb_att_dots_f32_ref(int64_t hd, const float *q, const float *k, int64_t l
 
 void clb_silu_mul_f32_ref(int64_t n, float *g, const float *u) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + clb_exp1(-g[i])) * u[i];
+}
+
+void clb_glu_clamp_f32(int64_t n, float *g, const float *u, const clb_glu_clamp *c) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = fminf(g[i], c->limit), up = fminf(fmaxf(u[i], -c->limit), c->limit);
+        g[i] = x / (1.0f + clb_exp1(-c->alpha * x)) * (up + 1.0f);
+    }
 }
 
 float clb_att_exp_sum_ref(int64_t n, float *s, float top) {

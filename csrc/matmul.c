@@ -86,18 +86,25 @@ static void clb_mm_rows_of(const clb_mm_job *j, const clb_type_traits *tr, size_
 static void clb_mm_rows(const clb_mm_job *j, const clb_type_traits *tr, size_t w_row,
                         int64_t r0, int64_t r1) {
     clb_mm_rows_of(j, tr, w_row, j->w, j->y, r0, r1);
-    if (j->w_up) {
-        /* gate and up rows of a block are computed back to back by the same worker, so the
-         * gated product needs no extra pass over memory and no barrier */
-        clb_mm_rows_of(j, tr, w_row, j->w_up, j->y_up, r0, r1);
-        for (int64_t t = 0; t < j->n_tok; t++)
-            clb_silu_mul_f32(r1 - r0, j->y + t * j->ldy + r0, j->y_up + t * j->ldy + r0);
-    }
     if (j->bias)
         for (int64_t t = 0; t < j->n_tok; t++) {
             float *yt = j->y + t * j->ldy;
             for (int64_t r = r0; r < r1; r++) yt[r] += j->bias[r];
         }
+    if (j->w_up) {
+        /* gate and up rows of a block are computed back to back by the same worker, so the
+         * gated product needs no extra pass over memory and no barrier */
+        clb_mm_rows_of(j, tr, w_row, j->w_up, j->y_up, r0, r1);
+        for (int64_t t = 0; t < j->n_tok; t++) {
+            float *g = j->y + t * j->ldy + r0, *u = j->y_up + t * j->ldy + r0;
+            if (j->bias_up)
+                for (int64_t r = r0; r < r1; r++) u[r - r0] += j->bias_up[r];
+            if (j->clamp)
+                clb_glu_clamp_f32(r1 - r0, g, u, j->clamp);
+            else
+                clb_silu_mul_f32(r1 - r0, g, u);
+        }
+    }
 }
 
 /* tiles [t0, t1) of job j, walked in blocks of the type's size */
@@ -156,7 +163,8 @@ static clb_status clb_job_check(const clb_mm_job *j) {
     /* the SIMD kernels address a row group of CLB_MM_ROW_ALIGN rows with 32-bit offsets */
     if (w_row == 0 || w_row > (size_t)INT32_MAX / CLB_MM_ROW_ALIGN || !j->w) return CLB_E_ARG;
     if (j->n_tok > 0 && (!j->act || !j->y)) return CLB_E_ARG;
-    if (j->w_up && (j->bias || (j->n_tok > 0 && !j->y_up))) return CLB_E_ARG;
+    if (j->w_up && j->n_tok > 0 && !j->y_up) return CLB_E_ARG;
+    if (!j->w_up && (j->bias_up || j->clamp)) return CLB_E_ARG;
     return CLB_OK;
 }
 

@@ -122,6 +122,16 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
          (long long)hp->n_ctx);
     NEED(hp->sliding_window >= 0, "sliding_window %lld is negative (0: off)",
          (long long)hp->sliding_window);
+    for (int64_t il = 0; hp->layer_sliding && il < hp->n_layer; il++)
+        NEED(hp->layer_sliding[il] == 0 || hp->layer_sliding[il] == 1,
+             "layer %lld: layer_sliding %d is not 0 or 1", (long long)il, hp->layer_sliding[il]);
+    NEED(!hp->attn_sinks || hp->attn == CLB_ATTN_GQA, "attention sinks need GQA attention");
+    NEED(!hp->expert_bias || n_moe > 0, "expert_bias set without an MoE layer");
+    NEED(!hp->router_bias || n_moe > 0, "router_bias set without an MoE layer");
+    NEED(hp->glu == CLB_GLU_SILU || hp->glu == CLB_GLU_SWIGLU_CLAMP, "unknown glu %d", hp->glu);
+    NEED(hp->glu != CLB_GLU_SWIGLU_CLAMP ||
+             (isfinite(hp->glu_alpha) && isfinite(hp->glu_limit) && hp->glu_limit > 0.0f),
+         "the clamped SwiGLU needs a finite glu_alpha and a positive glu_limit");
 #undef NEED
     return CLB_OK;
 }
@@ -259,6 +269,8 @@ static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
     }
 
     if (hp->o_bias) TRY(want(ld, f, rel, "bo", KIND_VEC_F32, 0, d, "n_embd", &l->bo));
+    if (hp->attn_sinks)
+        TRY(want(ld, f, rel, "sinks", KIND_VEC_F32, 0, hp->n_head, "n_head", &l->sinks));
     return load_ffn_of(ld, dir, il);
 }
 
@@ -289,6 +301,18 @@ static clb_status load_ffn_of(loader *ld, const char *dir, int64_t il) {
                  &l->gate_bias));
     if (hp->shared_gate)
         TRY(want(ld, f, rel, "shared_gate", KIND_MAT_F32, 1, d, "1, n_embd", &l->shared_gate));
+    if (hp->router_bias)
+        TRY(want(ld, f, rel, "gate_inp_bias", KIND_VEC_F32, 0, hp->n_expert, "n_expert",
+                 &l->gate_inp_bias));
+    const clb_tensor *eb[3] = {NULL, NULL, NULL}; /* [E, F], [E, F], [E, D] */
+    if (hp->expert_bias) {
+        TRY(want(ld, f, rel, "exp_b1", KIND_MAT_F32, hp->n_expert, hp->n_ff, "n_expert, n_ff",
+                 &eb[0]));
+        TRY(want(ld, f, rel, "exp_b3", KIND_MAT_F32, hp->n_expert, hp->n_ff, "n_expert, n_ff",
+                 &eb[1]));
+        TRY(want(ld, f, rel, "exp_b2", KIND_MAT_F32, hp->n_expert, d, "n_expert, n_embd",
+                 &eb[2]));
+    }
 
     if (hp->n_ff_shared > 0) {
         snprintf(rel, sizeof rel, "shared/layer_%lld.bin", (long long)il);
@@ -303,6 +327,11 @@ static clb_status load_ffn_of(loader *ld, const char *dir, int64_t il) {
         TRY(open_file(ld, dir, rel, &f));
         m->expert_files[il * hp->n_expert + e] = f;
         TRY(load_ffn(ld, f, rel, hp->n_ff, "n_ff / n_embd", &l->experts[e]));
+        if (hp->expert_bias) {
+            l->experts[e].b1 = (const float *)eb[0]->data + e * hp->n_ff;
+            l->experts[e].b3 = (const float *)eb[1]->data + e * hp->n_ff;
+            l->experts[e].b2 = (const float *)eb[2]->data + e * d;
+        }
     }
     return CLB_OK;
 }
@@ -330,8 +359,14 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     size_t k = (size_t)hp->n_expert_used;
     size_t ff = (size_t)(hp->n_ff > hp->n_ff_shared ? hp->n_ff : hp->n_ff_shared);
     if ((size_t)hp->n_ff_dense > ff) ff = (size_t)hp->n_ff_dense;
-    m->span = hp->n_ctx;
-    if (hp->sliding_window > 0 && hp->sliding_window < m->span) m->span = hp->sliding_window;
+    m->span = 0;
+    for (int64_t il = 0; il < hp->n_layer; il++) {
+        int64_t w = hp->layer_sliding && !hp->layer_sliding[il] ? 0 : hp->sliding_window;
+        m->layers[il].window = w;
+        int64_t span = w > 0 && w < hp->n_ctx ? w : hp->n_ctx;
+        if (span > m->span) m->span = span;
+    }
+    m->glu_clamp = (clb_glu_clamp){hp->glu_alpha, hp->glu_limit};
 
     size_t mm = mm_need(m->output, mm_need(m->tok_embd, 0));
     for (int64_t il = 0; il < hp->n_layer; il++) {
@@ -390,6 +425,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->rope = palloc(m, B * (size_t)hp->rotary_dim * F, &fail);
     m->inv_freq = palloc(m, (size_t)hp->rotary_dim / 2 * F, &fail);
     m->layer_ffn = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
+    m->layer_sliding = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
     m->probs = palloc(m, B * e * F, &fail);
     m->choice = palloc(m, e * F, &fail);
     m->top_id = palloc(m, B * k * sizeof(int32_t), &fail);
@@ -427,6 +463,8 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     for (int64_t il = 0; il < hp->n_layer; il++) m->layer_ffn[il] = m->layers[il].ffn;
     m->hp.rope_freqs = m->inv_freq; /* the caller's arrays may go away after load */
     m->hp.layer_ffn = m->layer_ffn;
+    for (int64_t il = 0; il < hp->n_layer; il++) m->layer_sliding[il] = m->layers[il].window > 0;
+    m->hp.layer_sliding = m->layer_sliding;
     return CLB_OK;
 }
 

@@ -80,6 +80,7 @@ static const struct {
     [CLB_TYPE_Q4X8] = {CLB_QK, sizeof(clb_block_q4)},
     [CLB_TYPE_Q6] = {CLB_QK, sizeof(clb_block_q6)},
     [CLB_TYPE_Q6X8] = {CLB_QK, sizeof(clb_block_q6)},
+    [CLB_TYPE_MXFP4] = {CLB_QK, sizeof(clb_block_mxfp4)},
 };
 
 size_t clb_type_row_size(clb_type t, int64_t n) {
@@ -91,5 +92,6 @@ size_t clb_type_row_size(clb_type t, int64_t n) {
 }
 
 int clb_type_valid_for_file(uint32_t t) {
-    return t < (uint32_t)CLB_TYPE_Q8A || t == (uint32_t)CLB_TYPE_Q6;
+    return t < (uint32_t)CLB_TYPE_Q8A || t == (uint32_t)CLB_TYPE_Q6 ||
+           t == (uint32_t)CLB_TYPE_MXFP4;
 }

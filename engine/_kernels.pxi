@@ -43,6 +43,7 @@ cdef extern from "clb_types.h" nogil:
         CLB_TYPE_Q4X8
         CLB_TYPE_Q6
         CLB_TYPE_Q6X8
+        CLB_TYPE_MXFP4
         CLB_TYPE_COUNT
 
     int CLB_QK
@@ -123,6 +124,8 @@ cdef extern from "clb_kernels.h" nogil:
         const float *bias
         const void *w_up
         float *y_up
+        const float *bias_up
+        const void *clamp
     clb_status clb_matmul_jobs(const clb_mm_job *jobs, int n_jobs, clb_threadpool *tp)
     void clb_vec_mad_f32(int64_t n, float *y, const float *x, float a)
     void clb_silu_mul_f32(int64_t n, float *g, const float *u)
@@ -346,6 +349,8 @@ def quantize(name: str, x) -> bytes:
     out = bytearray(rs)
     cdef unsigned char[::1] ov = out
     cdef const clb_type_traits *tr = clb_get_type_traits(t)
+    if tr.from_float == NULL:
+        raise ValueError(f"{name} has no quantizer in the C core")
     if n > 0:
         with nogil:
             tr.from_float(n, &xv[0], &ov[0])
@@ -559,7 +564,7 @@ def matmul_jobs(jobs, int n_threads=1):
             yv = y
             js[k] = clb_mm_job(type=t, w=&wv[0], n_out=n_out, n_in=n_in, act=NULL,
                                n_tok=xa.shape[0], y=NULL, ldy=n_out, bias=NULL, w_up=NULL,
-                               y_up=NULL)
+                               y_up=NULL, bias_up=NULL, clamp=NULL)
             if xa.shape[0] > 0:
                 js[k].y = &yv[0, 0]
                 arow = clb_act_row_size(t, n_in)

@@ -41,9 +41,15 @@ cdef extern from "clb_model.h" nogil:
         float rope_scale
         float rms_eps
         int64_t sliding_window
+        int32_t attn_sinks
+        int32_t router_bias
+        int32_t expert_bias
+        int32_t glu
+        float glu_alpha, glu_limit
         int64_t n_ctx
         const float *rope_freqs
         const int32_t *layer_ffn
+        const int32_t *layer_sliding
 
     ctypedef struct clb_tensor:
         const char name[64]
@@ -138,11 +144,12 @@ _HPARAM_INT_KEYS = (
     "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "attn", "q_lora_rank",
     "kv_lora_rank", "v_head_dim", "n_ff", "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense", "shared_gate", "norm_topk_prob",
     "router", "n_group", "topk_group", "qk_norm", "qkv_bias", "o_bias", "tie_embeddings",
-    "rotary_dim", "sliding_window", "n_ctx",
+    "rotary_dim", "sliding_window", "attn_sinks", "router_bias", "expert_bias", "glu", "n_ctx",
 )
-_HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps")
+_HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps",
+                      "glu_alpha", "glu_limit")
 # arrays (None: the C default), kept alive by the caller of _fill_hparams while C reads them
-_HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn")
+_HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn", "layer_sliding")
 
 
 def _as_i32(x, str what):
@@ -213,10 +220,17 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.rope_scale = hparams["rope_scale"]
     hp.rms_eps = hparams["rms_eps"]
     hp.sliding_window = hparams["sliding_window"]
+    hp.attn_sinks = hparams["attn_sinks"]
+    hp.router_bias = hparams["router_bias"]
+    hp.expert_bias = hparams["expert_bias"]
+    hp.glu = hparams["glu"]
+    hp.glu_alpha = hparams["glu_alpha"]
+    hp.glu_limit = hparams["glu_limit"]
     hp.n_ctx = hparams["n_ctx"]
     cdef float[::1] freqs
     cdef int32_t[::1] kinds
-    keep_freqs = keep_kinds = None
+    cdef int32_t[::1] sliding
+    keep_freqs = keep_kinds = keep_sliding = None
     if hparams["rope_freqs"] is not None:
         keep_freqs = np.ascontiguousarray(hparams["rope_freqs"], dtype=np.float32).reshape(-1)
         if keep_freqs.size != hp.rotary_dim // 2:
@@ -231,7 +245,14 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
             raise ValueError(f"layer_ffn has {keep_kinds.size} values for {hp.n_layer} layers")
         kinds = keep_kinds
         hp.layer_ffn = &kinds[0]
-    return (keep_freqs, keep_kinds)
+    if hparams["layer_sliding"] is not None:
+        keep_sliding = _as_i32(hparams["layer_sliding"], "layer_sliding")
+        if keep_sliding.size != hp.n_layer:
+            raise ValueError(f"layer_sliding has {keep_sliding.size} values for {hp.n_layer} "
+                             f"layers")
+        sliding = keep_sliding
+        hp.layer_sliding = &sliding[0]
+    return (keep_freqs, keep_kinds, keep_sliding)
 
 
 def kv_block_bytes(dict hparams, str kv_type="f32") -> int:

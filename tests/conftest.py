@@ -21,19 +21,21 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
     # C kernels, pool, threads, KV layout: what a csrc/ change touches first
     "kernels": ("test_kernels.py", "test_kernel_invariance.py", "test_repack.py", "test_pool.py",
                 "test_threadpool.py", "test_paged_kv.py", "test_c_api.py",
-                "test_hparams_contract.py", "test_weight_types.py"),
+                "test_hparams_contract.py", "test_weight_types.py", "test_mxfp4.py"),
     # model families, conversion, weight files: engine/models and engine/format
     "models": ("test_parity.py", "test_parity_families.py", "test_fp8_checkpoint.py",
                "test_convert.py", "test_model_files.py", "test_reliability_files.py",
                "test_reliability_verify.py", "test_hub_models.py", "test_expert_cache.py",
-               "test_demo_model.py", "test_demo_data.py", "test_demo_report.py"),
+               "test_demo_model.py", "test_demo_data.py", "test_demo_report.py",
+               "test_gpt_oss_config.py"),
     # scheduling, sampling, text: engine/core, engine/sample, engine/text
     "engine": ("test_batching.py", "test_block_manager.py", "test_scheduler.py", "test_llm.py",
                "test_sampling.py",
                "test_sample_batch.py", "test_constraints.py", "test_tokenizer.py",
                "test_detok.py", "test_toolcalls.py", "test_reasoning.py", "test_toolformats.py",
                "test_chat_template_files.py",
-               "test_input_checks.py", "test_reliability_templates.py"),
+               "test_input_checks.py", "test_reliability_templates.py",
+               "test_gpt_oss_text.py"),
     # the HTTP server and what clients see
     "server": ("test_server_openai.py", "test_server_errors.py", "test_server_lifecycle.py",
                "test_server_settings.py", "test_server_batching.py",

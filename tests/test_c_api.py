@@ -33,9 +33,13 @@ class _HParams(ctypes.Structure):
                                                  "tie_embeddings")]
                 + [("clip_qkv", ctypes.c_float), ("rope_theta", ctypes.c_float),
                    ("rotary_dim", ctypes.c_int64), ("rope_scale", ctypes.c_float),
-                   ("rms_eps", ctypes.c_float), ("sliding_window", ctypes.c_int64),
+                   ("rms_eps", ctypes.c_float), ("sliding_window", ctypes.c_int64)]
+                + [(k, ctypes.c_int32) for k in ("attn_sinks", "router_bias", "expert_bias",
+                                                 "glu")]
+                + [("glu_alpha", ctypes.c_float), ("glu_limit", ctypes.c_float),
                    ("n_ctx", ctypes.c_int64), ("rope_freqs", ctypes.POINTER(ctypes.c_float)),
-                   ("layer_ffn", ctypes.POINTER(ctypes.c_int32))])
+                   ("layer_ffn", ctypes.POINTER(ctypes.c_int32)),
+                   ("layer_sliding", ctypes.POINTER(ctypes.c_int32))])
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,10 @@ def test_colibri_wrappers_match_model(model_dir: Path) -> None:
     lib.colibri_free.argtypes = [ctypes.c_void_p]
 
     fields = ModelConfig.from_dir(model_dir).to_hparams(N_CTX)
-    assert fields.pop("rope_freqs") is None and fields.pop("layer_ffn") is None  # C defaults
+    # every field set (ctypes would take an unknown name as a plain attribute, silently)
+    assert set(fields) == {name for name, _ in _HParams._fields_}
+    for k in ("rope_freqs", "layer_ffn", "layer_sliding"):  # NULL: the C defaults
+        assert fields.pop(k) is None
     hp = _HParams(**fields)
     err = ctypes.create_string_buffer(512)
     cm = lib.colibri_init(str(model_dir).encode(), ctypes.byref(hp), 1, err)

@@ -281,7 +281,7 @@ def test_config_mapping_details() -> None:
 
 
 @pytest.mark.parametrize("over, msg", [
-    ({"architectures": ["GptOssForCausalLM"]}, "MixtralForCausalLM.*OlmoeForCausalLM"),
+    ({"architectures": ["GPTBigCodeForCausalLM"]}, "MixtralForCausalLM.*OlmoeForCausalLM"),
     ({"mlp_only_layers": [1]}, "mlp_only_layers"),
     ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
@@ -361,7 +361,7 @@ def test_refuse_pickle_checkpoint(ckpts: dict[str, Path], tmp_path: Path,
 def test_refuse_unsupported_and_missing_config(ckpts: dict[str, Path], tmp_path: Path) -> None:
     hf = _copy_hf(ckpts["mixtral"], tmp_path / "hf")
     cfg = json.loads((hf / "config.json").read_text())
-    cfg["architectures"] = ["GptOssForCausalLM"]
+    cfg["architectures"] = ["GPTBigCodeForCausalLM"]
     (hf / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not supported; supported: .*MixtralForCausalLM"):
         convert(hf, tmp_path / "out", progress=False)

@@ -177,9 +177,10 @@ def test_type_sizes() -> None:
     assert core.type_row_size("q8a", 64) == 80
     assert core.type_row_size("q8", 33) == 0
     assert core.type_row_size("f16", 33) == 66
-    # 5..7: the activation type and the interleaved in-memory layouts; 8: q6; 9: q6 interleaved
-    assert [core.type_valid_for_file(i) for i in range(11)] == (
-        [True] * 5 + [False] * 3 + [True] + [False] * 2)
+    # 5..7: the activation type and the interleaved in-memory layouts; 8: q6; 9: q6 interleaved;
+    # 10: mxfp4
+    assert [core.type_valid_for_file(i) for i in range(12)] == (
+        [True] * 5 + [False] * 3 + [True] + [False] + [True] + [False])
 
 
 # ---- scalar conversions --------------------------------------------------------------------

@@ -68,18 +68,33 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                               "n_group": 1, "topk_group": 1,
                                               "first_k_dense_replace": 1}),
     "deepseek_v2-lite-shape": ("deepseek_v2", {}),
+    "gpt_oss": ("gpt_oss", {}),
 }
-MOE_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
+# families with multi-token-prediction layers and dense first layers
+MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
+MOE_ARCHS = MTP_ARCHS + ("gpt_oss",)
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
     """(layer, router module) of each MoE layer of a transformers model."""
-    return [(i, block.mlp.gate) for i, block in enumerate(model.model.layers)
-            if hasattr(getattr(block.mlp, "gate", None), "routed_scaling_factor")]
+    out = []
+    for i, block in enumerate(model.model.layers):
+        gate = getattr(block.mlp, "gate", None)
+        if hasattr(gate, "routed_scaling_factor"):
+            out.append((i, gate))
+        elif type(getattr(block.mlp, "router", None)).__name__ == "GptOssTopKRouter":
+            out.append((i, block.mlp.router))
+    return out
+
+
+def _topk_softmax(gate: Any) -> bool:
+    """gpt-oss's router: top-k of the logits, then a softmax over the k chosen."""
+    return type(gate).__name__ == "GptOssTopKRouter"
 
 
 def _scores(gate: Any, logits: Any) -> Any:
-    """A router's scores: sigmoid for the grouped sigmoid routers, softmax for DeepSeek-V2."""
+    """A router's scores: sigmoid for the grouped sigmoid routers, softmax for DeepSeek-V2
+    and gpt-oss (whose weights are the softmax over the chosen logits: the same order)."""
     if hasattr(gate, "e_score_correction_bias"):
         return torch.sigmoid(logits.float())
     return torch.softmax(logits.float(), dim=-1)
@@ -112,6 +127,8 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
         def hook(m: Any, args: Any, out: Any, layer: int = layer) -> Any:
             logits = out[0]
             idx = torch.tensor(routes[:, layer].astype(np.int64))
+            if _topk_softmax(m):
+                return logits, torch.softmax(logits.gather(1, idx), dim=-1), idx
             w = _scores(m, logits).gather(1, idx)
             if getattr(m, "norm_topk_prob", False):
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -183,11 +200,25 @@ def moe_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return _case(request.param, tmp_path_factory)
 
 
+@pytest.fixture(scope="module", params=[n for n, (a, _) in CASES.items() if a in MTP_ARCHS])
+def mtp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    """The cases whose checkpoints may carry multi-token-prediction layers."""
+    return _case(request.param, tmp_path_factory)
+
+
 def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
     cfg = json.loads((case.converted("f32") / "config.json").read_text())
     hf_cfg = json.loads((case.hf_dir / "config.json").read_text())
     assert archs.SUPPORTED[hf_cfg["architectures"][0]] == cfg["architecture"]
-    if case.arch in MOE_ARCHS:
+    if case.arch == "gpt_oss":
+        assert cfg["layer_ffn"] == ["moe"] * hf_cfg["num_hidden_layers"]
+        assert cfg["layer_attn"] == ["sliding", "full", "sliding"]
+        assert cfg["sliding_window"] == hf_cfg["sliding_window"] < PROMPT_LEN
+        assert cfg["attn_sinks"] and cfg["router_bias"] and cfg["expert_bias"]
+        assert (cfg["glu"], cfg["glu_alpha"], cfg["glu_limit"]) == (
+            "swiglu_clamp", hf_cfg["swiglu_alpha"], hf_cfg["swiglu_limit"])
+        assert cfg["rope"]["type"] == "yarn" and cfg["rope"]["truncate"] is False
+    elif case.arch in MOE_ARCHS:
         k = hf_cfg["first_k_dense_replace"]
         assert cfg["layer_ffn"] == ["dense"] * k + ["moe"] * (hf_cfg["num_hidden_layers"] - k)
         assert cfg["router"] == ("softmax" if case.arch == "deepseek_v2" else "sigmoid_grouped")
@@ -220,12 +251,13 @@ def test_routing_is_exercised(moe_case: Case) -> None:
     k, e = cfg["n_expert_used"], cfg["n_expert"]
     assert len(moe_case.scores) == cfg["layer_ffn"].count("moe")
     changed = 0
+    gates = dict(_routers(moe_case.hf))
     for layer, c in zip(cfg["moe_layers"] if "moe_layers" in cfg else
                         [i for i, f in enumerate(cfg["layer_ffn"]) if f == "moe"],
                         moe_case.scores, strict=True):
         chosen = np.argsort(-c, axis=1)[:, :k]
         assert len(np.unique(chosen)) >= e - 2, (layer, np.unique(chosen))
-        gate = moe_case.hf.model.layers[layer].mlp.gate
+        gate = gates[layer]
         if hasattr(gate, "e_score_correction_bias"):
             plain = np.argsort(-(c - gate.e_score_correction_bias.numpy()), axis=1)[:, :k]
             changed += int(np.sum(np.sort(plain, axis=1) != np.sort(chosen, axis=1)))
@@ -292,6 +324,117 @@ def test_f32_chunked_and_batched(case: Case, isa: str) -> None:
     np.testing.assert_array_equal(out[seqs == 2], alone2)
 
 
+def test_f32_prompt_in_several_chunks(case: Case) -> None:
+    """The prompt (longer than any sliding window of the cases) fed in four chunks of unequal
+    lengths, each crossing window and KV block edges, equals one pass."""
+    cfg = json.loads((case.converted("f32") / "config.json").read_text())
+    assert (cfg.get("sliding_window") or 0) < PROMPT_LEN
+    m = Model.load(case.converted("f32"), threads=THREADS, n_ctx=N_CTX)
+    whole = _prefill(m, case.prompt)
+    m.reset(0)
+    cuts = [0, 3, 9, 17, PROMPT_LEN]
+    parts = [_prefill(m, case.prompt[a:b], start=a)
+             for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    assert _rel_max(np.concatenate(parts), whole) <= 1e-5
+
+
+def test_gpt_oss_window_sinks_and_clamp_decide_the_reference(tmp_path_factory:
+                                                             pytest.TempPathFactory) -> None:
+    """Each gpt-oss feature the parity tests check moves transformers' own logits far past
+    their 1e-4: without the sliding window, without the sinks, without the clamp."""
+    case = _case("gpt_oss", tmp_path_factory)
+    ids = torch.tensor(case.prompt[None].astype(np.int64))
+    n = case.hf.config.num_hidden_layers
+
+    def logits(**overrides: Any) -> np.ndarray:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(case.hf_dir), dtype=torch.float32, attn_implementation="eager",
+            **overrides).eval()
+        with torch.no_grad():
+            return model(ids).logits[0].float().numpy()
+
+    full = logits(layer_types=["full_attention"] * n)
+    assert _rel_max(full, case.ref_logits) > 1e-2
+    assert _rel_max(logits(swiglu_limit=1e9), case.ref_logits) > 1e-2
+    no_sinks = _hf_model(case.hf_dir)
+    with torch.no_grad():
+        for layer in no_sinks.model.layers:
+            layer.self_attn.sinks.fill_(-1e30)
+        ref = no_sinks(ids).logits[0].float().numpy()
+    assert _rel_max(ref, case.ref_logits) > 1e-2
+
+
+def _mxfp4_checkpoint(case: Case) -> Path:
+    """The gpt-oss case's checkpoint with its experts quantized to MXFP4 and stored as the
+    released checkpoints store them (*_blocks [E, rows, in / 32, 16], *_scales [E, rows,
+    in / 32], rows the output features: gate and up alternating) with the matching
+    quantization_config."""
+    from safetensors.numpy import load_file, save_file
+
+    out = case.root / "hf-mxfp4"
+    if (out / "model.safetensors").is_file():
+        return out
+    tensors = load_file(str(case.hf_dir / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = np.ascontiguousarray(np.swapaxes(tensors.pop(name), 1, 2))  # [E, out, in]
+        E, n_out, n_in = rows.shape
+        q = quant.quantize_mxfp4(rows.reshape(-1, n_in))
+        tensors[name + "_blocks"] = np.ascontiguousarray(q["qs"]).reshape(E, n_out, -1, 16)
+        tensors[name + "_scales"] = np.ascontiguousarray(q["e"]).reshape(E, n_out, -1)
+    out.mkdir(exist_ok=True)
+    for f in case.hf_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copyfile(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_gpt_oss_mxfp4_experts_match_their_dequantized_twin(
+        tmp_path_factory: pytest.TempPathFactory, isa: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Experts stored in MXFP4 are converted byte for byte (no second rounding, whatever the
+    preset) and the model matches the same checkpoint as transformers dequantizes it (its own
+    MXFP4 loader): only the activations' q8 rounding in the expert products differs."""
+    from colibri.engine.format.wfile import read_wfile
+
+    case = _case("gpt_oss", tmp_path_factory)
+    mx = _mxfp4_checkpoint(case)
+    out = case.root / f"mxfp4-{isa}"
+    if not out.exists():
+        convert(mx, out, quant="f32", progress=True)
+        err = capsys.readouterr().err
+        assert "2 with a sliding window of 8, 1 full, attention sinks, experts kept in MXFP4" \
+            in err
+        assert "skipping" not in err
+    cfg = json.loads((out / "config.json").read_text())
+    assert {k: v for k, v in cfg["tensor_types"].items() if k.startswith("experts.")} == {
+        "experts.w1": "mxfp4", "experts.w3": "mxfp4", "experts.w2": "mxfp4"}
+    twin = transformers.AutoModelForCausalLM.from_pretrained(
+        str(mx), dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    # the stored experts are transformers' dequantized weights, exactly
+    layer = twin.model.layers[1].mlp.experts
+    f = read_wfile(out / "experts" / "layer_1_expert_5.bin")
+    gate_up = layer.gate_up_proj[5].detach().numpy()  # [D, 2F], gate and up alternating
+    np.testing.assert_array_equal(f.array("w1"), gate_up[:, 0::2].T)
+    np.testing.assert_array_equal(f.array("w3"), gate_up[:, 1::2].T)
+    np.testing.assert_array_equal(f.array("w2"), layer.down_proj[5].detach().numpy().T)
+
+    ours, routes = _ours_with_routes(out, case.prompt)
+    err = _rel_l2(ours, _reference(twin, case.prompt, routes))
+    print(f"\ngpt_oss mxfp4/{isa}: rel L2 vs dequantized HF {err:.3e}")
+    assert err <= 2e-2
+    # the expert cache moves MXFP4 experts as it moves the others: same bits at any budget
+    m = Model.load(out, threads=THREADS, n_ctx=N_CTX)
+    m.core.enable_expert_cache(cfg["n_expert_used"], load="pread", prefetch=True)
+    np.testing.assert_array_equal(_prefill(m, case.prompt), ours)
+
+
 def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
     from safetensors.numpy import load_file, save_file
 
@@ -304,6 +447,17 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
     for t in archs.plan(cfg, set(tensors)):
         ty = cfg["tensor_types"][f"{t.group}.{t.name}"]
         name, src = t.source.hf_name, t.source
+        if src.transform in ("t", "cols", "cols_t"):  # one expert's slice / part of a tensor
+            whole = tensors[name] = np.array(tensors[name])
+            part = whole if src.index is None else whole[src.index]
+            ours = transform(part, src)
+            if ty in ("q8", "q6", "q4", "f16", "bf16"):
+                ours = quant.fake_quantize(ours, ty).astype(np.float32)
+            if src.transform == "t":
+                part[...] = untransform(ours, src)
+            else:
+                part[..., src.params[0]::src.params[1]] = untransform(ours, src)
+            continue
         ours = transform(tensors[name], src)  # quantized in our layout, as the converter does
         if ty in ("q8", "q6", "q4", "f16", "bf16"):
             ours = quant.fake_quantize(ours, ty).astype(np.float32)
@@ -363,16 +517,16 @@ def test_expert_budget_decides_speed_not_tokens(moe_case: Case, load: str) -> No
         assert m.core.expert_cache_stats()["loads"].sum() > 0
 
 
-def test_mtp_layers_are_skipped_and_said(moe_case: Case, tmp_path: Path,
+def test_mtp_layers_are_skipped_and_said(mtp_case: Case, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """GLM and DeepSeek checkpoints carry multi-token-prediction layers numbered past
     num_hidden_layers; conversion leaves them out, says so, and writes the same model."""
     from safetensors.numpy import load_file, save_file
 
     hf = tmp_path / "hf"
-    shutil.copytree(moe_case.hf_dir, hf)
+    shutil.copytree(mtp_case.hf_dir, hf)
     tensors = load_file(str(hf / "model.safetensors"))
-    n = moe_case.hf.config.num_hidden_layers
+    n = mtp_case.hf.config.num_hidden_layers
     last = f"model.layers.{n - 1}."
     mtp = {f"model.layers.{n}." + k[len(last):]: v for k, v in tensors.items()
            if k.startswith(last)}
@@ -381,9 +535,9 @@ def test_mtp_layers_are_skipped_and_said(moe_case: Case, tmp_path: Path,
     save_file({**tensors, **mtp}, str(hf / "model.safetensors"), metadata={"format": "pt"})
     out = convert(hf, tmp_path / "q8", quant="q8", progress=True)
     err = capsys.readouterr().err
-    cls = moe_case.hf.config.architectures[0]
+    cls = mtp_case.hf.config.architectures[0]
     family = archs.SUPPORTED[cls]
     assert f"recognised {cls} as the {family} family: {n} layers" in err
     assert f"skipping {len(mtp)} tensors of multi-token-prediction layer(s) {n}" in err
     files = json.loads((out / "config.json").read_text())["files"]
-    assert files == json.loads((moe_case.converted("q8") / "config.json").read_text())["files"]
+    assert files == json.loads((mtp_case.converted("q8") / "config.json").read_text())["files"]

@@ -18,7 +18,9 @@ ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # families added since, on the same helper: dense models and grouped-router MoE
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GROUPED_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS
+# attention sinks, sliding-window layers, biased experts with the clamped SwiGLU
+SINK_ARCHS = ("gpt_oss",)
+ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS
 
 VOCAB_SIZE = 320
 EOS_ID = 2  # <|im_end|> in engine.text.bpe.SPECIAL_TOKENS
@@ -121,6 +123,19 @@ _BASE: dict[str, dict[str, Any]] = {
         n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
     ),
+    # sliding (window 8, shorter than the test prompts), full, sliding; head_dim 24 != 64 / 4;
+    # YaRN that changes the angles from position 16 on; swiglu_limit 1.5, low enough that the
+    # clamp cuts gate and up values on both sides
+    "gpt_oss": dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=8, max_position_embeddings=256, rms_norm_eps=1e-5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        swiglu_limit=1.5, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False},
+    ),
 }
 
 
@@ -139,6 +154,7 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")
@@ -160,7 +176,8 @@ def _randomize(model: Any, seed: int) -> None:
                 val = 0.2 * torch.randn(shape, generator=g)
             elif "embed_tokens" in name:
                 val = torch.randn(shape, generator=g)
-            elif name.endswith("gate.weight") and "proj" not in name:
+            elif ((name.endswith("gate.weight") and "proj" not in name)
+                  or name.endswith("router.weight")):
                 # router and shared-expert gate: large enough for decisive routing
                 val = 2.0 * torch.randn(shape, generator=g) / math.sqrt(shape[-1])
             else:

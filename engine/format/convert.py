@@ -50,6 +50,8 @@ def choose_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
     """The stored type of a tensor of `kind` under a quant preset (see module docs)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown quant preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if kind == archs.MXFP4:  # as the checkpoint ships it: no second rounding
+        return "mxfp4"
     if preset == "f32" or kind in (archs.NORM, archs.BIAS, archs.ROUTER):
         return "f32"
     want = preset
@@ -114,17 +116,37 @@ def _check_sources(ckpt: Checkpoint, cfg: dict[str, Any], targets: list[archs.Ta
         )
     for t in targets:
         src = t.source
-        want = (archs.fused_shape(cfg, src.hf_name) if src.index is not None
-                else src.src_shape or t.shape)
+        want = src.src_shape or (archs.fused_shape(cfg, src.hf_name) if src.index is not None
+                                 else t.shape)
         have = ckpt.shape(src.hf_name)
         if have != want:
             raise CheckpointError(
                 f"{ckpt.folder}: tensor {src.hf_name!r} has shape {list(have)}, "
                 f"config.json implies {list(want)}"
             )
+        if src.scales is not None:
+            if src.scales not in ckpt:
+                raise CheckpointError(f"{ckpt.folder}: tensor {src.scales!r} (the scales of "
+                                      f"{src.hf_name!r}) is missing from the checkpoint")
+            if ckpt.shape(src.scales) != want[:-1]:
+                raise CheckpointError(
+                    f"{ckpt.folder}: tensor {src.scales!r} has shape "
+                    f"{list(ckpt.shape(src.scales))}, its blocks imply {list(want[:-1])}")
 
 
 def _producer(ckpt: Checkpoint, t: archs.Target, type_name: str):  # noqa: ANN202
+    src = t.source
+    if src.scales is not None:  # MXFP4 blocks and scales, copied as they are
+        def produce_mxfp4() -> bytes:
+            blocks = ckpt.get_u8(src.hf_name, src.index)
+            scales = ckpt.get_u8(src.scales, src.index)
+            if src.transform == "rows":
+                blocks = blocks[src.params[0]::src.params[1]]
+                scales = scales[src.params[0]::src.params[1]]
+            return quant.mxfp4_from_checkpoint(blocks, scales).tobytes()
+
+        return produce_mxfp4
+
     def produce() -> bytes:
         a = ckpt.get(t.source.hf_name, t.source.index)
         if t.source.rows is not None:
@@ -241,9 +263,20 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
         shared = f", shared experts of width {cfg['n_ff_shared']}" if cfg["n_ff_shared"] else ""
         parts.append(f"{len(kinds) - n_dense} with {cfg['n_expert']} experts, top-"
                      f"{cfg['n_expert_used']} ({cfg.get('router', 'softmax')} router){shared}")
+    attn = cfg.get("layer_attn") or []
+    if cfg.get("sliding_window") and attn:
+        parts.append(f"{attn.count('sliding')} with a sliding window of "
+                     f"{cfg['sliding_window']}, {attn.count('full')} full")
+    elif cfg.get("sliding_window"):
+        parts.append(f"a sliding window of {cfg['sliding_window']}")
+    if cfg.get("attn_sinks"):
+        parts.append("attention sinks")
+    if any(t.kind == archs.MXFP4 for t in targets):
+        parts.append("experts kept in MXFP4")
     lines = [f"recognised {cfg['hf_architecture']} as the {cfg['architecture']} family: "
              + ", ".join(parts)]
-    used = {t.source.hf_name for t in targets}
+    used = ({t.source.hf_name for t in targets}
+            | {t.source.scales for t in targets if t.source.scales})
     unused = sorted(n for n in names - used if n.startswith("model.layers."))
     if unused:
         layers = sorted({int(n.split(".")[2]) for n in unused if n.split(".")[2].isdigit()})

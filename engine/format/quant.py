@@ -35,6 +35,7 @@ WEIGHT_TYPES: tuple[WeightType, ...] = (
     WeightType("q4x8", 7, QK, 18, False),
     WeightType("q6", 8, QK, 26, True),
     WeightType("q6x8", 9, QK, 26, False),
+    WeightType("mxfp4", 10, QK, 17, True),  # OCP microscaling FP4 (gpt-oss experts)
 )
 _FILE_TYPES = tuple(t for t in WEIGHT_TYPES if t.in_files)
 # The types weight files hold, which the converter writes and the loader reads.
@@ -47,8 +48,14 @@ Q8_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 Q4_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
 # q6: the low nibbles as in q4, then 8 bytes of 2-bit high parts (see quantize_q6)
 Q6_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2 + QK // 4,))])
-assert (Q8_DTYPE.itemsize, Q4_DTYPE.itemsize, Q6_DTYPE.itemsize) == (
-    BLOCK_BYTES["q8"], BLOCK_BYTES["q4"], BLOCK_BYTES["q6"])
+# mxfp4: an e8m0 exponent e (scale 2^(e - 127)), then 16 bytes of e2m1 nibbles, element 2k
+# in the low nibble of qs[k] and 2k + 1 in its high nibble (the checkpoints' own order)
+MXFP4_DTYPE = np.dtype([("e", "u1"), ("qs", "u1", (QK // 2,))])
+assert (Q8_DTYPE.itemsize, Q4_DTYPE.itemsize, Q6_DTYPE.itemsize, MXFP4_DTYPE.itemsize) == (
+    BLOCK_BYTES["q8"], BLOCK_BYTES["q4"], BLOCK_BYTES["q6"], BLOCK_BYTES["mxfp4"])
+# e2m1: sign bit 3, magnitudes by bits 0-2 (transformers' FP4_VALUES)
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 
 
 def row_bytes(type_name: str, n: int) -> int:
@@ -121,6 +128,49 @@ def quantize_q6(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def quantize_mxfp4(x: np.ndarray) -> np.ndarray:
+    """x[..., n] float -> structured array of mxfp4 blocks: per block of 32, the exponent
+    e = floor(log2(amax)) - 2 + 127 (the OCP rule: the largest value lands in [4, 8) before
+    rounding; e 0 for an all-zero block, clamped to 0..254), then each x / 2^(e - 127) rounded
+    to the nearest e2m1 magnitude (ties to the smaller), clamped to 6, with x's sign."""
+    b = _blocks(x)
+    amax = np.max(np.abs(b), axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2 + 127, 0)
+    e = np.clip(e, 0, 254).astype(np.int32)
+    v = (np.abs(b) / np.ldexp(np.float32(1.0), e - 127)[:, None]).astype(np.float32)
+    mags = FP4_VALUES[:8]
+    code = np.argmin(np.abs(v[..., None] - mags), axis=-1).astype(np.uint8)  # first on ties
+    code |= np.where(np.signbit(b), 8, 0).astype(np.uint8)
+    out = np.empty(b.shape[0], dtype=MXFP4_DTYPE)
+    out["e"] = e.astype(np.uint8)
+    out["qs"] = code[:, 0::2] | (code[:, 1::2] << 4)
+    return out
+
+
+def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    """mxfp4 blocks -> float32: FP4_VALUES[nibble] * 2^(e - 127), exact."""
+    q = blocks["qs"]
+    v = np.empty((q.shape[0], QK), dtype=np.float32)
+    v[:, 0::2] = FP4_VALUES[q & 15]
+    v[:, 1::2] = FP4_VALUES[q >> 4]
+    with np.errstate(over="ignore"):  # e 255 times 1 and more: inf, as in float32 anywhere
+        out = np.ldexp(v, blocks["e"].astype(np.int32)[:, None] - 127).astype(np.float32)
+    return out.reshape(-1)
+
+
+def mxfp4_from_checkpoint(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A checkpoint's *_blocks [..., n / 32, 16] and *_scales [..., n / 32] (uint8) as mxfp4
+    blocks, byte for byte: nothing is quantized again."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != QK // 2:
+        raise ValueError(f"mxfp4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
+                         f"do not pair up")
+    out = np.empty(scales.size, dtype=MXFP4_DTYPE)
+    out["e"] = scales.reshape(-1)
+    out["qs"] = blocks.reshape(-1, QK // 2)
+    return out
+
+
 def dequantize_q8(blocks: np.ndarray) -> np.ndarray:
     d = blocks["d"].astype(np.float32)
     return (d[:, None] * blocks["qs"].astype(np.float32)).reshape(-1)
@@ -173,6 +223,8 @@ def encode(x: np.ndarray, type_name: str) -> bytes:
         return quantize_q4(x).tobytes()
     if type_name == "q6":
         return quantize_q6(x).tobytes()
+    if type_name == "mxfp4":
+        return quantize_mxfp4(x).tobytes()
     raise ValueError(f"unknown type {type_name!r}")
 
 
@@ -191,6 +243,8 @@ def decode(data: bytes | np.ndarray, type_name: str, shape: tuple[int, ...]) -> 
         out = dequantize_q4(buf.view(Q4_DTYPE))
     elif type_name == "q6":
         out = dequantize_q6(buf.view(Q6_DTYPE))
+    elif type_name == "mxfp4":
+        out = dequantize_mxfp4(buf.view(MXFP4_DTYPE))
     else:
         raise ValueError(f"unknown type {type_name!r}")
     return out.reshape(shape)

@@ -302,6 +302,23 @@ class Checkpoint:
             return a
         return self._scaled(name, a, index)
 
+    def get_u8(self, name: str, index: int | None = None) -> np.ndarray:
+        """Tensor `name` (or its slice [index]) of dtype U8 as it is stored (MXFP4 blocks and
+        scales); refuses any other dtype."""
+        if name not in self._where:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        e = self.entry(name)
+        if e.dtype != "U8":
+            raise CheckpointError(f"{self.folder}: tensor {name!r} has dtype {e.dtype}, "
+                                  f"MXFP4 blocks and scales are U8")
+        a = self.files[self._where[name]].raw(name).reshape(e.shape)
+        if index is not None:
+            if not e.shape or not 0 <= index < e.shape[0]:
+                raise CheckpointError(f"{self.folder}: tensor {name!r}: index {index} out of "
+                                      f"range for {e.shape}")
+            a = a[index]
+        return a
+
     def _scaled(self, name: str, a: np.ndarray, index: int | None) -> np.ndarray:
         scale_name = name + SCALE_SUFFIX
         if scale_name not in self._where:

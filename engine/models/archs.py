@@ -15,6 +15,7 @@ from colibri.engine.models.family import (
     BIAS,
     DENSE,
     EXPERT,
+    MXFP4,
     NORM,
     ROUTER,
     SHARED,
@@ -26,7 +27,7 @@ from colibri.engine.models.family import (
 )
 from colibri.engine.models.registry import SUPPORTED, for_hf_class, for_name
 
-__all__ = ["BIAS", "DENSE", "EXPERT", "NORM", "ROUTER", "SHARED", "SUPPORTED", "VOCAB",
+__all__ = ["BIAS", "DENSE", "EXPERT", "MXFP4", "NORM", "ROUTER", "SHARED", "SUPPORTED", "VOCAB",
            "Source", "Target", "UnsupportedModel", "colibri_config", "fused_shape", "plan"]
 
 

@@ -21,6 +21,8 @@ QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}
 ATTN_IDS = {"gqa": 0, "mla": 1}  # clb_attn_kind
 ROUTER_IDS = {"softmax": 0, "sigmoid_grouped": 1}  # clb_router_kind
 FFN_IDS = {"moe": 0, "dense": 1}  # clb_ffn_kind
+GLU_IDS = {"silu": 0, "swiglu_clamp": 1}  # clb_glu_kind
+LAYER_ATTN = ("sliding", "full")  # per layer: over sliding_window positions, or all
 QUANTS = ("f32", "f16", "bf16", "q8", "q4")
 FORMAT_VERSION = 1
 
@@ -70,6 +72,13 @@ class ModelConfig:
     rotary_dim: int = 0  # 0: head_dim
     rms_eps: float = 1e-6
     sliding_window: int | None = None
+    layer_attn: tuple[str, ...] = ()  # per layer "sliding" or "full"; empty: every layer sliding
+    attn_sinks: bool = False  # a learned logit per head in every softmax's denominator
+    router_bias: bool = False
+    expert_bias: bool = False
+    glu: str = "silu"  # the FFNs' gated activation (GLU_IDS)
+    glu_alpha: float = 1.0
+    glu_limit: float = 0.0
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -119,6 +128,14 @@ class ModelConfig:
                           or not all(k in FFN_IDS for k in layer_ffn)):
             raise FormatError(f"{source}: layer_ffn must list {ints['n_layer']} of "
                               f"{list(FFN_IDS)}")
+        layer_attn = get("layer_attn", list, [])
+        if layer_attn and (len(layer_attn) != ints["n_layer"]
+                           or not all(k in LAYER_ATTN for k in layer_attn)):
+            raise FormatError(f"{source}: layer_attn must list {ints['n_layer']} of "
+                              f"{list(LAYER_ATTN)}")
+        glu = get("glu", str, "silu")
+        if glu not in GLU_IDS:
+            raise FormatError(f"{source}: glu {glu!r} not in {list(GLU_IDS)}")
         has_moe = not layer_ffn or "moe" in layer_ffn
         for k in _EXPERT_INTS:
             ints[k] = get(k, int, None if has_moe else 0)
@@ -181,6 +198,13 @@ class ModelConfig:
             rotary_dim=get("rotary_dim", int, 0),
             rms_eps=float(get("rms_eps", (int, float), 1e-6)),
             sliding_window=window,
+            layer_attn=tuple(layer_attn),
+            attn_sinks=get("attn_sinks", bool, False),
+            router_bias=get("router_bias", bool, False),
+            expert_bias=get("expert_bias", bool, False),
+            glu=glu,
+            glu_alpha=float(get("glu_alpha", (int, float), 1.0)),
+            glu_limit=float(get("glu_limit", (int, float), 0.0)),
             tie_embeddings=get("tie_embeddings", bool, False),
             bos_token_id=get("bos_token_id", int, None),
             eos_token_ids=tuple(eos),
@@ -229,6 +253,15 @@ class ModelConfig:
             raise bad(f"clip_qkv must be positive or null, got {self.clip_qkv}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise bad(f"sliding_window must be positive or null, got {self.sliding_window}")
+        if "sliding" in self.layer_attn and self.sliding_window is None:
+            raise bad("layer_attn names sliding layers but sliding_window is null")
+        if self.glu == "swiglu_clamp" and not (math.isfinite(self.glu_alpha)
+                                               and math.isfinite(self.glu_limit)
+                                               and self.glu_limit > 0):
+            raise bad(f"the clamped SwiGLU needs a finite glu_alpha and a positive glu_limit, "
+                      f"got {self.glu_alpha} and {self.glu_limit}")
+        if self.attn_sinks and self.attn != "gqa":
+            raise bad("attention sinks need GQA attention")
 
     @property
     def moe_layers(self) -> list[int]:
@@ -279,7 +312,15 @@ class ModelConfig:
             "rope_scale": float(scale),
             "rms_eps": float(self.rms_eps),
             "sliding_window": self.sliding_window or 0,
+            "attn_sinks": int(self.attn_sinks),
+            "router_bias": int(self.router_bias),
+            "expert_bias": int(self.expert_bias),
+            "glu": GLU_IDS[self.glu],
+            "glu_alpha": float(self.glu_alpha),
+            "glu_limit": float(self.glu_limit),
             "n_ctx": n_ctx,
             "rope_freqs": freqs,
             "layer_ffn": [FFN_IDS[k] for k in self.layer_ffn] if self.layer_ffn else None,
+            "layer_sliding": ([int(k == "sliding") for k in self.layer_attn]
+                              if self.layer_attn else None),
         }

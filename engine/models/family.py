@@ -19,6 +19,7 @@ import numpy as np
 # tensor kinds decide the stored type (see engine/format/convert.py)
 NORM, BIAS, ROUTER, DENSE, EXPERT, SHARED = "norm", "bias", "router", "dense", "expert", "shared"
 VOCAB = "vocab"  # the token embeddings and the lm_head: one row per vocabulary entry
+MXFP4 = "mxfp4"  # experts a checkpoint ships in MXFP4: kept in MXFP4 whatever the preset
 
 
 class UnsupportedModel(ValueError):
@@ -28,7 +29,9 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True)
 class Source:
     """Where a tensor comes from: hf_name, optionally [index] then rows [row0:row1], then a
-    layout change (TRANSFORMS) with its parameters; src_shape is then the checkpoint's shape."""
+    layout change (TRANSFORMS) with its parameters; src_shape is then the checkpoint's shape.
+    scales: an MXFP4 tensor's *_scales, hf_name then being its *_blocks (uint8, copied as
+    they are: transform "rows" with (start, step) picks every step-th row from start)."""
 
     hf_name: str
     index: int | None = None
@@ -36,6 +39,7 @@ class Source:
     transform: str | None = None
     params: tuple[int, ...] = ()
     src_shape: tuple[int, ...] | None = None
+    scales: str | None = None
 
 
 def _rope_rows(n_rows: int, block: int, offset: int, dr: int) -> np.ndarray:
@@ -60,9 +64,16 @@ def _kv_b(a: np.ndarray, H: int, dn: int, dv: int, part: str) -> np.ndarray:
 
 def transform(a: np.ndarray, src: Source) -> np.ndarray:
     """The checkpoint array a laid out as our tensor (src.transform: None, "rope_rows" with
-    (block, offset, dr), "kv_b_k" / "kv_b_v" with (H, dn, dv))."""
+    (block, offset, dr), "kv_b_k" / "kv_b_v" with (H, dn, dv), "t" (transposed), "cols" /
+    "cols_t" with (start, step): every step-th column from start (then transposed))."""
     if src.transform is None:
         return a
+    if src.transform == "t":
+        return np.ascontiguousarray(a.T)
+    if src.transform == "cols":
+        return np.ascontiguousarray(a[..., src.params[0]::src.params[1]])
+    if src.transform == "cols_t":
+        return np.ascontiguousarray(a[:, src.params[0]::src.params[1]].T)
     if src.transform == "rope_rows":
         return a[_rope_rows(a.shape[0], *src.params)]
     if src.transform in ("kv_b_k", "kv_b_v"):
@@ -73,9 +84,12 @@ def transform(a: np.ndarray, src: Source) -> np.ndarray:
 def untransform(a: np.ndarray, src: Source) -> np.ndarray:
     """transform's inverse: our tensor back in the checkpoint's layout (tests compare against
     transformers run on weights quantized in our layout); for kv_b_k / kv_b_v, that part's
-    rows per head [H, dn or dv, kl], which concatenate into kv_b_proj."""
-    if src.transform is None:
+    rows per head [H, dn or dv, kl], which concatenate into kv_b_proj; for cols / cols_t,
+    the columns [..., start::step] of the checkpoint's array."""
+    if src.transform is None or src.transform == "cols":
         return a
+    if src.transform in ("t", "cols_t"):
+        return np.ascontiguousarray(a.T)
     if src.transform == "rope_rows":
         out = np.empty_like(a)
         out[_rope_rows(a.shape[0], *src.params)] = a
@@ -311,7 +325,8 @@ class Plan:
              skipped: Callable[[str], bool] | None = None) -> list[Target]:
         """The plan, after checking that the checkpoint holds no tensor it leaves unused
         (skipped(name): tensors the family drops on purpose, such as MTP layers)."""
-        used = {t.source.hf_name for t in self.out}
+        used = {t.source.hf_name for t in self.out} | {t.source.scales for t in self.out
+                                                         if t.source.scales}
         ignorable = {"lm_head.weight"} if self.cfg["tie_embeddings"] else set()
         extra = sorted(n for n in names - used - ignorable
                        if not n.endswith("rotary_emb.inv_freq")

@@ -10,6 +10,7 @@ from types import ModuleType
 from colibri.engine.models import (
     deepseek,
     glm4_moe,
+    gpt_oss,
     llama,
     mixtral,
     olmoe,
@@ -19,7 +20,7 @@ from colibri.engine.models import (
 )
 
 FAMILIES: tuple[ModuleType, ...] = (mixtral, qwen2_moe, qwen3_moe, olmoe, llama, qwen2,
-                                    glm4_moe, deepseek)
+                                    glm4_moe, deepseek, gpt_oss)
 _BY_CLASS = {c: f for f in FAMILIES for c in f.HF_CLASSES}
 _BY_NAME = {f.NAME: f for f in FAMILIES}
 # Hugging Face class name -> family name

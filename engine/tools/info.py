@@ -16,8 +16,9 @@ _DIMS = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_f
          "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense")
 _FEATURES = ("router", "n_group", "topk_group", "routed_scale", "norm_topk_prob", "qk_norm",
              "qkv_bias", "o_bias", "clip_qkv", "rope_theta", "rope", "rotary_dim", "rms_eps",
-             "sliding_window", "tie_embeddings", "max_position_embeddings", "bos_token_id",
-             "eos_token_ids")
+             "sliding_window", "layer_attn", "attn_sinks", "router_bias", "expert_bias", "glu",
+             "glu_alpha", "glu_limit", "tie_embeddings", "max_position_embeddings",
+             "bos_token_id", "eos_token_ids")
 
 
 def describe(model_dir: str | Path) -> dict[str, Any]:
