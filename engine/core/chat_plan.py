@@ -51,10 +51,11 @@ class ChatPlan:
         """A fresh parser of the calls in a reply; None unless the mode is `auto`."""
         return ToolCallParser(self.family, self.tool_names) if self.mode == "auto" else None
 
-    def calls_of_forced(self, text: str) -> list[ToolCall] | None:
-        """The calls of a forced reply; None when it was cut short and does not parse."""
+    def calls_of_forced(self, text: str, cut: bool = False) -> list[ToolCall] | None:
+        """The calls of a forced reply; None when it does not parse. cut: the reply ended at
+        the token limit, and the call being written stays a call, its arguments incomplete."""
         try:
-            return forced_calls(text, self.forced_name)
+            return forced_calls(text, self.forced_name, cut, self.tool_names)
         except (ValueError, KeyError, TypeError):
             return None
 

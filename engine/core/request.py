@@ -35,6 +35,7 @@ class RequestOutput:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop")
     n_prompt_tokens: int = 0
     n_cached_tokens: int = 0
     error: BaseException | None = None
