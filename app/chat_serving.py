@@ -1,5 +1,5 @@
-"""What chat completions and responses share: a chat request's plan and engine sequences,
-and reading a finished or streaming reply back as content and tool calls.
+"""What chat completions, responses and messages share: a chat request's plan and engine
+sequences, and reading a finished or streaming reply back as content and tool calls.
 """
 
 from __future__ import annotations
@@ -21,31 +21,42 @@ def _template_timeout_s(state: Any, body: ChatCompletionRequest) -> float:
     return s.model_template_timeout_s if body.chat_template is None else s.client_template_timeout_s
 
 
-async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
+async def plan_request(serving: Serving, body: ChatCompletionRequest,
                        format_param: str = "response_format", request: Request | None = None
-                       ) -> tuple[ChatPlan, list[Sequence]]:
-    """The plan and the engine's sequences of a chat request. With request, a client
-    template's render stops as soon as that client disconnects."""
+                       ) -> ChatPlan:
+    """The plan of a chat request (its prompt and how to read the reply). With request, a
+    client template's render stops as soon as that client disconnects."""
     state = serving.state
     tok = state.tokenizer
-    vocab = int(tok.vocab_size)
-    body.check(state.settings, vocab)
+    body.check(state.settings, int(tok.vocab_size))
     cancel = threading.Event()
     planning = state.off_loop(
         request_plan, tok, body.template_messages(), body.tools, body.tool_choice,
         body.parallel_tool_calls, body.response_format, body.add_generation_prompt,
         body.chat_template, format_param, _template_timeout_s(state, body), cancel)
     try:
-        plan = await (planning if request is None
+        return await (planning if request is None
                       else serving.race_disconnect(request, planning))
     except ClientGoneError:
         raise APIError(499, "client closed the request") from None
     finally:
         cancel.set()  # a render still running in the pool stops now
+
+
+async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
+                       format_param: str = "response_format", request: Request | None = None,
+                       prompt_param: str = "messages", clamp: bool = False
+                       ) -> tuple[ChatPlan, list[Sequence]]:
+    """The plan and the engine's sequences of a chat request (see plan_request).
+    prompt_param: the field that errors about the prompt name; clamp: see Serving.budget."""
+    state = serving.state
+    tok = state.tokenizer
+    vocab = int(tok.vocab_size)
+    plan = await plan_request(serving, body, format_param, request)
     if not plan.prompt:
-        raise APIError(400, "the chat prompt is empty", "messages")
-    budget = serving.budget(len(plan.prompt), body.requested_max_tokens(), "messages",
-                            context_note(plan))
+        raise APIError(400, "the chat prompt is empty", prompt_param)
+    budget = serving.budget(len(plan.prompt), body.requested_max_tokens(), prompt_param,
+                            context_note(plan), clamp)
     k = body.engine_logprobs()
     constraints = await state.off_loop(request_constraints, tok, vocab, plan.spec,
                                        [budget] * body.n)
@@ -67,8 +78,8 @@ def reply_of(plan: ChatPlan, text: str, finish: str | None) -> tuple[str | None,
     """(content, tool calls, finish_reason) of one finished choice."""
     finish = finish or "stop"
     if plan.mode == "forced":
-        calls = plan.calls_of_forced(text)
-        if calls is None:  # cut short by max_tokens: what there is, as text
+        calls = plan.calls_of_forced(text, cut=finish == "length")
+        if calls is None:  # not a call after all (never with a constraint): as text
             return text, [], finish
         return None, calls, "tool_calls" if finish == "stop" else finish
     parser = plan.parser()
@@ -129,7 +140,7 @@ class ChoiceStream:
         if self.plan.mode == "forced":
             if self.plan.forced_name is not None:
                 return [], "tool_calls" if reason == "stop" and self.named else reason
-            calls = self.plan.calls_of_forced(self.held)
+            calls = self.plan.calls_of_forced(self.held, cut=reason == "length")
             if calls is None:
                 return ([{"content": self.held}] if self.held else []), reason
             return self._call_deltas(calls), "tool_calls" if reason == "stop" else reason
