@@ -70,7 +70,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     """A tool_use block; a call cut short by max_tokens has what its JSON had so far."""
     try:
-        args = from_json(call.arguments or "{}", allow_partial=True)
+        args = from_json(call.arguments or "{}", allow_partial="trailing-strings")
     except ValueError:
         args = {}
     return {"type": "tool_use", "id": _tool_id(call.id), "name": call.name,
