@@ -35,13 +35,13 @@ class RequestOutput:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
-    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop")
     n_prompt_tokens: int = 0
     n_cached_tokens: int = 0
     error: BaseException | None = None
     prompt_logprobs: list[Any] | None = None  # first output only, when asked for
     token: Any = None  # TokenInfo of token_id, when logprobs were asked for
     top: list[tuple[Any, float]] | None = None  # (TokenInfo, logprob) of top_logprobs
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass(eq=False)
