@@ -81,13 +81,15 @@ class MessagesRequest(CountTokensRequest):
     top_p: Finite | None = Field(None, gt=0.0, le=1.0)
 
 
-def _text(blocks: str | list[dict[str, Any]], param: str) -> str:
+def _text(blocks: Any, param: str) -> str:
     """The text of a string or a list of text blocks."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise APIError(400, "content must be a string or a list of text blocks", param)
     texts = []
     for j, block in enumerate(blocks):
-        kind = block.get("type")
+        kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text":
             raise APIError(400, f"only text blocks are supported here (got {kind!r})",
                            f"{param}.{j}.type")
@@ -131,7 +133,9 @@ def _message(m: MessageParam, param: str) -> list[dict[str, Any]]:
         where = f"{param}.{j}"
         kind = block.get("type")
         if kind == "text":
-            texts.append(_text([block], param))
+            if not isinstance(block.get("text"), str):
+                raise APIError(400, "a text block needs a string 'text'", f"{where}.text")
+            texts.append(block["text"])
         elif kind == "tool_use" and m.role == "assistant":
             calls.append(_tool_call(block, where))
         elif kind == "tool_result" and m.role == "user":

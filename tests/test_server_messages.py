@@ -311,6 +311,11 @@ def test_wrong_key_is_an_anthropic_authentication_error(server: SubprocessServer
      "image"),
     ({"model": MODEL, "max_tokens": 4, "messages": ASK, "tools": TOOLS,
       "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error", "nope"),
+    ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": 5}]}]}, 400,
+     "invalid_request_error", "content"),
+    ({"model": MODEL, "max_tokens": 4, "system": [{"type": "image"}], "messages": ASK}, 400,
+     "invalid_request_error", "text blocks"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user",
                                                      "content": "word " * N_CTX}]},
      400, "invalid_request_error", "prompt is too long"),
