@@ -49,16 +49,17 @@ def request_plan(tok: Any, messages: list[dict[str, Any]], tools: list[Tool] | N
                  response_format: ResponseFormat | None, add_generation_prompt: bool = True,
                  client_template: str | None = None, format_param: str = "response_format",
                  template_timeout_s: float = 2.0,
-                 cancel: threading.Event | None = None) -> ChatPlan:
+                 cancel: threading.Event | None = None, reasoning_effort: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> ChatPlan:
     """The engine's plan of a chat request (tok: the model's tokenizer); APIError for what
-    cannot be done."""
+    cannot be done. reasoning_effort and template_kwargs reach the template (plan_chat)."""
     spec = response_format.spec(format_param) if response_format is not None else None
     name = named_choice(tool_choice)
     choice = tool_choice if isinstance(tool_choice, str) else None
     tool_dicts = [t.template_dict() for t in tools] if tools else None
     return _api_errors(plan_chat, tok, messages, tool_dicts, choice, name,
                        parallel_tool_calls, spec, add_generation_prompt, client_template,
-                       template_timeout_s, cancel)
+                       template_timeout_s, cancel, reasoning_effort, template_kwargs)
 
 
 def chat_prompt_ids(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

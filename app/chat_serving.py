@@ -1,5 +1,9 @@
 """What chat completions, responses and messages share: a chat request's plan and engine
-sequences, and reading a finished or streaming reply back as content and tool calls.
+sequences, and reading a finished or streaming reply back as reasoning, content and calls.
+
+`parsed_reply` reads a whole reply (a ParsedReply and its finish reason); `ChoiceStream`
+turns a streamed one into chat deltas: `{"reasoning_content": ...}`, `{"content": ...}` and
+`{"tool_calls": [...]}`, which the other routes map onto their own events.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from colibri.app.chat_plan import context_note, request_constraints, request_pla
 from colibri.app.errors import APIError
 from colibri.app.protocol import ChatCompletionRequest
 from colibri.app.serving import ClientGoneError, Sequence, Serving
-from colibri.engine import ChatPlan, ToolCall
+from colibri.engine import ChatPlan, ParsedReply, ReplyDelta, ToolCall, parse_reply
 
 
 def _template_timeout_s(state: Any, body: ChatCompletionRequest) -> float:
@@ -33,7 +37,8 @@ async def plan_request(serving: Serving, body: ChatCompletionRequest,
     planning = state.off_loop(
         request_plan, tok, body.template_messages(), body.tools, body.tool_choice,
         body.parallel_tool_calls, body.response_format, body.add_generation_prompt,
-        body.chat_template, format_param, _template_timeout_s(state, body), cancel)
+        body.chat_template, format_param, _template_timeout_s(state, body), cancel,
+        body.reasoning_effort, body.chat_template_kwargs)
     try:
         return await (planning if request is None
                       else serving.race_disconnect(request, planning))
@@ -64,6 +69,7 @@ async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
     for i in range(body.n):
         params = body.sampling_params(budget, i, vocab, k)
         params.constraint = constraints[i]
+        params.skip_special_tokens = not plan.keeps_special_tokens
         sequences.append(Sequence(plan.prompt, params))
     return plan, sequences
 
@@ -73,25 +79,27 @@ def call_dict(call: ToolCall) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def reply_of(plan: ChatPlan, text: str, finish: str | None) -> tuple[str | None,
-                                                                   list[ToolCall], str]:
-    """(content, tool calls, finish_reason) of one finished choice."""
+def parsed_reply(plan: ChatPlan, text: str, finish: str | None) -> tuple[ParsedReply, str]:
+    """One finished choice read back: its reasoning, content and calls, and finish_reason."""
     finish = finish or "stop"
     if plan.mode == "forced":
         calls = plan.calls_of_forced(text, cut=finish == "length")
         if calls is None:  # not a call after all (never with a constraint): as text
-            return text, [], finish
-        return None, calls, "tool_calls" if finish == "stop" else finish
-    parser = plan.parser()
-    if parser is None:
-        return text, [], finish
-    content, calls = parser.push(text)
-    tail, more = parser.finish()
-    calls = calls + more
-    content += tail
-    if calls:
-        return content or None, calls, "tool_calls" if finish == "stop" else finish
-    return content, [], finish
+            return ParsedReply(None, text, []), finish
+        return ParsedReply(None, "", calls), "tool_calls" if finish == "stop" else finish
+    reply = parse_reply(plan.reply_parser(), text)
+    if reply.calls and finish == "stop":
+        finish = "tool_calls"
+    return reply, finish
+
+
+def reply_of(plan: ChatPlan, text: str, finish: str | None) -> tuple[str | None,
+                                                                   list[ToolCall], str]:
+    """(content, tool calls, finish_reason) of one finished choice."""
+    reply, finish = parsed_reply(plan, text, finish)
+    if reply.calls:
+        return reply.content or None, reply.calls, finish
+    return reply.content, [], finish
 
 
 class ChoiceStream:
@@ -99,7 +107,7 @@ class ChoiceStream:
 
     def __init__(self, plan: ChatPlan) -> None:
         self.plan = plan
-        self.parser = plan.parser()
+        self.parser = plan.reply_parser() if plan.mode != "forced" else None
         self.n_calls = 0
         self.held = ""  # forced calls without a name: the whole list, parsed at the end
         self.named: ToolCall | None = None
@@ -117,8 +125,8 @@ class ChoiceStream:
 
     def push(self, text: str) -> list[dict[str, Any]]:
         if self.plan.mode == "forced":
-            if self.plan.forced_name is None:
-                self.held += text
+            if self.plan.forced_name is None or self.plan.forced_markup:
+                self.held += text  # the whole reply, read when it ends
                 return []
             deltas = []
             if self.named is None:  # a named call streams its arguments as they come
@@ -130,24 +138,27 @@ class ChoiceStream:
             if text:
                 deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return deltas
-        if self.parser is None:
-            return [{"content": text}] if text else []
-        content, calls = self.parser.push(text)
-        deltas = [{"content": content}] if content else []
-        return deltas + self._call_deltas(calls)
+        assert self.parser is not None
+        return self._deltas(self.parser.push(text))
+
+    def _deltas(self, step: ReplyDelta) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        if step.reasoning:
+            deltas.append({"reasoning_content": step.reasoning})
+        if step.content:
+            deltas.append({"content": step.content})
+        return deltas + self._call_deltas(step.calls)
 
     def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
         if self.plan.mode == "forced":
-            if self.plan.forced_name is not None:
+            if self.plan.forced_name is not None and not self.plan.forced_markup:
                 return [], "tool_calls" if reason == "stop" and self.named else reason
             calls = self.plan.calls_of_forced(self.held, cut=reason == "length")
             if calls is None:
                 return ([{"content": self.held}] if self.held else []), reason
             return self._call_deltas(calls), "tool_calls" if reason == "stop" else reason
-        if self.parser is None:
-            return [], reason
-        content, calls = self.parser.finish()
-        deltas = ([{"content": content}] if content else []) + self._call_deltas(calls)
+        assert self.parser is not None
+        deltas = self._deltas(self.parser.finish())
         if self.n_calls and reason == "stop":
             reason = "tool_calls"
         return deltas, reason

@@ -73,6 +73,8 @@ class ChatMessage(_Model):
     tool_call_id: str | None = None
     content: Text | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    # an assistant's earlier reasoning, which thinking models' templates render or drop
+    reasoning_content: Text | None = None
 
     @field_validator("content")
     @classmethod
@@ -107,6 +109,8 @@ class ChatMessage(_Model):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
             out["name"] = self.name
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -241,6 +245,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: ToolChoice | None = None
     tools: list[Tool] | None = None
     top_logprobs: int | None = Field(None, ge=0)
+    # thinking models: "none" switches thinking off; the others reach the template
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # refused when set (check_hosted_fields); the hosted-only fields are simply ignored
     audio: Any = None
     modalities: Any = None
@@ -251,6 +257,8 @@ class ChatCompletionRequest(_Sampling):
     # extras
     chat_template: str | None = None
     add_generation_prompt: bool = True
+    # variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self, settings: Settings, vocab_size: int) -> None:
         """Everything pydantic cannot know; raises APIError (400)."""

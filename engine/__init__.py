@@ -43,7 +43,10 @@ _EXPORTS = {
     "ChatPlan": "colibri.engine.core.chat_plan",
     "plan_chat": "colibri.engine.core.chat_plan",
     "render_chat": "colibri.engine.core.chat_plan",
-    "ToolCall": "colibri.engine.text.toolcalls",
+    "ToolCall": "colibri.engine.text.reply_types",
+    "ParsedReply": "colibri.engine.text.reply_types",
+    "ReplyDelta": "colibri.engine.text.reply_types",
+    "parse_reply": "colibri.engine.text.reply",
     "ConstraintSpec": "colibri.engine.sample.constraints",
     "compile_constraints": "colibri.engine.sample.constraints",
     # the command line and its options table
@@ -81,6 +84,9 @@ __all__ = [
     "plan_chat",
     "render_chat",
     "ToolCall",
+    "ParsedReply",
+    "ReplyDelta",
+    "parse_reply",
     "ConstraintSpec",
     "compile_constraints",
     "options",
@@ -117,7 +123,8 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from colibri.engine.text.errors import ModelTemplateError
     from colibri.engine.text.messages import join_text_parts
-    from colibri.engine.text.toolcalls import ToolCall
+    from colibri.engine.text.reply import parse_reply
+    from colibri.engine.text.reply_types import ParsedReply, ReplyDelta, ToolCall
     from colibri.engine.tools.cli import main as cli_main
 
 

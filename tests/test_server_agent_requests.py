@@ -7,7 +7,7 @@ max_tokens, which must stay a call in chat completions, Responses and Messages a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
@@ -120,81 +120,105 @@ def _incomplete(arguments: str) -> bool:
     return False
 
 
-def test_cut_named_call_in_chat(oai: openai.OpenAI) -> None:
-    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=CHAT_TOOLS,
-                                    tool_choice=NAMED, max_tokens=4)
-    choice = r.choices[0]
-    assert choice.finish_reason == "length" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather"
-    assert call.function.arguments.startswith("{") and _incomplete(call.function.arguments)
-    deltas = list(oai.chat.completions.create(model=MODEL, messages=ASK, tools=CHAT_TOOLS,
-                                              tool_choice=NAMED, max_tokens=4, stream=True))
-    finish = [c.choices[0].finish_reason for c in deltas if c.choices[0].finish_reason]
-    text = "".join(c.choices[0].delta.content or "" for c in deltas)
-    args = "".join(tc.function.arguments or "" for c in deltas
-                   for tc in c.choices[0].delta.tool_calls or [])
-    assert finish == ["length"] and text == "" and _incomplete(args) and args
+Probe = Callable[[int, bool], tuple[str, list[tuple[str, str]], str]]
 
 
-def test_cut_required_calls_in_chat_never_become_text(oai: openai.OpenAI) -> None:
-    """At every cut, tool_choice "required" answers calls (the complete ones and the one
-    being written once its name is known), never a JSON fragment as content."""
-    seen_cut_call = False
-    for max_tokens in range(2, 26, 3):
-        for stream in (False, True):
-            kwargs = {"model": MODEL, "messages": ASK, "tools": CHAT_TOOLS, "temperature": 0,
-                      "tool_choice": "required", "max_tokens": max_tokens}
-            if stream:
-                chunks = list(oai.chat.completions.create(stream=True, **kwargs))
-                content = "".join(c.choices[0].delta.content or "" for c in chunks)
-                finish = [c.choices[0].finish_reason for c in chunks
-                          if c.choices[0].finish_reason][0]
-                names = [tc.function.name for c in chunks
-                         for tc in c.choices[0].delta.tool_calls or [] if tc.function.name]
-                args = [tc.function.arguments for c in chunks
-                        for tc in c.choices[0].delta.tool_calls or [] if not tc.id]
-            else:
-                choice = oai.chat.completions.create(**kwargs).choices[0]
-                content, finish = choice.message.content or "", choice.finish_reason
-                calls = choice.message.tool_calls or []
-                names = [c.function.name for c in calls]
-                args = [c.function.arguments for c in calls]
+def _scan(probe: Probe) -> None:
+    """probe(max_tokens, stream) -> (content, [(name, arguments)], finish) over growing
+    budgets (greedy): never any content, and once the budget ends inside a call's arguments
+    that call is answered with what was written, the reply's finish saying so."""
+    for max_tokens in range(4, 80, 3):
+        got = [probe(max_tokens, stream) for stream in (False, True)]
+        for content, calls, _ in got:
             assert content == "", (max_tokens, content)
-            assert finish in ("length", "tool_calls")
-            assert set(names) <= {"get_weather", "get_time"}
-            if finish == "length" and names and _incomplete(args[-1]):
-                seen_cut_call = True
-    assert seen_cut_call
+            assert {name for name, _ in calls} <= {"get_weather", "get_time"}
+        if all(finish == "length" and calls and _incomplete(calls[-1][1])
+               for _, calls, finish in got):
+            return
+    raise AssertionError("no budget ended inside a call")
 
 
-def test_cut_named_call_in_responses(oai: openai.OpenAI) -> None:
+def test_cut_calls_in_chat(oai: openai.OpenAI) -> None:
+    for choice in (NAMED, "required"):
+        def probe(max_tokens: int, stream: bool, choice: Any = choice
+                  ) -> tuple[str, list[tuple[str, str]], str]:
+            kwargs = {"model": MODEL, "messages": ASK, "tools": CHAT_TOOLS, "temperature": 0,
+                      "tool_choice": choice, "max_tokens": max_tokens}
+            if not stream:
+                c = oai.chat.completions.create(**kwargs).choices[0]
+                return (c.message.content or "", [(t.function.name, t.function.arguments)
+                                                  for t in c.message.tool_calls or []],
+                        c.finish_reason)
+            chunks = list(oai.chat.completions.create(stream=True, **kwargs))
+            calls: list[list[str]] = []
+            for ch in chunks:
+                for tc in ch.choices[0].delta.tool_calls or []:
+                    if tc.id:
+                        calls.append([tc.function.name, ""])
+                    calls[-1][1] += tc.function.arguments or ""
+            finish = [ch.choices[0].finish_reason for ch in chunks
+                      if ch.choices[0].finish_reason]
+            return ("".join(ch.choices[0].delta.content or "" for ch in chunks),
+                    [(n, a) for n, a in calls], finish[0])
+
+        _scan(probe)
+
+
+def test_cut_call_in_responses(oai: openai.OpenAI) -> None:
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
-    kwargs = {"model": MODEL, "input": "Weather in Verona?", "tools": tools,
-              "tool_choice": {"type": "function", "name": "get_weather"},
-              "max_output_tokens": 4}
-    r = oai.responses.create(**kwargs)
-    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    (item,) = r.output
-    assert item.type == "function_call" and item.name == "get_weather"
-    assert item.status == "incomplete" and _incomplete(item.arguments)
-    events = list(oai.responses.create(stream=True, **kwargs))
-    assert events[-1].type == "response.incomplete"
-    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
-    assert done.type == "function_call" and done.status == "incomplete"
+
+    def probe(max_tokens: int, stream: bool) -> tuple[str, list[tuple[str, str]], str]:
+        kwargs = {"model": MODEL, "input": "Weather in Verona?", "tools": tools,
+                  "tool_choice": {"type": "function", "name": "get_weather"},
+                  "temperature": 0, "max_output_tokens": max_tokens}
+        if stream:
+            events = list(oai.responses.create(stream=True, **kwargs))
+            items = [e.item for e in events if e.type == "response.output_item.done"]
+            status = events[-1].response.status
+        else:
+            r = oai.responses.create(**kwargs)
+            items, status = r.output, r.status
+        calls = [i for i in items if i.type == "function_call"]
+        if status == "incomplete" and calls:
+            assert calls[-1].status == "incomplete"
+        text = "".join(c.text for i in items if i.type == "message" for c in i.content)
+        return (text, [(c.name, c.arguments) for c in calls],
+                "length" if status == "incomplete" else "tool_calls")
+
+    _scan(probe)
 
 
-def test_cut_named_call_in_messages(server: SubprocessServer) -> None:
+def test_cut_call_in_messages(server: SubprocessServer) -> None:
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
-    kwargs: dict[str, Any] = {
-        "model": MODEL, "max_tokens": 4, "messages": ASK,
-        "tools": [{"name": "get_weather", "input_schema": WEATHER}],
-        "tool_choice": {"type": "tool", "name": "get_weather"}}
-    m = client.messages.create(**kwargs)
-    assert m.stop_reason == "max_tokens"
-    (block,) = m.content
-    assert block.type == "tool_use" and block.name == "get_weather"
-    assert isinstance(block.input, dict) and set(block.input) <= set(WEATHER["properties"])
-    with client.messages.stream(**kwargs) as stream:
-        final = stream.get_final_message()
-    assert final.stop_reason == "max_tokens" and final.content[0].type == "tool_use"
+
+    def probe(max_tokens: int, stream: bool) -> tuple[str, list[tuple[str, str]], str]:
+        kwargs: dict[str, Any] = {
+            "model": MODEL, "max_tokens": max_tokens, "messages": ASK,
+            "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "extra_body": {"temperature": 0}}
+        if stream:  # the arguments as they were streamed
+            calls: list[list[str]] = []
+            text = ""
+            with client.messages.stream(**kwargs) as events:
+                for e in events:
+                    if e.type == "content_block_start" and e.content_block.type == "tool_use":
+                        calls.append([e.content_block.name, ""])
+                    elif e.type == "content_block_delta" and e.delta.type == "input_json_delta":
+                        calls[-1][1] += e.delta.partial_json
+                    elif e.type == "content_block_delta" and e.delta.type == "text_delta":
+                        text += e.delta.text
+                stop = events.get_final_message().stop_reason
+            return text, [(n, a) for n, a in calls], {"max_tokens": "length"}.get(stop, stop)
+        m = client.messages.create(**kwargs)
+        uses = [b for b in m.content if b.type == "tool_use"]
+        for b in uses:  # what the cut JSON had so far, as an object
+            assert isinstance(b.input, dict) and set(b.input) <= set(WEATHER["properties"])
+        # a complete input reads back as JSON; an incomplete one is marked by max_tokens
+        args = [json.dumps(b.input) + ("" if m.stop_reason == "tool_use" else "...")
+                for b in uses]
+        text = "".join(b.text for b in m.content if b.type == "text")
+        return (text, [(b.name, a) for b, a in zip(uses, args, strict=True)],
+                {"max_tokens": "length"}.get(m.stop_reason, m.stop_reason))
+
+    _scan(probe)

@@ -224,3 +224,59 @@ def make_checkpoint(
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2) + "\n")
     return out
+
+
+def make_scripted_checkpoint(out_dir: str | Path, chat_template: str, prompt_tail: str,
+                             reply: str) -> Path:
+    """A tiny dense checkpoint whose greedy reply, after any prompt that ends with
+    prompt_tail (text the template writes between its last special token and the reply), is
+    exactly `reply` followed by end-of-sequence; its tokenizer carries chat_template.
+
+    Real weights, rigged: attention and MLP outputs are zero, so each position's logits
+    depend on its own token only; the reply's tokens (all distinct, as is the prompt's last
+    token) get orthonormal embeddings, and lm_head maps each one to the next. Any other
+    token leads somewhere into the chain, so the reply after another prompt is not `reply`.
+    """
+    import torch
+
+    from colibri.engine.text.bpe import train_bpe_tokenizer
+
+    out = Path(out_dir)
+    tok = train_bpe_tokenizer([_TEXT] * 4, VOCAB_SIZE, out)
+    start = tok.encode(prompt_tail).ids[-1]
+    chain = [start, *tok.encode(reply).ids, EOS_ID]
+    if len(set(chain)) != len(chain) or tok.decode(chain[1:-1]) != reply:
+        raise ValueError(f"reply tokens must be distinct and decode back: {chain}")
+    config_cls, model_cls = _classes("qwen2")
+    kwargs = dict(_BASE["qwen2"])
+    kwargs.update(vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                  bos_token_id=None, tie_word_embeddings=False)
+    hidden = int(kwargs["hidden_size"])
+    if len(chain) > hidden:
+        raise ValueError(f"a reply of at most {hidden - 2} tokens")
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs)).eval()
+    _randomize(model, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".o_proj." in name or ".down_proj." in name:
+                p.zero_()  # no layer adds anything to the residual: logits see the token
+        model.model.norm.weight.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        head.zero_()
+        for i, (cur, nxt) in enumerate(zip(chain, chain[1:], strict=False)):
+            emb[cur].zero_()
+            emb[cur, i] = 1.0
+            head[nxt, i] = 10.0
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = PAD_ID
+    model.save_pretrained(str(out))
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = chat_template
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2) + "\n")
+    return out

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from colibri.app.chat_serving import ChoiceStream, call_dict, prepare_chat, reply_of
+from colibri.app.chat_serving import ChoiceStream, call_dict, parsed_reply, prepare_chat
 from colibri.app.protocol import ChatCompletionRequest
 from colibri.app.replies import (
     Choice,
@@ -52,10 +52,13 @@ def _response(meta: dict[str, Any], plan: ChatPlan, choices: list[Choice], n_pro
               logprobs: bool) -> dict[str, Any]:
     out = []
     for c in choices:
-        content, calls, finish = reply_of(plan, c.text, c.finish_reason)
+        reply, finish = parsed_reply(plan, c.text, c.finish_reason)
+        content = (reply.content or None) if reply.calls else reply.content
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-        if calls:
-            message["tool_calls"] = [call_dict(t) for t in calls]
+        if plan.reasoning is not None:  # a model that thinks: its reasoning, apart
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
+            message["tool_calls"] = [call_dict(t) for t in reply.calls]
         out.append({
             "index": c.index,
             "message": message,

@@ -1,9 +1,11 @@
 """POST /v1/responses: OpenAI's Responses API, stateless.
 
 A request becomes a chat request (instructions -> a system message, input items -> messages,
-function tools, text.format -> response_format) and runs through the chat path; the answer
-comes back as a Response object, or as the Responses stream events (response.created,
-response.output_item.added, response.output_text.delta, ..., response.completed). Nothing is
+function tools, text.format -> response_format, reasoning.effort -> reasoning_effort, reasoning
+items -> the next assistant message's reasoning) and runs through the chat path; the answer
+comes back as a Response object (a thinking model's reasoning as a "reasoning" item first), or
+as the Responses stream events (response.created, response.output_item.added,
+response.reasoning_text.delta, response.output_text.delta, ..., response.completed). Nothing is
 stored: previous_response_id, conversation, background and stored prompts are refused (400).
 A `namespace` tool's functions are offered as functions (their calls name the namespace);
 tools the server cannot run (hosted ones: web_search, file_search, ...) are dropped, logged.
@@ -19,14 +21,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
 
-from colibri.app.chat_serving import ChoiceStream, prepare_chat, reply_of
+from colibri.app.chat_serving import ChoiceStream, parsed_reply, prepare_chat
 from colibri.app.errors import APIError
 from colibri.app.protocol import ChatCompletionRequest, Finite, _Model
 from colibri.app.replies import Choice, Output, add_output, new_id, now, with_first
 from colibri.app.schemas import ResponseObject, error_responses, sse_200
 from colibri.app.serving import get_serving
 from colibri.app.streaming import sse_response
-from colibri.engine import ChatPlan, ToolCall
+from colibri.engine import ChatPlan, ParsedReply, ToolCall
 
 router = APIRouter()
 log = logging.getLogger("colibri.app")
@@ -46,6 +48,7 @@ class ResponsesRequest(_Model):
     tool_choice: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     top_p: Finite | None = Field(None, gt=0.0, le=1.0)
+    reasoning: dict[str, Any] | None = None  # effort reaches the template; summary ignored
     # stateful or hosted features: refused when set
     previous_response_id: str | None = None
     conversation: Any = None
@@ -53,7 +56,7 @@ class ResponsesRequest(_Model):
     prompt: Any = None
     truncation: str | None = Field(None, json_schema_extra={"enum": ["disabled", None]})
     # accepted and ignored (see the README): store, metadata, service_tier, user,
-    # prompt_cache_key, safety_identifier, include, reasoning
+    # prompt_cache_key, safety_identifier, include
 
 
 def _refuse_stateful(body: ResponsesRequest) -> None:
@@ -92,21 +95,39 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """The text of a reasoning input item: its content, else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            texts = [p["text"] for p in parts if isinstance(p, dict)
+                     and isinstance(p.get("text"), str)]
+            if texts:
+                return "\n".join(texts)
+    return ""
+
+
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = []
     if body.instructions:
         msgs.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         return [*msgs, {"role": "user", "content": body.input}]
+    reasoning = ""  # a reasoning item belongs to the assistant message after it
     for i, item in enumerate(body.input):
         param = f"input.{i}"
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning += _reasoning_text(item)
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"unsupported role {role!r}", f"{param}.role")
             msgs.append({"role": role, "content": _text_of(item.get("content"), param +
                                                            ".content")})
+            if role == "assistant" and reasoning:
+                msgs[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"),
@@ -116,6 +137,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if reasoning:
+                msgs[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call_output":
             output = item.get("output")
             msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
@@ -197,6 +220,7 @@ def to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, st
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "reasoning_effort": (body.reasoning or {}).get("effort"),
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in data.items()
@@ -204,6 +228,9 @@ def to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, st
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
+        if loc == "reasoning_effort":
+            raise APIError(400, f"reasoning.effort: {first.get('msg')}",
+                           "reasoning.effort") from None
         param = "tools" if loc.startswith("tools") else "input"
         raise APIError(400, f"{loc}: {first.get('msg')}", param) from None
 
@@ -223,9 +250,9 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     if not body.stream:
         choices = await serving.collect(request, job, 1, "input")
         c = choices[0]
-        content, calls, finish = reply_of(plan, c.text, c.finish_reason)
-        return _final(meta, _items(content, calls, namespaces, finish), finish,
-                      len(plan.prompt), c.n_tokens)
+        reply, finish = parsed_reply(plan, c.text, c.finish_reason)
+        return _final(meta, _items(reply, namespaces, finish), finish, len(plan.prompt),
+                      c.n_tokens)
     first, outputs = await serving.first_output(request, job, "input")
     return sse_response(state, _stream(serving.eos_ids, plan, meta, namespaces, first, outputs))
 
@@ -240,7 +267,7 @@ def _meta(body: ResponsesRequest, model: str) -> dict[str, Any]:
         "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
         "text": body.text or {"format": {"type": "text"}},
         "previous_response_id": None, "store": False, "metadata": {}, "truncation": "disabled",
-        "reasoning": None, "error": None, "user": None,
+        "reasoning": body.reasoning, "error": None, "user": None,
     }
 
 
@@ -261,12 +288,20 @@ def _call_item(call: ToolCall, namespaces: dict[str, str], status: str = "comple
     return item
 
 
-def _items(content: str | None, calls: list[ToolCall], namespaces: dict[str, str],
-           finish: str) -> list[dict[str, Any]]:
+def _reasoning_item(text: str, status: str = "completed", item_id: str | None = None
+                    ) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "status": status,
+            "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _items(reply: ParsedReply, namespaces: dict[str, str], finish: str
+           ) -> list[dict[str, Any]]:
     """The output items; the token limit leaves the last call incomplete."""
-    items = [_message_item(content)] if content or not calls else []
-    items += [_call_item(c, namespaces) for c in calls]
-    if calls and finish == "length":
+    items = [_reasoning_item(reply.reasoning)] if reply.reasoning else []
+    if reply.content or not reply.calls:
+        items.append(_message_item(reply.content))
+    items += [_call_item(c, namespaces) for c in reply.calls]
+    if reply.calls and finish == "length":
         items[-1]["status"] = "incomplete"
     return items
 
@@ -298,6 +333,26 @@ async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
     items: list[dict[str, Any]] = []  # finished output items
     text_item: dict[str, Any] | None = None  # the message being streamed
     call_item: dict[str, Any] | None = None  # the function call being streamed
+    think_item: dict[str, Any] | None = None  # the reasoning being streamed
+
+    def open_think() -> list[dict[str, str]]:
+        nonlocal think_item
+        think_item = _reasoning_item("", "in_progress")
+        think_item["content"] = []
+        return [event("response.output_item.added", output_index=len(items), item=think_item)]
+
+    def close_think() -> list[dict[str, str]]:
+        nonlocal think_item
+        if think_item is None:
+            return []
+        text = think_item.pop("_text", "")
+        done = _reasoning_item(text, "completed", think_item["id"])
+        idx = len(items)
+        items.append(done)
+        think_item = None
+        return [event("response.reasoning_text.done", item_id=done["id"], output_index=idx,
+                      content_index=0, text=text),
+                event("response.output_item.done", output_index=idx, item=done)]
 
     def open_text() -> list[dict[str, str]]:
         nonlocal text_item
@@ -339,8 +394,17 @@ async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
     def on_delta(delta: dict[str, Any]) -> list[dict[str, str]]:
         nonlocal call_item
         evs: list[dict[str, str]] = []
+        if delta.get("reasoning_content"):
+            evs += close_text() + close_call()
+            if think_item is None:
+                evs += open_think()
+            assert think_item is not None
+            think_item["_text"] = think_item.get("_text", "") + delta["reasoning_content"]
+            evs.append(event("response.reasoning_text.delta", item_id=think_item["id"],
+                             output_index=len(items), content_index=0,
+                             delta=delta["reasoning_content"]))
         if "content" in delta and delta["content"]:
-            evs += close_call()
+            evs += close_think() + close_call()
             if text_item is None:
                 evs += open_text()
             assert text_item is not None
@@ -351,7 +415,7 @@ async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
         for tc in delta.get("tool_calls") or []:
             fn = tc.get("function") or {}
             if "id" in tc:  # a new call starts
-                evs += close_text() + close_call()
+                evs += close_think() + close_text() + close_call()
                 call = ToolCall(fn.get("name", ""), "", tc["id"])
                 call_item = _call_item(call, namespaces, "in_progress")
                 evs.append(event("response.output_item.added", output_index=len(items),
@@ -380,9 +444,10 @@ async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
                 for delta in tail:
                     for ev in on_delta(delta):
                         yield ev
-        for ev in close_text() + close_call("incomplete" if finish == "length" else "completed"):
+        for ev in close_think() + close_text() + close_call(
+                "incomplete" if finish == "length" else "completed"):
             yield ev
-        if not items:
+        if not any(i["type"] != "reasoning" for i in items):
             for ev in open_text() + close_text():
                 yield ev
         final = _final(meta, items, finish, len(plan.prompt), choice.n_tokens)

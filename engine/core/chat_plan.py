@@ -6,11 +6,17 @@ Decides what the model sees and how its reply is read:
 - `auto`: the tools are rendered by the model's template and the reply is parsed for calls
   in the template family's format (ToolCallParser);
 - `forced` (tool_choice "required" or a named function): the reply is constrained to the
-  calls' JSON Schema; a template that cannot render tools gets them in a generic preamble.
+  calls, in the family's own markup when it has one (Hermes / Qwen3 JSON, Qwen3-Coder,
+  GLM-4.5 and MiniMax-M2 XML), else to the generic JSON shape; a template that cannot render
+  tools gets them in a generic preamble.
 A content format (a ConstraintSpec) turns tool_choice "auto" into "none": a reply cannot
-both match the format and be a tool call. Knows nothing of HTTP; messages and tools come as
-the chat-template dicts (OpenAI's shape). Renders through the tokenizer's chat template:
-run it off any event loop.
+both match the format and be a tool call.
+Models that think (a template with `<think>` or gpt-oss's channels) have their reasoning
+split from the answer (ReplyParser). The request's reasoning switch and template variables
+reach the template; a constrained reply (a format or a forced call) is rendered with
+thinking switched off, since the constraint leaves no room for it. Knows nothing of HTTP;
+messages and tools come as the chat-template dicts (OpenAI's shape). Renders through the
+tokenizer's chat template: run it off any event loop.
 """
 
 from __future__ import annotations
@@ -22,15 +28,25 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from colibri.engine.sample.constraints import ConstraintSpec
+from colibri.engine.text.reasoning import (
+    ReasoningStyle,
+    opens_reasoning,
+    reasoning_style,
+    thinking_switches,
+)
+from colibri.engine.text.reply import ReplyParser
 from colibri.engine.text.toolcalls import (
     ToolCall,
     ToolCallParser,
     forced_calls,
+    forced_calls_markup,
     forced_calls_schema,
     generic_preamble,
     history_call_text,
+    markup_calls,
     template_tools,
 )
+from colibri.engine.text.toolformats.forced_xml import forced_xml_grammar
 
 log = logging.getLogger("colibri.engine")
 
@@ -42,18 +58,39 @@ class ChatPlan:
     prompt: list[int]
     mode: Literal["text", "auto", "forced"] = "text"
     forced_name: str | None = None  # tool_choice named a function
+    forced_markup: bool = False  # forced calls are written in the family's own markup
     spec: ConstraintSpec | None = None
     family: str = "generic"
     tool_names: set[str] = field(default_factory=set)
+    tools: list[dict[str, Any]] = field(default_factory=list)
     n_tools_rendered: int = 0
+    reasoning: ReasoningStyle | None = None  # how the model thinks; None: it does not
+    in_reasoning: bool = False  # the prompt opened the reasoning: the reply starts in it
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of the calls in a reply; None unless the mode is `auto`."""
-        return ToolCallParser(self.family, self.tool_names) if self.mode == "auto" else None
+        if self.mode != "auto":
+            return None
+        return ToolCallParser(self.family, self.tool_names, self.tools)
+
+    def reply_parser(self) -> ReplyParser:
+        """A fresh parser of a reply into reasoning, answer and calls (not for `forced`)."""
+        return ReplyParser(self.reasoning, self.in_reasoning, self.parser())
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the reply must be decoded with special-token text: the markers this plan
+        reads (reasoning tags, call sections, harmony channels) are special tokens in some
+        vocabularies."""
+        return self.reasoning is not None or (self.mode == "auto" and self.family != "generic")
 
     def calls_of_forced(self, text: str, cut: bool = False) -> list[ToolCall] | None:
         """The calls of a forced reply; None when it does not parse. cut: the reply ended at
-        the token limit, and the call being written stays a call, its arguments incomplete."""
+        the token limit, and the call being written stays a call, its arguments incomplete
+        (nothing of a call whose name was not complete)."""
+        if self.forced_markup:
+            calls = markup_calls(text, self.family, self.tool_names, self.tools, cut)
+            return calls if calls or cut else None
         try:
             return forced_calls(text, self.forced_name, cut, self.tool_names)
         except (ValueError, KeyError, TypeError):
@@ -72,11 +109,15 @@ def plan_chat(
     client_template: str | None = None,
     template_timeout_s: float = 2.0,
     cancel: threading.Event | None = None,
+    reasoning_effort: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatPlan:
     """Render the prompt with tok (the model's Tokenizer) and choose the reply's mode.
 
     tool_choice: "none", "auto", "required" or None (absent); forced_name: the function a
-    request named (tool_choice is then ignored). Raises what the tokenizer's chat rendering
+    request named (tool_choice is then ignored). reasoning_effort ("none" switches thinking
+    off) and template_kwargs (a client's variables, which win) reach the template as
+    variables. Raises what the tokenizer's chat rendering
     raises: ValueError for what the template refuses or a client template past a limit,
     ModelTemplateError for the model's own template past a limit.
     """
@@ -89,9 +130,13 @@ def plan_chat(
     msgs = _messages(messages, info.renders_tools)
     if forced:
         plan.mode, plan.forced_name = "forced", forced_name
-        plan.spec = ConstraintSpec(
-            "json_schema", forced_calls_schema(tool_dicts, forced_name, parallel_tool_calls),
-            "tools")
+        markup = _forced_markup(tool_dicts, forced_name, parallel_tool_calls, info.family)
+        if markup is not None and info.renders_tools:
+            plan.spec, plan.forced_markup = markup, True
+        else:
+            plan.spec = ConstraintSpec(
+                "json_schema", forced_calls_schema(tool_dicts, forced_name,
+                                                   parallel_tool_calls), "tools")
         if info.renders_tools:
             render_tools = tool_dicts
         else:
@@ -103,20 +148,43 @@ def plan_chat(
             log.info("the chat template cannot render tools: %d tools ignored for this "
                      "request (tool_choice %s)", len(tools), tool_choice or "absent")
     plan.tool_names = {t["function"]["name"] for t in tool_dicts}
+    plan.tools = tool_dicts
+    style = reasoning_style(template)
+    constrained = plan.spec is not None
+    effort = "none" if constrained and style is not None else reasoning_effort
+    variables = {**thinking_switches(effort), **(template_kwargs or {})}
     plan.prompt = render_chat(tok, msgs, add_generation_prompt, client_template,
-                              template_timeout_s, cancel, render_tools)
+                              template_timeout_s, cancel, render_tools, variables)
     if render_tools or (forced and not info.renders_tools):
         plan.n_tools_rendered = len(tool_dicts)
+    if not constrained:  # a constrained reply is all format: nothing to split off
+        plan.reasoning = style
+        if plan.reasoning == "think" and add_generation_prompt:
+            tail = tok.decode(plan.prompt[-8:], skip_special_tokens=False)
+            plan.in_reasoning = opens_reasoning(tail)
     return plan
+
+
+def _forced_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                   family: str) -> ConstraintSpec | None:
+    """The constraint of forced calls in the family's own markup, None when it has none."""
+    value = forced_calls_markup(tools, name, parallel, family)
+    if value is not None:
+        return ConstraintSpec("tagged_json", value, "tools")
+    grammar = forced_xml_grammar(tools, name, parallel, family)
+    return ConstraintSpec("lark_json", grammar, "tools") if grammar is not None else None
 
 
 def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 client_template: str | None, timeout_s: float,
                 cancel: threading.Event | None = None,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a chat rendered by the model's template, or by client_template (a
-    template a client sent, which the tokenizer renders in its sandbox)."""
-    kwargs: dict[str, Any] = {"render_timeout_s": timeout_s, "cancel": cancel}
+    template a client sent, which the tokenizer renders in its sandbox); template_kwargs are
+    extra variables the template sees."""
+    kwargs: dict[str, Any] = {"render_timeout_s": timeout_s, "cancel": cancel,
+                              "template_kwargs": template_kwargs or None}
     if client_template is not None:
         kwargs.update(chat_template=client_template, allow_custom_template=True)
     return list(tok.apply_chat_template(

@@ -96,6 +96,7 @@ def new_request(request_id: str, index: int, prompt: list[int], params: Sampling
     return Request(
         request_id=request_id, index=index, prompt=list(prompt), params=params,
         sampler=Sampler(params, vocab_size),
-        detok=IncrementalDetokenizer(tokenizer, prompt_ids=prompt),
+        detok=IncrementalDetokenizer(tokenizer, prompt_ids=prompt,
+                                    skip_special_tokens=params.skip_special_tokens),
         stops=StopStringMatcher(list(params.stop)), max_new=max_new,
         stop_ids=frozenset(stop_ids), parent=parent)

@@ -72,6 +72,9 @@ class SamplingParams:
     constraint: Any = None
     # None: none; k >= 0: each prompt token's logprob plus the top k (max_tokens may be 0)
     prompt_logprobs: int | None = None
+    # False: the text keeps special tokens' text (reasoning and tool-call markers that some
+    # vocabularies mark special); end-of-sequence and stop tokens never reach the text
+    skip_special_tokens: bool = True
 
     def validate(self, vocab_size: int) -> None:
         """Raise SamplingParamError naming the first field that is out of range."""
@@ -123,6 +126,8 @@ class SamplingParams:
             _int(self.prompt_logprobs, "prompt_logprobs")
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise SamplingParamError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise SamplingParamError("skip_special_tokens", "must be a boolean")
         if self.constraint is not None and not callable(getattr(self.constraint, "apply", None)):
             raise SamplingParamError("constraint", "must be a compiled constraint")
 

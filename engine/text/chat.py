@@ -39,6 +39,7 @@ from colibri.engine.text.template_env import (
     MAX_TEMPLATE_CHARS,
     RENDER_BASE_CHARS,
     RENDER_INPUT_FACTOR,
+    TEMPLATE_GLOBALS,
 )
 from colibri.engine.text.template_sandbox import SANDBOX
 
@@ -85,6 +86,15 @@ class ChatTemplates:
                    add_generation_prompt=bool(add_generation_prompt), **self._token_strings)
         return ctx
 
+    def _check_variables(self, kwargs: dict[str, Any]) -> None:
+        """Extra template variables may not stand in for what the renderer provides."""
+        taken = {"messages", "tools", "add_generation_prompt"} | set(self._token_strings)
+        for key in kwargs:
+            if (not key.isidentifier() or key.startswith("_") or key in taken
+                    or key in TEMPLATE_GLOBALS):
+                raise TokenizerError(f"chat_template_kwargs may not set {key!r}",
+                                     "chat_template_kwargs")
+
     def render(
         self,
         messages: Any,
@@ -109,6 +119,7 @@ class ChatTemplates:
         tools = plain_json(tools, "tools") if tools is not None else None
         kwargs = (plain_json(dict(template_kwargs), "chat_template_kwargs")
                   if template_kwargs else {})
+        self._check_variables(kwargs)
         client_strings: list[str] = []
         map_message_strings(msgs, client_strings.append)
         map_strings(tools, client_strings.append)

@@ -112,6 +112,8 @@ def _make_env() -> _CappedEnvironment:
 
 
 _ENV = _make_env()
+# names a template finds in its environment (jinja's range, dict, namespace, ... and ours)
+TEMPLATE_GLOBALS = frozenset(_ENV.globals)
 
 
 @functools.lru_cache(maxsize=32)

@@ -1,43 +1,41 @@
-"""Tool calls: what a chat template can render, schemas for forced calls, and parsers for the
-calls a model writes in its own format.
+"""Tool calls: what a chat template can render, schemas for forced calls, and the parser of
+the calls a model writes in its own format.
 
-Formats understood in model output (tool_choice "auto"):
-- Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
-- Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` or `[TOOL_CALLS]name[ARGS]{...}`;
-- the generic fallback, for every template: a reply that is only JSON (optionally in a ```
-  fence) of the shape `{"tool_calls": [{"name", "arguments"}, ...]}`, one `{"name", "arguments"}`
-  object or a list of them, naming a tool that was offered. Anything else is text.
-Forced calls (tool_choice "required" or a named function) are constrained by JSON Schema
-(`forced_calls_schema`), so they always parse. Knows nothing of HTTP.
+The format is the template's family (toolformats.family_of reads the markers in the
+template's source, never the reply): Hermes / Qwen3 JSON in `<tool_call>`, Qwen3-Coder's,
+GLM-4.5's and MiniMax-M2's XML-style calls, DeepSeek-V3/V3.1's and Kimi K2's special-token
+sections (engine.text.toolformats), Mistral's `[TOOL_CALLS]` (here), gpt-oss's harmony
+commentary channel (engine.text.harmony, with its reasoning). For every template, a reply
+that is only JSON (optionally in a ``` fence) of the shape `{"tool_calls": [{"name",
+"arguments"}, ...]}`, one `{"name", "arguments"}` object or a list of them, naming a tool that
+was offered, is read as calls too (the generic fallback). Anything else is text. Forced calls
+(tool_choice "required" or a named function) are constrained, so they always parse: in the
+family's own markup, so that the template renders the call back exactly as the model wrote
+it (`forced_calls_markup` for Hermes / Qwen3 JSON, toolformats.forced_xml for Qwen3-Coder,
+GLM-4.5 and MiniMax-M2), otherwise by a JSON Schema of the generic shape
+(`forced_calls_schema`). Knows nothing of HTTP.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 import jinja2.meta
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+from colibri.engine.text.markers import partial_suffix
+from colibri.engine.text.reply_types import ToolCall
+from colibri.engine.text.toolformats import FORMATS, CallStream, ToolSet, family_of
+from colibri.engine.text.toolformats.common import call_of as _call_of
+from colibri.engine.text.toolformats.common import calls_of as _calls_of
+from colibri.engine.text.toolformats.common import dumps as _dumps
+from colibri.engine.text.toolformats.forced_xml import XML_MARKUP
+
 MISTRAL_OPEN = "[TOOL_CALLS]"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
-
-
-@dataclass
-class ToolCall:
-    """One call: the function's name and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            self.id = "call_" + secrets.token_hex(12)
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class TemplateTools:
     """What a chat template does with tools."""
 
     renders_tools: bool  # the template reads the `tools` variable
-    family: str  # "hermes" | "mistral" | "generic": the call format its model was taught
+    family: str  # the call format its model was taught (toolformats.family_of), or "generic"
 
 
 def template_tools(template: str | None) -> TemplateTools:
@@ -56,12 +54,7 @@ def template_tools(template: str | None) -> TemplateTools:
         names = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
     except jinja2.TemplateSyntaxError:
         names = set()
-    family = "generic"
-    if HERMES_OPEN in template:
-        family = "hermes"
-    elif MISTRAL_OPEN in template:
-        family = "mistral"
-    return TemplateTools("tools" in names, family)
+    return TemplateTools("tools" in names, family_of(template))
 
 
 def function_of(tool: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +94,80 @@ def forced_calls_schema(tools: list[dict[str, Any]], name: str | None,
     return schema
 
 
+# Families whose calls are one JSON object between fixed texts: (open, close, separator).
+_MARKUP: dict[str, tuple[str, str, str]] = {"hermes": ("<tool_call>\n", "\n</tool_call>", "\n")}
+
+
+def forced_calls_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                        family: str) -> dict[str, Any] | None:
+    """A tagged_json constraint's value for forced calls in the family's own markup, or None
+    when the family has none: each call {"name", "arguments"} between the family's texts, one
+    call for a named function or without parallel calls."""
+    markup = _MARKUP.get(family)
+    if markup is None:
+        return None
+    chosen = [t for t in tools if name is None or function_of(t).get("name") == name]
+    if not chosen:
+        raise ValueError(f"no tool named {name!r}")
+    options = [{
+        "type": "object",
+        "properties": {"name": {"const": function_of(t).get("name")},
+                       "arguments": parameters_of(t)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for t in chosen]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    single = name is not None or not parallel
+    return {"schema": schema, "open": markup[0], "close": markup[1], "sep": markup[2],
+            "max_items": 1 if single else None}
+
+
+# a Hermes call that the token limit cut inside its arguments
+_PARTIAL_MARKUP = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.*)\Z', re.DOTALL)
+
+
+def markup_calls(text: str, family: str, names: set[str], tools: list[dict[str, Any]],
+                 cut: bool = False) -> list[ToolCall]:
+    """The calls of a reply constrained by forced_calls_markup or forced_xml_grammar. With cut
+    (the reply ended at the token limit), a JSON-markup call cut inside its arguments stays a
+    call, with the arguments written so far (incomplete JSON)."""
+    parser = ToolCallParser(family, names, tools)
+    calls = parser.push(text)[1]
+    rest, more = parser.finish()
+    calls += more
+    if not cut:
+        return calls
+    if family in _MARKUP:
+        opener = _MARKUP[family][0]
+        if opener in rest:
+            m = _PARTIAL_MARKUP.match(rest[rest.rindex(opener) + len(opener):])
+            if m is not None and m.group(1) in names:
+                calls.append(ToolCall(m.group(1), m.group(2).strip()))
+    elif family in XML_MARKUP:
+        calls += _cut_xml_call(rest, family, ToolSet.of(names, tools))
+    return calls
+
+
+def _cut_xml_call(rest: str, family: str, tools: ToolSet) -> list[ToolCall]:
+    """An XML-style call the token limit cut: the parameters written so far (the last one's
+    text as far as it got), read by closing what was left open."""
+    fmt, markup = FORMATS[family], XML_MARKUP[family]
+    if fmt.call_open not in rest:
+        return []
+    body = rest[rest.rindex(fmt.call_open) + len(fmt.call_open):]
+    inner = markup.call_close.partition(fmt.call_close)[0]  # what stands before call_close
+    for closer in (markup.param_close + inner, inner, ""):
+        got = fmt.read(body + closer, tools)
+        if got:
+            return got
+    opener = markup.param_open.partition("{key}")[0]  # cut inside a parameter's name
+    if opener in body:
+        got = fmt.read(body[:body.rindex(opener)] + inner, tools)
+        if got:
+            return got
+    return []
+
+
 def forced_calls(text: str, name: str | None, cut: bool = False,
                  names: frozenset[str] | set[str] = frozenset()) -> list[ToolCall]:
     """The calls in a reply constrained by forced_calls_schema (ValueError if it is not).
@@ -123,10 +190,8 @@ def forced_calls(text: str, name: str | None, cut: bool = False,
         items, rest = _complete_items(text, cut)
     calls = [ToolCall(str(c["name"]), _dumps(c["arguments"])) for c in items]
     partial = _PARTIAL_CALL.match(rest) if cut else None
-    if partial is not None:
-        fn = _loads('"' + partial.group(1) + '"')
-        if isinstance(fn, str) and fn in names:
-            calls.append(ToolCall(fn, partial.group(2).strip()))
+    if partial is not None and partial.group(1) in names:  # names need no JSON escapes
+        calls.append(ToolCall(partial.group(1), partial.group(2).strip()))
     return calls
 
 
@@ -159,8 +224,6 @@ def _complete_items(text: str, cut: bool = False) -> tuple[list[Any], str]:
     return items, text[i:]
 
 
-def _dumps(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def generic_preamble(tools: list[dict[str, Any]], name: str | None) -> str:
@@ -192,35 +255,8 @@ def history_call_text(calls: list[dict[str, Any]]) -> str:
     return json.dumps({"tool_calls": out}, ensure_ascii=False)
 
 
-def _call_of(obj: Any, names: set[str]) -> ToolCall | None:
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict):  # OpenAI's own shape
-        obj = obj["function"]
-    name = obj.get("name")
-    args = obj.get("arguments", obj.get("parameters"))
-    if not isinstance(name, str) or name not in names:
-        return None
-    if args is None:
-        args = {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
-def _calls_of(value: Any, names: set[str]) -> list[ToolCall] | None:
-    if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-        value = value["tool_calls"]
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_of(v, names) for v in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return [c for c in calls if c is not None]
 
 
 def parse_generic(text: str, names: set[str]) -> list[ToolCall] | None:
@@ -262,12 +298,17 @@ class ToolCallParser:
     Content is released as it comes, except the tail that could start a call marker; text
     after a marker, and a whole reply that opens with '{', '[' or a ``` fence, is held until it
     can be parsed (then it is either calls or, when it does not parse, content after all).
+    tools (the request's tool dicts) type the values of XML-style formats by their schemas.
     """
 
-    def __init__(self, family: str, names: set[str]) -> None:
+    def __init__(self, family: str, names: set[str],
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.names = names
         self.family = family
-        self.marker = {"hermes": HERMES_OPEN, "mistral": MISTRAL_OPEN}.get(family)
+        self._tools = tools
+        fmt = FORMATS.get(family)
+        self._stream = CallStream(fmt, ToolSet.of(names, tools)) if fmt else None
+        self.marker = fmt.opener if fmt else (MISTRAL_OPEN if family == "mistral" else None)
         self._buf = ""
         self._mode = "start"  # start | content | held | calls
         self.calls: list[ToolCall] = []
@@ -285,9 +326,14 @@ class ToolCallParser:
                 self._mode = "content"
         if self._mode == "held":
             return "", []
+        if self._stream is not None:
+            buf, self._buf = self._buf, ""
+            content, calls = self._stream.push(buf)
+            self.calls += calls
+            return content, calls
         if self._mode == "content":
             return self._scan_content()
-        return "", self._scan_calls()
+        return "", []  # Mistral's list ends with the reply: parsed in finish()
 
     def _scan_content(self) -> tuple[str, list[ToolCall]]:
         if self.marker is None:
@@ -295,31 +341,14 @@ class ToolCallParser:
             return out, []
         at = self._buf.find(self.marker)
         if at < 0:
-            keep = _partial_suffix(self._buf, self.marker)
+            keep = partial_suffix(self._buf, self.marker)
             out = self._buf[: len(self._buf) - keep]
             self._buf = self._buf[len(out):]
             return out, []
         out = self._buf[:at]
         self._buf = self._buf[at:]
         self._mode = "calls"
-        return out, self._scan_calls()
-
-    def _scan_calls(self) -> list[ToolCall]:
-        if self.family != "hermes":
-            return []  # Mistral's list ends with the reply: parsed in finish()
-        done = []
-        while True:
-            start = self._buf.find(HERMES_OPEN)
-            end = self._buf.find(HERMES_CLOSE, start + 1)
-            if start < 0 or end < 0:
-                return done
-            block = self._buf[start + len(HERMES_OPEN): end]
-            call = _calls_of(_loads(block), self.names)
-            if call is None:
-                return done  # not a call we can read: finish() gives the text back
-            self._buf = self._buf[end + len(HERMES_CLOSE):]
-            self.calls += call
-            done += call
+        return out, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """End of the reply: (remaining content, remaining calls)."""
@@ -330,38 +359,21 @@ class ToolCallParser:
                 self.calls += calls
                 return "", calls
             if self.marker and self.marker in buf:  # not the generic form: read it as text
-                again = ToolCallParser(self.family, self.names)
+                again = ToolCallParser(self.family, self.names, self._tools)
                 again._mode = "content"
                 content, calls = again.push(buf)
                 tail, more = again.finish()
                 self.calls += calls + more
                 return content + tail, calls + more
             return buf, []
+        if self._stream is not None:
+            content, calls = self._stream.finish()
+            self.calls += calls
+            return content, calls
         if self._mode == "content":
             return buf, []
-        if self.family == "mistral":
-            calls = _parse_mistral(buf[len(MISTRAL_OPEN):], self.names)
-        else:  # hermes: an unclosed last block still counts when its JSON is complete
-            body = buf.strip()
-            if not body:
-                return "", []
-            calls = _calls_of(_loads(body.removeprefix(HERMES_OPEN)), self.names)
+        calls = _parse_mistral(buf[len(MISTRAL_OPEN):], self.names)
         if calls is None:
             return buf, []
         self.calls += calls
         return "", calls
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
