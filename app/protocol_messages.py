@@ -4,10 +4,12 @@ A Messages request becomes the chat request it stands for (`to_chat`) and runs t
 chat path: `system` and `role: "system"` messages -> system messages, text blocks -> content
 (joined as sent), `tool_use` blocks -> an assistant's tool_calls, `tool_result` blocks -> tool
 messages, `tools` -> function tools, `tool_choice` auto/any/tool/none -> auto/required/named/
-none, `stop_sequences` -> stop. Accepted and ignored: `cache_control` on any block, `metadata`,
-`service_tier`, `context_management`, `output_config`, a tool's `defer_loading`, earlier
-thinking blocks. Tools the server cannot run (Anthropic's server tools such as web_search)
-are dropped, and the log says so. Refused (400): image, document and other non-text blocks.
+none, `stop_sequences` -> stop, `thinking` (with `output_config.effort`) -> reasoning_effort,
+earlier thinking blocks -> the assistant message's reasoning_content. Accepted and ignored:
+`cache_control` on any block, `metadata`, `service_tier`, `context_management`, a tool's
+`defer_loading`, redacted thinking. Tools the server cannot run (Anthropic's server tools such
+as web_search) are dropped, and the log says so. Refused (400): image, document and other
+non-text blocks.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from colibri.engine import join_text_parts
 
 log = logging.getLogger("colibri.app")
 
-# blocks of earlier turns that carry nothing the chat path renders
-_SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+# Anthropic's effort levels as the chat path's reasoning_effort
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
 
 
 class MessageParam(_Model):
@@ -49,6 +51,11 @@ class ToolChoiceParam(_Model):
 class ThinkingParam(_Model):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0)
+    display: str | None = None  # "omitted": thinking blocks come back without their text
+
+
+class OutputConfig(_Model):
+    effort: str | None = None
 
 
 class CountTokensRequest(_Model):
@@ -60,13 +67,28 @@ class CountTokensRequest(_Model):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
+    output_config: OutputConfig | None = None
 
-    def thinking_switch(self) -> bool | None:
-        """The model's reasoning switch this request asks for (None: the model's default):
-        `enabled` and `adaptive` turn it on, `disabled` off. A budget is not enforced."""
+    def reasoning_effort(self) -> str | None:
+        """The chat path's reasoning_effort (its switch of the template's thinking): none for
+        `disabled`; `output_config.effort`, or for `enabled` the budget's size, otherwise
+        (None: the model's default). A budget is not enforced as a token count."""
         if self.thinking is None:
             return None
-        return self.thinking.type != "disabled"
+        if self.thinking.type == "disabled":
+            return "none"
+        effort = self.output_config.effort if self.output_config else None
+        if effort in _EFFORTS:
+            return _EFFORTS[effort]
+        if self.thinking.type == "enabled":
+            budget = self.thinking.budget_tokens or 0
+            return "low" if budget < 4096 else "medium" if budget < 16384 else "high"
+        return None
+
+    @property
+    def thinking_shown(self) -> bool:
+        """Whether thinking blocks carry their text (`display: "omitted"`: empty)."""
+        return self.thinking is None or self.thinking.display != "omitted"
 
 
 class MessagesRequest(CountTokensRequest):
@@ -118,16 +140,20 @@ def _message(m: MessageParam, param: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
 
     def flush() -> None:
-        if texts or calls:
+        if texts or calls or thoughts:
             msg: dict[str, Any] = {"role": m.role, "content": join_text_parts(texts)}
             if calls:
                 msg["tool_calls"] = list(calls)
                 msg["content"] = msg["content"] or None
+            if thoughts:
+                msg["reasoning_content"] = join_text_parts(thoughts)
             out.append(msg)
         texts.clear()
         calls.clear()
+        thoughts.clear()
 
     for j, block in enumerate(m.content):
         where = f"{param}.{j}"
@@ -144,7 +170,10 @@ def _message(m: MessageParam, param: str) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                         "content": _text(content if content is not None else "",
                                          f"{where}.content")})
-        elif kind in _SKIPPED_BLOCKS:
+        elif kind == "thinking" and m.role == "assistant":
+            if isinstance(block.get("thinking"), str) and block["thinking"]:
+                thoughts.append(block["thinking"])
+        elif kind == "redacted_thinking" and m.role == "assistant":
             continue
         else:
             raise APIError(400, f"content blocks of type {kind!r} are not supported in "
@@ -197,6 +226,7 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         "messages": messages,
         "tools": _tools(body.tools),
         "tool_choice": _tool_choice(body.tool_choice),
+        "reasoning_effort": body.reasoning_effort(),
     }
     if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
         data["parallel_tool_calls"] = False

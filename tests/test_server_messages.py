@@ -61,12 +61,13 @@ def _post(server: SubprocessServer, body: dict[str, Any], path: str = "/v1/messa
     return httpx.post(server.url + path, json=body, headers=headers, timeout=120)
 
 
-def _events(server: SubprocessServer, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def _events(server: SubprocessServer, body: dict[str, Any],
+            key: str = KEY) -> list[tuple[str, dict[str, Any]]]:
     """The (event name, data) pairs of a streamed answer, checking each `event:` line names
     its data's type."""
     events = []
     with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True},
-                      headers={"x-api-key": KEY}, timeout=120) as r:
+                      headers={"x-api-key": key}, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith(
             "text/event-stream")
         name = None
@@ -94,8 +95,9 @@ def _check_order(events: list[tuple[str, dict[str, Any]]]) -> None:
             index, open_block = data["index"], data["content_block"]["type"]
         elif name == "content_block_delta":
             assert data["index"] == index and open_block is not None
-            want = {"text": "text_delta", "tool_use": "input_json_delta"}[open_block]
-            assert data["delta"]["type"] == want
+            want = {"text": ("text_delta",), "tool_use": ("input_json_delta",),
+                    "thinking": ("thinking_delta", "signature_delta")}[open_block]
+            assert data["delta"]["type"] in want
         else:
             assert name == "content_block_stop" and data["index"] == index
             open_block = None
@@ -105,13 +107,15 @@ def _check_order(events: list[tuple[str, dict[str, Any]]]) -> None:
 def _streamed(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """The content blocks a stream adds up to (tool inputs as their JSON text)."""
     blocks: list[dict[str, Any]] = []
+    fields = {"text_delta": ("text", "text"), "input_json_delta": ("partial", "partial_json"),
+              "thinking_delta": ("thinking", "thinking"),
+              "signature_delta": ("signature", "signature")}
     for name, data in events:
         if name == "content_block_start":
             blocks.append(dict(data["content_block"], partial=""))
         elif name == "content_block_delta":
-            d = data["delta"]
-            key = "text" if d["type"] == "text_delta" else "partial"
-            blocks[-1][key] += d["text"] if key == "text" else d["partial_json"]
+            key, field = fields[data["delta"]["type"]]
+            blocks[-1][key] += data["delta"][field]
     return blocks
 
 

@@ -2,8 +2,9 @@
 
 A request becomes the chat request it stands for (app/protocol_messages.py) and runs through
 the chat path: the same plan, sequences, engine and tool-call reading. The answer is a Message
-(text and tool_use blocks, stop_reason, usage), or its stream of named events: message_start,
-ping, content_block_start / content_block_delta (text_delta, input_json_delta) /
+(a thinking model's reasoning as a thinking block, then text and tool_use blocks, stop_reason,
+usage), or its stream of named events: message_start, ping, content_block_start /
+content_block_delta (thinking_delta and signature_delta, text_delta, input_json_delta) /
 content_block_stop, message_delta (stop_reason, usage), message_stop. Errors take Anthropic's
 shape on these paths (app/errors.py). A max_tokens larger than the room left in the context is
 clamped to it (the answer then stops with max_tokens), as Anthropic's clients expect.
@@ -20,7 +21,7 @@ from fastapi import APIRouter, Request
 from pydantic_core import from_json
 from sse_starlette import ServerSentEvent
 
-from colibri.app.chat_serving import ChoiceStream, plan_request, prepare_chat, reply_of
+from colibri.app.chat_serving import ChoiceStream, parsed_reply, plan_request, prepare_chat
 from colibri.app.errors import APIError, anthropic_error_body
 from colibri.app.protocol_messages import CountTokensRequest, MessagesRequest, to_chat
 from colibri.app.replies import Choice, Output, add_output, with_first
@@ -47,14 +48,16 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
             "model": model}
     if not body.stream:
         choice = (await serving.collect(request, job, 1, "messages"))[0]
-        content, calls, finish = reply_of(plan, choice.text, choice.finish_reason)
-        blocks = ([{"type": "text", "text": content}] if content else []) + [
-            _tool_use(c) for c in calls]
+        reply, finish = parsed_reply(plan, choice.text, choice.finish_reason)
+        blocks = [_thinking(reply.reasoning if body.thinking_shown else "")
+                  ] if reply.reasoning else []
+        blocks += [{"type": "text", "text": reply.content}] if reply.content else []
+        blocks += [_tool_use(c) for c in reply.calls]
         return {**meta, "content": blocks, **_stop(finish, choice.stop_string),
                 "usage": _usage(len(plan.prompt), choice.n_cached, choice.n_tokens)}
     first, outputs = await serving.first_output(request, job, "messages")
-    return sse_response(state, _stream(serving.eos_ids, plan, meta, first, outputs),
-                        _error_events, _ping)
+    return sse_response(state, _stream(serving.eos_ids, plan, meta, body.thinking_shown,
+                                       first, outputs), _error_events, _ping)
 
 
 @router.post("/v1/messages/count_tokens", response_model=None,
@@ -65,6 +68,11 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     serving.state.check_model(body.model)
     plan = await plan_request(serving, to_chat(body), request=request)
     return {"input_tokens": len(plan.prompt)}
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    # no signature: this server keeps no thinking to verify, and ignores those sent back
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
@@ -113,9 +121,10 @@ def _ping() -> ServerSentEvent:
 class _Blocks:
     """The content blocks of a streamed message, from its choice's chat deltas."""
 
-    def __init__(self) -> None:
+    def __init__(self, thinking_shown: bool) -> None:
         self.index = -1
         self.kind: str | None = None  # the open block's type
+        self.thinking_shown = thinking_shown
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, str]]:
         evs = self.close()
@@ -126,11 +135,21 @@ class _Blocks:
     def close(self) -> list[dict[str, str]]:
         if self.kind is None:
             return []
+        evs = []
+        if self.kind == "thinking":
+            evs.append(_event("content_block_delta", index=self.index,
+                              delta={"type": "signature_delta", "signature": ""}))
         self.kind = None
-        return [_event("content_block_stop", index=self.index)]
+        return evs + [_event("content_block_stop", index=self.index)]
 
     def push(self, delta: dict[str, Any]) -> list[dict[str, str]]:
         evs: list[dict[str, str]] = []
+        if delta.get("reasoning_content"):
+            if self.kind != "thinking":
+                evs += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            if self.thinking_shown:
+                evs.append(_event("content_block_delta", index=self.index, delta={
+                    "type": "thinking_delta", "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.kind != "text":
                 evs += self._open({"type": "text", "text": ""})
@@ -148,11 +167,11 @@ class _Blocks:
 
 
 async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
-                  first: Output | None, outputs: AsyncIterator[Output]
-                  ) -> AsyncIterator[dict[str, str]]:
+                  thinking_shown: bool, first: Output | None,
+                  outputs: AsyncIterator[Output]) -> AsyncIterator[dict[str, str]]:
     choice = Choice(0)
     stream = ChoiceStream(plan)
-    blocks = _Blocks()
+    blocks = _Blocks(thinking_shown)
     n_cached = first.step.n_cached_tokens if first is not None else 0
     try:
         yield _event("message_start", message={
