@@ -334,6 +334,32 @@ def test_errors_in_anthropic_shape(server: SubprocessServer, body: dict[str, Any
     assert data["error"]["type"] == kind and words in data["error"]["message"]
 
 
+def test_guard_errors_in_anthropic_shape(server: SubprocessServer) -> None:
+    """What the guard in front of the routes answers (a body over --max-body-bytes, an
+    unknown path or method under /v1/messages) takes the shape too."""
+    r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                   content=b"x" * ((1 << 20) + 1))
+    assert r.status_code == 413
+    assert r.json() == {"type": "error", "error": {"type": "request_too_large",
+                                                   "message": r.json()["error"]["message"]}}
+    r = httpx.post(server.url + "/v1/messages/nope", headers={"x-api-key": KEY}, json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(server.url + "/v1/messages", headers={"x-api-key": KEY})
+    assert r.status_code == 405 and r.json()["type"] == "error"
+
+
+@pytest.mark.parametrize(("status", "kind"), [
+    (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+    (404, "not_found_error"), (413, "request_too_large"), (429, "rate_limit_error"),
+    (500, "api_error"), (503, "overloaded_error"), (408, "invalid_request_error"),
+    (502, "api_error")])
+def test_status_to_anthropic_error_type(status: int, kind: str) -> None:
+    from colibri.app.errors import anthropic_error_body
+
+    assert anthropic_error_body(status, "m") == {"type": "error",
+                                                 "error": {"type": kind, "message": "m"}}
+
+
 def test_sdk_raises_its_own_errors(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-nope", max_tokens=4, messages=ASK)
