@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from tests.server_helpers import SubprocessServer, tiny_model
+from tests.tiny_models import retokenize_with_specials
 
 # Qwen2.5 / Qwen3's way of rendering tools and calls, cut to the parts that matter here
 TEMPLATE = (
@@ -47,16 +48,22 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
+@pytest.fixture(scope="module", params=["text", "special"])
+def server(tmp_path_factory: pytest.TempPathFactory,
+           request: pytest.FixtureRequest) -> Iterator[SubprocessServer]:
+    """The Hermes template on a vocabulary where the markers are text, and on one where
+    <tool_call> and </tool_call> are special tokens (as in some families' vocabularies)."""
     tmp = tmp_path_factory.mktemp("toolcalls")
     model = tiny_model(tmp / "model", max_position_embeddings=1024)
+    if request.param == "special":
+        retokenize_with_specials(model, ["<tool_call>", "</tool_call>"])
     cfg_path = Path(model) / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     srv = SubprocessServer(model, tmp / "run", "--served-model-name", "m").wait_ready()
     srv.model = model  # type: ignore[attr-defined]
+    srv.special = request.param == "special"  # type: ignore[attr-defined]
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -96,6 +103,8 @@ def test_forced_calls_in_the_family_markup_render_back_the_same(
         assert [x["function"]["name"] for x in calls] == ["get_time"]
     raw = "".join(e["token"] for e in c["logprobs"]["content"])
     assert raw.startswith("<tool_call>\n{\"name\": ")  # the family's markup, not bare JSON
+    if server.special:  # type: ignore[attr-defined]
+        assert c["logprobs"]["content"][0]["token"] == "<tool_call>"  # the special token
     history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
                *[{"role": "tool", "tool_call_id": x["id"], "content": "ok"} for x in calls]]
     prompt = _next_prompt(server.model, history)  # type: ignore[attr-defined]

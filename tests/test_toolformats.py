@@ -186,19 +186,26 @@ def test_forced_calls_in_the_hermes_markup() -> None:
 
     value = forced_calls_markup(TOOLS, None, True, "hermes")
     assert value is not None
-    assert (value["open"], value["close"], value["sep"]) == ("<tool_call>\n", "\n</tool_call>",
-                                                           "\n")
-    assert value["max_items"] is None
+    assert value["grammar"] == ('start: call ("\\n" call)*\n'
+                                'call: "<tool_call>\\n" value "\\n</tool_call>"\n')
+    schema = value["json"]["value"]
     jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}},
-                        value["schema"])
+                        schema)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"name": "get_weather", "arguments": {"days": "2"}}, value["schema"])
+        jsonschema.validate({"name": "get_weather", "arguments": {"days": "2"}}, schema)
     named = forced_calls_markup(TOOLS, "run", True, "hermes")
-    assert named is not None and named["max_items"] == 1
-    assert named["schema"]["properties"]["name"] == {"const": "run"}
+    assert named is not None and named["grammar"].startswith("start: call\n")  # one call
+    assert named["json"]["value"]["properties"]["name"] == {"const": "run"}
     assert forced_calls_markup(TOOLS, None, True, "qwen3_coder") is None  # not JSON markup
     with pytest.raises(ValueError):
         forced_calls_markup(TOOLS, "nope", True, "hermes")
+    # a marker that is a special token of the vocabulary is allowed as that token
+    split = {"<tool_call>": [7], "</tool_call>": [8]}
+    special = forced_calls_markup(TOOLS, "run", False, "hermes",
+                                  lambda t: [p for x in t.split("\n") for p in
+                                             (split.get(x, [x] if x else []) + ["\n"])][:-1])
+    assert special is not None
+    assert special["grammar"] == 'start: call\ncall: <[7]> "\\n" value "\\n" <[8]>\n'
 
     reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
              '\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"command": "ls')
@@ -303,3 +310,37 @@ def test_cut_xml_call_stays_a_call_with_what_was_written() -> None:
     calls = markup_calls(cut, "minimax", {"run"}, XML_TOOLS, cut=True)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run", {"command": "ls -"})]
     assert markup_calls(cut, "minimax", {"run"}, XML_TOOLS) == []  # not cut: not a call
+
+
+# DeepSeek-V3.1's way: the call's arguments are concatenated into the markup as JSON text
+DEEPSEEK_TEMPLATE = (
+    "{%- if tools %}{{- '## Tools\\n' + (tools | tojson) }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{{- '<｜User｜>' + m.content }}"
+    "{%- elif m.tool_calls %}{{- '<｜Assistant｜></think><｜tool▁calls▁begin｜>' }}"
+    "{%- for tool in m.tool_calls %}{{- '<｜tool▁call▁begin｜>' + tool['function']['name'] + "
+    "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>' }}{%- endfor %}"
+    "{{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
+    "{%- elif m.role == 'tool' %}{{- '<｜tool▁output▁begin｜>' + m.content + "
+    "'<｜tool▁output▁end｜>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜></think>' }}{%- endif %}")
+
+
+def test_deepseek_templates_get_arguments_as_text(demo) -> None:  # noqa: ANN001
+    """DeepSeek's templates concatenate a call's arguments into the markup, so they get the
+    JSON text (other templates get an object); the rendered call reads back as the call."""
+    from colibri.engine import plan_chat
+    from colibri.engine.text.reply import ReplyParser, parse_reply
+
+    tok = demo.tokenizer
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "c1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    plan = plan_chat(tok, history, TOOLS, "auto", client_template=DEEPSEEK_TEMPLATE)
+    assert plan.family == "deepseek"
+    text = tok.decode(plan.prompt, skip_special_tokens=False)
+    call = text[text.index("<｜tool▁calls▁begin｜>"):text.index("<｜end▁of▁sentence｜>")]
+    got = parse_reply(ReplyParser(None, False, ToolCallParser("deepseek", NAMES, TOOLS)), call)
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "Paris"})]

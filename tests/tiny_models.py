@@ -280,3 +280,25 @@ def make_scripted_checkpoint(out_dir: str | Path, chat_template: str, prompt_tai
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2) + "\n")
     return out
+
+
+def retokenize_with_specials(out_dir: str | Path, specials: list[str]) -> Path:
+    """Replace a tiny checkpoint's tokenizer by one of the same size whose last ids are the
+    given special tokens (as real vocabularies mark their tool-call markers special)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from colibri.engine.text.bpe import train_bpe_tokenizer
+
+    out = Path(out_dir)
+    template = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")
+    train_bpe_tokenizer([_TEXT] * 4, VOCAB_SIZE - len(specials), out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {VOCAB_SIZE}")
+    tok.save(str(out / "tokenizer.json"))
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

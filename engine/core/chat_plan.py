@@ -80,9 +80,10 @@ class ChatPlan:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the reply must be decoded with special-token text: the markers this plan
-        reads (reasoning tags, call sections, harmony channels) are special tokens in some
+        reads (reasoning tags, call markup, harmony channels) are special tokens in some
         vocabularies."""
-        return self.reasoning is not None or (self.mode == "auto" and self.family != "generic")
+        return (self.reasoning is not None or self.forced_markup
+                or (self.mode == "auto" and self.family != "generic"))
 
     def calls_of_forced(self, text: str, cut: bool = False) -> list[ToolCall] | None:
         """The calls of a forced reply; None when it does not parse. cut: the reply ended at
@@ -127,10 +128,11 @@ def plan_chat(
     plan = ChatPlan(prompt=[], spec=spec, family=info.family)
     tool_dicts = list(tools or [])
     render_tools: list[dict[str, Any]] | None = None
-    msgs = _messages(messages, info.renders_tools)
+    msgs = _messages(messages, info.renders_tools, info.family in _ARGS_AS_TEXT)
     if forced:
         plan.mode, plan.forced_name = "forced", forced_name
-        markup = _forced_markup(tool_dicts, forced_name, parallel_tool_calls, info.family)
+        markup = _forced_markup(tool_dicts, forced_name, parallel_tool_calls, info.family,
+                                getattr(tok, "split_special", None))
         if markup is not None and info.renders_tools:
             plan.spec, plan.forced_markup = markup, True
         else:
@@ -166,13 +168,13 @@ def plan_chat(
 
 
 def _forced_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
-                   family: str) -> ConstraintSpec | None:
-    """The constraint of forced calls in the family's own markup, None when it has none."""
-    value = forced_calls_markup(tools, name, parallel, family)
-    if value is not None:
-        return ConstraintSpec("tagged_json", value, "tools")
-    grammar = forced_xml_grammar(tools, name, parallel, family)
-    return ConstraintSpec("lark_json", grammar, "tools") if grammar is not None else None
+                   family: str, split: Any) -> ConstraintSpec | None:
+    """The constraint of forced calls in the family's own markup, None when it has none.
+    split: the tokenizer's split_special (markers that are special tokens in its vocabulary
+    are allowed as those tokens, never spelled out)."""
+    value = (forced_calls_markup(tools, name, parallel, family, split)
+             or forced_xml_grammar(tools, name, parallel, family, split))
+    return ConstraintSpec("lark_json", value, "tools") if value is not None else None
 
 
 def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -191,17 +193,23 @@ def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt:
         messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs))
 
 
-def _messages(messages: list[dict[str, Any]], template_tools_ok: bool) -> list[dict[str, Any]]:
+# families whose templates write a call's arguments as the JSON text they are given
+# (DeepSeek's concatenate them into the markup)
+_ARGS_AS_TEXT = frozenset({"deepseek"})
+
+
+def _messages(messages: list[dict[str, Any]], template_tools_ok: bool,
+              args_as_text: bool = False) -> list[dict[str, Any]]:
     """Messages as templates want them. Tool-call arguments become objects (templates
-    serialise them themselves); without a tool-capable template, earlier calls are written as
-    generic JSON text and tool results become user messages."""
+    serialise them themselves) unless args_as_text; without a tool-capable template, earlier
+    calls are written as generic JSON text and tool results become user messages."""
     out = []
     for m in messages:
         m = dict(m)
         calls = m.get("tool_calls")
         if m["role"] == "assistant" and calls:
             if template_tools_ok:
-                m["tool_calls"] = [_template_call(c) for c in calls]
+                m["tool_calls"] = [_template_call(c, args_as_text) for c in calls]
             else:
                 del m["tool_calls"]
                 text = m.get("content") or ""
@@ -214,10 +222,13 @@ def _messages(messages: list[dict[str, Any]], template_tools_ok: bool) -> list[d
     return out
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_call(call: dict[str, Any], args_as_text: bool = False) -> dict[str, Any]:
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
-    if isinstance(args, str):
+    if args_as_text:
+        if not isinstance(args, str):
+            fn["arguments"] = json.dumps(args if args is not None else {}, ensure_ascii=False)
+    elif isinstance(args, str):
         try:
             fn["arguments"] = json.loads(args) if args.strip() else {}
         except ValueError:

@@ -31,8 +31,7 @@ from colibri.engine.sample.schema_limits import (
     check_schema,
 )
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "tagged_json",
-                         "lark_json"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "lark_json"]
 
 # JSON comes out with one space after ',' and ':' and no other whitespace: a model cannot
 # fill its budget with blanks, and the text reads like json.dumps output.
@@ -96,11 +95,9 @@ class ConstraintError(ValueError):
 class ConstraintSpec:
     """What the output must match. value: a JSON Schema (dict or JSON text) for json_schema,
     ignored for json_object, a regular expression for regex, a Lark grammar for grammar;
-    for tagged_json, {"schema", "open", "close", "sep", "max_items"}: one or more JSON values
-    matching schema, each written between the texts open and close, separated by sep (at
-    most max_items of them when it is set) - a model's own tool-call markup; for lark_json,
-    {"grammar": Lark text, "json": {rule: JSON Schema}}: the grammar, whose rules named in
-    json are JSON values of their schemas, written as response_format JSON is."""
+    for lark_json, {"grammar": Lark text, "json": {rule: JSON Schema}}: the grammar, whose
+    rules named in json are JSON values of their schemas, written as response_format JSON is
+    (a model's own tool-call markup around JSON values)."""
 
     kind: ConstraintKind
     value: Any = None
@@ -113,7 +110,7 @@ class ConstraintSpec:
             return "json_schema\0" + v
         if self.kind == "json_object":
             return "json_object"
-        if self.kind in ("tagged_json", "lark_json"):
+        if self.kind == "lark_json":
             return self.kind + "\0" + json.dumps(self.value, sort_keys=True,
                                                  separators=(",", ":"))
         return f"{self.kind}\0{self.value}"
@@ -135,19 +132,6 @@ def _lark_json(spec: ConstraintSpec) -> str:
         raise ConstraintError("lark_json needs a grammar and a map of JSON rules", spec.param)
     rules = [f"{name}: {json_lark(schema)}" for name, schema in v.get("json", {}).items()]
     return "\n".join([v["grammar"].rstrip("\n"), *rules]) + "\n"
-
-
-def _tagged_json_lark(spec: ConstraintSpec) -> str:
-    """The Lark grammar of a tagged_json spec: each item is open, a JSON value, close."""
-    v = spec.value
-    if not isinstance(v, dict) or not isinstance(v.get("schema"), dict):
-        raise ConstraintError("tagged_json needs a schema object", spec.param)
-    lit = {k: json.dumps(str(v.get(k) or "")) if v.get(k) else "" for k in ("open", "close",
-                                                                             "sep")}
-    item = " ".join(p for p in (lit["open"], "value", lit["close"]) if p)
-    more = "" if v.get("max_items") == 1 else " (" + " ".join(
-        p for p in (lit["sep"], "item") if p) + ")*"
-    return f"start: item{more}\nitem: {item}\nvalue: {json_lark(v['schema'])}\n"
 
 
 class Constraint:
@@ -341,8 +325,6 @@ class ConstraintCompiler:
                                       spec.param) from None
         if spec.kind == "json_object":
             return M.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
-        if spec.kind == "tagged_json":
-            return M.grammar_from_lark(_tagged_json_lark(spec))
         if spec.kind == "lark_json":
             return M.grammar_from_lark(_lark_json(spec))
         if not isinstance(spec.value, str) or not spec.value:

@@ -41,6 +41,21 @@ class SpecialTokens:
         special = self._by_text.get(text)
         return None if special is None else special.token_id
 
+    def split(self, text: str) -> list[str | int]:
+        """text as its plain pieces and the ids of the special tokens spelled in it."""
+        if self._re is None:
+            return [text] if text else []
+        out: list[str | int] = []
+        pos = 0
+        for m in self._re.finditer(text):
+            if m.start() > pos:
+                out.append(text[pos:m.start()])
+            out.append(self._by_text[m.group(0)].token_id)
+            pos = m.end()
+        if pos < len(text):
+            out.append(text[pos:])
+        return out
+
     def found_in(self, text: str) -> bool:
         """Whether text contains the text of any special token."""
         return self._re is not None and self._re.search(text) is not None

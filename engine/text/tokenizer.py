@@ -129,6 +129,11 @@ class Tokenizer:
             raise TokenizerError(f"token id {token_id} is outside the vocabulary", "ids")
         return piece
 
+    def split_special(self, text: str) -> list[str | int]:
+        """text as its plain pieces and the ids of the special tokens spelled in it (what a
+        grammar must allow as those tokens, not as their text)."""
+        return self._specials.split(text)
+
     def contains_special_text(self, text: str) -> bool:
         """Whether text contains the text of any special token."""
         return self._specials.found_in(text)

@@ -32,7 +32,7 @@ from colibri.engine.text.toolformats import FORMATS, CallStream, ToolSet, family
 from colibri.engine.text.toolformats.common import call_of as _call_of
 from colibri.engine.text.toolformats.common import calls_of as _calls_of
 from colibri.engine.text.toolformats.common import dumps as _dumps
-from colibri.engine.text.toolformats.forced_xml import XML_MARKUP
+from colibri.engine.text.toolformats.forced_xml import XML_MARKUP, Splitter, lark_literal
 
 MISTRAL_OPEN = "[TOOL_CALLS]"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
@@ -99,10 +99,11 @@ _MARKUP: dict[str, tuple[str, str, str]] = {"hermes": ("<tool_call>\n", "\n</too
 
 
 def forced_calls_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
-                        family: str) -> dict[str, Any] | None:
-    """A tagged_json constraint's value for forced calls in the family's own markup, or None
-    when the family has none: each call {"name", "arguments"} between the family's texts, one
-    call for a named function or without parallel calls."""
+                        family: str, split: Splitter | None = None) -> dict[str, Any] | None:
+    """A lark_json constraint's value for forced calls in the family's own JSON markup, or
+    None when the family has none: each call {"name", "arguments"} between the family's
+    texts, one call for a named function or without parallel calls. split: as in
+    forced_xml_grammar (markers that are special tokens are allowed as those tokens)."""
     markup = _MARKUP.get(family)
     if markup is None:
         return None
@@ -117,9 +118,10 @@ def forced_calls_markup(tools: list[dict[str, Any]], name: str | None, parallel:
         "additionalProperties": False,
     } for t in chosen]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    single = name is not None or not parallel
-    return {"schema": schema, "open": markup[0], "close": markup[1], "sep": markup[2],
-            "max_items": 1 if single else None}
+    opener, closer, sep = (lark_literal(text, split) for text in markup)
+    more = "" if name is not None or not parallel else f" ({sep} call)*"
+    grammar = f"start: call{more}\ncall: {opener} value {closer}\n"
+    return {"grammar": grammar, "json": {"value": schema}}
 
 
 # a Hermes call that the token limit cut inside its arguments

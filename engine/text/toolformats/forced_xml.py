@@ -9,10 +9,15 @@ the generic JSON shape.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+# text -> its plain pieces and special-token ids (Tokenizer.split_special)
+Splitter = Callable[[str], "list[str | int]"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,12 @@ XML_MARKUP: dict[str, XmlMarkup] = {
 _SAFE_KEY = re.compile(r"^[^<>\"=\s]+$")
 
 
-def _lit(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+def lark_literal(text: str, split: Splitter | None = None) -> str:
+    """text as a Lark sequence: quoted plain pieces, and special tokens by id (`<[id]>`), which
+    a grammar cannot reach through their text."""
+    pieces = split(text) if split is not None else [text]
+    return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p, ensure_ascii=False)
+                    for p in pieces if p != "")
 
 
 def _rx(text: str) -> str:
@@ -65,25 +74,31 @@ def _types(schema: Any) -> set[str]:
 
 
 def _value(schema: Any, close: str, terminal: str, lines: list[str],
-           json_rules: dict[str, Any]) -> str:
+           json_rules: dict[str, Any], split: Splitter | None) -> str:
     """The grammar of one parameter's value followed by close; adds the rules it needs (JSON
     values as rules of json_rules, which the constraint compiler writes out)."""
     enum = schema.get("enum") if isinstance(schema, dict) else None
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return "(" + " | ".join(_lit(v) for v in enum) + ") " + _lit(close)
+        return ("(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ") "
+                + lark_literal(close, split))
     if "string" in _types(schema) or not isinstance(schema, dict) or not schema:
+        if split is not None and any(isinstance(p, int) for p in split(close)):
+            return ""  # text up to a special token: not expressible here
         # bare text up to the first close: the close ends the terminal, so the lexer stops
         lines.append(f"{terminal}: /(.|\\n)*{_rx(close)}/ & ~/(.|\\n)*{_rx(close)}(.|\\n)+/")
         return terminal
     rule = terminal.lower()
     json_rules[rule] = schema
-    return f"{rule} {_lit(close)}"
+    return f"{rule} {lark_literal(close, split)}"
 
 
 def forced_xml_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool,
-                       family: str) -> dict[str, Any] | None:
+                       family: str, split: Splitter | None = None) -> dict[str, Any] | None:
     """A lark_json constraint's value for forced calls in family's markup ({"grammar",
-    "json"}); None when the family has no XML markup or a tool cannot be written in it."""
+    "json"}); None when the family has no XML markup or a tool cannot be written in it.
+    split: the tokenizer's Tokenizer.split_special, so that markers which are special tokens
+    in its vocabulary are allowed as those tokens."""
+    lit = functools.partial(lark_literal, split=split)
     markup = XML_MARKUP.get(family)
     if markup is None:
         return None
@@ -99,21 +114,23 @@ def forced_xml_grammar(tools: list[dict[str, Any]], name: str | None, parallel: 
         required = set(params.get("required") or [])
         if not isinstance(props, dict) or not all(_SAFE_KEY.match(k) for k in props):
             return None
-        parts = [_lit(markup.call_open.format(name=fn.get("name")))]
+        parts = [lit(markup.call_open.format(name=fn.get("name")))]
         for j, (key, schema) in enumerate(props.items()):
             rule = f"c{i}_p{j}"
-            value = _value(schema, markup.param_close, f"V{i}_{j}", lines, json_rules)
-            lines.append(f"{rule}: {_lit(markup.param_open.format(key=key))} {value}")
+            value = _value(schema, markup.param_close, f"V{i}_{j}", lines, json_rules, split)
+            if not value:
+                return None
+            lines.append(f"{rule}: {lit(markup.param_open.format(key=key))} {value}")
             parts.append(rule if key in required else f"{rule}?")
-        parts.append(_lit(markup.call_close))
+        parts.append(lit(markup.call_close))
         lines.append(f"c{i}: " + " ".join(parts))
         calls.append(f"c{i}")
     if not calls:
         return None
-    sep = _lit(markup.sep) + " " if markup.sep else ""
+    sep = lit(markup.sep) + " " if markup.sep else ""
     more = "" if name is not None or not parallel else f" ({sep}call)*"
-    head = _lit(markup.section_open) + " " if markup.section_open else ""
-    tail = " " + _lit(markup.section_close) if markup.section_close else ""
+    head = lit(markup.section_open) + " " if markup.section_open else ""
+    tail = " " + lit(markup.section_close) if markup.section_close else ""
     grammar = "\n".join([f"start: {head}call{more}{tail}", "call: " + " | ".join(calls),
                          *lines]) + "\n"
     return {"grammar": grammar, "json": json_rules}
