@@ -7,6 +7,7 @@ text that only looks like a call stays text; the family is read from the templat
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -182,7 +183,8 @@ def test_family_read_from_the_template(template: str, family: str) -> None:
 def test_forced_calls_in_the_hermes_markup() -> None:
     import jsonschema
 
-    from colibri.engine.text.toolcalls import forced_calls_markup, markup_calls
+    from colibri.engine.text.toolcalls import markup_calls
+    from colibri.engine.text.toolformats.forced_json import forced_calls_markup
 
     value = forced_calls_markup(TOOLS, None, True, "hermes")
     assert value is not None
@@ -344,3 +346,94 @@ def test_deepseek_templates_get_arguments_as_text(demo) -> None:  # noqa: ANN001
     got = parse_reply(ReplyParser(None, False, ToolCallParser("deepseek", NAMES, TOOLS)), call)
     assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
         ("get_weather", {"city": "Paris"})]
+
+
+# Kimi K2's way: the written id and the arguments between special-token markers
+KIMI_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + "
+    "'<|im_end|>' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{{- '<|im_user|>user<|im_middle|>' + "
+    "m.content + '<|im_end|>' }}{%- elif m.tool_calls %}"
+    "{{- '<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|>' }}"
+    "{%- for tc in m.tool_calls %}{{- '<|tool_call_begin|>' + tc.id + "
+    "'<|tool_call_argument_begin|>' }}{%- if tc.function.arguments is string %}"
+    "{{- tc.function.arguments }}{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}"
+    "{{- '<|tool_call_end|>' }}{%- endfor %}{{- '<|tool_calls_section_end|><|im_end|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_assistant|>assistant<|im_middle|>' }}{%- endif %}")
+
+
+# gpt-oss's way: a call is a commentary message to its recipient, ended by <|call|>
+HARMONY_TEMPLATE = (
+    "{%- if tools %}{{- '<|start|>developer<|message|>' + (tools | tojson) + '<|end|>' }}"
+    "{%- endif %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{{- '<|start|>user<|message|>' + m.content + '<|end|>' }}{%- elif m.tool_calls %}"
+    "{%- for tc in m.tool_calls %}{{- '<|start|>assistant to=functions.' + tc.function.name }}"
+    "{{- '<|channel|>commentary json<|message|>' }}{{- tc.function.arguments | tojson }}"
+    "{{- '<|call|>' }}{%- endfor %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
+JSON_MARKUP_TEMPLATES = {"deepseek": DEEPSEEK_TEMPLATE, "kimi": KIMI_TEMPLATE,
+                         "harmony": HARMONY_TEMPLATE}
+
+
+@pytest.mark.parametrize("family", sorted(JSON_MARKUP_TEMPLATES))
+def test_forced_json_markup_calls_render_back_as_written(demo, family: str) -> None:  # noqa: ANN001
+    """DeepSeek's, Kimi's and gpt-oss's forced calls: the model writes the family's markup
+    (Kimi's id numbered, gpt-oss's recipient), the calls validate, and the template renders
+    them back verbatim."""
+    import jsonschema
+
+    from colibri.engine import SamplingParams, compile_constraints, plan_chat
+
+    tok = demo.tokenizer
+    template = JSON_MARKUP_TEMPLATES[family]
+    tools = [{"type": "function", "function": {**t["function"], "parameters": {
+        **t["function"]["parameters"], "additionalProperties": False}}} for t in XML_TOOLS]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    messages = [{"role": "user", "content": "What now?"}]
+    rendered_back = 0
+    for seed in range(3):
+        plan = plan_chat(tok, messages, tools, "required", parallel_tool_calls=seed != 0,
+                         client_template=template)
+        assert (plan.family, plan.spec.kind) == (family, "lark_json")
+        constraint = compile_constraints(tok, demo.vocab_size, plan.spec, [300])[0]
+        outs = list(demo.generate_tokens(plan.prompt, SamplingParams(
+            max_tokens=300, temperature=1.0, seed=seed, constraint=constraint)))
+        text = "".join(o.text for o in outs)
+        calls = plan.calls_of_forced(text, cut=outs[-1].finish_reason == "length")
+        assert calls, text
+        complete = calls if outs[-1].finish_reason == "stop" else calls[:-1]
+        for c in complete:
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+        if family == "kimi":
+            assert all(re.fullmatch(r"functions\.[a-z_]+:\d+", c.id) for c in calls)
+        if outs[-1].finish_reason != "stop":
+            continue
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}]
+        again = plan_chat(tok, history, tools, "auto", client_template=template,
+                          add_generation_prompt=False)
+        assert text in tok.decode(again.prompt, skip_special_tokens=False)
+        rendered_back += 1
+    assert rendered_back  # not every reply was cut by the budget
+
+
+def test_cut_json_markup_call_stays_a_call() -> None:
+    from colibri.engine.text.toolcalls import markup_calls
+
+    cut = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+           '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
+           '<|tool_call_begin|>functions.run:1<|tool_call_argument_begin|>{"command": "l')
+    calls = markup_calls(cut, "kimi", NAMES, TOOLS, cut=True)
+    assert [(c.id, c.name, c.arguments) for c in calls] == [
+        ("functions.get_weather:0", "get_weather", '{"city": "Paris", "days": 3}'),
+        ("functions.run:1", "run", '{"command": "l')]
+    cut = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run<｜tool▁sep｜>"
+           '{"command": "ls", "env": {"A"')
+    calls = markup_calls(cut, "deepseek", NAMES, TOOLS, cut=True)
+    assert [(c.name, c.arguments) for c in calls] == [("run", '{"command": "ls", "env": {"A"')]
+    assert markup_calls(cut, "deepseek", NAMES, TOOLS) == []
+    cut = ' to=functions.run<|channel|>commentary json<|message|>{"command": "pw'
+    calls = markup_calls(cut, "harmony", NAMES, TOOLS, cut=True)
+    assert [(c.name, c.arguments) for c in calls] == [("run", '{"command": "pw')]

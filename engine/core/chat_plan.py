@@ -6,9 +6,9 @@ Decides what the model sees and how its reply is read:
 - `auto`: the tools are rendered by the model's template and the reply is parsed for calls
   in the template family's format (ToolCallParser);
 - `forced` (tool_choice "required" or a named function): the reply is constrained to the
-  calls, in the family's own markup when it has one (Hermes / Qwen3 JSON, Qwen3-Coder,
-  GLM-4.5 and MiniMax-M2 XML), else to the generic JSON shape; a template that cannot render
-  tools gets them in a generic preamble.
+  calls, in the family's own markup when it has one (Hermes / Qwen3, DeepSeek-V3.1, Kimi K2,
+  gpt-oss; Qwen3-Coder, GLM-4.5 and MiniMax-M2 XML), else to the generic JSON shape; a
+  template that cannot render tools gets them in a generic preamble.
 A content format (a ConstraintSpec) turns tool_choice "auto" into "none": a reply cannot
 both match the format and be a tool call.
 Models that think (a template with `<think>` or gpt-oss's channels) have their reasoning
@@ -39,13 +39,13 @@ from colibri.engine.text.toolcalls import (
     ToolCall,
     ToolCallParser,
     forced_calls,
-    forced_calls_markup,
     forced_calls_schema,
     generic_preamble,
     history_call_text,
     markup_calls,
     template_tools,
 )
+from colibri.engine.text.toolformats.forced_json import forced_calls_markup
 from colibri.engine.text.toolformats.forced_xml import forced_xml_grammar
 
 log = logging.getLogger("colibri.engine")

@@ -11,8 +11,9 @@ that is only JSON (optionally in a ``` fence) of the shape `{"tool_calls": [{"na
 was offered, is read as calls too (the generic fallback). Anything else is text. Forced calls
 (tool_choice "required" or a named function) are constrained, so they always parse: in the
 family's own markup, so that the template renders the call back exactly as the model wrote
-it (`forced_calls_markup` for Hermes / Qwen3 JSON, toolformats.forced_xml for Qwen3-Coder,
-GLM-4.5 and MiniMax-M2), otherwise by a JSON Schema of the generic shape
+it (toolformats.forced_json for Hermes / Qwen3, DeepSeek-V3.1, Kimi K2 and gpt-oss,
+toolformats.forced_xml for Qwen3-Coder, GLM-4.5 and MiniMax-M2), otherwise (Mistral, the
+generic fallback) by a JSON Schema of the generic shape
 (`forced_calls_schema`). Knows nothing of HTTP.
 """
 
@@ -26,13 +27,15 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from colibri.engine.text.harmony import HarmonyParser
 from colibri.engine.text.markers import partial_suffix
 from colibri.engine.text.reply_types import ToolCall
 from colibri.engine.text.toolformats import FORMATS, CallStream, ToolSet, family_of
 from colibri.engine.text.toolformats.common import call_of as _call_of
 from colibri.engine.text.toolformats.common import calls_of as _calls_of
 from colibri.engine.text.toolformats.common import dumps as _dumps
-from colibri.engine.text.toolformats.forced_xml import XML_MARKUP, Splitter, lark_literal
+from colibri.engine.text.toolformats.forced_json import cut_json_call
+from colibri.engine.text.toolformats.forced_xml import XML_MARKUP
 
 MISTRAL_OPEN = "[TOOL_CALLS]"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
@@ -94,57 +97,28 @@ def forced_calls_schema(tools: list[dict[str, Any]], name: str | None,
     return schema
 
 
-# Families whose calls are one JSON object between fixed texts: (open, close, separator).
-_MARKUP: dict[str, tuple[str, str, str]] = {"hermes": ("<tool_call>\n", "\n</tool_call>", "\n")}
-
-
-def forced_calls_markup(tools: list[dict[str, Any]], name: str | None, parallel: bool,
-                        family: str, split: Splitter | None = None) -> dict[str, Any] | None:
-    """A lark_json constraint's value for forced calls in the family's own JSON markup, or
-    None when the family has none: each call {"name", "arguments"} between the family's
-    texts, one call for a named function or without parallel calls. split: as in
-    forced_xml_grammar (markers that are special tokens are allowed as those tokens)."""
-    markup = _MARKUP.get(family)
-    if markup is None:
-        return None
-    chosen = [t for t in tools if name is None or function_of(t).get("name") == name]
-    if not chosen:
-        raise ValueError(f"no tool named {name!r}")
-    options = [{
-        "type": "object",
-        "properties": {"name": {"const": function_of(t).get("name")},
-                       "arguments": parameters_of(t)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for t in chosen]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    opener, closer, sep = (lark_literal(text, split) for text in markup)
-    more = "" if name is not None or not parallel else f" ({sep} call)*"
-    grammar = f"start: call{more}\ncall: {opener} value {closer}\n"
-    return {"grammar": grammar, "json": {"value": schema}}
-
-
-# a Hermes call that the token limit cut inside its arguments
-_PARTIAL_MARKUP = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.*)\Z', re.DOTALL)
-
-
 def markup_calls(text: str, family: str, names: set[str], tools: list[dict[str, Any]],
                  cut: bool = False) -> list[ToolCall]:
     """The calls of a reply constrained by forced_calls_markup or forced_xml_grammar. With cut
     (the reply ended at the token limit), a JSON-markup call cut inside its arguments stays a
     call, with the arguments written so far (incomplete JSON)."""
-    parser = ToolCallParser(family, names, tools)
-    calls = parser.push(text)[1]
-    rest, more = parser.finish()
-    calls += more
+    if family == "harmony":  # one call, which ends the turn: a cut one is in the text
+        harmony = HarmonyParser(names)
+        read = harmony.push(text)
+        read += harmony.finish()
+        calls, rest = read.calls, ("" if read.calls else text)
+    else:
+        parser = ToolCallParser(family, names, tools)
+        calls = parser.push(text)[1]
+        rest, more = parser.finish()
+        calls += more
     if not cut:
         return calls
-    if family in _MARKUP:
-        opener = _MARKUP[family][0]
-        if opener in rest:
-            m = _PARTIAL_MARKUP.match(rest[rest.rindex(opener) + len(opener):])
-            if m is not None and m.group(1) in names:
-                calls.append(ToolCall(m.group(1), m.group(2).strip()))
+    partial = cut_json_call(rest, family, names)
+    if partial is not None:
+        call = ToolCall(partial[0], partial[1])
+        call.id = partial[2] or call.id
+        calls.append(call)
     elif family in XML_MARKUP:
         calls += _cut_xml_call(rest, family, ToolSet.of(names, tools))
     return calls
