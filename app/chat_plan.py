@@ -71,10 +71,11 @@ def chat_prompt_ids(tok: Any, messages: list[dict[str, Any]], add_generation_pro
 
 
 def request_constraints(tok: Any, vocab_size: int, spec: ConstraintSpec | None,
-                        budgets: list[int]) -> list[Any]:
+                        budgets: list[int], timeout_s: float,
+                        cancel: threading.Event | None = None) -> list[Any]:
     """One fresh constraint per sequence (None without a spec); 400 naming what the grammar
-    engine cannot enforce."""
-    return _api_errors(compile_constraints, tok, vocab_size, spec, budgets)
+    engine cannot enforce or could not compile within timeout_s."""
+    return _api_errors(compile_constraints, tok, vocab_size, spec, budgets, timeout_s, cancel)
 
 
 def context_note(plan: ChatPlan) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from colibri.app.chat_plan import context_note, request_constraints, request_plan
+from colibri.app.chat_plan import context_note, request_plan
 from colibri.app.errors import APIError
 from colibri.app.protocol import ChatCompletionRequest
 from colibri.app.serving import ClientGoneError, Sequence, Serving
@@ -63,8 +63,7 @@ async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
     budget = serving.budget(len(plan.prompt), body.requested_max_tokens(), prompt_param,
                             context_note(plan), clamp)
     k = body.engine_logprobs()
-    constraints = await state.off_loop(request_constraints, tok, vocab, plan.spec,
-                                       [budget] * body.n)
+    constraints = await serving.constraints(plan.spec, [budget] * body.n, request)
     sequences = []
     for i in range(body.n):
         params = body.sampling_params(budget, i, vocab, k)

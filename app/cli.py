@@ -24,6 +24,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from colibri.app.http import uvicorn_options
+from colibri.app.memory import limit_arenas
 from colibri.app.middleware import exposure_warning
 from colibri.app.server import create_app
 from colibri.app.settings import Settings
@@ -119,6 +120,7 @@ def check_port(host: str, port: int) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code."""
+    limit_arenas()  # before any thread: see app.memory
     settings = settings_from_args(args)
     check_port(settings.host, settings.port)
     check_model(settings.model, n_ctx=settings.n_ctx)

@@ -7,11 +7,14 @@
 - malformed HTTP (negative Content-Length, bad chunk sizes, NUL in a header) gets a 400 and
   a head too large for the parser a 431, both in OpenAI's JSON error shape, not plain text.
 The body deadline (`body_timeout_s`, 408) is enforced by the guard middleware that reads it.
+A response may also end its connection on purpose (a streaming client that stopped reading):
+`drop_connection(scope)` closes it, and the server logs nothing more about it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import h11
@@ -27,6 +30,7 @@ PARSER_HEAD_SLACK = 64 << 10
 # left: the app's own drain answers (503s, error events + [DONE]) go out in this window.
 DRAIN_GRACE_S = 5.0
 
+_DROP = "colibri.drop_connection"
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
             503: b"Service Unavailable"}
 
@@ -71,6 +75,18 @@ class GuardedH11Protocol(H11Protocol):
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:  # the head is in: the body has its own deadline
             self._disarm_head_timer()
+        cycle = self.cycle
+        if cycle is not None:  # its app has not run yet: it finds the drop in its scope
+            extensions = cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
+            if _DROP not in extensions:
+                extensions[_DROP] = functools.partial(self._drop, cycle)
+
+    def _drop(self, cycle: Any) -> None:
+        """End the connection of cycle's response on purpose: marked as gone, uvicorn does not
+        report the response as incomplete."""
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -119,6 +135,16 @@ class GuardedH11Protocol(H11Protocol):
             out = _raw_response(400, "The request is not valid HTTP/1.1.")
         self.transport.write(out)
         self.transport.close()
+
+
+def drop_connection(scope: Any) -> bool:
+    """Close the connection of the request of scope on purpose (False: not served by
+    GuardedH11Protocol, nothing was done)."""
+    drop = scope.get("extensions", {}).get(_DROP)
+    if drop is None:
+        return False
+    drop()
+    return True
 
 
 def protocol_for(settings: Settings) -> type[GuardedH11Protocol]:

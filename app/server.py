@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from colibri.app.errors import install_error_handlers
+from colibri.app.memory import MemoryReturner
 from colibri.app.metrics import Metrics
 from colibri.app.middleware import PROTECTED, GuardMiddleware
 from colibri.app.routes import (
@@ -37,6 +38,7 @@ from colibri.engine import (
     AsyncEngineConfig,
     EngineConfig,
     EngineCore,
+    ModelError,
     __version__,
     engine_loader,
 )
@@ -57,9 +59,13 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
 
     def on_fatal(exc: BaseException) -> None:
         state = holder[0]
-        state.exit_code = 1
+        # a model that cannot load (its files, the disk it converts to) exits 2 with one line,
+        # as the checks before binding do; the engine failing later exits 1
+        load_failed = not engine.loaded.is_set()
+        code = 2 if load_failed and isinstance(exc, (ModelError, OSError)) else 1
+        state.exit_code = code
         if state.request_exit is not None:
-            state.request_exit(1)
+            state.request_exit(code)
 
     engine = AsyncEngine(loader or default_loader(settings),
                          AsyncEngineConfig(max_queue=settings.max_queue), on_fatal)
@@ -82,13 +88,16 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         watch = asyncio.create_task(drain_watch())
+        returner = asyncio.create_task(MemoryReturner().run())
         try:
             yield
         finally:
             watch.cancel()
+            returner.cancel()
             state.draining = True
             await asyncio.to_thread(engine.stop, settings.drain_timeout_s)
             state.tok_pool.shutdown(wait=False, cancel_futures=True)
+            state.constraint_pool.shutdown(wait=False, cancel_futures=True)
 
     docs = settings.docs
     app = FastAPI(title="Colibri", version=__version__, lifespan=lifespan,

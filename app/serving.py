@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -22,10 +23,12 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from colibri.app.chat_plan import request_constraints
 from colibri.app.errors import APIError
 from colibri.app.replies import Choice, Output, PromptToken, add_output
 from colibri.app.state import DrainExpiredError, ServerState, shutting_down, unavailable
 from colibri.engine import (
+    ConstraintSpec,
     ContextLengthError,
     EngineClient,
     EngineUnavailableError,
@@ -231,6 +234,28 @@ class Serving:
     @property
     def eos_ids(self) -> frozenset[int]:
         return self.engine.info.eos_token_ids
+
+    async def constraints(self, spec: ConstraintSpec | None, budgets: list[int],
+                          request: Request | None = None) -> list[Any]:
+        """One compiled constraint per sequence (None each without a spec). Compiles wait on
+        the constraint pool, never on the threads other requests tokenize on; one stops when
+        its client disconnects (with request) and is a 400 past constraint_timeout_s."""
+        if spec is None:
+            return [None] * len(budgets)
+        state = self.state
+        tok = state.tokenizer
+        cancel = threading.Event()
+        work = state.off_loop(request_constraints, tok, int(tok.vocab_size), spec, budgets,
+                              state.settings.constraint_timeout_s, cancel,
+                              pool=state.constraint_pool)
+        try:
+            return await (work if request is None else self.race_disconnect(request, work))
+        except ClientGoneError:
+            raise APIError(499, "client closed the request") from None
+        except DrainExpiredError:
+            raise shutting_down(state) from None
+        finally:
+            cancel.set()  # a compile still running in its process stops now
 
     # -- waiting ---------------------------------------------------------------------------
     async def race_disconnect(self, request: Request, awaitable: Awaitable[T]) -> T:

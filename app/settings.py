@@ -59,6 +59,7 @@ class Settings(BaseSettings):
     expert_prefetch: bool = _option("expert_prefetch")
     expert_pin: bool = _option("expert_pin")
     expert_huge_pages: bool = _option("expert_huge_pages")
+    expert_read_timeout_s: float = _option("expert_read_timeout_s")
 
     # -- network ----------------------------------------------------------------------
     host: str = _option("host")
@@ -81,6 +82,7 @@ class Settings(BaseSettings):
     send_timeout_s: float = _option("send_timeout_s")
     header_timeout_s: float = _option("header_timeout_s")
     body_timeout_s: float = _option("body_timeout_s")
+    constraint_timeout_s: float = _option("constraint_timeout_s")
     max_connections: int = _option("max_connections")
     drain_timeout_s: float = _option("drain_timeout_s")
 

@@ -1,8 +1,9 @@
 """What the routes share: settings, metrics, the engine (an EngineClient) and a tokenizer
 pool.
 
-Tokenizing, chat-template rendering and detokenizing run on `tok_pool` threads, never on
-the event loop; generation runs only on the engine's own thread.
+Tokenizing, chat-template rendering and detokenizing run on `tok_pool` threads, constraint
+compiles on `constraint_pool`, never on the event loop; generation runs only on the engine's
+own thread.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class ServerState:
     engine: EngineClient
     tok_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="colibri-tok"))
+    # constraint compiles wait here (up to constraint_timeout_s each), never on tok_pool
+    constraint_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="colibri-grammar"))
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     # set drain_timeout_s after draining began: what is still queued gets 503, what still
@@ -71,10 +75,12 @@ class ServerState:
                            "model_not_found")
         return names[0]
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run fn (tokenizer work) on the tokenizer pool."""
+    async def off_loop(self, fn: Callable[..., T], *args: Any,
+                       pool: ThreadPoolExecutor | None = None, **kwargs: Any) -> T:
+        """Run fn on pool (default: the tokenizer pool)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tok_pool, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(pool or self.tok_pool,
+                                          functools.partial(fn, *args, **kwargs))
 
 
 class DrainExpiredError(Exception):

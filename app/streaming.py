@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -18,9 +19,11 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import SendTimeoutError
 
 from colibri.app.errors import APIError, error_body
-from colibri.app.http import DRAIN_GRACE_S
+from colibri.app.http import DRAIN_GRACE_S, drop_connection
 from colibri.app.serving import engine_error
 from colibri.app.state import DrainExpiredError, ServerState, shutting_down
+
+log = logging.getLogger("colibri.app")
 
 
 async def _next_or_drain(state: ServerState, it: AsyncIterator[str]) -> str:
@@ -79,6 +82,16 @@ class EventStream(EventSourceResponse):
     event loop's CPU time per streamed token. Where sse-starlette has no such method to
     override, its own runs: slower, the same behaviour (tests/test_reliability_http.py
     checks that the override is in use and that both drop a client that stops reading)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            # the client stopped reading: one line, the connection closed, nothing to raise
+            log.warning("dropped a streaming client that read nothing for %g s "
+                        "(send_timeout_s); its request was stopped", self.send_timeout or 0)
+            if not drop_connection(scope):
+                raise
 
     async def _send_with_timeout(self, send: Any, message: Any) -> None:
         try:

@@ -41,6 +41,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_reasoning_serving.py", "test_toolcall_serving.py",
                "test_reliability_http.py", "test_reliability_requests.py",
                "test_reliability_schema.py", "test_reliability_tooling.py",
+               "test_reliability_grammar.py", "test_reliability_soak.py",
                "test_server_clients.py", "test_server_browser.py",
                "test_server_messages.py", "test_server_agent_requests.py",
                "test_messages_reasoning.py",

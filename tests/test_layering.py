@@ -82,7 +82,8 @@ def test_engine_top_level_holds_only_the_facade() -> None:
     the package exports, the Python facade (llm), the error types and the C binding."""
     top = {p.name for p in (ROOT / "engine").glob("*.py")}
     assert top == {"__init__.py", "llm.py", "errors.py"}, sorted(top)
-    for pkg in ("core", "sample", "text", "models", "format", "executor", "tools", "demo"):
+    for pkg in ("core", "sample", "text", "models", "format", "executor", "tools", "demo",
+                "isolate"):
         assert (ROOT / "engine" / pkg / "__init__.py").is_file(), pkg
 
 
@@ -105,7 +106,7 @@ ENGINE = "colibri.engine"
 # while the rest of format (the converter and the model-folder checks, which need the model
 # descriptions, the tokenizer and the bundled demo model) sits above them.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_core", "errors"),  # the C binding; the error types
+    ("_core", "errors", "isolate"),  # the C binding; the error types; bounded child processes
     ("format.jsonfile", "format.quant", "format.safetensors_io", "format.wfile"),  # files
     ("models", "sample", "text"),  # architectures; sampling and constraints; tokenizer, chat
     ("demo",),  # the bundled demo model and its data

@@ -36,9 +36,9 @@ from colibri.engine.core.options import (
 from colibri.engine.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-# COLIBRI_* names in the code that are not options: the limit the server hands its template
-# renderer process
-INTERNAL_VARIABLES = {"COLIBRI_RENDER_MEMORY"}
+# COLIBRI_* names in the code that are not options: the memory limit the server hands its
+# child processes (template renders, constraint compiles)
+INTERNAL_VARIABLES = {"COLIBRI_WORKER_MEMORY"}
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -154,6 +154,10 @@ def test_stream_to_a_client_that_stops_reading_is_dropped(
         r = httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=30,
                        json={"model": name, "prompt": "a", "max_tokens": 4})
         assert r.status_code == 200, r.text
+        # one warning line says what happened; no error, no traceback
+        log = srv.log()
+        assert "dropped a streaming client that read nothing for 1 s" in log, log
+        assert "ERROR" not in log and "Traceback" not in log, log
     finally:
         assert srv.stop() == 0, srv.log()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import threading
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from colibri.engine.text.errors import ChatTemplateError, ModelTemplateError
+from colibri.engine.text.errors import ChatTemplateError, ModelTemplateError, TemplateLimitError
 from colibri.engine.text.template_sandbox import TemplateStoppedError
 from colibri.engine.text.tokenizer import Tokenizer
 from tests.server_helpers import SubprocessServer, tiny_model, wait_for
@@ -43,6 +44,19 @@ def test_hostile_templates_are_stopped(model: Path, template: str) -> None:
     with pytest.raises(ChatTemplateError):
         tok.apply_chat_template(MSG, chat_template=template, allow_custom_template=True,
                                 render_timeout_s=1.0)
+
+
+def test_a_client_template_is_never_evaluated_in_the_server_process(model: Path) -> None:
+    """Reading which variables a template uses must not compile it here: jinja2's compiler
+    folds constants, and `'a' * 10**9` would be built in this process, outside the render
+    limits (seconds and a gigabyte)."""
+    tok = Tokenizer.from_dir(model)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(TemplateLimitError) as err:
+        tok.apply_chat_template(MSG, chat_template="{{ 'a' * 1000000000 }}",
+                                allow_custom_template=True, render_timeout_s=2.0)
+    assert err.value.param == "chat_template" and "size cap" in str(err.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000
 
 
 def test_cancel_stops_a_running_render(model: Path) -> None:

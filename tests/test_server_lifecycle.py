@@ -9,8 +9,11 @@ exit code after a failed load) runs `python -m colibri.app serve` in a subproces
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +24,12 @@ import httpx
 import pytest
 
 from tests.server_helpers import (
+    ROOT,
     ExplodingConstraint,
     InProcessServer,
     PacedLLM,
     SubprocessServer,
+    free_port,
     tiny_model,
     wait_for,
 )
@@ -36,8 +41,6 @@ LONG = {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "seed": 1}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import os
-
     # the engines below convert into a cache of this run's own
     os.environ.setdefault("COLIBRI_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     return tiny_model(tmp_path_factory.mktemp("lifecycle") / "model",
@@ -348,10 +351,10 @@ def test_disconnect_during_prefill_frees_its_blocks_without_another_step(
 
 def test_a_failing_request_is_a_500_while_its_batch_neighbour_finishes(
         paced_pair: tuple[InProcessServer, PacedLLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    import colibri.app.chat_serving as chat_serving
+    import colibri.app.serving as serving
 
     srv, llm, before = _quiet(paced_pair)
-    monkeypatch.setattr(chat_serving, "request_constraints", lambda _tok, _v, spec, budgets: [
+    monkeypatch.setattr(serving, "request_constraints", lambda _tok, _v, spec, budgets, *_: [
         None if spec is None else ExplodingConstraint() for _ in budgets])
     results: dict[str, httpx.Response] = {}
 
@@ -484,3 +487,26 @@ def test_failed_load_exits_1(tmp_path: Path) -> None:
     srv.stop()
     log = srv.log()
     assert "could not load the model" in log and "the config wants" in log, log
+
+
+def test_disk_full_during_serves_own_conversion_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """`serve` on a checkpoint converts it into the cache first; a disk that fills up on the
+    way (a real one: a 64 KiB tmpfs over the cache folder, in a mount namespace of its own)
+    stops the server with one line, exit status 2, and no half-written entry."""
+    model = tiny_model(tmp_path / "hf")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    namespace = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    server = (f"mount -t tmpfs -o size=64k tmpfs {cache} && exec {sys.executable} -m "
+              f"colibri.app serve --model {model} --port {free_port()}")
+    env = dict(os.environ, COLIBRI_CACHE_DIR=str(cache),
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT))
+                                          if p))
+    run = subprocess.run([*namespace, "sh", "-c", server], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out
+    errors = [line for line in out.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, out
+    assert "ran out of disk space" in errors[0] and "COLIBRI_CACHE_DIR" in errors[0], out
+    assert "Traceback" not in out, out

@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from colibri.app.chat_plan import request_constraints
 from colibri.app.errors import APIError
 from colibri.app.protocol import CompletionRequest
 from colibri.app.replies import (
@@ -64,8 +63,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         if not ids:
             raise APIError(400, "prompt must not be empty", "prompt")
         budget = serving.budget(len(ids), body.max_tokens, "prompt")
-        constraints = await state.off_loop(request_constraints, tok, vocab, spec,
-                                           [budget] * body.n)
+        constraints = await serving.constraints(spec, [budget] * body.n, request)
         for j in range(body.n):
             params = body.sampling_params(budget, j, vocab, body.logprobs, prompt_lp)
             params.constraint = constraints[j]

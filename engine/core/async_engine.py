@@ -29,6 +29,7 @@ from colibri.engine.core.client import Health, ModelInfo
 from colibri.engine.core.engine import EngineCore
 from colibri.engine.core.options import default
 from colibri.engine.core.request import RequestOutput
+from colibri.engine.errors import ModelError
 from colibri.engine.sample.sampler import SamplingParams
 from colibri.engine.text.token_text import TokenTexts
 
@@ -275,7 +276,9 @@ class AsyncEngine:
 
                 core.on_step = on_step
         except BaseException as exc:  # noqa: BLE001 - reported, then the server exits
-            log.error("could not load the model: %s", exc, exc_info=exc)
+            # the model or its files: one line says what; anything else is a bug to trace
+            known = isinstance(exc, (ModelError, OSError))
+            log.error("could not load the model: %s", exc, exc_info=None if known else exc)
             self.error = exc
             if self._on_fatal is not None:
                 self._on_fatal(exc)

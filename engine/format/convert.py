@@ -10,6 +10,7 @@ already exists.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -20,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from colibri.engine.errors import ModelError
 from colibri.engine.format import quant
 from colibri.engine.format.jsonfile import read_json_object
 from colibri.engine.format.safetensors_io import Checkpoint, CheckpointError
@@ -404,4 +406,12 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
                 pass  # damaged cache entry: convert again
         if dest.exists():  # damaged, or made by an earlier choice of types
             shutil.rmtree(dest)
-        return convert(path, dest, quant=quant, progress=progress)
+        try:
+            return convert(path, dest, quant=quant, progress=progress)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ModelError(
+                f"converting {path.name} into {root} ran out of disk space ({e.strerror}); "
+                "nothing was kept. Free space there, or set COLIBRI_CACHE_DIR to a folder "
+                "with room for the converted weights") from None

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from colibri.engine.isolate.pool import WorkerPool, WorkerStopped
 from colibri.engine.sample.schema_limits import (
     ConstraintLimitError,
     check_pattern,
@@ -41,6 +42,11 @@ _JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 _CACHE_SIZE = 256
+_MATCHERS_KEPT = 64
+# A spec compiles first in a child process with these bounds (a few conjunctions of patterns
+# can take the grammar engine minutes and gigabytes; its own limits do not stop that).
+COMPILE_TIMEOUT_S = 5.0
+COMPILE_MEMORY_BYTES = 512 << 20
 # Closing look-ahead: checked in the last _LOOKAHEAD tokens of a budget, with a margin.
 _LOOKAHEAD = 96
 _CLOSING_MARGIN = 6
@@ -252,9 +258,13 @@ class Constraint:
 
 
 class ConstraintCompiler:
-    """Compiles specs against one tokenizer; grammars are checked once and cached."""
+    """Compiles specs against one tokenizer. A spec is first compiled in a child process
+    bounded in time and memory (engine.isolate); only one that compiled there is compiled
+    here, once: its matcher is kept (bounded, least recently used first out) and each request
+    gets a copy. A refused spec is remembered too, so a repeat costs nothing."""
 
-    def __init__(self, tokenizer_json: str, n_vocab: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_json: str, n_vocab: int, eos_token_ids: list[int],
+                 bounded: bool = True) -> None:
         import llguidance  # imported here: only requests with constraints need it
 
         self._llg = llguidance
@@ -262,9 +272,15 @@ class ConstraintCompiler:
         self.n_vocab = int(n_vocab)
         self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.n_vocab, eos_token=eos)
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._matchers: OrderedDict[str, Any] = OrderedDict()
+        self._refused: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._lock = threading.Lock()
         self._closing: np.ndarray | None = None
         self._eos = list(eos_token_ids)
+        self._pool = WorkerPool(
+            "colibri.engine.sample.grammar_worker", COMPILE_MEMORY_BYTES,
+            hello={"tokenizer": tokenizer_json, "n_vocab": self.n_vocab,
+                   "eos": list(eos_token_ids)}) if bounded else None
 
     def closing_scores(self) -> np.ndarray:
         """Per-token preference of the closing path (built once). In order: end of sequence;
@@ -338,10 +354,7 @@ class ConstraintCompiler:
 
     def grammar(self, spec: ConstraintSpec) -> str:
         """The validated grammar of spec (cached); ConstraintError names what is unsupported."""
-        key = spec.key()
-        if len(key) > MAX_SPEC_CHARS:
-            raise ConstraintError(f"the constraint is over {MAX_SPEC_CHARS} characters",
-                                  spec.param)
+        key = self._key(spec)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -352,37 +365,104 @@ class ConstraintCompiler:
         except ConstraintLimitError as exc:  # past schema_limits: the request's own error
             raise ConstraintError(str(exc), spec.param) from None
         is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
-            grammar, self._tok)
+            grammar, self._tok, limits=self._limits())
         if is_error:
             detail = "; ".join(messages) or "invalid grammar"
             what = "JSON schema" if spec.kind in ("json_schema", "json_object") else spec.kind
             raise ConstraintError(f"the {what} uses something this server cannot enforce: "
                                   f"{detail}", spec.param)
-        with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+        _remember(self._cache, self._lock, key, grammar, _CACHE_SIZE)
         return grammar
 
-    def compile(self, spec: ConstraintSpec, max_tokens: int | None = None,
-                overlap: bool = True) -> Constraint:
-        """A fresh per-request Constraint for spec; max_tokens: the request's token budget
-        (None: no closing steer)."""
-        matcher = self._llg.LLMatcher(self._tok, self.grammar(spec), log_level=0)
+    def _limits(self) -> Any:
+        return self._llg.LLParserLimits(verbose_errors=False)
+
+    @staticmethod
+    def _key(spec: ConstraintSpec) -> str:
+        key = spec.key()
+        if len(key) > MAX_SPEC_CHARS:
+            raise ConstraintError(f"the constraint is over {MAX_SPEC_CHARS} characters",
+                                  spec.param)
+        return key
+
+    def matcher(self, spec: ConstraintSpec) -> Any:
+        """A compiled matcher of spec in its start state, whose first mask allows something;
+        ConstraintError otherwise. Compiles in this process: call it on specs that compiled
+        within bounds (see compile), or where no bound is wanted."""
+        matcher = self._llg.LLMatcher(self._tok, self.grammar(spec), log_level=0,
+                                      limits=self._limits())
         if matcher.is_error():
             raise ConstraintError(f"the constraint cannot be compiled: {matcher.get_error()}",
                                   spec.param)
-        closing = self.closing_scores() if max_tokens is not None else None
-        constraint = Constraint(matcher, self.n_vocab, overlap, max_tokens, closing)
         # the first mask now, off the engine's step: a grammar that cannot match anything (a
         # $ref cycle, say) fails here as this request's error, not inside a batch
-        allowed = constraint.mask()
-        if matcher.is_error() or not allowed.any():
-            detail = matcher.get_error().splitlines()[0] if matcher.is_error() else ""
+        probe = Constraint(matcher.deep_copy(), self.n_vocab, overlap=False)
+        allowed = probe.mask()
+        if probe._m.is_error() or not allowed.any():
+            error = probe._m.get_error()
+            detail = error.splitlines()[0] if probe._m.is_error() and error else ""
             raise ConstraintError("no output can match the constraint (a $ref that refers to "
                                   "itself, for one)" + (f": {detail}" if detail else ""),
                                   spec.param)
-        return constraint
+        return matcher
+
+    def _checked_matcher(self, spec: ConstraintSpec, timeout_s: float,
+                         cancel: threading.Event | None) -> Any:
+        """The kept matcher of spec, compiled first in a bounded child process."""
+        key = self._key(spec)
+        with self._lock:
+            hit = self._matchers.get(key)
+            if hit is not None:
+                self._matchers.move_to_end(key)
+                return hit
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise ConstraintError(refused[0], refused[1])
+        if self._pool is not None:
+            try:
+                reply = self._pool.call({"kind": spec.kind, "value": spec.value,
+                                         "param": spec.param}, timeout_s, cancel,
+                                        "compiling the constraint")
+            except WorkerStopped as e:
+                if e.reason == "cancelled":
+                    raise ConstraintError(str(e), spec.param) from None
+                why = (f"within {timeout_s:g} s" if e.reason == "timeout"
+                       else f"within {COMPILE_MEMORY_BYTES >> 20} MiB of memory")
+                reply = {"error": f"the constraint is too complex to compile {why}",
+                         "param": spec.param}
+            if reply.get("error") is not None:
+                refusal = (str(reply["error"]), reply.get("param") or spec.param)
+                _remember(self._refused, self._lock, key, refusal, _CACHE_SIZE)
+                raise ConstraintError(*refusal)
+        matcher = self.matcher(spec)
+        _remember(self._matchers, self._lock, key, matcher, _MATCHERS_KEPT)
+        return matcher
+
+    def compile(self, spec: ConstraintSpec, max_tokens: int | None = None,
+                overlap: bool = True, timeout_s: float = COMPILE_TIMEOUT_S,
+                cancel: threading.Event | None = None) -> Constraint:
+        """A fresh per-request Constraint for spec; max_tokens: the request's token budget
+        (None: no closing steer). A spec that does not compile within timeout_s and the
+        memory bound, or whose compile is cancelled, is a ConstraintError."""
+        kept = self._checked_matcher(spec, timeout_s, cancel)
+        with self._lock:
+            matcher = kept.deep_copy()
+        closing = self.closing_scores() if max_tokens is not None else None
+        return Constraint(matcher, self.n_vocab, overlap, max_tokens, closing)
+
+    def close(self) -> None:
+        """Stop the compile processes (started again on the next compile)."""
+        if self._pool is not None:
+            self._pool.close()
+
+
+def _remember(cache: OrderedDict[str, Any], lock: threading.Lock, key: str, value: Any,
+              size: int) -> None:
+    with lock:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > size:
+            cache.popitem(last=False)
 
 
 _compilers: weakref.WeakKeyDictionary[Any, ConstraintCompiler] = weakref.WeakKeyDictionary()
@@ -390,11 +470,14 @@ _compilers_lock = threading.Lock()
 
 
 def compile_constraints(tokenizer: Any, n_vocab: int, spec: ConstraintSpec | None,
-                        budgets: list[int]) -> list[Constraint | None]:
+                        budgets: list[int], timeout_s: float = COMPILE_TIMEOUT_S,
+                        cancel: threading.Event | None = None) -> list[Constraint | None]:
     """One fresh constraint per sequence of a request (None each without a spec); budgets:
-    each sequence's token budget. ConstraintError names what cannot be enforced. A first
-    compile for a tokenizer can take a while: run it off any event loop."""
+    each sequence's token budget. ConstraintError names what cannot be enforced, and a spec
+    that does not compile within timeout_s (or its memory bound) or whose compile was
+    cancelled. Blocks up to timeout_s: run it off any event loop."""
     if spec is None:
         return [None] * len(budgets)
     compiler = ConstraintCompiler.for_tokenizer(tokenizer, n_vocab)
-    return [compiler.compile(spec, max_tokens=b) for b in budgets]
+    return [compiler.compile(spec, max_tokens=b, timeout_s=timeout_s, cancel=cancel)
+            for b in budgets]

@@ -30,6 +30,10 @@ RENDER_BASE_CHARS = 1 << 20
 RENDER_INPUT_FACTOR = 4
 
 
+class _SizeCapError(SecurityError):
+    """A value the template builds would pass the size cap."""
+
+
 class _CappedEnvironment(ImmutableSandboxedEnvironment):
     """Immutable sandbox that also refuses string/list arithmetic producing huge values."""
 
@@ -41,15 +45,15 @@ class _CappedEnvironment(ImmutableSandboxedEnvironment):
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
                     if len(seq) * max(n, 0) > limit:
-                        raise SecurityError("chat template builds a value over the size cap")
+                        raise _SizeCapError("chat template builds a value over the size cap")
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and right > 0:
                 if abs(left) > 1 and right * math.log2(abs(left)) > 4096:
-                    raise SecurityError("chat template computes a number over the size cap")
+                    raise _SizeCapError("chat template computes a number over the size cap")
         elif operator == "+":
             if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 if len(left) + len(right) > limit:
-                    raise SecurityError("chat template builds a value over the size cap")
+                    raise _SizeCapError("chat template builds a value over the size cap")
         return super().call_binop(context, operator, left, right)
 
 
@@ -141,6 +145,8 @@ def render_template(template: str, context: dict[str, Any], cap: int) -> str:
     except TemplateNotFound as e:  # the file itself, whatever the input
         raise TemplateFaultError(f"chat template includes {e.name!r}: a chat template is one "
                                  "file and can include no other", "messages") from e
+    except _SizeCapError as e:  # past a limit, like output past the cap
+        raise TemplateLimitError(str(e), "chat_template") from e
     except SecurityError as e:
         raise TemplateFaultError(f"chat template failed to render: {e}", "messages") from e
     except TemplateRaisedError as e:  # the template refuses the messages it was given

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-import jinja2.meta
+import jinja2.nodes
 
 from colibri.engine.text.harmony import HarmonyParser
 from colibri.engine.text.markers import partial_suffix
@@ -49,15 +49,22 @@ class TemplateTools:
     family: str  # the call format its model was taught (toolformats.family_of), or "generic"
 
 
+def _names_read(template: str) -> set[str]:
+    """The variable names a template reads, from its parse tree alone. Compiling it (as
+    jinja2.meta does) would fold constant expressions such as `'a' * 10**9` here, in the
+    server process, outside the render sandbox's time and memory limits."""
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return set()
+    return {n.name for n in tree.find_all(jinja2.nodes.Name) if n.ctx == "load"}
+
+
 def template_tools(template: str | None) -> TemplateTools:
     """Inspect a chat template's source (no rendering)."""
     if not template:
         return TemplateTools(False, "generic")
-    try:
-        names = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateSyntaxError:
-        names = set()
-    return TemplateTools("tools" in names, family_of(template))
+    return TemplateTools("tools" in _names_read(template), family_of(template))
 
 
 def function_of(tool: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""Child processes for work that may run away: bounded in time and memory, stopped on cancel."""
