@@ -1,5 +1,5 @@
-"""What chat completions and responses share: a chat request's plan and engine sequences,
-and reading a finished or streaming reply back as reasoning, content and tool calls.
+"""What chat completions, responses and messages share: a chat request's plan and engine
+sequences, and reading a finished or streaming reply back as reasoning, content and calls.
 
 `parsed_reply` reads a whole reply (a ParsedReply and its finish reason); `ChoiceStream`
 turns a streamed one into chat deltas: `{"reasoning_content": ...}`, `{"content": ...}` and
@@ -25,15 +25,14 @@ def _template_timeout_s(state: Any, body: ChatCompletionRequest) -> float:
     return s.model_template_timeout_s if body.chat_template is None else s.client_template_timeout_s
 
 
-async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
+async def plan_request(serving: Serving, body: ChatCompletionRequest,
                        format_param: str = "response_format", request: Request | None = None
-                       ) -> tuple[ChatPlan, list[Sequence]]:
-    """The plan and the engine's sequences of a chat request. With request, a client
-    template's render stops as soon as that client disconnects."""
+                       ) -> ChatPlan:
+    """The plan of a chat request (its prompt and how to read the reply). With request, a
+    client template's render stops as soon as that client disconnects."""
     state = serving.state
     tok = state.tokenizer
-    vocab = int(tok.vocab_size)
-    body.check(state.settings, vocab)
+    body.check(state.settings, int(tok.vocab_size))
     cancel = threading.Event()
     planning = state.off_loop(
         request_plan, tok, body.template_messages(), body.tools, body.tool_choice,
@@ -41,16 +40,28 @@ async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
         body.chat_template, format_param, _template_timeout_s(state, body), cancel,
         body.reasoning_effort, body.chat_template_kwargs)
     try:
-        plan = await (planning if request is None
+        return await (planning if request is None
                       else serving.race_disconnect(request, planning))
     except ClientGoneError:
         raise APIError(499, "client closed the request") from None
     finally:
         cancel.set()  # a render still running in the pool stops now
+
+
+async def prepare_chat(serving: Serving, body: ChatCompletionRequest,
+                       format_param: str = "response_format", request: Request | None = None,
+                       prompt_param: str = "messages", clamp: bool = False
+                       ) -> tuple[ChatPlan, list[Sequence]]:
+    """The plan and the engine's sequences of a chat request (see plan_request).
+    prompt_param: the field that errors about the prompt name; clamp: see Serving.budget."""
+    state = serving.state
+    tok = state.tokenizer
+    vocab = int(tok.vocab_size)
+    plan = await plan_request(serving, body, format_param, request)
     if not plan.prompt:
-        raise APIError(400, "the chat prompt is empty", "messages")
-    budget = serving.budget(len(plan.prompt), body.requested_max_tokens(), "messages",
-                            context_note(plan))
+        raise APIError(400, "the chat prompt is empty", prompt_param)
+    budget = serving.budget(len(plan.prompt), body.requested_max_tokens(), prompt_param,
+                            context_note(plan), clamp)
     k = body.engine_logprobs()
     constraints = await serving.constraints(plan.spec, [budget] * body.n, request)
     sequences = []
@@ -72,7 +83,7 @@ def parsed_reply(plan: ChatPlan, text: str, finish: str | None) -> tuple[ParsedR
     finish = finish or "stop"
     if plan.mode == "forced":
         calls = plan.calls_of_forced(text, cut=finish == "length")
-        if calls is None:  # cut short by max_tokens: what there is, as text
+        if calls is None:  # not a call after all (never with a constraint): as text
             return ParsedReply(None, text, []), finish
         return ParsedReply(None, "", calls), "tool_calls" if finish == "stop" else finish
     reply = parse_reply(plan.reply_parser(), text)

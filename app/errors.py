@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, and in
+Anthropic's on the Messages API's paths: `{"type": "error", "error": {"type", "message"}}`.
 
 Every failure a client can see goes through here, with the status OpenAI would use: 400 for
 the client's own mistakes (never FastAPI's 422), 401, 404, 413, 431, 503 + Retry-After, and
@@ -31,6 +32,34 @@ _TYPES = {
     500: "internal_error",
     503: "service_unavailable",
 }
+
+
+# Anthropic's error types by status, for the paths that answer in its shape
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether path belongs to the Messages API, whose errors take Anthropic's shape."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """An error in Anthropic's shape (code: OpenAI's error code, worded as Anthropic does
+    where its clients read the words: they compact a conversation on "prompt is too long")."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    if code == "context_length_exceeded":
+        message = f"prompt is too long: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class APIError(Exception):
@@ -68,18 +97,19 @@ def error_body(
 
 
 def error_bytes(status: int, message: str, param: str | None = None,
-                code: str | None = None) -> bytes:
-    """The body of an error, for raw ASGI responses sent before FastAPI runs."""
-    return json.dumps(error_body(status, message, param, code)).encode()
+                code: str | None = None, path: str = "") -> bytes:
+    """The body of an error, for raw ASGI responses sent before FastAPI runs (path: the
+    request's, which decides the shape)."""
+    body = (anthropic_error_body(status, message, code) if anthropic_path(path)
+            else error_body(status, message, param, code))
+    return json.dumps(body).encode()
 
 
-def error_response(err: APIError) -> JSONResponse:
-    """A JSONResponse for err."""
-    return JSONResponse(
-        error_body(err.status, err.message, err.param, err.code, err.err_type),
-        status_code=err.status,
-        headers=err.headers,
-    )
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """A JSONResponse for err, in the shape of the API that path belongs to."""
+    body = (anthropic_error_body(err.status, err.message, err.code) if anthropic_path(path)
+            else error_body(err.status, err.message, err.param, err.code, err.err_type))
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
@@ -104,15 +134,15 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
-async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(list(exc.errors()))
-    return JSONResponse(error_body(400, message, param), status_code=400)
+    return error_response(APIError(400, message, param), request.url.path)
 
 
 async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
@@ -124,14 +154,14 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
         message = f"Method {request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return JSONResponse(error_body(status, message), status_code=status,
-                        headers=getattr(exc, "headers", None))
+    return error_response(APIError(status, message, headers=getattr(exc, "headers", None)),
+                          request.url.path)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(500, "The server had an error while processing the request."),
-                        status_code=500)
+    return error_response(APIError(500, "The server had an error while processing the "
+                                   "request."), request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,5 +1,5 @@
-"""The guard in front of every route: header and body size limits, Host names, API key,
-request counts.
+"""The guard in front of every route: header and body size limits, Host names, API key
+(`Authorization: Bearer` or Anthropic's `x-api-key`), request counts.
 
 Pure ASGI (no BaseHTTPMiddleware) so streaming responses and disconnect messages pass
 through untouched. Order of checks: request line + headers (431), Host (421), API key (401),
@@ -103,8 +103,9 @@ class GuardMiddleware:
         # the request line counts too: a 70 KB query string is as large a head as a header
         head = (len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
                 + sum(len(k) + len(v) + 4 for k, v in headers))
+        path: str = scope["path"]
         if head > self.settings.max_header_bytes:
-            await _reply(send, 431, "Request header fields too large.")
+            await _reply(send, 431, "Request header fields too large.", path=path)
             return
         if self._hosts is not None:
             raw = next((v for k, v in headers if k == b"host"), None)
@@ -112,20 +113,20 @@ class GuardMiddleware:
             if name is not None and name not in self._hosts:
                 await _reply(send, 421, f"This server does not answer to the host name "
                              f"{name!r}; its operator can allow it with --allowed-hosts.",
-                             code="host_not_allowed")
+                             code="host_not_allowed", path=path)
                 return
-        path: str = scope["path"]
         if (self._key is not None and scope["method"] != "OPTIONS"
                 and path.startswith(PROTECTED) and not self._authorized(headers)):
             await _reply(send, 401, "Incorrect API key provided. Send it as "
-                         "'Authorization: Bearer <key>'.", code="invalid_api_key",
-                         extra=[(b"www-authenticate", b"Bearer")])
+                         "'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                         code="invalid_api_key", extra=[(b"www-authenticate", b"Bearer")],
+                         path=path)
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             limit = self.settings.max_body_bytes
             length = _content_length(headers)
             if length is not None and length > limit:
-                await _reply(send, 413, f"The request body exceeds {limit} bytes.")
+                await _reply(send, 413, f"The request body exceeds {limit} bytes.", path=path)
                 return
             try:
                 async with asyncio.timeout(self.settings.body_timeout_s):
@@ -133,26 +134,33 @@ class GuardMiddleware:
             except TimeoutError:
                 await _reply(send, 408, "The request body did not arrive within "
                              f"{self.settings.body_timeout_s:g} s.",
-                             extra=[(b"connection", b"close")])
+                             extra=[(b"connection", b"close")], path=path)
                 return
             if body is None:
-                await _reply(send, 413, f"The request body exceeds {limit} bytes.")
+                await _reply(send, 413, f"The request body exceeds {limit} bytes.", path=path)
                 return
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A Bearer token or an x-api-key header (Anthropic's clients send the key there)
+        equal to the key; either one may be right when a client sends both."""
         assert self._key is not None
-        given = b""
+        given: list[bytes] = []
         for k, v in headers:
             if k == b"authorization":
                 scheme, _, token = v.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    given = token.strip()
+                    given.append(token.strip())
+            elif k == b"x-api-key":
+                given.append(v.strip())
         # hashing first makes the comparison constant-time in the length too; the key is
         # never logged
-        return hmac.compare_digest(hashlib.sha256(given).digest(),
-                                   hashlib.sha256(self._key).digest())
+        want = hashlib.sha256(self._key).digest()
+        ok = False
+        for g in given or [b""]:
+            ok |= hmac.compare_digest(hashlib.sha256(g).digest(), want)
+        return ok
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -197,8 +205,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _reply(send: Send, status: int, message: str, code: str | None = None,
-                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = error_bytes(status, message, None, code)
+                 extra: list[tuple[bytes, bytes]] | None = None, path: str = "") -> None:
+    body = error_bytes(status, message, None, code, path)
     headers: list[Any] = [(b"content-type", b"application/json"),
                           (b"content-length", str(len(body)).encode())]
     headers += extra or []

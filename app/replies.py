@@ -49,6 +49,7 @@ class Choice:
     n_tokens: int = 0
     n_cached: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it
     logprob_outputs: list[Output] = field(default_factory=list)
     prompt: list[PromptToken] | None = None  # echo with logprobs: the prompt's tokens
 
@@ -79,6 +80,7 @@ def add_output(choice: Choice, out: Output, eos_ids: frozenset[int],
         choice.prompt = out.prompt
     if step.finish_reason is not None:
         choice.finish_reason = step.finish_reason
+        choice.stop_string = step.stop_reason
     if out.token is not None and step.token_id >= 0 and (
             keep_eos or not is_eos_stop(out, eos_ids)):
         choice.logprob_outputs.append(out)

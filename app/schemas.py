@@ -1,8 +1,9 @@
 """Response models: what the server really answers, published in /openapi.json.
 
 The routes build plain dicts (no validation cost per response); these models only describe
-them, so clients and fuzzers can check every answer against the schema. `document_errors`
-replaces FastAPI's invented 422 with the errors the server does send, in OpenAI's shape.
+them, so clients and fuzzers can check every answer against the schema. `install_schema`
+replaces FastAPI's invented 422 with the errors the server does send, in OpenAI's shape (in
+Anthropic's on the Messages API).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
+from colibri.app.errors import anthropic_path
 from colibri.app.middleware import host_names
 from colibri.app.settings import Settings
 
@@ -28,6 +30,18 @@ class ErrorResponse(BaseModel):
     """Every 4xx/5xx body: `{"error": {...}}`."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every 4xx/5xx body of the Messages API: `{"type": "error", "error": {...}}`."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 class Usage(BaseModel):
@@ -115,6 +129,33 @@ class ResponseObject(BaseModel):
     model: str
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     output: list[dict[str, Any]]
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int = Field(description="prompt tokens not read from the prefix cache")
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int = Field(description="prompt tokens read from the prefix "
+                                         "cache")
+
+
+class MessageObject(BaseModel):
+    """The non-streamed answer of POST /v1/messages (Anthropic's Message object)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]] = Field(description="text and tool_use blocks")
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCount(BaseModel):
+    """The answer of POST /v1/messages/count_tokens."""
+
+    input_tokens: int
 
 
 class ModelCard(BaseModel):
@@ -219,9 +260,11 @@ _MESSAGES = {
 }
 
 
-def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """`responses=` for a route: each code answers an ErrorResponse."""
-    return {c: {"model": ErrorResponse, "description": _MESSAGES[c]} for c in codes}
+def error_responses(*codes: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: each code answers an ErrorResponse (anthropic: an
+    AnthropicErrorResponse)."""
+    model = AnthropicErrorResponse if anthropic else ErrorResponse
+    return {c: {"model": model, "description": _MESSAGES[c]} for c in codes}
 
 
 def sse_200(model: type[BaseModel], what: str) -> dict[int | str, dict[str, Any]]:
@@ -233,9 +276,9 @@ def sse_200(model: type[BaseModel], what: str) -> dict[int | str, dict[str, Any]
         "text/event-stream": {"schema": event}}}}
 
 
-def _error_ref() -> dict[str, Any]:
-    return {"content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+def _error_ref(path: str) -> dict[str, Any]:
+    name = "AnthropicErrorResponse" if anthropic_path(path) else "ErrorResponse"
+    return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
 
 
 def install_schema(app: FastAPI, settings: Settings, protected: tuple[str, ...]) -> None:
@@ -261,12 +304,12 @@ def install_schema(app: FastAPI, settings: Settings, protected: tuple[str, ...])
                     extra.append(401)
                 for code in extra:
                     responses.setdefault(str(code), {"description": _MESSAGES[code],
-                                                     **_error_ref()})
-        if "ErrorResponse" not in comps:
-            comps.update(ErrorResponse.model_json_schema(
-                ref_template="#/components/schemas/{model}")["$defs"])
-            comps["ErrorResponse"] = {k: v for k, v in ErrorResponse.model_json_schema(
-                ref_template="#/components/schemas/{model}").items() if k != "$defs"}
+                                                     **_error_ref(path)})
+        for model in (ErrorResponse, AnthropicErrorResponse):
+            if model.__name__ not in comps:
+                full = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(full.get("$defs", {}))
+                comps[model.__name__] = {k: v for k, v in full.items() if k != "$defs"}
         app.openapi_schema = schema
         return schema
 

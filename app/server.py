@@ -19,7 +19,16 @@ from colibri.app.errors import install_error_handlers
 from colibri.app.memory import MemoryReturner
 from colibri.app.metrics import Metrics
 from colibri.app.middleware import PROTECTED, GuardMiddleware
-from colibri.app.routes import chat, completions, experts, health, models, responses, tokenize
+from colibri.app.routes import (
+    chat,
+    completions,
+    experts,
+    health,
+    messages,
+    models,
+    responses,
+    tokenize,
+)
 from colibri.app.schemas import install_schema
 from colibri.app.serving import Serving
 from colibri.app.settings import Settings
@@ -99,7 +108,7 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
     app.state.serving = Serving(state)
     install_error_handlers(app)
     paths: set[str] = set()
-    for module in (models, chat, completions, responses, tokenize, experts, health):
+    for module in (models, chat, completions, responses, messages, tokenize, experts, health):
         app.include_router(module.router)
         paths |= {getattr(r, "path", "") for r in module.router.routes}
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics,
@@ -108,5 +117,6 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
         # credentials are never allowed: API keys travel in the Authorization header
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_credentials=False, allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"])
     return app

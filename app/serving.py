@@ -78,15 +78,18 @@ class Serving:
         self._metrics = state.metrics
 
     # -- budget ----------------------------------------------------------------------------
-    def budget(self, n_prompt: int, requested: int | None, param: str, note: str = "") -> int:
+    def budget(self, n_prompt: int, requested: int | None, param: str, note: str = "",
+               clamp: bool = False) -> int:
         """The completion budget (the engine's); 400 context_length_exceeded when it cannot
-        fit. note: appended to the error (e.g. that tool definitions are in the prompt)."""
+        fit. note: appended to the error (e.g. that tool definitions are in the prompt).
+        clamp: a request for more than the context has room for gets what there is."""
         try:
-            return self.engine.context_budget(n_prompt, requested)
+            room = self.engine.context_budget(n_prompt, None if clamp else requested)
         except ContextLengthError as exc:
             raise APIError(400, f"{exc}{note}", param, "context_length_exceeded") from None
         except EngineUnavailableError:
             raise unavailable(self.state) from None
+        return min(room, requested) if clamp and requested is not None else room
 
     # -- submitting ------------------------------------------------------------------------
     def submit(self, sequences: list[Sequence], want_token_text: bool = False) -> Job:

@@ -1,9 +1,9 @@
 """Server-sent events (sse-starlette) for streamed completions.
 
-A stream that fails after its 200 went out ends with one OpenAI-shaped error event and
-`[DONE]` instead of a cut connection. A client that stops reading is dropped after
-`send_timeout_s`; on SIGTERM a stream may run `drain_timeout_s` more, then ends with an
-error event (503, server_shutting_down) and `[DONE]`.
+A stream that fails after its 200 went out ends with one error event in its API's shape
+(OpenAI's: an error object and `[DONE]`) instead of a cut connection. A client that stops
+reading is dropped after `send_timeout_s`; on SIGTERM a stream may run `drain_timeout_s`
+more, then ends with an error event (503, server_shutting_down).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import SendTimeoutError
 
-from colibri.app.errors import error_body
+from colibri.app.errors import APIError, error_body
 from colibri.app.http import DRAIN_GRACE_S, drop_connection
 from colibri.app.serving import engine_error
 from colibri.app.state import DrainExpiredError, ServerState, shutting_down
@@ -43,7 +43,16 @@ async def _next_or_drain(state: ServerState, it: AsyncIterator[str]) -> str:
                     await task
 
 
-async def _guarded(state: ServerState, events: AsyncIterator[str]) -> AsyncIterator[str]:
+Event = str | dict[str, str]  # a `data:` line, or sse-starlette's {"event", "data"}
+
+
+def openai_error_events(err: APIError) -> list[Event]:
+    """How an OpenAI stream ends on an error: one error object, then [DONE]."""
+    return [json.dumps(error_body(err.status, err.message, err.param, err.code)), "[DONE]"]
+
+
+async def _guarded(state: ServerState, events: AsyncIterator[Any],
+                   error_events: Callable[[APIError], list[Event]]) -> AsyncIterator[Any]:
     it = events.__aiter__()
     try:
         while True:
@@ -55,13 +64,11 @@ async def _guarded(state: ServerState, events: AsyncIterator[str]) -> AsyncItera
                 return
             yield event
     except DrainExpiredError:
-        err = shutting_down(state)
-        yield json.dumps(error_body(err.status, err.message, err.param, err.code))
-        yield "[DONE]"
+        for event in error_events(shutting_down(state)):
+            yield event
     except Exception as exc:  # noqa: BLE001 - becomes an error event for this stream only
-        err = engine_error(exc, "messages")
-        yield json.dumps(error_body(err.status, err.message, err.param, err.code))
-        yield "[DONE]"
+        for event in error_events(engine_error(exc, "messages")):
+            yield event
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
@@ -101,12 +108,17 @@ class EventStream(EventSourceResponse):
             raise
 
 
-def sse_response(state: ServerState, events: AsyncIterator[str]) -> EventSourceResponse:
-    """An SSE response sending each string of events as one `data:` event."""
+def sse_response(state: ServerState, events: AsyncIterator[Any],
+                 error_events: Callable[[APIError], list[Event]] = openai_error_events,
+                 ping: Callable[[], ServerSentEvent] | None = None) -> EventSourceResponse:
+    """An SSE response sending each string of events as one `data:` event (a dict: an
+    `event:` line and its data); a failure ends it with error_events. ping: the keep-alive
+    sent every 15 s of silence (None: an SSE comment)."""
     settings = state.settings
     return EventStream(
-        _guarded(state, events),
+        _guarded(state, events, error_events),
         ping=15,
+        ping_message_factory=ping,
         send_timeout=settings.send_timeout_s,
         # our own drain (error event + [DONE]) ends streams at drain_timeout_s; sse-starlette
         # force-cancels only after that has had time to go out

@@ -45,12 +45,14 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_reliability_schema.py", "test_reliability_tooling.py",
                "test_reliability_grammar.py", "test_reliability_soak.py",
                "test_server_clients.py", "test_server_browser.py",
+               "test_server_messages.py", "test_server_agent_requests.py",
+               "test_messages_reasoning.py",
                "test_expert_page_browser.py", "test_lm_eval.py"),
     # command-line tools, scripts, packaging, docs
     "tools": ("test_bench.py", "test_cli_models.py", "test_cli_args.py", "test_evaluate.py",
               "test_replay.py", "test_options.py",
               "test_compare_llamacpp.py", "test_performance_page.py", "test_layering.py",
-              "test_packaging.py",
+              "test_packaging.py", "test_run_agents.py",
               "test_readme_examples.py", "test_markers.py"),
 }
 # files whose tests take the longest or need a browser or client libraries (measured with

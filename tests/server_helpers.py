@@ -42,6 +42,38 @@ def tiny_model(out_dir: Path, **overrides: Any) -> Path:
     return out_dir
 
 
+# A Qwen-style template that renders tools, earlier calls and tool results (Hermes calls in
+# <tool_call> blocks), as agents' models have; the bundled model's own template renders none.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n"
+    "{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if not (loop.first and m.role == 'system') %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}\n<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tool_template_model(out_dir: Path) -> Path:
+    """The bundled demo model (a Hugging Face folder) with TOOL_TEMPLATE as its template."""
+    import shutil
+
+    from colibri.engine.demo import default_model_path
+
+    if not (out_dir / "config.json").exists():
+        shutil.copytree(default_model_path(), out_dir,
+                        ignore=shutil.ignore_patterns("*.gz", "README.md"))
+        (out_dir / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    return out_dir
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Samples of a Prometheus text exposition: {'name{labels}': value}."""
     out: dict[str, float] = {}

@@ -178,6 +178,22 @@ def test_longer_stop_starting_earlier_wins() -> None:
     assert m.flush() == "a" and m.stopped
 
 
+def test_matched_names_the_stop_that_ended_the_stream() -> None:
+    def matched(stops: list[str], chunks: list[str]) -> str | None:
+        m = StopStringMatcher(stops)
+        for c in chunks:
+            if m.push(c)[1]:
+                return m.matched
+        m.flush()
+        return m.matched
+
+    assert matched(["world", "lo"], ["hello world"]) == "lo"
+    assert matched(["abcd", "bc"], ["xab", "c", "d"]) == "abcd"
+    assert matched(["abcd", "bc"], ["xab", "c", "e"]) == "bc"
+    assert matched(["abcd", "bc"], ["xabc"]) == "bc"  # found at flush
+    assert matched(["STOP"], ["Hello ST", "ART"]) is None
+
+
 def test_after_stop_nothing_more() -> None:
     m = StopStringMatcher(["."])
     assert m.push("one. two") == ("one", True)

@@ -206,6 +206,58 @@ def test_queue_full_is_503_with_retry_after(paced: tuple[InProcessServer, PacedL
     wait_for(lambda: _idle(srv), 10, "idle")
 
 
+def test_messages_queue_full_and_failure_mid_stream_in_anthropic_shape(
+        paced: tuple[InProcessServer, PacedLLM]) -> None:
+    """The Messages API: a full queue is a 503 overloaded_error (the SDKs retry it), and a
+    stream whose generation fails after its 200 ends with an `error` event."""
+    srv, llm = paced
+    wait_for(lambda: _idle(srv), 10, "idle")
+    llm.drain()
+    body = {"messages": MSG, "max_tokens": 200, "temperature": 0}
+    running = _raw_request(srv.port, "/v1/chat/completions", {**LONG, "stream": True})
+    llm.release(1)
+    wait_for(lambda: srv.metrics()["colibri_requests_running"] == 1, 10, "running")
+    queued = _raw_request(srv.port, "/v1/chat/completions", LONG)
+    wait_for(lambda: srv.metrics()["colibri_requests_waiting"] == 1, 10, "waiting")
+    try:
+        r = httpx.post(srv.url + "/v1/messages", json=body, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "overloaded_error"
+    finally:
+        running.close()
+        queued.close()
+    wait_for(lambda: _idle(srv), 10, "idle")
+    llm.drain()
+    lines: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", srv.url + "/v1/messages", json={**body, "stream": True},
+                          timeout=60) as r:
+            assert r.status_code == 200
+            lines.extend(r.iter_lines())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        tokens0 = srv.metrics()["colibri_generation_tokens_total"]
+        llm.release(3)
+        wait_for(lambda: srv.metrics()["colibri_generation_tokens_total"] == tokens0 + 3,
+                 10, "3 tokens")
+        llm.fail_next = True
+        llm.release(1)
+    finally:
+        t.join(60)
+    events = [ln[len("event: "):] for ln in lines if ln.startswith("event: ")]
+    data = [json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: ")]
+    assert events[0] == "message_start" and events[-1] == "error", events
+    assert "message_stop" not in events
+    assert data[-1] == {"type": "error", "error": {"type": "api_error",
+                                                   "message": data[-1]["error"]["message"]}}
+    assert "kernel.c" not in data[-1]["error"]["message"]
+    wait_for(lambda: _idle(srv), 10, "idle")
+
+
 def test_disconnect_mid_stream_stops_within_one_token(
         paced: tuple[InProcessServer, PacedLLM]) -> None:
     srv, llm, before = _quiet(paced)

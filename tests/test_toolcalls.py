@@ -136,3 +136,22 @@ def test_forced_calls_cut_by_the_token_limit_keep_the_complete_ones() -> None:
         ("get_weather", {"city": "Paris", "days": 2})]
     with pytest.raises(ValueError):
         forced_calls('[{"name": "get_wea', None)
+
+
+def test_forced_calls_cut_by_the_token_limit_stay_calls() -> None:
+    """At the token limit the call being written is kept, its arguments as far as they
+    got; its name must be complete and one of the tools."""
+    names = {"get_weather", "search"}
+    cut = ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+           '{"name": "search", "arguments": {"q": "ra')
+    calls = forced_calls(cut, None, cut=True, names=names)
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", json.dumps({"city": "Paris", "days": 2})), ("search", '{"q": "ra')]
+    assert [c.name for c in forced_calls('[{"name": "get_weather", "arguments": ', None,
+                                         cut=True, names=names)] == ["get_weather"]
+    for before_the_name in ("", "[", '[{"name": "get_wea', '[{"name": "nope", "arguments": {'):
+        assert forced_calls(before_the_name, None, cut=True, names=names) == []
+    named = forced_calls('{"city": "Par', "get_weather", cut=True)
+    assert [(c.name, c.arguments) for c in named] == [("get_weather", '{"city": "Par')]
+    with pytest.raises(ValueError):  # without cut, a reply that does not parse is refused
+        forced_calls('{"city": "Par', "get_weather")

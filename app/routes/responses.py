@@ -7,11 +7,14 @@ comes back as a Response object (a thinking model's reasoning as a "reasoning" i
 as the Responses stream events (response.created, response.output_item.added,
 response.reasoning_text.delta, response.output_text.delta, ..., response.completed). Nothing is
 stored: previous_response_id, conversation, background and stored prompts are refused (400).
+A `namespace` tool's functions are offered as functions (their calls name the namespace);
+tools the server cannot run (hosted ones: web_search, file_search, ...) are dropped, logged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +31,7 @@ from colibri.app.streaming import sse_response
 from colibri.engine import ChatPlan, ParsedReply, ToolCall
 
 router = APIRouter()
+log = logging.getLogger("colibri.app")
 
 
 class ResponsesRequest(_Model):
@@ -148,17 +152,34 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return msgs
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise APIError(400, f"only function tools are supported (got {tool.get('type')!r})",
-                           f"tools.{i}.type")
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        out.append({"type": "function", "function": fn})
-    return out
+def _chat_function(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None
+                ) -> tuple[list[dict[str, Any]] | None, dict[str, str]]:
+    """The chat tools of a request, and the namespace of each function offered from one."""
+    out: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
+    dropped: list[str] = []
+    for tool in tools or []:
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_chat_function(tool))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            for fn in tool["tools"]:
+                if isinstance(fn, dict) and fn.get("type") == "function":
+                    out.append(_chat_function(fn))
+                    namespaces[str(fn.get("name"))] = str(tool.get("name"))
+                else:
+                    dropped.append(str(fn.get("type") if isinstance(fn, dict) else fn))
+        else:
+            dropped.append(str(kind))
+    if dropped:
+        log.info("responses: %d tools this server cannot run were dropped (%s)", len(dropped),
+                 ", ".join(sorted(set(dropped))))
+    return out or None, namespaces
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
@@ -184,14 +205,16 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise APIError(400, f"text.format type {kind!r} is not supported", "text.format.type")
 
 
-def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses request stands for."""
+def to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, str]]:
+    """The chat request a Responses request stands for, and the namespace of each function
+    offered from a namespace tool."""
     _refuse_stateful(body)
+    tools, namespaces = _chat_tools(body.tools)
     data: dict[str, Any] = {
         "model": body.model,
         "messages": _messages(body),
         "parallel_tool_calls": body.parallel_tool_calls,
-        "tools": _chat_tools(body.tools),
+        "tools": tools,
         "tool_choice": _chat_tool_choice(body.tool_choice),
         "response_format": _response_format(body.text),
         "max_completion_tokens": body.max_output_tokens,
@@ -201,14 +224,15 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in data.items()
-                                                     if v is not None})
+                                                     if v is not None}), namespaces
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
         if loc == "reasoning_effort":
             raise APIError(400, f"reasoning.effort: {first.get('msg')}",
                            "reasoning.effort") from None
-        raise APIError(400, f"{loc}: {first.get('msg')}", "input") from None
+        param = "tools" if loc.startswith("tools") else "input"
+        raise APIError(400, f"{loc}: {first.get('msg')}", param) from None
 
 
 @router.post("/v1/responses", response_model=None,
@@ -219,17 +243,18 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     serving = get_serving(request)
     state = serving.state
     model = state.check_model(body.model)
-    chat = to_chat(body)
-    plan, sequences = await prepare_chat(serving, chat, "text.format")
+    chat, namespaces = to_chat(body)
+    plan, sequences = await prepare_chat(serving, chat, "text.format", prompt_param="input")
     job = serving.submit(sequences, want_token_text=False)
     meta = _meta(body, model)
     if not body.stream:
         choices = await serving.collect(request, job, 1, "input")
         c = choices[0]
         reply, finish = parsed_reply(plan, c.text, c.finish_reason)
-        return _final(meta, _items(reply), finish, len(plan.prompt), c.n_tokens)
+        return _final(meta, _items(reply, namespaces, finish), finish, len(plan.prompt),
+                      c.n_tokens)
     first, outputs = await serving.first_output(request, job, "input")
-    return sse_response(state, _stream(serving.eos_ids, plan, meta, first, outputs))
+    return sse_response(state, _stream(serving.eos_ids, plan, meta, namespaces, first, outputs))
 
 
 def _meta(body: ResponsesRequest, model: str) -> dict[str, Any]:
@@ -253,10 +278,14 @@ def _message_item(text: str, status: str = "completed", item_id: str | None = No
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
+def _call_item(call: ToolCall, namespaces: dict[str, str], status: str = "completed"
+               ) -> dict[str, Any]:
+    item = {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
             "call_id": call.id, "name": call.name, "arguments": call.arguments,
             "status": status}
+    if call.name in namespaces:
+        item["namespace"] = namespaces[call.name]
+    return item
 
 
 def _reasoning_item(text: str, status: str = "completed", item_id: str | None = None
@@ -265,11 +294,16 @@ def _reasoning_item(text: str, status: str = "completed", item_id: str | None = 
             "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _items(reply: ParsedReply) -> list[dict[str, Any]]:
+def _items(reply: ParsedReply, namespaces: dict[str, str], finish: str
+           ) -> list[dict[str, Any]]:
+    """The output items; the token limit leaves the last call incomplete."""
     items = [_reasoning_item(reply.reasoning)] if reply.reasoning else []
     if reply.content or not reply.calls:
         items.append(_message_item(reply.content))
-    return items + [_call_item(c) for c in reply.calls]
+    items += [_call_item(c, namespaces) for c in reply.calls]
+    if reply.calls and finish == "length":
+        items[-1]["status"] = "incomplete"
+    return items
 
 
 def _final(meta: dict[str, Any], items: list[dict[str, Any]], finish: str, n_in: int,
@@ -284,8 +318,8 @@ def _final(meta: dict[str, Any], items: list[dict[str, Any]], finish: str, n_in:
 
 
 async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
-                  first: Output | None, outputs: AsyncIterator[Output]
-                  ) -> AsyncIterator[dict[str, str]]:
+                  namespaces: dict[str, str], first: Output | None,
+                  outputs: AsyncIterator[Output]) -> AsyncIterator[dict[str, str]]:
     seq = 0
 
     def event(kind: str, **fields: Any) -> dict[str, str]:
@@ -345,11 +379,11 @@ async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
                       content_index=0, part=done["content"][0]),
                 event("response.output_item.done", output_index=idx, item=done)]
 
-    def close_call() -> list[dict[str, str]]:
+    def close_call(status: str = "completed") -> list[dict[str, str]]:
         nonlocal call_item
         if call_item is None:
             return []
-        done = {**call_item, "status": "completed"}
+        done = {**call_item, "status": status}
         idx = len(items)
         items.append(done)
         call_item = None
@@ -383,7 +417,7 @@ async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
             if "id" in tc:  # a new call starts
                 evs += close_think() + close_text() + close_call()
                 call = ToolCall(fn.get("name", ""), "", tc["id"])
-                call_item = _call_item(call, "in_progress")
+                call_item = _call_item(call, namespaces, "in_progress")
                 evs.append(event("response.output_item.added", output_index=len(items),
                                  item=call_item))
             elif call_item is not None and fn.get("arguments"):
@@ -410,7 +444,8 @@ async def _stream(eos_ids: frozenset[int], plan: ChatPlan, meta: dict[str, Any],
                 for delta in tail:
                     for ev in on_delta(delta):
                         yield ev
-        for ev in close_think() + close_text() + close_call():
+        for ev in close_think() + close_text() + close_call(
+                "incomplete" if finish == "length" else "completed"):
             yield ev
         if not any(i["type"] != "reasoning" for i in items):
             for ev in open_text() + close_text():

@@ -86,13 +86,14 @@ class ChatPlan:
                 or (self.mode == "auto" and self.family != "generic"))
 
     def calls_of_forced(self, text: str, cut: bool = False) -> list[ToolCall] | None:
-        """The calls of a forced reply; None when it was cut short and does not parse. cut:
-        the reply ended at the token limit (a call in the family's markup cut inside its
-        arguments stays a call)."""
+        """The calls of a forced reply; None when it does not parse. cut: the reply ended at
+        the token limit, and the call being written stays a call, its arguments incomplete
+        (nothing of a call whose name was not complete)."""
         if self.forced_markup:
-            return markup_calls(text, self.family, self.tool_names, self.tools, cut) or None
+            calls = markup_calls(text, self.family, self.tool_names, self.tools, cut)
+            return calls if calls or cut else None
         try:
-            return forced_calls(text, self.forced_name)
+            return forced_calls(text, self.forced_name, cut, self.tool_names)
         except (ValueError, KeyError, TypeError):
             return None
 

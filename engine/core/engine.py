@@ -284,6 +284,8 @@ class EngineCore:
                 finish = "stop" if stopped or len(req.output) < req.max_new else "length"
         out = RequestOutput(req.request_id, req.index, tok, text, res.logprob, res.top_logprobs,
                             finish, len(req.prompt), req.n_cached)
+        if finish == "stop":
+            out.stop_reason = req.stops.matched
         if not req.sent_prompt_lp:
             out.prompt_logprobs = self._prompt_lp_of(req)
             req.sent_prompt_lp = True

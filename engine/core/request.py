@@ -41,6 +41,7 @@ class RequestOutput:
     prompt_logprobs: list[Any] | None = None  # first output only, when asked for
     token: Any = None  # TokenInfo of token_id, when logprobs were asked for
     top: list[tuple[Any, float]] | None = None  # (TokenInfo, logprob) of top_logprobs
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass(eq=False)

@@ -104,13 +104,15 @@ class StopStringMatcher:
         self._max = max((len(s) for s in self.stops), default=0)
         self._buf = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the stream
+        self._best = ""  # the stop string _first_match found
 
     def _first_match(self) -> int:
         best = -1
         for s in self.stops:
             i = self._buf.find(s)
             if i >= 0 and (best < 0 or i < best):
-                best = i
+                best, self._best = i, s
         return best
 
     def _could_start(self, pos: int) -> bool:
@@ -134,7 +136,7 @@ class StopStringMatcher:
         if hold < 0 and match >= 0:
             emit = self._buf[:match]
             self._buf = ""
-            self.stopped = True
+            self.stopped, self.matched = True, self._best
             return emit, True
         cut = hold if hold >= 0 else n
         emit = self._buf[:cut]
@@ -148,5 +150,7 @@ class StopStringMatcher:
         match = self._first_match()
         emit = self._buf if match < 0 else self._buf[:match]
         self.stopped = match >= 0
+        if self.stopped:
+            self.matched = self._best
         self._buf = ""
         return emit

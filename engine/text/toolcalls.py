@@ -151,26 +151,46 @@ def _cut_xml_call(rest: str, family: str, tools: ToolSet) -> list[ToolCall]:
     return []
 
 
-def forced_calls(text: str, name: str | None) -> list[ToolCall]:
+def forced_calls(text: str, name: str | None, cut: bool = False,
+                 names: frozenset[str] | set[str] = frozenset()) -> list[ToolCall]:
     """The calls in a reply constrained by forced_calls_schema (ValueError if it is not).
-    A list cut short by the token limit keeps the calls that were complete."""
+    A list cut short by the token limit keeps the calls that were complete; with cut (the
+    reply ended at the token limit) the call being written stays a call too, with the
+    arguments written so far (incomplete JSON), as long as its name (one of names) is known."""
     if name is not None:
-        value = json.loads(text)
+        try:
+            value = json.loads(text)
+        except ValueError:
+            if cut:
+                return [ToolCall(name, text.strip())]
+            raise
         if not isinstance(value, dict):
             raise ValueError("the arguments are not a JSON object")
         return [ToolCall(name, text.strip())]
     try:
-        items = json.loads(text)
+        items, rest = json.loads(text), ""
     except ValueError:
-        items = _complete_items(text)
-    return [ToolCall(str(c["name"]), _dumps(c["arguments"])) for c in items]
+        items, rest = _complete_items(text, cut)
+    calls = [ToolCall(str(c["name"]), _dumps(c["arguments"])) for c in items]
+    partial = _PARTIAL_CALL.match(rest) if cut else None
+    if partial is not None and partial.group(1) in names:  # names need no JSON escapes
+        calls.append(ToolCall(partial.group(1), partial.group(2).strip()))
+    return calls
 
 
-def _complete_items(text: str) -> list[Any]:
-    """The complete elements at the start of a JSON array whose end was cut off."""
+# the start of a {"name", "arguments"} object that the token limit cut inside its arguments
+_PARTIAL_CALL = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)\Z',
+                           re.DOTALL)
+
+
+def _complete_items(text: str, cut: bool = False) -> tuple[list[Any], str]:
+    """The complete elements at the start of a JSON array whose end was cut off, and the
+    text after them. None complete is a ValueError unless cut."""
     decoder = json.JSONDecoder()
     i = text.find("[")
     if i < 0:
+        if cut and not text.strip():
+            return [], ""
         raise ValueError("not a JSON array")
     i += 1
     items: list[Any] = []
@@ -182,9 +202,9 @@ def _complete_items(text: str) -> list[Any]:
         except ValueError:
             break
         items.append(value)
-    if not items:
+    if not items and not cut:
         raise ValueError("no complete call before the reply was cut off")
-    return items
+    return items, text[i:]
 
 
 
