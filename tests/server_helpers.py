@@ -84,6 +84,28 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def rss_kb(pid: int) -> int:
+    """The resident set of process pid, in KiB (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def child_processes(pid: int, module: str) -> set[int]:
+    """The children of process pid that run `python -m module` (Linux)."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if module.encode() in cmd:
+                out.add(int(child))
+    return out
+
+
 def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
     """Poll pred() until true; fail after timeout seconds."""
     end = time.monotonic() + timeout

@@ -23,7 +23,13 @@ import pytest
 
 from colibri.engine.sample.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
 from colibri.engine.text.tokenizer import Tokenizer
-from tests.server_helpers import SubprocessServer, tiny_model, wait_for
+from tests.server_helpers import (
+    SubprocessServer,
+    child_processes,
+    rss_kb,
+    tiny_model,
+    wait_for,
+)
 
 
 def runaway(n: int) -> dict[str, Any]:
@@ -52,17 +58,8 @@ def compiler(model: Path) -> ConstraintCompiler:
     return ConstraintCompiler(tok.to_json(), tok.vocab_size, sorted(tok.eos_token_ids))
 
 
-def _compile_children() -> set[int]:
-    out = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"colibri.engine.sample.grammar_worker" in cmd:
-                out.add(int(child))
-    return out
+def _compiling() -> set[int]:
+    return child_processes(os.getpid(), "colibri.engine.sample.grammar_worker")
 
 
 def test_runaway_schema_is_refused_and_the_refusal_kept(compiler: ConstraintCompiler) -> None:
@@ -103,7 +100,7 @@ def test_cancel_stops_a_running_compile(compiler: ConstraintCompiler) -> None:
     running: set[int] = set()
 
     def leave() -> None:
-        running.update(_compile_children())
+        running.update(_compiling())
         cancel.set()
 
     threading.Timer(0.5, leave).start()
@@ -112,7 +109,7 @@ def test_cancel_stops_a_running_compile(compiler: ConstraintCompiler) -> None:
                          timeout_s=120.0, cancel=cancel)
     assert running, "no compile process"
     # idle ones stay; the one that was compiling is gone
-    wait_for(lambda: bool(running - _compile_children()), 10, "the compile's process killed")
+    wait_for(lambda: bool(running - _compiling()), 10, "the compile's process killed")
     # not kept as a refusal: the next client with this schema gets its own try
     with pytest.raises(ConstraintError, match="within 0.5 s"):
         compiler.compile(ConstraintSpec("json_schema", runaway(19), SCHEMA_PARAM),
@@ -120,13 +117,6 @@ def test_cancel_stops_a_running_compile(compiler: ConstraintCompiler) -> None:
 
 
 # -- the server ---------------------------------------------------------------------------------
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
 
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
@@ -139,13 +129,13 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Su
 def test_two_runaway_schemas_beside_a_plain_chat(server: SubprocessServer) -> None:
     url = server.url + "/v1/chat/completions"
     httpx.post(url, json=chat_body({"type": "integer"}), timeout=60).raise_for_status()
-    start = _rss_kb(server.proc.pid)
+    start = rss_kb(server.proc.pid)
     peak = [start]
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _rss_kb(server.proc.pid))
+            peak[0] = max(peak[0], rss_kb(server.proc.pid))
             time.sleep(0.05)
 
     replies: dict[str, httpx.Response] = {}

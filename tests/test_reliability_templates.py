@@ -19,7 +19,13 @@ import pytest
 from colibri.engine.text.errors import ChatTemplateError, ModelTemplateError, TemplateLimitError
 from colibri.engine.text.template_sandbox import TemplateStoppedError
 from colibri.engine.text.tokenizer import Tokenizer
-from tests.server_helpers import SubprocessServer, tiny_model, wait_for
+from tests.server_helpers import (
+    SubprocessServer,
+    child_processes,
+    rss_kb,
+    tiny_model,
+    wait_for,
+)
 
 MSG = [{"role": "user", "content": "hi"}]
 HOSTILE = [
@@ -75,24 +81,8 @@ def test_client_template_still_renders_like_in_process(model: Path) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == "<|user|>hi"
 
 
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
-def _render_children(pid: int) -> set[int]:
-    out = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"colibri.engine.text.template_sandbox" in cmd:
-                out.add(int(child))
-    return out
+def _renderers(pid: int) -> set[int]:
+    return child_processes(pid, "colibri.engine.text.template_sandbox")
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +98,7 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Su
 def test_server_memory_stays_flat(server: SubprocessServer) -> None:
     url = server.url + "/v1/chat/completions"
     body = {"messages": MSG, "max_tokens": 1}
-    before = _rss_kb(server.proc.pid)
+    before = rss_kb(server.proc.pid)
     for tpl in HOSTILE[:3]:
         r = httpx.post(url, json={**body, "chat_template": tpl}, timeout=120)
         assert r.status_code == 400, r.text
@@ -116,7 +106,7 @@ def test_server_memory_stays_flat(server: SubprocessServer) -> None:
     r = httpx.post(url, json={**body, "chat_template": "{% set s='a'|center(50000000) %}"
                               "{{ s|length }}"}, timeout=120)
     assert r.status_code in (200, 400), r.text
-    assert _rss_kb(server.proc.pid) - before < 40_000  # the 50 MB string lived elsewhere
+    assert rss_kb(server.proc.pid) - before < 40_000  # the 50 MB string lived elsewhere
 
 
 def test_render_stops_when_the_client_leaves(server: SubprocessServer) -> None:
@@ -124,12 +114,12 @@ def test_render_stops_when_the_client_leaves(server: SubprocessServer) -> None:
     ok = httpx.post(url, json={"messages": MSG, "max_tokens": 1,
                                "chat_template": "{{ messages[0].content }}"}, timeout=60)
     assert ok.status_code == 200
-    idle = _render_children(server.proc.pid)
+    idle = _renderers(server.proc.pid)
     assert idle, "no render process after a client template"
     with pytest.raises(httpx.TimeoutException):
         httpx.post(url, json={"messages": MSG, "chat_template": HOSTILE[3]}, timeout=1.0)
     # the render (60 s budget) was running in one of those processes: it is killed now
-    wait_for(lambda: not (idle & _render_children(server.proc.pid)), 20, "render killed")
+    wait_for(lambda: not (idle & _renderers(server.proc.pid)), 20, "render killed")
     after = httpx.post(url, json={"messages": MSG, "max_tokens": 1,
                                   "chat_template": "{{ messages[0].content }}"}, timeout=60)
     assert after.status_code == 200

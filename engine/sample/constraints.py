@@ -355,11 +355,9 @@ class ConstraintCompiler:
     def grammar(self, spec: ConstraintSpec) -> str:
         """The validated grammar of spec (cached); ConstraintError names what is unsupported."""
         key = self._key(spec)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
+        hit = _recall(self._cache, self._lock, key)
+        if hit is not None:
+            return hit
         try:
             grammar = self._grammar(spec)
         except ConstraintLimitError as exc:  # past schema_limits: the request's own error
@@ -410,12 +408,10 @@ class ConstraintCompiler:
                          cancel: threading.Event | None) -> Any:
         """The kept matcher of spec, compiled first in a bounded child process."""
         key = self._key(spec)
-        with self._lock:
-            hit = self._matchers.get(key)
-            if hit is not None:
-                self._matchers.move_to_end(key)
-                return hit
-            refused = self._refused.get(key)
+        hit = _recall(self._matchers, self._lock, key)
+        if hit is not None:
+            return hit
+        refused = _recall(self._refused, self._lock, key)
         if refused is not None:
             raise ConstraintError(refused[0], refused[1])
         if self._pool is not None:
@@ -454,6 +450,15 @@ class ConstraintCompiler:
         """Stop the compile processes (started again on the next compile)."""
         if self._pool is not None:
             self._pool.close()
+
+
+def _recall(cache: OrderedDict[str, Any], lock: threading.Lock, key: str) -> Any:
+    """cache's entry for key (now the most recently used), or None."""
+    with lock:
+        hit = cache.get(key)
+        if hit is not None:
+            cache.move_to_end(key)
+        return hit
 
 
 def _remember(cache: OrderedDict[str, Any], lock: threading.Lock, key: str, value: Any,
