@@ -240,7 +240,6 @@ typedef struct {
     int32_t prefetch;        /* 1: pre-gating prefetch thread */
     int32_t huge_pages;      /* 1: ask for 2 MiB transparent huge pages on the slots */
     int64_t prefetch_window; /* tokens of routing history that make heat, >= 1 */
-    int64_t read_timeout_ms; /* a load that takes longer fails the model; 0: 30 s */
 } clb_xc_config;
 
 typedef struct {

@@ -1,15 +1,10 @@
 /* Colibri expert cache: a fixed number of slots per layer holding routed experts, loaded on
- * demand for the forward pass (by a reader thread it waits for) and ahead of it by one
- * prefetch thread.
+ * demand by the forward pass and ahead of it by one prefetch thread.
  * Guarantees: every table is guarded by one mutex; a slot is read into only by the thread that
  * marked it loading, and its tensors' data pointers change only while no one holds it; at most
  * per_layer experts of a layer are resident or loading; the prefetch thread is joined before
  * anything it reads is freed. A short read (a file cut short since load) fails the load with a
- * message naming the file, and every later forward call fails the same way. The forward pass
- * never reads a file itself: it waits at most read_timeout_ms for a load (its own or a
- * prefetch), so storage that stalls (a hung network mount) fails the model instead of hanging
- * the step; a thread still stuck in such a read when the cache is freed is left running and
- * the cache's memory with it, never freed under it.
+ * message naming the file, and every later forward call fails the same way.
  * Refuses: configs outside the ranges in clb_model.h; more pinned experts than a layer's slots
  * minus one. */
 #define _GNU_SOURCE /* O_DIRECT, MADV_HUGEPAGE */
@@ -22,7 +17,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "clb_model_internal.h"
@@ -78,13 +72,6 @@ struct clb_xcache {
     pthread_cond_t work;   /* queue not empty, or stop */
     int thread_on, stop;
     pthread_t thread;
-    /* the reader thread: the forward pass's loads, one at a time (want_l >= 0: one waits) */
-    int reader_on;
-    pthread_t reader;
-    pthread_cond_t want; /* a load for the reader, or stop */
-    int64_t want_l, want_i, want_old;
-    int busy[2];         /* loader 0 (reader) / 1 (prefetch) is inside a read */
-    int stuck;           /* a read ran past the timeout: its thread may never return */
     int32_t *queue; /* ring of l * E + e, [L * E] */
     uint8_t *queued;
     int64_t q_head, q_len;
@@ -295,43 +282,12 @@ static size_t load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, in
                            char *msg) {
     xslot *s = &xc->slots[l * xc->N + i];
     int64_t idx = l * xc->E + s->owner;
-    xc->busy[loader] = 1;
     pthread_mutex_unlock(&xc->mu);
     if (old >= 0 && xc->cfg.load == CLB_XC_MMAP) drop_mapped(xc, old);
     size_t got = read_expert(xc, idx, s, xc->scratch[loader], msg);
     pthread_mutex_lock(&xc->mu);
-    xc->busy[loader] = 0;
     finish(xc, l, i, got, msg);
     return got;
-}
-
-/* Waits on `loaded` until deadline_ns (CLOCK_MONOTONIC); 0 when it passed. */
-static int wait_loaded(clb_xcache *xc, int64_t deadline_ns) {
-    struct timespec ts = {.tv_sec = (time_t)(deadline_ns / 1000000000),
-                          .tv_nsec = (long)(deadline_ns % 1000000000)};
-    return pthread_cond_timedwait(&xc->loaded, &xc->mu, &ts) != ETIMEDOUT ||
-           clb_now_ns() < deadline_ns;
-}
-
-/* A load of layer l's slot i took longer than the timeout: the model fails (lock held). */
-static void timed_out(clb_xcache *xc, int64_t l, int64_t i) {
-    const xslot *s = &xc->slots[l * xc->N + i];
-    xc->stuck = 1;
-    if (!xc->failed && s->owner < 0) {
-        xc->failed = 1;
-        snprintf(xc->fail_msg, sizeof xc->fail_msg,
-                 "storage stalled: an expert read of layer %lld took longer than %lld ms",
-                 (long long)l, (long long)xc->cfg.read_timeout_ms);
-    }
-    if (!xc->failed) {
-        xc->failed = 1;
-        snprintf(xc->fail_msg, sizeof xc->fail_msg,
-                 "storage stalled: reading expert %lld of layer %lld from %s took longer than "
-                 "%lld ms; restart once the files can be read again",
-                 (long long)s->owner, (long long)l,
-                 clb_wfile_path(xc->m->expert_files[l * xc->E + s->owner]),
-                 (long long)xc->cfg.read_timeout_ms);
-    }
 }
 
 static int wave_empty(const clb_xcache *xc, int64_t l) {
@@ -345,9 +301,8 @@ static int wave_empty(const clb_xcache *xc, int64_t l) {
 int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
     const int64_t idx = l * xc->E + e;
     pthread_mutex_lock(&xc->mu);
-    int64_t t0 = 0, deadline = 0;
+    int64_t t0 = 0;
     for (;;) {
-        if (xc->failed) break;
         int64_t i = xc->slot_of[idx];
         if (i >= 0) {
             xslot *s = &xc->slots[l * xc->N + i];
@@ -367,20 +322,16 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
                 pthread_mutex_unlock(&xc->mu);
                 return 1;
             }
-            /* a load of this expert is in flight (the reader's or a prefetch): wait for it, at
-             * most the timeout (a failure frees the slot) */
+            /* a prefetch of this expert is in flight: wait for it (a failure frees the slot) */
             if (!t0) {
                 t0 = clb_now_ns();
                 xc->st[l].misses++;
-                if (s->prefetched) xc->st[l].prefetch_late++;
+                xc->st[l].prefetch_late++;
             }
-            if (!deadline) deadline = clb_now_ns() + xc->cfg.read_timeout_ms * 1000000;
-            if (!wait_loaded(xc, deadline)) {
-                timed_out(xc, l, i);
-                break;
-            }
+            pthread_cond_wait(&xc->loaded, &xc->mu);
             continue;
         }
+        if (xc->failed) break;
         i = pick_slot(xc, l);
         if (i < 0) {
             if (!wave_empty(xc, l)) {
@@ -388,28 +339,21 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
                 return 0;
             }
             if (!t0) t0 = clb_now_ns();
-            /* every free slot is loading: wait, at most the timeout */
-            if (!deadline) deadline = clb_now_ns() + xc->cfg.read_timeout_ms * 1000000;
-            if (!wait_loaded(xc, deadline)) {
-                for (i = 0; i < xc->N && xc->slots[l * xc->N + i].state != S_LOADING; i++) {
-                }
-                timed_out(xc, l, i < xc->N ? i : 0);
-                break;
-            }
+            pthread_cond_wait(&xc->loaded, &xc->mu); /* every free slot is loading: wait */
             continue;
         }
         if (!t0) {
             t0 = clb_now_ns();
             xc->st[l].misses++;
         }
-        /* the reader loads it; the loop above then waits for that load like any other */
         int64_t old = claim(xc, l, i, e, 0);
         xc->slots[l * xc->N + i].in_use = 1;
-        xc->want_l = l;
-        xc->want_i = i;
-        xc->want_old = old;
-        deadline = 0; /* its own timeout from now */
-        pthread_cond_signal(&xc->want);
+        char msg[CLB_ERR_LEN];
+        size_t got = load_claimed(xc, l, i, old, 0, msg);
+        xc->st[l].stall_ns += clb_now_ns() - t0;
+        if (got == 0) break;
+        pthread_mutex_unlock(&xc->mu);
+        return 1;
     }
     pthread_mutex_unlock(&xc->mu);
     *st = CLB_E_IO;
@@ -484,23 +428,6 @@ clb_status clb_xc_failed(const clb_xcache *xc, char *err) {
     return failed ? CLB_E_IO : CLB_OK;
 }
 
-/* ---- reader thread ---------------------------------------------------------------------- */
-
-static void *reader_main(void *arg) {
-    clb_xcache *xc = arg;
-    char msg[CLB_ERR_LEN];
-    pthread_mutex_lock(&xc->mu);
-    for (;;) {
-        while (!xc->stop && xc->want_l < 0) pthread_cond_wait(&xc->want, &xc->mu);
-        if (xc->stop) break;
-        int64_t l = xc->want_l, i = xc->want_i, old = xc->want_old;
-        xc->want_l = -1;
-        load_claimed(xc, l, i, old, 0, msg);
-    }
-    pthread_mutex_unlock(&xc->mu);
-    return NULL;
-}
-
 /* ---- prefetch thread -------------------------------------------------------------------- */
 
 static void *prefetch_main(void *arg) {
@@ -560,22 +487,13 @@ size_t clb_expert_bytes(const clb_model *m) {
 
 void clb_xc_free(clb_xcache *xc) {
     if (!xc) return;
-    pthread_mutex_lock(&xc->mu);
-    xc->stop = 1;
-    pthread_cond_broadcast(&xc->work);
-    pthread_cond_broadcast(&xc->want);
-    /* a thread stuck in a read that ran past the timeout may never come back: it keeps the
-     * cache (it writes into a slot and takes the lock when its read ends), so nothing is freed */
-    int abandon = xc->stuck && (xc->busy[0] || xc->busy[1]);
-    pthread_mutex_unlock(&xc->mu);
-    if (abandon) {
-        if (xc->reader_on) pthread_detach(xc->reader);
-        if (xc->thread_on) pthread_detach(xc->thread);
-        return;
+    if (xc->thread_on) {
+        pthread_mutex_lock(&xc->mu);
+        xc->stop = 1;
+        pthread_cond_broadcast(&xc->work);
+        pthread_mutex_unlock(&xc->mu);
+        pthread_join(xc->thread, NULL);
     }
-    if (xc->reader_on) pthread_join(xc->reader, NULL);
-    if (xc->thread_on) pthread_join(xc->thread, NULL);
-    pthread_cond_destroy(&xc->want);
     pthread_cond_destroy(&xc->work);
     pthread_cond_destroy(&xc->loaded);
     pthread_mutex_destroy(&xc->mu);
@@ -616,8 +534,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         return CLB_E_ARG;
     }
     if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
-        cfg->load > CLB_XC_MMAP || cfg->prefetch_window < 1 || cfg->read_timeout_ms < 0 ||
-        cfg->read_timeout_ms > 86400000) {
+        cfg->load > CLB_XC_MMAP || cfg->prefetch_window < 1) {
         clb_set_err(err,
                     "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, "
                     "prefetch window %lld)", (long long)cfg->per_layer, (long long)E,
@@ -649,15 +566,8 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->N = N;
     xc->decay = 1.0f - 1.0f / (float)cfg->prefetch_window;
     pthread_mutex_init(&xc->mu, NULL);
-    pthread_condattr_t monotonic;
-    pthread_condattr_init(&monotonic);
-    pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
-    pthread_cond_init(&xc->loaded, &monotonic); /* timed waits: see wait_loaded */
-    pthread_condattr_destroy(&monotonic);
+    pthread_cond_init(&xc->loaded, NULL);
     pthread_cond_init(&xc->work, NULL);
-    pthread_cond_init(&xc->want, NULL);
-    xc->want_l = -1;
-    if (xc->cfg.read_timeout_ms == 0) xc->cfg.read_timeout_ms = 30000;
     size_t LE = (size_t)(L * E);
     xc->slots = calloc((size_t)(L * N), sizeof(xslot));
     xc->slot_of = malloc(LE * sizeof(int32_t));
@@ -775,11 +685,6 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         memset(xc->st, 0, (size_t)L * sizeof(clb_xc_stats));
         pthread_mutex_unlock(&xc->mu);
     }
-    if (pthread_create(&xc->reader, NULL, reader_main, xc) != 0) {
-        clb_set_err(err, "cannot start the expert reader thread");
-        return CLB_E_NOMEM;
-    }
-    xc->reader_on = 1;
     if (cfg->prefetch) {
         if (pthread_create(&xc->thread, NULL, prefetch_main, xc) != 0) {
             clb_set_err(err, "cannot start the expert prefetch thread");

@@ -117,7 +117,6 @@ cdef extern from "clb_model.h" nogil:
         int32_t prefetch
         int32_t huge_pages
         int64_t prefetch_window
-        int64_t read_timeout_ms
 
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
@@ -475,15 +474,12 @@ cdef class CoreModel:
         return n
 
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
-                            bint huge_pages=False, int prefetch_window=16, pinned=None,
-                            double read_timeout_s=30.0) -> None:
+                            bint huge_pages=False, int prefetch_window=16, pinned=None) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
         load: "pread", "direct" (O_DIRECT) or "mmap" (madvise on the mappings); pinned: bool
-        [n_layer, n_expert] experts loaded now and never evicted, or None; read_timeout_s:
-        one read that takes longer fails the model (a forward raises, naming the file) instead
-        of blocking. Call once, before the first forward. Outputs do not change; only speed
-        and memory do.
+        [n_layer, n_expert] experts loaded now and never evicted, or None. Call once, before
+        the first forward. Outputs do not change; only speed and memory do.
         """
         cdef clb_xc_config cfg
         if load not in XC_LOADS:
@@ -493,9 +489,6 @@ cdef class CoreModel:
         cfg.prefetch = 1 if prefetch else 0
         cfg.huge_pages = 1 if huge_pages else 0
         cfg.prefetch_window = prefetch_window
-        if not 0 < read_timeout_s <= 86400:
-            raise ValueError(f"read_timeout_s must be in (0, 86400], got {read_timeout_s}")
-        cfg.read_timeout_ms = max(1, <int64_t>(read_timeout_s * 1000))
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef uint8_t[::1] pv
         cdef const uint8_t *pp = NULL
