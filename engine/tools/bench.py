@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import resource
 import shlex
 import statistics
@@ -118,8 +119,9 @@ def cpu_model() -> str:
 def measured_on(argv: list[str] | None = None) -> dict[str, str | None]:
     """Where and when a measurement runs, as each results/ JSON file records it: "cpu" (this
     machine's cpu_model()), "commit" (of the checkout this code runs from; None outside a
-    git checkout), "command" (the command line, sys.argv by default) and "date" (UTC,
-    YYYY-MM-DD). docs/performance.md names all four beside every figure."""
+    git checkout), "command" (the command line, sys.argv by default, after the COLIBRI_*
+    variables set in the environment, which change what runs) and "date" (UTC, YYYY-MM-DD).
+    docs/performance.md names all four beside every figure."""
     try:
         r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse",
                             "HEAD"], capture_output=True, text=True)
@@ -127,7 +129,9 @@ def measured_on(argv: list[str] | None = None) -> dict[str, str | None]:
     except OSError:  # no git on this machine
         commit = None
     return {"cpu": cpu_model(), "commit": commit,
-            "command": "python " + shlex.join(sys.argv if argv is None else argv),
+            "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+                                   if k.startswith("COLIBRI_")),
+                                 "python " + shlex.join(sys.argv if argv is None else argv)]),
             "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
 
 
