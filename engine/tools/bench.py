@@ -116,11 +116,15 @@ def cpu_model() -> str:
     return f"{name} [{' '.join(f for f in SIMD_FLAGS if f in flags)}]"
 
 
+# where conversions are kept: it changes nothing that is measured
+_NOT_MEASURED = frozenset({"COLIBRI_CACHE_DIR"})
+
+
 def measured_on(argv: list[str] | None = None) -> dict[str, str | None]:
     """Where and when a measurement runs, as each results/ JSON file records it: "cpu" (this
     machine's cpu_model()), "commit" (of the checkout this code runs from; None outside a
     git checkout), "command" (the command line, sys.argv by default, after the COLIBRI_*
-    variables set in the environment, which change what runs) and "date" (UTC, YYYY-MM-DD).
+    variables set in the environment that change what runs) and "date" (UTC, YYYY-MM-DD).
     docs/performance.md names all four beside every figure."""
     try:
         r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse",
@@ -130,7 +134,7 @@ def measured_on(argv: list[str] | None = None) -> dict[str, str | None]:
         commit = None
     return {"cpu": cpu_model(), "commit": commit,
             "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-                                   if k.startswith("COLIBRI_")),
+                                   if k.startswith("COLIBRI_") and k not in _NOT_MEASURED),
                                  "python " + shlex.join(sys.argv if argv is None else argv)]),
             "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
 
