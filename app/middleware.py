@@ -139,7 +139,7 @@ class GuardMiddleware:
             if body is None:
                 await _reply(send, 413, f"The request body exceeds {limit} bytes.", path=path)
                 return
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         await self.app(scope, receive, send)
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -191,7 +191,8 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """receive, with body (already read) handed out first as one message."""
     sent = False
 
     async def replay() -> Message:

@@ -46,6 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from colibri.app.middleware import replay_body  # noqa: E402
 from tests.server_helpers import InProcessServer, tool_template_model  # noqa: E402
 
 KEY = "sk-agents"
@@ -159,7 +160,7 @@ class Forcing:
             scope = dict(scope, headers=[(k, v) for k, v in scope["headers"]
                                          if k != b"content-length"]
                          + [(b"content-length", str(len(raw)).encode())])
-            receive = _replay(raw, receive)
+            receive = replay_body(raw, receive)
 
         async def send_status(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -167,19 +168,6 @@ class Forcing:
             await send(message)
 
         await self.app(scope, receive, send_status)
-
-
-def _replay(raw: bytes, receive: Any) -> Any:
-    sent = False
-
-    async def replay() -> Any:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 # -- the model and the server ----------------------------------------------------------------
