@@ -81,7 +81,7 @@ def test_refusals() -> None:
     raw = _weights("q8", 12, 64, seed=1)
     with pytest.raises(ValueError, match="multiple of 8"):
         _core.repack_x8("q8", raw, 12, 64)
-    with pytest.raises(ValueError, match="only q8, q4 and q6"):
+    with pytest.raises(ValueError, match="only q8, q4, q6 and mxfp4"):
         _core.repack_x8("f32", np.zeros(64, np.float32).tobytes(), 8, 8)
     with pytest.raises(ValueError, match="weight bytes"):
         _core.repack_x8("q8", raw[:-1], 8, 64)
