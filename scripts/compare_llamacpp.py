@@ -773,6 +773,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         ratios[pr.label] = {k: c[k]["median"] / ll[k]["median"]
                             for k in ("prefill_tok_s", "decode_tok_s")}
         ratios[pr.label]["decode_pairs"] = summarize(by_rep[pr.label])
+        ratios[pr.label]["llama_precision"] = pr.llama  # the row it was set against
     agreement = agreement_counts(pairs, tokens)
     import llama_cpp
 
