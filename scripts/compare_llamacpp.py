@@ -37,7 +37,8 @@ vocabulary of --vocab tokens (the real o200k one has 201088: its lm_head would a
 both engines' bytes per token). llama.cpp's converter turns it into GGUF with the experts in
 llama.cpp's MXFP4 and every other matrix Q8_0 (what llama-quantize's MXFP4_MOE gives), Colibri
 converts it with the q8 preset, which keeps the experts MXFP4 byte for byte and makes every
-other matrix q8: one pair, "mxfp4".
+other matrix q8: one pair, "mxfp4". transformers runs it with its experts dequantized to f32
+(about 80 GB at full size): leave it out there with --skip-transformers.
 
 A measurement for docs/performance.md goes into results/ (the file records the CPU, commit,
 command and date), then `python scripts/make_performance_page.py` makes the page again:
