@@ -5,7 +5,10 @@ q/k norms), GLM-4.5 (two dense layers, then grouped sigmoid routing with n_group
 selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k norms, biases),
 DeepSeek-V3 (MLA with q_lora 96 != kv_lora 64, 32 + 16 query dims, values of 24, YaRN with
 mscale, interleaved rotary pairs; the same without q_lora and with rotate-half pairs) and
-DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing).
+DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss, and Qwen3-Next
+(gated DeltaNet linear-attention layers around a gated full-attention one, a dense layer,
+softmax routing with a gated shared expert; transformers' torch fallbacks of the delta rule
+and the conv as the reference).
 
 For each case and for the reference and best kernel ISA:
 - f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
@@ -69,10 +72,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                               "first_k_dense_replace": 1}),
     "deepseek_v2-lite-shape": ("deepseek_v2", {}),
     "gpt_oss": ("gpt_oss", {}),
+    "qwen3_next": ("qwen3_next", {}),
+    # layer_types from full_attention_interval (full on every second layer), as many value
+    # heads as key heads, no dense layer
+    "qwen3_next-interval": ("qwen3_next", {"layer_types": None, "full_attention_interval": 2,
+                                           "linear_num_value_heads": 2,
+                                           "mlp_only_layers": []}),
 }
 # families with multi-token-prediction layers and dense first layers
 MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-MOE_ARCHS = MTP_ARCHS + ("gpt_oss",)
+HYBRID_ARCHS = ("qwen3_next",)
+MOE_ARCHS = MTP_ARCHS + ("gpt_oss",) + HYBRID_ARCHS
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
@@ -84,6 +94,8 @@ def _routers(model: Any) -> list[tuple[int, Any]]:
             out.append((i, gate))
         elif type(getattr(block.mlp, "router", None)).__name__ == "GptOssTopKRouter":
             out.append((i, block.mlp.router))
+        elif type(gate).__name__ == "Qwen3NextTopKRouter":
+            out.append((i, gate))
     return out
 
 
@@ -132,7 +144,7 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
             w = _scores(m, logits).gather(1, idx)
             if getattr(m, "norm_topk_prob", False):
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-            return logits, w * m.routed_scaling_factor, idx
+            return logits, w * getattr(m, "routed_scaling_factor", 1.0), idx
         hooks.append(gate.register_forward_hook(hook))
     return hooks
 
@@ -218,6 +230,19 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
         assert (cfg["glu"], cfg["glu_alpha"], cfg["glu_limit"]) == (
             "swiglu_clamp", hf_cfg["swiglu_alpha"], hf_cfg["swiglu_limit"])
         assert cfg["rope"]["type"] == "yarn" and cfg["rope"]["truncate"] is False
+    elif case.arch == "qwen3_next":
+        types = case.hf.config.layer_types
+        assert cfg["layer_mixer"] == [
+            "linear" if t == "linear_attention" else "attention" for t in types]
+        assert {"linear", "attention"} <= set(cfg["layer_mixer"])
+        dense = hf_cfg["mlp_only_layers"]
+        assert cfg["layer_ffn"] == ["dense" if i in dense else "moe" for i in range(len(types))]
+        assert cfg["attn_gate"] and cfg["shared_gate"] and cfg["qk_norm"] == "head"
+        assert cfg["rotary_dim"] == hf_cfg["head_dim"] // 2
+        assert (cfg["lin_n_k_heads"], cfg["lin_n_v_heads"], cfg["lin_conv"]) == (
+            hf_cfg["linear_num_key_heads"], hf_cfg["linear_num_value_heads"],
+            hf_cfg["linear_conv_kernel_dim"])
+        assert hf_cfg["linear_conv_kernel_dim"] < PROMPT_LEN
     elif case.arch in MOE_ARCHS:
         k = hf_cfg["first_k_dense_replace"]
         assert cfg["layer_ffn"] == ["dense"] * k + ["moe"] * (hf_cfg["num_hidden_layers"] - k)
@@ -240,8 +265,9 @@ def test_mla_caches_the_latent(moe_case: Case) -> None:
     per_token = m.kv_block_bytes() // _core.KV_BLOCK
     if cfg.get("attn") == "mla":
         assert per_token == cfg["n_layer"] * (cfg["kv_lora_rank"] + cfg["rotary_dim"]) * 4
-    else:
-        assert per_token == cfg["n_layer"] * 2 * cfg["n_head_kv"] * cfg["head_dim"] * 4
+    else:  # linear-attention layers cache nothing per position
+        n_attn = cfg.get("layer_mixer", ["attention"] * cfg["n_layer"]).count("attention")
+        assert per_token == n_attn * 2 * cfg["n_head_kv"] * cfg["head_dim"] * 4
 
 
 def test_routing_is_exercised(moe_case: Case) -> None:

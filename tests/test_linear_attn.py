@@ -1,0 +1,176 @@
+"""Gated DeltaNet linear attention (Qwen3-Next): the reference kernels against numpy, and the
+per-sequence state slots the forward pass keeps beside the paged KV cache (logit parity with
+transformers lives in tests/test_parity_families.py).
+
+- the state update and the conv step equal a float64 numpy description of the formulas,
+  including tail sizes, and write every output element;
+- a sequence's state continues only where it stopped: a rewind, a missing or shared slot is
+  refused and changes nothing; position 0 starts it afresh;
+- copying a slot forks a sequence: both continue as the sequence would alone;
+- the multi-token-prediction module (mtp.*) is skipped at conversion, and said.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri.engine import _core
+from colibri.engine.errors import InputError
+from colibri.engine.executor.model import Model
+from tests.parity_helpers import prefill
+
+N_CTX = 64
+
+
+def _delta_numpy(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: float,
+                 beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' torch_recurrent_gated_delta_rule for one token and one head, in float64."""
+    S = S.astype(np.float64) * decay
+    mem = (S * k[:, None]).sum(axis=0)
+    delta = (v - mem) * beta
+    S = S + k[:, None] * delta[None, :]
+    return (S * q[:, None]).sum(axis=0), S
+
+
+@pytest.mark.parametrize("dk,dv", [(16, 24), (1, 1), (7, 37), (128, 128)])
+def test_delta_step_matches_numpy(dk: int, dv: int) -> None:
+    rng = np.random.default_rng(dk * 1000 + dv)
+    S = rng.standard_normal((dk, dv)).astype(np.float32)
+    for _ in range(3):  # the state carries over
+        q, k = ((rng.standard_normal(dk) / np.sqrt(dk)).astype(np.float32) for _ in range(2))
+        v = rng.standard_normal(dv).astype(np.float32)
+        decay, beta = float(rng.uniform(0.1, 1.0)), float(rng.uniform(0.0, 1.0))
+        want, want_S = _delta_numpy(S, q, k, v, decay, beta)
+        out = _core.delta_step_ref(S, q, k, v, decay, beta)
+        assert np.all(np.isfinite(out)), "an output element was not written"
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(S, want_S, rtol=1e-5, atol=1e-5 * np.abs(want_S).max())
+
+
+def test_delta_step_extremes() -> None:
+    """decay 0 forgets the state; beta 0 leaves it decayed; beta 1 with a unit key writes v
+    exactly at that key (the delta rule's overwrite)."""
+    dk, dv = 4, 3
+    S = np.arange(dk * dv, dtype=np.float32).reshape(dk, dv)
+    k = np.eye(dk, dtype=np.float32)[1]
+    v = np.array([1.0, -2.0, 3.0], np.float32)
+    out = _core.delta_step_ref(S, k, k, v, 0.0, 1.0)
+    np.testing.assert_array_equal(out, v)
+    np.testing.assert_array_equal(S[1], v)
+    assert not S[[0, 2, 3]].any()
+    S2 = np.ones((dk, dv), np.float32)
+    _core.delta_step_ref(S2, k, k, v, 0.5, 0.0)
+    np.testing.assert_array_equal(S2, np.full((dk, dv), 0.5, np.float32))
+
+
+@pytest.mark.parametrize("C,K", [(5, 4), (64, 2), (33, 5)])
+def test_conv_step_matches_numpy(C: int, K: int) -> None:
+    rng = np.random.default_rng(C * 10 + K)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    win = np.zeros((K - 1, C), np.float32)
+    xs = rng.standard_normal((9, C)).astype(np.float32)
+    padded = np.concatenate([np.zeros((K - 1, C)), xs.astype(np.float64)])
+    for t in range(xs.shape[0]):
+        y = _core.conv_step_ref(w, win, xs[t])
+        s = (w.T.astype(np.float64) * padded[t:t + K]).sum(axis=0)  # causal, zero-padded
+        np.testing.assert_allclose(y, s / (1 + np.exp(-s)), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(win, padded[t + 1:t + K].astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from colibri.engine.format.convert import convert
+    from tests.tiny_models import make_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen3_next")
+    hf = make_checkpoint("qwen3_next", root / "hf", seed=3)
+    return convert(hf, root / "f32", quant="f32", progress=False)
+
+
+def _prompt(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 320, n).astype(np.int32)
+
+
+def test_state_continues_only_where_it_stopped(hybrid: Path) -> None:
+    m = Model.load(hybrid, threads=2, n_ctx=N_CTX, n_seq=2)
+    p = _prompt(20)
+    whole = prefill(m, p)
+    assert m.kv.n_state_slots == 2 and m.kv.state_len(0) == 20 and m.kv.state_bytes > 0
+    # a rewind is refused and changes nothing: the next token still continues the state
+    with pytest.raises(InputError, match="cannot be rewound"):
+        m.forward(p[10:12], np.zeros(2, np.int32), np.arange(10, 12, dtype=np.int32))
+    assert m.kv.state_len(0) == 20
+    # position 0 starts afresh: the same prompt gives the same bits
+    m.reset(0)
+    np.testing.assert_array_equal(prefill(m, p), whole)
+    # forward_paged needs each sequence's slot, and one slot per sequence
+    tables = m.slot_tables
+    toks, seqs, pos = np.array([5, 6], np.int32), np.array([0, 1], np.int32), np.zeros(2, np.int32)
+    with pytest.raises(InputError, match="state slots"):
+        m.forward_paged(toks, seqs, pos, tables)
+    with pytest.raises(InputError, match="used by sequences 0 and 1"):
+        m.forward_paged(toks, seqs, pos, tables, state_slots=np.zeros(2, np.int32))
+    with pytest.raises(InputError, match="not in 0..1"):
+        m.forward_paged(toks, seqs, pos, tables, state_slots=np.array([0, 2], np.int32))
+    assert m.kv.state_len(0) == 20 and m.kv.state_len(1) == -1
+
+
+def test_a_copied_state_forks_the_sequence(hybrid: Path) -> None:
+    """A prompt of two full KV blocks, then a fork: sequence 1 shares sequence 0's blocks and
+    takes a copy of its state; each continues with its own tokens exactly as that sequence
+    computed alone (bit for bit), and the fork left sequence 0's state untouched."""
+    p = _prompt(2 * _core.KV_BLOCK, seed=1)
+    tails = (np.array([7, 8, 9], np.int32), np.array([11, 3, 5], np.int32))
+    alone = Model.load(hybrid, threads=2, n_ctx=N_CTX)
+    want = []
+    for tail in tails:
+        alone.reset(0)
+        want.append(prefill(alone, np.concatenate([p, tail]))[p.size:])
+    nb = -(-N_CTX // _core.KV_BLOCK)
+    m = Model.load(hybrid, threads=2, n_ctx=N_CTX, n_seq=0, kv_blocks=2 * nb, state_slots=2)
+    tab = np.arange(2 * nb, dtype=np.int32).reshape(2, nb)
+    slots = np.array([0, 1], np.int32)
+    m.forward_paged(p, np.zeros(p.size, np.int32), np.arange(p.size, dtype=np.int32), tab,
+                    state_slots=slots)
+    m.kv.copy_state(1, 0)
+    assert m.kv.state_len(1) == p.size
+    tab[1, :2] = tab[0, :2]  # the prompt's blocks, shared read-only
+    n = tails[0].size
+    toks = np.concatenate(tails)
+    seqs = np.repeat(np.array([0, 1], np.int32), n)
+    pos = np.tile(np.arange(p.size, p.size + n, dtype=np.int32), 2)
+    out = m.forward_paged(toks, seqs, pos, tab, state_slots=slots)
+    np.testing.assert_array_equal(out[:n], want[0])
+    np.testing.assert_array_equal(out[n:], want[1])
+    assert m.kv.state_len(0) == m.kv.state_len(1) == p.size + n
+
+
+def test_mtp_module_is_skipped_and_said(hybrid: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    from colibri.engine.format.convert import convert
+
+    src = hybrid.parent / "hf"
+    hf = tmp_path / "hf"
+    shutil.copytree(src, hf)
+    tensors = load_file(str(hf / "model.safetensors"))
+    mtp = {"mtp.fc.weight": np.zeros((64, 128), np.float32),
+           "mtp.norm.weight": np.ones(64, np.float32),
+           "mtp.layers.0.input_layernorm.weight": np.ones(64, np.float32)}
+    save_file({**tensors, **mtp}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    out = convert(hf, tmp_path / "f32", quant="f32", progress=True)
+    err = capsys.readouterr().err
+    assert ("recognised Qwen3NextForCausalLM as the qwen3_next family: 4 layers, 1 dense, "
+            "3 with 8 experts") in err
+    assert "3 linear attention (gated DeltaNet, conv width 4), 1 gated full attention" in err
+    assert "skipping 3 tensors of the multi-token-prediction module (mtp.*)" in err
+    assert (json.loads((out / "config.json").read_text())["files"]
+            == json.loads((hybrid / "config.json").read_text())["files"])
