@@ -7,7 +7,8 @@ transformers lives in tests/test_parity_families.py).
 - a sequence's state continues only where it stopped: a rewind, a missing or shared slot is
   refused and changes nothing; position 0 starts it afresh;
 - copying a slot forks a sequence: both continue as the sequence would alone;
-- the multi-token-prediction module (mtp.*) is skipped at conversion, and said.
+- the multi-token-prediction module (mtp.*) is skipped at conversion, and said;
+- `colibri info`, routing traces and `colibri bench` follow the layer mix.
 """
 
 from __future__ import annotations
@@ -174,3 +175,27 @@ def test_mtp_module_is_skipped_and_said(hybrid: Path, tmp_path: Path,
     assert "skipping 3 tensors of the multi-token-prediction module (mtp.*)" in err
     assert (json.loads((out / "config.json").read_text())["files"]
             == json.loads((hybrid / "config.json").read_text())["files"])
+
+
+def test_info_traces_and_bench_follow_the_layer_mix(hybrid: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from colibri.app.cli import main
+    from colibri.engine.tools.info import describe, render
+    from colibri.engine.tools.routing_trace import RouteRecorder, greedy_run
+
+    d = describe(hybrid)
+    text = render(d)
+    assert ("layers        1 dense (2), 3 MoE (0, 1, 3), 3 linear attention (recurrent state "
+            "per sequence) (0, 2, 3), 1 full attention (KV cache) (1)") in text
+    assert "attn_gate=True" in text and "lin_conv=4" in text
+    assert d["experts_per_layer"] == [8, 8, 0, 8]
+    m = Model.load(hybrid, threads=2, n_ctx=N_CTX)
+    rec = RouteRecorder(m)
+    greedy_run(rec, np.arange(5, 25, dtype=np.int32), 6)
+    trace = rec.trace("test")
+    assert trace.n_layer == 3 and trace.n_tokens == 20 + 6  # the MoE layers only
+    assert trace.routes.min() >= 0 and trace.routes.max() < 8
+    assert main(["bench", "--model", str(hybrid), "--prompt-tokens", "12", "--gen-tokens", "6",
+                 "--threads", "2", "--repeat", "1", "--probe-mib", "8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["architecture"] == "qwen3_next"
