@@ -170,6 +170,9 @@ clb_kv_type clb_kv_get_type(const clb_kv *kv);
  * clb_kv_state_copy makes dst what src is (n > 1 sequences forked from one prompt);
  * clb_kv_state_len: positions slot has absorbed (-1: none usable, after a failed call). */
 size_t clb_kv_state_bytes(const clb_hparams *hp);
+/* Copies every layer's rows of block src into block dst (a fork's copy of a partly filled
+ * block it would otherwise share with the sequence it forks from). CLB_E_ARG for bad ids. */
+clb_status clb_kv_block_copy(clb_kv *kv, int64_t dst, int64_t src);
 clb_status clb_kv_states_init(clb_kv *kv, int64_t n_slots);
 int64_t clb_kv_n_state_slots(const clb_kv *kv);
 clb_status clb_kv_state_copy(clb_kv *kv, int64_t dst, int64_t src);

@@ -106,6 +106,20 @@ clb_status clb_kv_states_init(clb_kv *kv, int64_t n_slots) {
 
 int64_t clb_kv_n_state_slots(const clb_kv *kv) { return kv ? kv->n_slots : 0; }
 
+clb_status clb_kv_block_copy(clb_kv *kv, int64_t dst, int64_t src) {
+    if (!kv || dst < 0 || dst >= kv->n_blocks || src < 0 || src >= kv->n_blocks)
+        return CLB_E_ARG;
+    if (dst == src) return CLB_OK;
+    /* one (cached layer, kind, kv head)'s part of a block is CLB_KV_BLOCK rows in a run */
+    const size_t run = (size_t)CLB_KV_BLOCK * kv->head_bytes;
+    for (int64_t p = 0; p < kv->n_layer * kv->n_kinds * kv->n_head_kv; p++) {
+        const size_t base = (size_t)p * (size_t)kv->n_blocks;
+        memcpy(kv->data + (base + (size_t)dst) * run, kv->data + (base + (size_t)src) * run,
+               run);
+    }
+    return CLB_OK;
+}
+
 clb_status clb_kv_state_copy(clb_kv *kv, int64_t dst, int64_t src) {
     if (!kv || dst < 0 || dst >= kv->n_slots || src < 0 || src >= kv->n_slots) return CLB_E_ARG;
     if (dst != src)

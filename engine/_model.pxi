@@ -106,6 +106,7 @@ cdef extern from "clb_model.h" nogil:
     clb_status clb_kv_states_init(clb_kv *kv, int64_t n_slots)
     int64_t clb_kv_n_state_slots(const clb_kv *kv)
     clb_status clb_kv_state_copy(clb_kv *kv, int64_t dst, int64_t src)
+    clb_status clb_kv_block_copy(clb_kv *kv, int64_t dst, int64_t src)
     int64_t clb_kv_state_len(const clb_kv *kv, int64_t slot)
 
     ctypedef struct clb_batch:
@@ -417,6 +418,13 @@ cdef class KVCache:
     def state_len(self, slot) -> int:
         """Positions state slot `slot` has absorbed (-1: none usable)."""
         return clb_kv_state_len(self.kv, operator.index(slot))
+
+    def copy_block(self, dst, src):
+        """Make block dst hold what block src holds, every layer (a fork's own copy of a
+        partly filled block)."""
+        cdef clb_status st = clb_kv_block_copy(self.kv, operator.index(dst), operator.index(src))
+        if st != CLB_OK:
+            raise InputError(f"blocks {dst} and {src} must be in 0..{self.n_blocks - 1}")
 
     def copy_state(self, dst, src):
         """Make state slot dst what slot src is (a sequence forked from another)."""

@@ -125,22 +125,31 @@ def test_preemption_recomputes_the_same_tokens(hf_dir: Path, probe: Any) -> None
     _all_free(llm.core)
 
 
-def test_n_choices_give_their_tokens_alone(hf_dir: Path, probe: Any) -> None:
-    """n > 1: each choice holds its own state slot and computes the prompt in it (a block of
-    the first choice's prompt cannot restore the recurrent state at its end)."""
-    llm = _llm(hf_dir, max_num_seqs=4)
-    prompt = _ids(llm, " ".join(PROMPTS))[:70]
+@pytest.mark.parametrize("n_prompt", [70, 65, 1])
+def test_n_choices_fork_and_give_their_tokens_alone(hf_dir: Path, probe: Any,
+                                                    n_prompt: int) -> None:
+    """n > 1: choice 0's prefill stops one token short of its prompt; the other choices fork
+    there (its full blocks shared, a copy of the partly filled one and of its recurrent state
+    in their own slots) and each computes the last prompt token itself. A prompt ending on a
+    block edge (65: the fork at 64) shares every block; a one-token prompt has nothing to
+    share and each choice computes it."""
+    llm = _llm(hf_dir, max_num_seqs=4, max_num_batched_tokens=32)
+    prompt = (_ids(llm, " ".join(PROMPTS)) * 2)[:n_prompt]
     choices = [_params(max_tokens=6, temperature=1.0, seed=11 + i) for i in range(3)]
     core = llm.core
     core.add_request("nn", prompt, choices)
     outs: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    cached: dict[int, int] = {}
     while core.has_work():
         for o in core.step():
             outs[o.index].append(o.token_id)
-            assert o.n_cached_tokens == 0
+            cached[o.index] = o.n_cached_tokens
+    fork = n_prompt - 1
+    assert cached == {0: 0, 1: fork, 2: fork}
     for i, p in enumerate(choices):
         assert outs[i] == _alone(probe, prompt, p)
     _all_free(core)
+    assert not core.blocks.pending_copies
 
 
 def test_abort_and_score_return_the_state_slots(hf_dir: Path) -> None:

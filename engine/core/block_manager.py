@@ -42,6 +42,9 @@ class BlockManager:
         self.n_state_slots = n_state_slots
         self._free_slots = list(range(n_state_slots - 1, -1, -1))  # popped lowest first
         self.state_slots: dict[str, int] = {}
+        # what a hybrid fork leaves the engine to copy before the next forward: (the forked
+        # rid, "block" or "state", src, dst)
+        self.pending_copies: list[tuple[str, str, int, int]] = []
         self.n_blocks = n_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -133,12 +136,31 @@ class BlockManager:
 
     def fork(self, parent_rid: str, rid: str, n_prompt: int) -> int | None:
         """rid shares parent's full blocks before its last prompt token (n choices of one
-        prompt share one prefill). Returns the tokens rid need not compute, or None."""
+        prompt share one prefill). Returns the tokens rid need not compute, or None. With
+        state slots the parent must hold exactly n_prompt - 1 positions (Scheduler holds its
+        prefill there): see _fork_state."""
         parent = self.tables[parent_rid]
-        if self.n_state_slots:  # the parent's state is past the prompt: compute it again
-            return self.allocate_prompt(rid, [], [], [])
+        if self.n_state_slots:
+            return self._fork_state(parent_rid, rid, n_prompt - 1)
         n_share = min(len(parent.blocks), (n_prompt - 1) // self.block_size)
         return self.allocate_prompt(rid, [], parent.blocks[:n_share], parent.hashes[:n_share])
+
+    def _fork_state(self, parent_rid: str, rid: str, at: int) -> int | None:
+        """A hybrid fork at position `at` (the parent holds exactly `at` positions): rid shares
+        the parent's full blocks before it, takes a copy of the partly filled one and of the
+        parent's recurrent state (queued in pending_copies). Returns `at`, or None."""
+        parent = self.tables[parent_rid]
+        n_share = at // self.block_size
+        partial = at % self.block_size != 0
+        if self.allocate_prompt(rid, [], parent.blocks[:n_share], []) is None:
+            return None
+        if partial:
+            dst = self._take_free()
+            self.tables[rid].blocks.append(dst)
+            self.pending_copies.append((rid, "block", parent.blocks[n_share], dst))
+        self.pending_copies.append((rid, "state", self.state_slots[parent_rid],
+                                    self.state_slots[rid]))
+        return at
 
     def state_slot(self, rid: str) -> int:
         """rid's recurrent-state slot (models with linear-attention layers)."""
@@ -184,6 +206,7 @@ class BlockManager:
         slot = self.state_slots.pop(rid, None)
         if slot is not None:
             self._free_slots.append(slot)
+            self.pending_copies = [c for c in self.pending_copies if c[0] != rid]
         # the tail first, so that when the pool runs short a prefix's last block goes before
         # its first (which other prompts are more likely to share)
         for b in reversed(t.blocks):

@@ -133,6 +133,7 @@ class EngineCore:
         for i, (p, max_new) in enumerate(zip(choices, budgets, strict=True)):
             reqs.append(new_request(request_id, i, prompt, p, self.vocab_size, self.tokenizer,
                                     max_new, self.eos_ids, parent=reqs[0] if i else None))
+        reqs[0].n_forks = len(reqs) - 1
         self.requests[request_id] = reqs
         for r in reqs:
             self.scheduler.add(r)
@@ -171,6 +172,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.blocks.pending_copies:  # hybrid forks: blocks and states they start from
+            self._copy_forks()
         if not sched.items:
             return []
         n_seq = len(sched.items)
@@ -253,6 +256,12 @@ class EngineCore:
         if self.expert_cache is not None:
             self.expert_cache.on_step(n_seq, n_tok)
         return outputs
+
+    def _copy_forks(self) -> None:
+        kv = self.model.kv
+        for _, what, src, dst in self.blocks.pending_copies:
+            (kv.copy_block if what == "block" else kv.copy_state)(dst, src)
+        self.blocks.pending_copies.clear()
 
     def _forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                  tables: np.ndarray, want: np.ndarray | None,
