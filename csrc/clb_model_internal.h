@@ -43,6 +43,8 @@ typedef struct {
     const clb_tensor *lin_qkvz;             /* [C + nv*dv, D]: q, k, v (the conv's channels),
                                                then z (the output gate) */
     const clb_tensor *lin_ba;               /* [2*nv, D]: b (beta logits), then a (decay) */
+    const clb_tensor *lin_qkv, *lin_z;      /* or lin_qkvz as two matrices [C, D], [nv*dv, D] */
+    const clb_tensor *lin_b, *lin_a;        /* or lin_ba as two [nv, D] (Qwen3.5) */
     const clb_tensor *lin_conv;             /* [C, lin_conv] f32 depthwise conv weights */
     const clb_tensor *lin_dt_bias, *lin_a_log; /* [nv] f32 */
     const clb_tensor *lin_norm;             /* [dv] f32 gated RMSNorm weight */

@@ -110,14 +110,26 @@ clb_status clb_linear_attn(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t
 
     for (int64_t t = 0; t < T; t++)
         clb_rmsnorm(m->x + t * D, clb_f32_data(l->attn_norm), D, hp->rms_eps, m->xn + t * D);
-    if (l->lin_ba->type == l->lin_qkvz->type) { /* xn packed once, both in one dispatch */
-        const void *act = clb_fw_act_for(l->lin_qkvz, m->xn, D, T, m->act);
-        m->jobs[0] = clb_fw_job(l->lin_qkvz, act, T, m->lin_p, C + vd, NULL); /* [T, C+vd] */
-        m->jobs[1] = clb_fw_job(l->lin_ba, act, T, m->lin_ba, 2 * nv, NULL);  /* [T, 2nv] */
-        TRY(clb_fw_run_jobs(m, CLB_PHASE_ATTN_PROJ, 2));
+    /* the input projections into lin_p [T, C+vd] (q, k, v, z) and lin_ba [T, 2nv] (b, a): two
+     * matrices or four; xn packed once and all in one dispatch when their types agree */
+    const clb_tensor *w[4] = {l->lin_qkvz, l->lin_ba, NULL, NULL};
+    float *y[4] = {m->lin_p, m->lin_ba, NULL, NULL};
+    const int64_t ldy[4] = {C + vd, 2 * nv, C + vd, 2 * nv};
+    int nw = 2;
+    if (!l->lin_qkvz) {
+        w[0] = l->lin_qkv, w[1] = l->lin_b, w[2] = l->lin_z, w[3] = l->lin_a;
+        y[1] = m->lin_ba, y[2] = m->lin_p + C, y[3] = m->lin_ba + nv;
+        nw = 4;
+    }
+    int same = 1;
+    for (int i = 1; i < nw; i++) same &= w[i]->type == w[0]->type;
+    if (same) {
+        const void *act = clb_fw_act_for(w[0], m->xn, D, T, m->act);
+        for (int i = 0; i < nw; i++) m->jobs[i] = clb_fw_job(w[i], act, T, y[i], ldy[i], NULL);
+        TRY(clb_fw_run_jobs(m, CLB_PHASE_ATTN_PROJ, nw));
     } else {
-        TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, l->lin_qkvz, m->xn, T, m->lin_p, C + vd, NULL));
-        TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, l->lin_ba, m->xn, T, m->lin_ba, 2 * nv, NULL));
+        for (int i = 0; i < nw; i++)
+            TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, w[i], m->xn, T, y[i], ldy[i], NULL));
     }
     lin_task task = {m, kv, b, l, T, seq};
     const int64_t t0 = clb_now_ns();

@@ -268,9 +268,17 @@ static clb_status load_linear(loader *ld, const clb_wfile *f, const char *rel, c
     const clb_hparams *hp = &ld->m->hp;
     const int64_t d = hp->n_embd, nv = hp->lin_n_v_heads, vd = nv * hp->lin_v_dim;
     const int64_t C = 2 * hp->lin_n_k_heads * hp->lin_k_dim + vd;
-    TRY(want(ld, f, rel, "lin_qkvz", KIND_MAT_ANY, C + vd, d, "2*k_heads*k_dim + 2*v_heads*v_dim,"
-             " n_embd", &l->lin_qkvz));
-    TRY(want(ld, f, rel, "lin_ba", KIND_MAT_ANY, 2 * nv, d, "2*v_heads, n_embd", &l->lin_ba));
+    if (clb_wfile_find(f, "lin_qkvz")) { /* one matrix each (Qwen3-Next) or two (Qwen3.5) */
+        TRY(want(ld, f, rel, "lin_qkvz", KIND_MAT_ANY, C + vd, d, "2*k_heads*k_dim + "
+                 "2*v_heads*v_dim, n_embd", &l->lin_qkvz));
+        TRY(want(ld, f, rel, "lin_ba", KIND_MAT_ANY, 2 * nv, d, "2*v_heads, n_embd", &l->lin_ba));
+    } else {
+        TRY(want(ld, f, rel, "lin_qkv", KIND_MAT_ANY, C, d, "2*k_heads*k_dim + v_heads*v_dim, "
+                 "n_embd", &l->lin_qkv));
+        TRY(want(ld, f, rel, "lin_z", KIND_MAT_ANY, vd, d, "v_heads*v_dim, n_embd", &l->lin_z));
+        TRY(want(ld, f, rel, "lin_b", KIND_MAT_ANY, nv, d, "v_heads, n_embd", &l->lin_b));
+        TRY(want(ld, f, rel, "lin_a", KIND_MAT_ANY, nv, d, "v_heads, n_embd", &l->lin_a));
+    }
     TRY(want(ld, f, rel, "lin_conv", KIND_MAT_F32, C, hp->lin_conv, "conv channels, lin_conv",
              &l->lin_conv));
     TRY(want(ld, f, rel, "lin_dt_bias", KIND_VEC_F32, 0, nv, "v_heads", &l->lin_dt_bias));
@@ -433,6 +441,10 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
         mm = mm_need(l->wkv_a, mm);
         mm = mm_need(l->lin_qkvz, mm);
         mm = mm_need(l->lin_ba, mm);
+        mm = mm_need(l->lin_qkv, mm);
+        mm = mm_need(l->lin_z, mm);
+        mm = mm_need(l->lin_b, mm);
+        mm = mm_need(l->lin_a, mm);
         mm = mm_need(l->lin_out, mm);
         mm = mm_need(l->dense.w1, mm);
         mm = mm_need(l->dense.w3, mm);
@@ -518,6 +530,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->mm_scratch = palloc(m, mm, &fail);
     m->act = palloc(m, mm, &fail);
     size_t n_jobs = e + 3 > (size_t)hp->n_head ? e + 3 : (size_t)hp->n_head; /* MLA: a head each */
+    if (n_jobs < 4) n_jobs = 4; /* a linear layer's four input projections */
     m->jobs = palloc(m, n_jobs * sizeof(clb_mm_job), &fail);
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
     m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);

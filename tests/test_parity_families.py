@@ -78,10 +78,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next-interval": ("qwen3_next", {"layer_types": None, "full_attention_interval": 2,
                                            "linear_num_value_heads": 2,
                                            "mlp_only_layers": []}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
 }
 # families with multi-token-prediction layers and dense first layers
 MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-HYBRID_ARCHS = ("qwen3_next",)
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
 MOE_ARCHS = MTP_ARCHS + ("gpt_oss",) + HYBRID_ARCHS
 
 
@@ -94,7 +95,7 @@ def _routers(model: Any) -> list[tuple[int, Any]]:
             out.append((i, gate))
         elif type(getattr(block.mlp, "router", None)).__name__ == "GptOssTopKRouter":
             out.append((i, block.mlp.router))
-        elif type(gate).__name__ == "Qwen3NextTopKRouter":
+        elif type(gate).__name__ in ("Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter"):
             out.append((i, gate))
     return out
 
@@ -142,7 +143,8 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
             if _topk_softmax(m):
                 return logits, torch.softmax(logits.gather(1, idx), dim=-1), idx
             w = _scores(m, logits).gather(1, idx)
-            if getattr(m, "norm_topk_prob", False):
+            # Qwen3.5's router always renormalises (it has no norm_topk_prob)
+            if getattr(m, "norm_topk_prob", type(m).__name__ == "Qwen3_5MoeTopKRouter"):
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
             return logits, w * getattr(m, "routed_scaling_factor", 1.0), idx
         hooks.append(gate.register_forward_hook(hook))
@@ -230,12 +232,12 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
         assert (cfg["glu"], cfg["glu_alpha"], cfg["glu_limit"]) == (
             "swiglu_clamp", hf_cfg["swiglu_alpha"], hf_cfg["swiglu_limit"])
         assert cfg["rope"]["type"] == "yarn" and cfg["rope"]["truncate"] is False
-    elif case.arch == "qwen3_next":
+    elif case.arch in HYBRID_ARCHS:
         types = case.hf.config.layer_types
         assert cfg["layer_mixer"] == [
             "linear" if t == "linear_attention" else "attention" for t in types]
         assert {"linear", "attention"} <= set(cfg["layer_mixer"])
-        dense = hf_cfg["mlp_only_layers"]
+        dense = hf_cfg.get("mlp_only_layers") or []
         assert cfg["layer_ffn"] == ["dense" if i in dense else "moe" for i in range(len(types))]
         assert cfg["attn_gate"] and cfg["shared_gate"] and cfg["qk_norm"] == "head"
         assert cfg["rotary_dim"] == hf_cfg["head_dim"] // 2

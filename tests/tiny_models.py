@@ -21,7 +21,7 @@ GROUPED_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 # attention sinks, sliding-window layers, biased experts with the clamped SwiGLU
 SINK_ARCHS = ("gpt_oss",)
 # gated DeltaNet linear-attention layers between gated full-attention ones
-HYBRID_ARCHS = ("qwen3_next",)
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
 ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS + HYBRID_ARCHS
 
 VOCAB_SIZE = 320
@@ -156,6 +156,20 @@ _BASE: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.5},
     ),
+    # Qwen3.5's text model: the same mix with four input projections per linear layer and
+    # experts on every layer; its multi-axis RoPE sections on (plain RoPE for text)
+    "qwen3_5_moe": dict(
+        hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-3,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention",
+                     "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5, "mrope_section": [2, 2, 2],
+                         "mrope_interleaved": True},
+    ),
 }
 
 
@@ -176,6 +190,7 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")

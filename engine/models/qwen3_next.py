@@ -79,6 +79,15 @@ def layer_ffn(hf: HFConfig, n_layer: int) -> list[str]:
 def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dict[str, Any]:
     hf = HFConfig(raw, DEFAULTS)
     cfg = base_config(hf, NAME, hf_arch, gen)
+    cfg.update(hybrid_config(hf, cfg, layer_ffn(hf, cfg["n_layer"]),
+                             bool(hf.get("norm_topk_prob"))))
+    return cfg
+
+
+def hybrid_config(hf: HFConfig, cfg: dict[str, Any], ffn: list[str],
+                  norm_topk_prob: bool) -> dict[str, Any]:
+    """What Qwen3-Next and Qwen3.5 share past base_config: gated attention with partial
+    rotary, the linear-attention layers, softmax routing with a gated shared expert."""
     if hf.get("attention_bias"):
         raise UnsupportedModel("config.json: attention_bias true is not supported (Qwen3-Next "
                                "checkpoints have none)")
@@ -89,7 +98,6 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
         raise UnsupportedModel(f"config.json: partial_rotary_factor {prf} gives rotary dims "
                                f"{rd} of head_dim {cfg['head_dim']}")
     n = cfg["n_layer"]
-    ffn = layer_ffn(hf, n)
     nk, nv = hf.pos_int("linear_num_key_heads"), hf.pos_int("linear_num_value_heads")
     if nv % nk:
         raise UnsupportedModel(f"config.json: linear_num_value_heads {nv} is not a multiple of "
@@ -103,11 +111,11 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
     if n_used > n_expert:
         raise UnsupportedModel(f"config.json: num_experts_per_tok {n_used} exceeds num_experts "
                                f"{n_expert}")
-    cfg.update(
+    return dict(
         n_ff=hf.pos_int("moe_intermediate_size") if moe else 0, n_expert=n_expert,
         n_expert_used=n_used,
         n_ff_shared=hf.pos_int("shared_expert_intermediate_size") if moe else 0,
-        shared_gate=moe, norm_topk_prob=bool(hf.get("norm_topk_prob")), router="softmax",
+        shared_gate=moe, norm_topk_prob=norm_topk_prob, router="softmax",
         n_ff_dense=hf.pos_int("intermediate_size") if "dense" in ffn else 0, layer_ffn=ffn,
         rotary_dim=rd, rope=rope_config(params, cfg["max_position_embeddings"]),
         qk_norm="head", qkv_bias=False, o_bias=False, clip_qkv=None, sliding_window=None,
@@ -115,7 +123,6 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
         lin_k_dim=hf.pos_int("linear_key_head_dim"),
         lin_v_dim=hf.pos_int("linear_value_head_dim"), lin_conv=conv,
     )
-    return cfg
 
 
 def _norm(p: str) -> Source:
@@ -123,16 +130,23 @@ def _norm(p: str) -> Source:
     return Source(p, transform="plus_one")
 
 
-def _linear(pl: Plan, i: int, p: str) -> None:
+def linear_layer(pl: Plan, i: int, p: str, split: bool) -> None:
+    """A gated DeltaNet layer's tensors; split: Qwen3.5's in_proj_qkv / _z / _b / _a (else
+    Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head)."""
     c = pl.cfg
     D, nk, nv = c["n_embd"], c["lin_n_k_heads"], c["lin_n_v_heads"]
     dk, dv, K = c["lin_k_dim"], c["lin_v_dim"], c["lin_conv"]
     C = 2 * nk * dk + nv * dv
     a, la = f"attention/layer_{i}.bin", p + "linear_attn."
-    pl.add(a, "lin_qkvz", DENSE, (C + nv * dv, D),
-           Source(la + "in_proj_qkvz.weight", transform="qkvz", params=(nk, dk, nv, dv)))
-    pl.add(a, "lin_ba", DENSE, (2 * nv, D),
-           Source(la + "in_proj_ba.weight", transform="ba", params=(nk, nv)))
+    if split:
+        for ours, hf, rows in (("lin_qkv", "qkv", C), ("lin_z", "z", nv * dv),
+                               ("lin_b", "b", nv), ("lin_a", "a", nv)):
+            pl.add(a, ours, DENSE, (rows, D), Source(f"{la}in_proj_{hf}.weight"))
+    else:
+        pl.add(a, "lin_qkvz", DENSE, (C + nv * dv, D),
+               Source(la + "in_proj_qkvz.weight", transform="qkvz", params=(nk, dk, nv, dv)))
+        pl.add(a, "lin_ba", DENSE, (2 * nv, D),
+               Source(la + "in_proj_ba.weight", transform="ba", params=(nk, nv)))
     pl.add(a, "lin_conv", BIAS, (C, K),
            Source(la + "conv1d.weight", transform="squeeze1", src_shape=(C, 1, K)))
     pl.add(a, "lin_dt_bias", BIAS, (nv,), Source(la + "dt_bias"))
@@ -141,7 +155,7 @@ def _linear(pl: Plan, i: int, p: str) -> None:
     pl.add(a, "lin_out", DENSE, (D, nv * dv), Source(la + "out_proj.weight"))
 
 
-def _attention(pl: Plan, i: int, p: str) -> None:
+def gated_attention(pl: Plan, i: int, p: str) -> None:
     c = pl.cfg
     D, H, Hkv, hd = c["n_embd"], c["n_head"], c["n_head_kv"], c["head_dim"]
     a, sa = f"attention/layer_{i}.bin", p + "self_attn."
@@ -153,7 +167,7 @@ def _attention(pl: Plan, i: int, p: str) -> None:
     pl.add(a, "k_norm", NORM, (hd,), _norm(sa + "k_norm.weight"))
 
 
-def _ffn(pl: Plan, i: int, p: str, names: set[str]) -> None:
+def ffn(pl: Plan, i: int, p: str, names: set[str]) -> None:
     c = pl.cfg
     D = c["n_embd"]
     post = _norm(p + "post_attention_layernorm.weight")
@@ -178,6 +192,11 @@ def mtp_tensor(name: str) -> bool:
 
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
+    return hybrid_plan(cfg, names, split=False)
+
+
+def hybrid_plan(cfg: dict[str, Any], names: set[str], split: bool) -> list:
+    """The whole plan of a Qwen3-Next-shaped model (split: Qwen3.5's input projections)."""
     pl = Plan(cfg)
     V, D = cfg["n_vocab"], cfg["n_embd"]
     emb = "embeddings.bin"
@@ -189,6 +208,9 @@ def plan(cfg: dict[str, Any], names: set[str]) -> list:
         p = f"model.layers.{i}."
         pl.add(f"attention/layer_{i}.bin", "attn_norm", NORM, (D,),
                _norm(p + "input_layernorm.weight"))
-        (_linear if cfg["layer_mixer"][i] == "linear" else _attention)(pl, i, p)
-        _ffn(pl, i, p, names)
-    return pl.done(names, NAME, skipped=mtp_tensor)
+        if cfg["layer_mixer"][i] == "linear":
+            linear_layer(pl, i, p, split)
+        else:
+            gated_attention(pl, i, p)
+        ffn(pl, i, p, names)
+    return pl.done(names, cfg["architecture"], skipped=mtp_tensor)
