@@ -20,7 +20,11 @@ typedef void (*clb_delta_step_fn)(int64_t dk, int64_t dv, float *S, const float 
                                   float *out, float *tmp);
 void clb_delta_step_ref(int64_t dk, int64_t dv, float *S, const float *q, const float *k,
                         const float *v, float decay, float beta, float *out, float *tmp);
-/* The active ISA's version (the reference until a faster one equals it bit for bit). */
+void clb_delta_step_avx2(int64_t dk, int64_t dv, float *S, const float *q, const float *k,
+                         const float *v, float decay, float beta, float *out, float *tmp);
+void clb_delta_step_avx512(int64_t dk, int64_t dv, float *S, const float *q, const float *k,
+                           const float *v, float decay, float beta, float *out, float *tmp);
+/* The active kernel ISA's version (clb_isa_active: every one equals the reference). */
 clb_delta_step_fn clb_get_delta_step(void);
 
 /* One channel-by-channel causal conv step: window [K-1, C] holds the channels' previous K-1

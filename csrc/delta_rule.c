@@ -1,6 +1,8 @@
 /* The reference kernels of the gated DeltaNet layer (clb_linear.h): one token's state update
- * on one value head, and one token's causal depthwise conv. Plain C, the specification every
- * faster version must equal bit for bit; tests/test_linear_attn.py checks both against numpy.
+ * on one value head, and one token's causal depthwise conv; and the choice of the state
+ * update's version for the active ISA. Plain C, the specification every faster version
+ * (delta_rule_avx2.c, delta_rule_avx512.c) equals bit for bit; tests/test_linear_attn.py
+ * checks them against numpy and against each other.
  * Refuses: nothing (the caller sized every array). */
 #include <math.h>
 #include <string.h>
@@ -32,7 +34,17 @@ void clb_delta_step_ref(int64_t dk, int64_t dv, float *S, const float *q, const 
     }
 }
 
-clb_delta_step_fn clb_get_delta_step(void) { return clb_delta_step_ref; }
+clb_delta_step_fn clb_get_delta_step(void) {
+#ifdef CLB_HAVE_X86
+    switch (clb_isa_active()) {
+    case CLB_ISA_AVX512: return clb_delta_step_avx512;
+    case CLB_ISA_AVX2:
+    case CLB_ISA_AVXVNNI: return clb_delta_step_avx2;
+    default: break;
+    }
+#endif
+    return clb_delta_step_ref;
+}
 
 void clb_conv_step_ref(int64_t C, int64_t K, int64_t c0, int64_t c1, const float *w,
                        float *win, const float *x, float *y) {

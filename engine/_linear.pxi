@@ -4,6 +4,10 @@
 cdef extern from "clb_linear.h" nogil:
     void clb_delta_step_ref(int64_t dk, int64_t dv, float *S, const float *q, const float *k,
                             const float *v, float decay, float beta, float *out, float *tmp)
+    ctypedef void (*clb_delta_step_fn)(int64_t dk, int64_t dv, float *S, const float *q,
+                                       const float *k, const float *v, float decay, float beta,
+                                       float *out, float *tmp)
+    clb_delta_step_fn clb_get_delta_step()
     void clb_conv_step_ref(int64_t C, int64_t K, int64_t c0, int64_t c1, const float *w,
                            float *win, const float *x, float *y)
 
@@ -13,6 +17,18 @@ def delta_step_ref(float[:, ::1] S not None, const float[::1] q not None,
                    float beta):
     """One token's gated delta rule on one head (clb_delta_step_ref): S [dk, dv] float32 is
     updated in place; returns out [dv]."""
+    return _delta_step(clb_delta_step_ref, S, q, k, v, decay, beta)
+
+
+def delta_step(float[:, ::1] S not None, const float[::1] q not None,
+               const float[::1] k not None, const float[::1] v not None, float decay,
+               float beta):
+    """delta_step_ref with the active kernel ISA's version (isa_force picks it)."""
+    return _delta_step(clb_get_delta_step(), S, q, k, v, decay, beta)
+
+
+cdef _delta_step(clb_delta_step_fn fn, float[:, ::1] S, const float[::1] q,
+                 const float[::1] k, const float[::1] v, float decay, float beta):
     cdef int64_t dk = S.shape[0], dv = S.shape[1]
     if dk == 0 or dv == 0 or q.shape[0] != dk or k.shape[0] != dk or v.shape[0] != dv:
         raise InputError(f"delta_step_ref: S {S.shape[0]}x{S.shape[1]} does not fit q "
@@ -21,7 +37,7 @@ def delta_step_ref(float[:, ::1] S not None, const float[::1] q not None,
     tmp = np.empty(dv, dtype=np.float32)
     cdef float[::1] o = out
     cdef float[::1] t = tmp
-    clb_delta_step_ref(dk, dv, &S[0, 0], &q[0], &k[0], &v[0], decay, beta, &o[0], &t[0])
+    fn(dk, dv, &S[0, 0], &q[0], &k[0], &v[0], decay, beta, &o[0], &t[0])
     return out
 
 

@@ -3,7 +3,8 @@ per-sequence state slots the forward pass keeps beside the paged KV cache (logit
 transformers lives in tests/test_parity_families.py).
 
 - the state update and the conv step equal a float64 numpy description of the formulas,
-  including tail sizes, and write every output element;
+  including tail sizes, and write every output element; every ISA's state update equals the
+  reference bit for bit;
 - a sequence's state continues only where it stopped: a rewind, a missing or shared slot is
   refused and changes nothing; position 0 starts it afresh;
 - copying a slot forks a sequence: both continue as the sequence would alone;
@@ -51,6 +52,26 @@ def test_delta_step_matches_numpy(dk: int, dv: int) -> None:
         assert np.all(np.isfinite(out)), "an output element was not written"
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         np.testing.assert_allclose(S, want_S, rtol=1e-5, atol=1e-5 * np.abs(want_S).max())
+
+
+@pytest.mark.parametrize("isa", _core.isa_supported())
+@pytest.mark.parametrize("dk,dv", [(16, 24), (3, 7), (128, 128), (5, 33)])
+def test_delta_step_every_isa_equals_the_reference(isa: str, dk: int, dv: int) -> None:
+    """Vector bodies and scalar tails (dv % 8, dv % 16) give the reference's bits."""
+    rng = np.random.default_rng(7 * dk + dv)
+    S0 = rng.standard_normal((dk, dv)).astype(np.float32)
+    q, k = (rng.standard_normal(dk).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal(dv).astype(np.float32)
+    S_ref, S_isa = S0.copy(), S0.copy()
+    want = _core.delta_step_ref(S_ref, q, k, v, 0.75, 0.4)
+    before = _core.isa_active()
+    _core.isa_force(isa)
+    try:
+        got = _core.delta_step(S_isa, q, k, v, 0.75, 0.4)
+    finally:
+        _core.isa_force(before)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(S_isa, S_ref)
 
 
 def test_delta_step_extremes() -> None:
@@ -199,3 +220,27 @@ def test_info_traces_and_bench_follow_the_layer_mix(hybrid: Path, tmp_path: Path
                  "--threads", "2", "--repeat", "1", "--probe-mib", "8", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["architecture"] == "qwen3_next"
+
+
+@pytest.mark.skipif("avx2" not in _core.isa_supported(), reason="needs AVX2")
+def test_repacked_linear_layers_give_the_same_logits(hybrid: Path, tmp_path: Path) -> None:
+    """Where the AVX2 products read interleaved rows, the linear layers' q8 projections are
+    repacked too, and the logits stay those of the rows layout, bit for bit."""
+    from colibri.engine.format.convert import convert
+
+    q8 = convert(hybrid.parent / "hf", tmp_path / "q8", quant="q8", progress=False)
+    p = _prompt(21, seed=4)
+    before = _core.isa_active()
+    _core.isa_force("avx2")
+    try:
+        rows = prefill(Model.load(q8, threads=2, n_ctx=N_CTX), p)
+        packed = Model.load(q8, threads=2, n_ctx=N_CTX)
+        n = packed.core.repack(experts=True)
+        got = prefill(packed, p)
+    finally:
+        _core.isa_force(before)
+    # per linear layer lin_qkvz, lin_ba (8 rows) and lin_out; per attention layer wq, wk, wv, wo
+    cfg = json.loads((q8 / "config.json").read_text())
+    n_lin = cfg["layer_mixer"].count("linear")
+    assert n >= 3 * n_lin + 4
+    np.testing.assert_array_equal(got, rows)
