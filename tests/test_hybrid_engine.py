@@ -173,3 +173,40 @@ def test_abort_and_score_return_the_state_slots(hf_dir: Path) -> None:
                          np.arange(len(ids), dtype=np.int32))
     np.testing.assert_array_equal(scored, want)
     _all_free(core)
+
+
+def test_served_with_an_expert_cache_over_its_moe_layers(hf_dir: Path) -> None:
+    """Through the real app: completions, and the expert cache (the /experts page's data)
+    counting the three MoE layers, not the dense one, whatever their token mixer."""
+    import httpx
+
+    from colibri.app.schemas import ExpertCacheInfo
+    from colibri.app.server import create_app
+    from colibri.app.settings import Settings
+    from colibri.engine import LLM, EngineConfig
+    from colibri.engine.core.options import ExpertCacheConfig
+    from tests.server_helpers import InProcessServer, wait_for
+
+    llm = LLM(hf_dir, threads=2, quant="q8", n_ctx=128, config=EngineConfig(
+        expert_cache=ExpertCacheConfig(expert_cache_size=3, expert_pin=False)))
+    app = create_app(Settings(_env_file=None), loader=lambda: llm.core)  # type: ignore[call-arg]
+    srv = InProcessServer(app).start()
+    try:
+        wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 60, "ready")
+        r = httpx.post(srv.url + "/v1/completions", json={
+            "prompt": "The river runs", "max_tokens": 12, "temperature": 0, "n": 2},
+            timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 24
+        assert body["choices"][0]["text"] == body["choices"][1]["text"]  # greedy: equal
+        info = ExpertCacheInfo.model_validate(httpx.get(srv.url + "/v1/expert_cache").json())
+        assert info.enabled and (info.n_layer, info.n_moe_layers) == (4, 3)
+        assert info.dense_layers == [2]
+        assert info.state is not None and info.layers is not None
+        assert set(info.state[2]) == {0} and info.layers[2]["loads"] == 0
+        for layer in (0, 1, 3):
+            assert info.layers[layer]["loads"] > 0
+    finally:
+        srv.stop()
+    _all_free(llm.core)
