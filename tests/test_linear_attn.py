@@ -244,3 +244,38 @@ def test_repacked_linear_layers_give_the_same_logits(hybrid: Path, tmp_path: Pat
     n_lin = cfg["layer_mixer"].count("linear")
     assert n >= 3 * n_lin + 4
     np.testing.assert_array_equal(got, rows)
+
+
+def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    """Qwen3.5 ships as Qwen3_5MoeForConditionalGeneration: text_config and
+    model.language_model.* are converted, the vision encoder is skipped and said, and the
+    text logits match transformers' multimodal model at f32 (1e-4)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from colibri.engine.format.convert import convert
+    from tests.parity_helpers import hf_model, rel_max
+    from tests.tiny_models import _BASE, _randomize
+
+    text = dict(_BASE["qwen3_5_moe"], vocab_size=320, eos_token_id=2, pad_token_id=0,
+                bos_token_id=None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision,
+                                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    _randomize(model, 6)
+    hf = tmp_path / "hf"
+    model.save_pretrained(str(hf))
+    out = convert(hf, tmp_path / "f32", quant="f32", progress=True)
+    err = capsys.readouterr().err
+    assert "recognised Qwen3_5MoeForConditionalGeneration as the qwen3_5_moe family" in err
+    assert "tensors of the vision encoder (model.visual.*): only the text model is served" in err
+    ids = _prompt(22, seed=9)
+    ours = prefill(Model.load(out, threads=2, n_ctx=N_CTX), ids)
+    with torch.no_grad():
+        ref = hf_model(hf)(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+    assert rel_max(ours, ref) <= 1e-4

@@ -290,6 +290,10 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
     if mtp:
         lines.append(f"skipping {len(mtp)} tensors of the multi-token-prediction module "
                      f"(mtp.*): they are not used to decode")
+    visual = [n for n in names - used if n.startswith("model.visual.")]
+    if visual:
+        lines.append(f"skipping {len(visual)} tensors of the vision encoder (model.visual.*): "
+                     f"only the text model is served")
     return lines
 
 

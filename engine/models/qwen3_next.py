@@ -187,25 +187,29 @@ def ffn(pl: Plan, i: int, p: str, names: set[str]) -> None:
 
 
 def mtp_tensor(name: str) -> bool:
-    """The multi-token-prediction module's tensors (mtp.*), which decoding does not use."""
-    return name.startswith("mtp.")
+    """The multi-token-prediction module's tensors (mtp.*), which decoding does not use, and
+    a multimodal checkpoint's vision encoder (model.visual.*), which text does not use."""
+    return name.startswith(("mtp.", "model.visual."))
 
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
     return hybrid_plan(cfg, names, split=False)
 
 
-def hybrid_plan(cfg: dict[str, Any], names: set[str], split: bool) -> list:
-    """The whole plan of a Qwen3-Next-shaped model (split: Qwen3.5's input projections)."""
+def hybrid_plan(cfg: dict[str, Any], names: set[str], split: bool,
+                prefix: str = "model.") -> list:
+    """The whole plan of a Qwen3-Next-shaped model (split: Qwen3.5's input projections;
+    prefix: where the text model's tensors are, model.language_model. in a multimodal
+    checkpoint)."""
     pl = Plan(cfg)
     V, D = cfg["n_vocab"], cfg["n_embd"]
     emb = "embeddings.bin"
-    pl.add(emb, "tok_embd", VOCAB, (V, D), Source("model.embed_tokens.weight"))
-    pl.add(emb, "output_norm", NORM, (D,), _norm("model.norm.weight"))
+    pl.add(emb, "tok_embd", VOCAB, (V, D), Source(prefix + "embed_tokens.weight"))
+    pl.add(emb, "output_norm", NORM, (D,), _norm(prefix + "norm.weight"))
     if not cfg["tie_embeddings"]:
         pl.add(emb, "output", VOCAB, (V, D), Source("lm_head.weight"))
     for i in range(cfg["n_layer"]):
-        p = f"model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         pl.add(f"attention/layer_{i}.bin", "attn_norm", NORM, (D,),
                _norm(p + "input_layernorm.weight"))
         if cfg["layer_mixer"][i] == "linear":
