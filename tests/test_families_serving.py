@@ -1,7 +1,7 @@
 """Everything around the model follows the new families: a dense model and a GLM-4.5 model
 (two dense layers, then routed and shared experts) served through the real app, with the
 engine's default settings matching transformers at f32 (gpt-oss too, its 40-token prompt
-five times its sliding window), the expert cache and its page
+five times its sliding window, and MiniMax-M2), the expert cache and its page
 counting only the layers with experts, `colibri info` naming the layers, and routing traces
 holding the MoE layers only."""
 
@@ -29,7 +29,8 @@ N_CTX = 128
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {a: make_checkpoint(a, root / a, seed=3) for a in ("llama", "glm4_moe", "gpt_oss")}
+    return {a: make_checkpoint(a, root / a, seed=3)
+            for a in ("llama", "glm4_moe", "gpt_oss", "minimax_m2")}
 
 
 def _llm(hf: Path, quant: str, **engine: Any) -> Any:
@@ -38,7 +39,7 @@ def _llm(hf: Path, quant: str, **engine: Any) -> Any:
     return LLM(hf, threads=2, quant=quant, n_ctx=N_CTX, config=EngineConfig(**engine))
 
 
-@pytest.mark.parametrize("arch", ["llama", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe", "gpt_oss", "minimax_m2"])
 def test_default_settings_match_transformers_at_f32(ckpts: dict[str, Path], arch: str) -> None:
     """The engine's defaults (KV type auto: f32 for an f32 model) keep the 1e-4 parity."""
     llm = _llm(ckpts[arch], "f32")

@@ -5,10 +5,11 @@ q/k norms), GLM-4.5 (two dense layers, then grouped sigmoid routing with n_group
 selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k norms, biases),
 DeepSeek-V3 (MLA with q_lora 96 != kv_lora 64, 32 + 16 query dims, values of 24, YaRN with
 mscale, interleaved rotary pairs; the same without q_lora and with rotate-half pairs) and
-DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss, and Qwen3-Next
-(gated DeltaNet linear-attention layers around a gated full-attention one, a dense layer,
-softmax routing with a gated shared expert; transformers' torch fallbacks of the delta rule
-and the conv as the reference).
+DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss, MiniMax-M2 (q/k
+norms over the whole projection, 10 of 24 head dims rotated, sigmoid routing with a selection
+bias, renormalised), and Qwen3-Next / Qwen3.5 (gated DeltaNet linear-attention layers around
+gated full-attention ones, a dense layer, softmax routing with a gated shared expert;
+transformers' torch fallbacks of the delta rule and the conv as the reference).
 
 For each case and for the reference and best kernel ISA:
 - f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
@@ -22,7 +23,8 @@ For each case and for the reference and best kernel ISA:
   instead of leaving positions out, transformers' routers are made to pick the experts
   Colibri picked (their weights still come from transformers' own scores): every position is
   compared, and the test measures quantization error, not tie-breaking;
-- GLM: every expert-cache budget gives the resident model's logits bit for bit.
+- every family with experts: every expert-cache budget gives the resident model's logits bit
+  for bit.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                               "first_k_dense_replace": 1}),
     "deepseek_v2-lite-shape": ("deepseek_v2", {}),
     "gpt_oss": ("gpt_oss", {}),
+    "minimax_m2": ("minimax_m2", {}),
     "qwen3_next": ("qwen3_next", {}),
     # layer_types from full_attention_interval (full on every second layer), as many value
     # heads as key heads, no dense layer
@@ -83,7 +86,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 # families with multi-token-prediction layers and dense first layers
 MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
-MOE_ARCHS = MTP_ARCHS + ("gpt_oss",) + HYBRID_ARCHS
+MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "minimax_m2") + HYBRID_ARCHS
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
@@ -95,9 +98,23 @@ def _routers(model: Any) -> list[tuple[int, Any]]:
             out.append((i, gate))
         elif type(getattr(block.mlp, "router", None)).__name__ == "GptOssTopKRouter":
             out.append((i, block.mlp.router))
-        elif type(gate).__name__ in ("Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter"):
+        elif _minimax(gate) or type(gate).__name__ in ("Qwen3NextTopKRouter",
+                                                        "Qwen3_5MoeTopKRouter"):
             out.append((i, gate))
     return out
+
+
+def _minimax(gate: Any) -> bool:
+    """MiniMax-M2's router: sigmoid scores, its selection bias held by the MoE block and
+    passed in as the forward's second argument; weights always renormalised, never scaled."""
+    return type(gate).__name__ == "MiniMaxM2TopKRouter"
+
+
+def _selection_bias(model: Any, layer: int, gate: Any) -> Any:
+    """The bias a sigmoid router adds to its scores to choose experts (None: no bias)."""
+    if _minimax(gate):
+        return model.model.layers[layer].mlp.e_score_correction_bias
+    return getattr(gate, "e_score_correction_bias", None)
 
 
 def _topk_softmax(gate: Any) -> bool:
@@ -108,7 +125,7 @@ def _topk_softmax(gate: Any) -> bool:
 def _scores(gate: Any, logits: Any) -> Any:
     """A router's scores: sigmoid for the grouped sigmoid routers, softmax for DeepSeek-V2
     and gpt-oss (whose weights are the softmax over the chosen logits: the same order)."""
-    if hasattr(gate, "e_score_correction_bias"):
+    if hasattr(gate, "e_score_correction_bias") or _minimax(gate):
         return torch.sigmoid(logits.float())
     return torch.softmax(logits.float(), dim=-1)
 
@@ -117,9 +134,11 @@ def _router_scores(model: Any, ids: np.ndarray) -> tuple[np.ndarray, list[np.nda
     """Logits, and per MoE layer the scores experts are chosen by (with the selection bias)."""
     found: list[np.ndarray] = []
     hooks = []
-    for _, gate in _routers(model):
-        def hook(m: Any, args: Any, out: Any) -> None:
-            s = _scores(m, out[0]) + getattr(m, "e_score_correction_bias", 0.0)
+    for layer, gate in _routers(model):
+        bias = _selection_bias(model, layer, gate)
+
+        def hook(m: Any, args: Any, out: Any, bias: Any = bias) -> None:
+            s = _scores(m, out[0]) + (0.0 if bias is None else bias)
             found.append(s.numpy())
         hooks.append(gate.register_forward_hook(hook))
     try:
@@ -143,6 +162,8 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
             if _topk_softmax(m):
                 return logits, torch.softmax(logits.gather(1, idx), dim=-1), idx
             w = _scores(m, logits).gather(1, idx)
+            if _minimax(m):
+                return logits, w / w.sum(dim=-1, keepdim=True), idx
             # Qwen3.5's router always renormalises (it has no norm_topk_prob)
             if getattr(m, "norm_topk_prob", type(m).__name__ == "Qwen3_5MoeTopKRouter"):
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -214,7 +235,8 @@ def moe_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return _case(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=[n for n, (a, _) in CASES.items() if a in MTP_ARCHS])
+@pytest.fixture(scope="module",
+                params=[n for n, (a, _) in CASES.items() if a in MTP_ARCHS + ("minimax_m2",)])
 def mtp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
     """The cases whose checkpoints may carry multi-token-prediction layers."""
     return _case(request.param, tmp_path_factory)
@@ -232,6 +254,12 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
         assert (cfg["glu"], cfg["glu_alpha"], cfg["glu_limit"]) == (
             "swiglu_clamp", hf_cfg["swiglu_alpha"], hf_cfg["swiglu_limit"])
         assert cfg["rope"]["type"] == "yarn" and cfg["rope"]["truncate"] is False
+    elif case.arch == "minimax_m2":
+        assert cfg["layer_ffn"] == ["moe"] * hf_cfg["num_hidden_layers"]
+        assert (cfg["router"], cfg["n_group"], cfg["routed_scale"]) == ("sigmoid_grouped", 1, 1.0)
+        assert cfg["norm_topk_prob"] and cfg["n_ff_shared"] == 0
+        assert cfg["qk_norm"] == "full" and cfg["rotary_dim"] == hf_cfg["rotary_dim"] == 10
+        assert cfg["n_expert"] == hf_cfg["num_local_experts"]
     elif case.arch in HYBRID_ARCHS:
         types = case.hf.config.layer_types
         assert cfg["layer_mixer"] == [
@@ -285,9 +313,9 @@ def test_routing_is_exercised(moe_case: Case) -> None:
                         moe_case.scores, strict=True):
         chosen = np.argsort(-c, axis=1)[:, :k]
         assert len(np.unique(chosen)) >= e - 2, (layer, np.unique(chosen))
-        gate = gates[layer]
-        if hasattr(gate, "e_score_correction_bias"):
-            plain = np.argsort(-(c - gate.e_score_correction_bias.numpy()), axis=1)[:, :k]
+        bias = _selection_bias(moe_case.hf, layer, gates[layer])
+        if bias is not None:
+            plain = np.argsort(-(c - bias.numpy()), axis=1)[:, :k]
             changed += int(np.sum(np.sort(plain, axis=1) != np.sort(chosen, axis=1)))
         else:
             changed += 1  # a softmax router has no selection bias

@@ -277,6 +277,12 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
                      f"{cfg['lin_conv']}), {mixers.count('attention')} gated full attention")
     if any(t.kind == archs.MXFP4 for t in targets):
         parts.append("experts kept in MXFP4")
+    rd, hd = cfg.get("rotary_dim") or cfg["head_dim"], cfg["head_dim"]
+    if cfg.get("attn", "gqa") == "gqa" and rd < hd:
+        parts.append(f"rotary on {rd} of {hd} head dims")
+    if cfg.get("qk_norm", "none") != "none":
+        parts.append("q/k RMSNorm " + ("per head" if cfg["qk_norm"] == "head"
+                                        else "over the whole projection"))
     lines = [f"recognised {cfg['hf_architecture']} as the {cfg['architecture']} family: "
              + ", ".join(parts)]
     used = ({t.source.hf_name for t in targets}

@@ -12,6 +12,7 @@ from colibri.engine.models import (
     glm4_moe,
     gpt_oss,
     llama,
+    minimax_m2,
     mixtral,
     olmoe,
     qwen2,
@@ -22,7 +23,7 @@ from colibri.engine.models import (
 )
 
 FAMILIES: tuple[ModuleType, ...] = (mixtral, qwen2_moe, qwen3_moe, olmoe, llama, qwen2,
-                                    glm4_moe, deepseek, gpt_oss, qwen3_next,
+                                    glm4_moe, deepseek, gpt_oss, minimax_m2, qwen3_next,
                                     qwen3_5_moe)
 _BY_CLASS = {c: f for f in FAMILIES for c in f.HF_CLASSES}
 _BY_NAME = {f.NAME: f for f in FAMILIES}
