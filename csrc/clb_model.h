@@ -141,8 +141,9 @@ void clb_model_free(clb_model *m);
 /* Paged KV cache: one pool of n_blocks blocks shared by every sequence. A block holds the K
  * and V rows of CLB_KV_BLOCK consecutive positions of one sequence, for every layer; which
  * block holds which positions is the caller's business (a block table per sequence, passed
- * with each forward call). The cache keeps no per-sequence state: sequence lengths, block
- * allocation and prefix sharing live with the caller. */
+ * with each forward call). The cache keeps no per-sequence state (but for the recurrent-state
+ * slots of a model with linear attention, below): sequence lengths, block allocation and
+ * prefix sharing live with the caller. */
 #define CLB_KV_BLOCK 16 /* positions per block */
 
 typedef enum {
