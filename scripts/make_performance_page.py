@@ -171,7 +171,32 @@ def bench_server_rows(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def bench_long_context_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/bench_long_context.py: each model at its longest prompt beside itself at the
+    shortest (the ratio is how much of its decode speed the long context keeps)."""
+    short, long = min(d["prompt_tokens"]), max(d["prompt_tokens"])
+    dims = d["dims"]
+    rows = []
+    for arch, m in d["models"].items():
+        n_full = m["layer_types"].count("full_attention")
+        lo, hi = m["contexts"][str(short)], m["contexts"][str(long)]
+        rows.append([
+            "long context",
+            f"random {arch}: hidden {dims['hidden']}, {len(m['layer_types'])} layers "
+            f"({n_full} full attention), {dims['experts']} experts top-{dims['top_k']}; "
+            f"{long}-token prompt, {d['gen_tokens']} tokens, {m['threads']} threads, "
+            f"{d['repeat']} repeats",
+            f"{d['quant']}, {long}-token context",
+            _tok(hi["prefill_tok_s"]["median"], hi["decode_tok_s"]["median"]),
+            f"itself at a {short}-token context",
+            _tok(lo["prefill_tok_s"]["median"], lo["decode_tok_s"]["median"]),
+            _ratio(m["decode_ratio"][f"{long}/{short}"]),
+            _ratio(hi["prefill_tok_s"]["median"] / lo["prefill_tok_s"]["median"]), "–"])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
+    "bench_long_context": bench_long_context_rows,
     "bench_server": bench_server_rows,
     "compare_llamacpp": compare_llamacpp_rows,
     "ab_bench": ab_bench_rows,

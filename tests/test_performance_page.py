@@ -179,3 +179,20 @@ def test_a_gpt_oss_comparison_names_its_mxfp4_pair(page: ModuleType) -> None:
     assert row[1].startswith("random gpt_oss: hidden 2880, 12 layers, 32 experts top-4; ")
     assert row[2] == "mxfp4"
     assert row[4] == f"llama.cpp MXFP4_MOE (llama-cpp-python {d['llama_cpp_python']})"
+
+
+def test_a_long_context_run_gives_one_row_per_model(page: ModuleType) -> None:
+    """scripts/bench_long_context.py's file: each model's longest context beside its
+    shortest, with the ratio of the decode medians the file records."""
+    ctx = {n: {"prefill_tok_s": {"median": p}, "decode_tok_s": {"median": dec}}
+           for n, p, dec in (("256", 200.0, 20.0), ("8192", 100.0, 19.0))}
+    d = {"prompt_tokens": [256, 8192], "gen_tokens": 48, "repeat": 3, "quant": "q8",
+         "dims": {"hidden": 2048, "experts": 32, "top_k": 8},
+         "models": {"qwen3_next": {"layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                                   "threads": 2, "contexts": ctx,
+                                   "decode_ratio": {"8192/256": 0.95}}}}
+    (row,) = page.bench_long_context_rows(d)
+    assert row[1].startswith("random qwen3_next: hidden 2048, 4 layers (1 full attention), "
+                             "32 experts top-8; 8192-token prompt")
+    assert row[3] == "100.0 / 19.0" and row[5] == "200.0 / 20.0"
+    assert row[6] == "x0.95" and row[7] == "x0.50"
