@@ -217,7 +217,8 @@ _EXPERT_COUNTERS = (
     ("prefetch_late", "Expert uses that waited for a prefetch in flight."),
     ("bytes_read", "Bytes of experts read from the model files."),
     ("stall_seconds", "Forward-pass time spent waiting for expert loads."),
-    ("storage_reads", "Expert misses the page cache could not serve, read from storage."),
+    ("reader_loads", "Expert misses loaded by the reader thread (not in memory, or the file "
+     "not open yet)."),
 )
 
 

@@ -288,7 +288,8 @@ typedef struct {
     int64_t prefetch_late;        /* acquisitions that waited for a prefetch in flight */
     int64_t bytes_read;           /* bytes loaded from the files */
     int64_t stall_ns;             /* forward time spent waiting for loads */
-    int64_t storage_reads;        /* misses memory could not serve: read by the reader thread */
+    int64_t reader_loads;         /* misses the reader thread loaded: not in memory, or the
+                                   * expert's file not open yet */
 } clb_xc_stats;
 
 /* Copies the q8/q4 matrices the forward pass multiplies into the interleaved layout the active

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -85,9 +86,16 @@ struct clb_xcache {
     int reader_on;
     pthread_t reader;
     pthread_cond_t want; /* a load for the reader, or stop */
-    int64_t want_l, want_i;
+    int64_t want_l, want_i, want_old;
     int busy[2];         /* loader 0 (reader) / 1 (prefetch) is inside a read */
     int stuck;           /* a read ran past the timeout: its thread may never return */
+    /* the forward side's open expert files (the step's copies and the reader, which never run
+     * at the same time, so they need no lock): [L * E] fd or -1, its last use; at most fd_cap
+     * open, the least recently used closed first. Only the reader opens files, so the step
+     * never waits on an open either; a file replaced after it was opened is read as opened. */
+    int *fd_of;
+    uint64_t *fd_use, fd_tick;
+    int64_t fd_cap, fd_count;
     int32_t *queue; /* ring of l * E + e, [L * E] */
     uint8_t *queued;
     int64_t q_head, q_len;
@@ -148,12 +156,42 @@ static int span_resident(uintptr_t a, size_t len) {
     return 1;
 }
 
+/* Loader 0's open file of expert idx, opened and kept (closing the least recently used past
+ * fd_cap) unless nowait: then -1 when it is not open yet. Loader 1 (prefetch) opens its own
+ * each time: *owned says to close it. -1 with msg set when the open fails. */
+static int expert_fd(clb_xcache *xc, int64_t idx, int loader, int nowait, int flags, int *owned,
+                     char *msg) {
+    *owned = 0;
+    if (loader == 0 && xc->fd_of[idx] >= 0) {
+        xc->fd_use[idx] = ++xc->fd_tick;
+        return xc->fd_of[idx];
+    }
+    if (nowait) return -1;
+    int fd = open_expert_file(clb_wfile_path(xc->m->expert_files[idx]), flags, msg);
+    if (fd < 0 || loader != 0) {
+        *owned = fd >= 0;
+        return fd;
+    }
+    if (xc->fd_count >= xc->fd_cap) {
+        int64_t lru = -1;
+        for (int64_t j = 0; j < xc->L * xc->E; j++)
+            if (xc->fd_of[j] >= 0 && (lru < 0 || xc->fd_use[j] < xc->fd_use[lru])) lru = j;
+        close(xc->fd_of[lru]);
+        xc->fd_of[lru] = -1;
+        xc->fd_count--;
+    }
+    xc->fd_of[idx] = fd;
+    xc->fd_use[idx] = ++xc->fd_tick;
+    xc->fd_count++;
+    return fd;
+}
+
 /* Loads expert idx into slot s (owned by the caller, state loading), repacking through the
  * loader's scratch. Returns the bytes read, or 0 with msg set. Called without the lock.
  * nowait: only from what memory already holds (the page cache, RWF_NOWAIT; in mmap mode
  * pages mincore finds resident); where storage would have to answer it returns 0 with
  * *blocked set and no message, and the caller hands the load to the reader thread. */
-static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, int nowait,
+static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, int loader, int nowait,
                           int *blocked, char *msg) {
     const xspan *sp = &xc->span[idx];
     const char *path = clb_wfile_path(xc->m->expert_files[idx]);
@@ -175,9 +213,12 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, 
         (void)sum;
         return len; /* a file cut short reads as zeros and is reported after the step */
     }
-    int direct = xc->cfg.load == CLB_XC_DIRECT;
-    int fd = open_expert_file(path, direct ? O_DIRECT : 0, msg);
-    if (fd < 0) return 0;
+    int direct = xc->cfg.load == CLB_XC_DIRECT, owned;
+    int fd = expert_fd(xc, idx, loader, nowait, direct ? O_DIRECT : 0, &owned, msg);
+    if (fd < 0) {
+        *blocked = nowait;
+        return 0;
+    }
     size_t off = direct ? direct_start(sp) : sp->lo;
     size_t need = sp->hi - off, want = direct ? round_up(need, PAGE) : need, got = 0;
     int again = 0;
@@ -191,7 +232,7 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, 
         if (nowait && r < 0 && errno == EAGAIN && !again++) continue;
         if (nowait && r < 0 && (errno == EAGAIN || errno == EOPNOTSUPP || errno == ENOSYS)) {
             *blocked = 1;
-            close(fd);
+            if (owned) close(fd);
             return 0;
         }
         if (r < 0) {
@@ -200,35 +241,36 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, 
                                      "expert load mode)"
                                    : "";
             clb_set_err(msg, "%s: read failed: %s%s", path, strerror(errno), hint);
-            close(fd);
+            if (owned) close(fd);
             return 0;
         }
         if (r == 0) break;
         got += (size_t)r;
         again = 0;
     }
-    close(fd);
+    if (owned) close(fd);
     if (got < need) {
         clb_set_err(msg, "weight file changed: %s is shorter than when the model was loaded "
                     "(truncated or overwritten); restart to load it again", path);
         return 0;
     }
-    repack_slot(xc, idx, s->mem + (sp->lo - off), scratch);
+    repack_slot(xc, idx, s->mem + (sp->lo - off), xc->scratch[loader]);
     return got;
 }
 
-/* Drops an evicted expert's pages from memory (mmap mode; the other modes reuse the slot). */
-static void drop_mapped(clb_xcache *xc, int64_t idx) {
+/* Drops an evicted expert's pages from memory (mmap mode; the other modes reuse the slot).
+ * nowait: only through a file already open; 0 when it is not (the reader drops it then). */
+static int drop_mapped(clb_xcache *xc, int64_t idx, int loader, int nowait) {
     const xspan *sp = &xc->span[idx];
+    char ignored[CLB_ERR_LEN];
+    int owned, fd = expert_fd(xc, idx, loader, nowait, 0, &owned, ignored);
+    if (fd < 0 && nowait) return 0;
     uintptr_t a = (uintptr_t)sp->mapped[0] - sp->rel[0];
     uintptr_t p0 = round_up(a, PAGE), p1 = (a + (sp->hi - sp->lo)) / PAGE * PAGE;
     if (p1 > p0) madvise((void *)p0, p1 - p0, MADV_DONTNEED);
-    char ignored[CLB_ERR_LEN];
-    int fd = open_expert_file(clb_wfile_path(xc->m->expert_files[idx]), 0, ignored);
-    if (fd >= 0) {
-        posix_fadvise(fd, (off_t)sp->lo, (off_t)(sp->hi - sp->lo), POSIX_FADV_DONTNEED);
-        close(fd);
-    }
+    if (fd >= 0) posix_fadvise(fd, (off_t)sp->lo, (off_t)(sp->hi - sp->lo), POSIX_FADV_DONTNEED);
+    if (owned) close(fd);
+    return 1;
 }
 
 /* ---- slot bookkeeping (lock held) ------------------------------------------------------ */
@@ -331,8 +373,8 @@ static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char 
 /* Loads expert e of layer l into slot i that the caller just claimed (lock held on entry and
  * exit, released while reading); loader 0 is the forward side (the step thread or the reader,
  * never both at once), 1 the prefetch thread. nowait (the step thread): only from what memory
- * holds; returns -1 when storage would have to answer, the slot still claimed and the evicted
- * expert's pages already dropped, for the reader to load. Else 1 loaded, 0 failed. */
+ * holds, through files already open; returns -1 when storage would have to answer (or a file
+ * be opened), the slot still claimed, for the reader to load. Else 1 loaded, 0 failed. */
 static int load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
                         int nowait) {
     xslot *s = &xc->slots[l * xc->N + i];
@@ -341,8 +383,9 @@ static int load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int l
     int blocked;
     xc->busy[loader] = 1;
     pthread_mutex_unlock(&xc->mu);
-    if (old >= 0 && xc->cfg.load == CLB_XC_MMAP) drop_mapped(xc, old);
-    size_t got = read_expert(xc, idx, s, xc->scratch[loader], nowait, &blocked, msg);
+    size_t got = 0;
+    blocked = old >= 0 && xc->cfg.load == CLB_XC_MMAP && !drop_mapped(xc, old, loader, nowait);
+    if (!blocked) got = read_expert(xc, idx, s, loader, nowait, &blocked, msg);
     pthread_mutex_lock(&xc->mu);
     xc->busy[loader] = 0;
     if (blocked) return -1;
@@ -458,9 +501,10 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
             pthread_mutex_unlock(&xc->mu);
             return 1;
         }
-        xc->st[l].storage_reads++;
+        xc->st[l].reader_loads++;
         xc->want_l = l;
         xc->want_i = i;
+        xc->want_old = old;
         deadline = 0; /* its own timeout from now */
         pthread_cond_signal(&xc->want);
     }
@@ -545,9 +589,9 @@ static void *reader_main(void *arg) {
     for (;;) {
         while (!xc->stop && xc->want_l < 0) pthread_cond_wait(&xc->want, &xc->mu);
         if (xc->stop) break;
-        int64_t l = xc->want_l, i = xc->want_i;
+        int64_t l = xc->want_l, i = xc->want_i, old = xc->want_old;
         xc->want_l = -1;
-        load_claimed(xc, l, i, -1, 0, 0);
+        load_claimed(xc, l, i, old, 0, 0);
     }
     pthread_mutex_unlock(&xc->mu);
     return NULL;
@@ -647,6 +691,10 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->pf_bad);
     free(xc->pf_skips);
     free(xc->step);
+    for (int64_t j = 0; xc->fd_of && j < xc->L * xc->E; j++)
+        if (xc->fd_of[j] >= 0) close(xc->fd_of[j]);
+    free(xc->fd_of);
+    free(xc->fd_use);
     free(xc);
 }
 
@@ -724,9 +772,26 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->pf_bad = calloc((size_t)L, sizeof(float));
     xc->pf_skips = calloc((size_t)L, sizeof(int64_t));
     xc->step = calloc((size_t)L, sizeof(int64_t));
+    xc->fd_of = malloc(LE * sizeof(int));
+    xc->fd_use = calloc(LE, sizeof(uint64_t));
+    for (size_t j = 0; xc->fd_of && j < LE; j++) xc->fd_of[j] = -1;
+    /* a quarter of the process's file limit for kept expert files, 16 to 4096 (the soft limit
+     * raised to the hard one first, as far as it allows) */
+    struct rlimit nofile;
+    rlim_t lim = 64;
+    if (getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
+        if (nofile.rlim_cur < nofile.rlim_max) {
+            rlim_t want = nofile.rlim_max == RLIM_INFINITY ? 65536 : nofile.rlim_max;
+            struct rlimit raised = {.rlim_cur = want, .rlim_max = nofile.rlim_max};
+            if (want > nofile.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) == 0)
+                nofile.rlim_cur = want;
+        }
+        lim = nofile.rlim_cur / 4;
+    }
+    xc->fd_cap = lim < 16 ? 16 : lim > 4096 ? 4096 : (int64_t)lim;
     if (!xc->step || !xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots ||
         !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span || !xc->tens ||
-        !xc->st || !xc->queue || !xc->queued) {
+        !xc->st || !xc->queue || !xc->queued || !xc->fd_of || !xc->fd_use) {
         clb_xc_free(xc);
         clb_set_err(err, "out of memory for the expert cache tables");
         return CLB_E_NOMEM;

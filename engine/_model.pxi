@@ -132,7 +132,7 @@ cdef extern from "clb_model.h" nogil:
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
         int64_t prefetch_issued, prefetch_used, prefetch_wasted, prefetch_late
-        int64_t bytes_read, stall_ns, storage_reads
+        int64_t bytes_read, stall_ns, reader_loads
 
     size_t clb_expert_bytes(const clb_model *m)
     clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err)
@@ -146,7 +146,7 @@ cdef extern from "clb_model.h" nogil:
 XC_LOADS = ("pread", "direct", "mmap")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns",
-               "storage_reads")
+               "reader_loads")
 
 # the types a weight file may hold, by the id it stores
 _TYPE_NAMES = {t: name for name, t in PRODUCT_TYPES.items() if clb_type_valid_for_file(t)}
@@ -578,7 +578,7 @@ cdef class CoreModel:
     def expert_cache_stats(self):
         """None without an expert cache; else a dict of numpy arrays: per-layer counters
         (hits, misses, loads, evictions, prefetch_issued, prefetch_used, prefetch_wasted,
-        prefetch_late, bytes_read, stall_ns, storage_reads: int64 [n_layer]) and per expert ([n_layer,
+        prefetch_late, bytes_read, stall_ns, reader_loads: int64 [n_layer]) and per expert ([n_layer,
         n_expert]) state (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections."""
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef int64_t L = hp.n_layer, E = hp.n_expert

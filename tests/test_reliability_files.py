@@ -167,10 +167,23 @@ def test_server_survives_weights_changed_under_it(model_copy: Path, tmp_path: Pa
     assert "Bus error" not in log and code == 0, (code, log)
 
 
+def _fifos_for(files: list[Path]) -> None:
+    for f in files:
+        f.unlink()
+        os.mkfifo(f)
+
+
+def _unblock(files: list[Path]) -> None:
+    for f in files:  # a reader still stuck on a FIFO gets its end of file
+        if f.is_fifo():
+            with contextlib.suppress(OSError):
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+
+
 def test_fifo_under_a_running_expert_cache_fails_the_request(model_copy: Path,
                                                              tmp_path: Path) -> None:
-    """Expert files swapped for FIFOs while the expert cache reads them on misses: the next
-    read fails at once (a 500 naming the file, /ready 503 so a supervisor restarts the
+    """Expert files swapped for FIFOs under a running expert cache before it opened them: the
+    first read fails at once (a 500 naming the file, /ready 503 so a supervisor restarts the
     server), instead of blocking the engine forever while /ready stays 200."""
     n_expert = json.loads((model_copy / "config.json").read_text())["n_expert"]
     srv = SubprocessServer(model_copy, tmp_path / "run", "--expert-cache-size",
@@ -178,26 +191,47 @@ def test_fifo_under_a_running_expert_cache_fails_the_request(model_copy: Path,
                            env={"COLIBRI_REPACK": "0"}).wait_ready()
     files = sorted((model_copy / "experts").glob("*.bin"))
     try:
-        body = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
-        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
-        for f in files:
-            f.unlink()
-            os.mkfifo(f)
-        long = {"prompt": "Hello there, how are you today?", "max_tokens": 24,
-                "temperature": 1.0, "seed": 3}
-        r = httpx.post(srv.url + "/v1/completions", json=long, timeout=30)
+        _fifos_for(files)
+        body = {"prompt": "Hello there, how are you today?", "max_tokens": 8,
+                "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 500, r.text
         assert r.json()["error"]["code"] == "model_fault"
         assert httpx.get(srv.url + "/ready", timeout=5).status_code == 503
     finally:
-        for f in files:  # a reader still stuck on a FIFO gets its end of file
-            if f.is_fifo():
-                with contextlib.suppress(OSError):
-                    os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+        _unblock(files)
         code = srv.stop(signal.SIGTERM)
     log = srv.log()
     assert "is no longer a regular file" in log, log
     assert code == 0, (code, log)
+
+
+def test_expert_files_swapped_after_they_were_opened_are_read_as_opened(model_copy: Path,
+                                                                         tmp_path: Path) -> None:
+    """The expert cache keeps the files its demand loads opened: swapping them for FIFOs
+    afterwards blocks nothing, and a request that needs only those experts answers the same
+    text. (The prefetch thread opens a file for each read: it is off so that the second request
+    reads only what the first one opened.)"""
+    n_expert = json.loads((model_copy / "config.json").read_text())["n_expert"]
+    srv = SubprocessServer(model_copy, tmp_path / "run", "--expert-cache-size",
+                           str(n_expert // 2), "--expert-load", "pread", "--no-expert-pin",
+                           "--no-expert-prefetch",
+                           env={"COLIBRI_REPACK": "0"}).wait_ready()
+    files = sorted((model_copy / "experts").glob("*.bin"))
+    try:
+        body = {"prompt": "Hello there, how are you today?", "max_tokens": 8,
+                "temperature": 0}
+        first = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200
+        _fifos_for(files)
+        again = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200, srv.log()
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert httpx.get(srv.url + "/ready", timeout=5).status_code == 200
+    finally:
+        _unblock(files)
+        code = srv.stop(signal.SIGTERM)
+    assert code == 0, (code, srv.log())
 
 
 @pytest.mark.skipif(not _core.wants_x8("q8"), reason="this CPU's kernels read the files' rows")
@@ -211,7 +245,7 @@ def test_repacked_weights_do_not_depend_on_their_files(model_copy: Path, tmp_pat
         assert first.status_code == 200
         _truncate_experts(model_copy)
         again = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
-        assert again.status_code == 200, again.text
+        assert again.status_code == 200, srv.log()
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         assert httpx.get(srv.url + "/ready", timeout=5).status_code == 200
     finally:
@@ -225,7 +259,9 @@ _STALL_C = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -259,6 +295,52 @@ ssize_t pread64(int fd, void *buf, size_t len, off_t off) {
     static ssize_t (*real)(int, void *, size_t, off_t);
     if (!real) real = (ssize_t (*)(int, void *, size_t, off_t))dlsym(RTLD_NEXT, "pread64");
     return wait_then(real, fd, buf, len, off);
+}
+
+/* opening an expert file stalls too, as on a mount that hangs on the lookup */
+static int open_stalled(const char *path) {
+    const char *flag = getenv("STALL_FLAG");
+    return flag && strstr(path, "/experts/") != NULL && access(flag, F_OK) == 0;
+}
+
+typedef int (*openat_fn)(int, const char *, int, ...);
+
+static int open_then(const char *name, int dirfd, const char *path, int flags, mode_t mode) {
+    openat_fn real = (openat_fn)dlsym(RTLD_NEXT, name);
+    while (open_stalled(path)) usleep(20000);
+    return real(dirfd, path, flags, mode);
+}
+
+int openat(int dirfd, const char *path, int flags, ...) {
+    va_list ap;
+    va_start(ap, flags);
+    mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;
+    va_end(ap);
+    return open_then("openat", dirfd, path, flags, mode);
+}
+
+int openat64(int dirfd, const char *path, int flags, ...) {
+    va_list ap;
+    va_start(ap, flags);
+    mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;
+    va_end(ap);
+    return open_then("openat64", dirfd, path, flags, mode);
+}
+
+int open(const char *path, int flags, ...) {
+    va_list ap;
+    va_start(ap, flags);
+    mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;
+    va_end(ap);
+    return open_then("openat", AT_FDCWD, path, flags, mode);
+}
+
+int open64(const char *path, int flags, ...) {
+    va_list ap;
+    va_start(ap, flags);
+    mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;
+    va_end(ap);
+    return open_then("openat64", AT_FDCWD, path, flags, mode);
 }
 
 /* a read that may only copy what memory holds: the stalled storage's pages are not there */
