@@ -41,7 +41,7 @@ from colibri.engine.executor.model import Model  # noqa: E402
 from colibri.engine.format import quant  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
 from colibri.engine.models import archs  # noqa: E402
-from colibri.engine.models.family import transform, untransform  # noqa: E402
+from colibri.engine.models.family import cols, transform, untransform  # noqa: E402
 from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
 from tests.parity_helpers import prefill as _prefill  # noqa: E402
 from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
@@ -456,7 +456,7 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
             if src.transform == "t":
                 part[...] = untransform(ours, src)
             else:
-                part[..., src.params[0]::src.params[1]] = untransform(ours, src)
+                part[..., cols(src)] = untransform(ours, src)
             continue
         ours = transform(tensors[name], src)  # quantized in our layout, as the converter does
         if ty in ("q8", "q6", "q4", "f16", "bf16"):

@@ -20,7 +20,9 @@ DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GROUPED_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 # attention sinks, sliding-window layers, biased experts with the clamped SwiGLU
 SINK_ARCHS = ("gpt_oss",)
-ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS
+# chunked and NoPE layers, dense and MoE layers, experts fed inputs scaled by the router
+CHUNKED_ARCHS = ("llama4",)
+ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS + CHUNKED_ARCHS
 
 VOCAB_SIZE = 320
 EOS_ID = 2  # <|im_end|> in engine.text.bpe.SPECIAL_TOKENS
@@ -136,6 +138,21 @@ _BASE: dict[str, dict[str, Any]] = {
                          "original_max_position_embeddings": 16, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False},
     ),
+    # layers: chunked RoPE + dense, global NoPE + MoE, chunked RoPE + MoE, global NoPE + dense
+    # (moe_layers given, so the two mixes cross); chunks of 8 positions, shorter than the test
+    # prompts; floor_scale 4, so query temperatures change from position 3 on; llama3 rope
+    # scaling with Llama 4 Scout's equal low and high frequency factors; q/k L2 norm and
+    # attention biases on; expert and dense widths differ
+    "llama4": dict(
+        hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=6,
+        num_experts_per_tok=1, moe_layers=[1, 2], no_rope_layers=[1, 0, 1, 0],
+        attention_chunk_size=8, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+        use_qk_norm=True, attention_bias=True, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 16},
+    ),
 }
 
 
@@ -155,6 +172,7 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "llama4": (tf.Llama4TextConfig, tf.Llama4ForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")

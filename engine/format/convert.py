@@ -269,6 +269,16 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
                      f"{cfg['sliding_window']}, {attn.count('full')} full")
     elif cfg.get("sliding_window"):
         parts.append(f"a sliding window of {cfg['sliding_window']}")
+    if "chunked" in attn:
+        parts.append(f"{attn.count('chunked')} attending in chunks of {cfg['attn_chunk']}, "
+                     f"{attn.count('full')} globally")
+    if cfg.get("nope_layers"):
+        tuned = " (query temperature tuning)" if cfg.get("attn_temp_floor") else ""
+        parts.append(f"{len(cfg['nope_layers'])} without RoPE{tuned}")
+    if cfg.get("qk_norm") == "l2":
+        parts.append("q/k L2 norm on the RoPE layers")
+    if cfg.get("route_input"):
+        parts.append("router weights scale the experts' input")
     if cfg.get("attn_sinks"):
         parts.append("attention sinks")
     if any(t.kind == archs.MXFP4 for t in targets):

@@ -62,18 +62,25 @@ def _kv_b(a: np.ndarray, H: int, dn: int, dv: int, part: str) -> np.ndarray:
     return np.ascontiguousarray(heads[:, dn:, :]).reshape(-1, a.shape[1])
 
 
+def cols(src: Source) -> slice:
+    """The columns a "cols" / "cols_t" source takes: params (start, step[, stop])."""
+    p = src.params
+    return slice(p[0], p[2] if len(p) > 2 else None, p[1])
+
+
 def transform(a: np.ndarray, src: Source) -> np.ndarray:
     """The checkpoint array a laid out as our tensor (src.transform: None, "rope_rows" with
     (block, offset, dr), "kv_b_k" / "kv_b_v" with (H, dn, dv), "t" (transposed), "cols" /
-    "cols_t" with (start, step): every step-th column from start (then transposed))."""
+    "cols_t" with (start, step[, stop]): every step-th column from start, up to stop (then
+    transposed))."""
     if src.transform is None:
         return a
     if src.transform == "t":
         return np.ascontiguousarray(a.T)
     if src.transform == "cols":
-        return np.ascontiguousarray(a[..., src.params[0]::src.params[1]])
+        return np.ascontiguousarray(a[..., cols(src)])
     if src.transform == "cols_t":
-        return np.ascontiguousarray(a[:, src.params[0]::src.params[1]].T)
+        return np.ascontiguousarray(a[:, cols(src)].T)
     if src.transform == "rope_rows":
         return a[_rope_rows(a.shape[0], *src.params)]
     if src.transform in ("kv_b_k", "kv_b_v"):
@@ -85,7 +92,7 @@ def untransform(a: np.ndarray, src: Source) -> np.ndarray:
     """transform's inverse: our tensor back in the checkpoint's layout (tests compare against
     transformers run on weights quantized in our layout); for kv_b_k / kv_b_v, that part's
     rows per head [H, dn or dv, kl], which concatenate into kv_b_proj; for cols / cols_t,
-    the columns [..., start::step] of the checkpoint's array."""
+    the columns cols(src) of the checkpoint's array."""
     if src.transform is None or src.transform == "cols":
         return a
     if src.transform in ("t", "cols_t"):
