@@ -5,7 +5,10 @@ q/k norms), GLM-4.5 (two dense layers, then grouped sigmoid routing with n_group
 selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k norms, biases),
 DeepSeek-V3 (MLA with q_lora 96 != kv_lora 64, 32 + 16 query dims, values of 24, YaRN with
 mscale, interleaved rotary pairs; the same without q_lora and with rotate-half pairs) and
-DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing).
+DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss (sinks, sliding
+and full layers, biased experts with the clamped SwiGLU) and Llama 4 (chunked RoPE layers with
+q/k L2 norm and global NoPE layers with query temperature, dense and MoE layers, one routed
+expert fed its input scaled by a sigmoid weight, a shared expert, llama3 rope scaling).
 
 For each case and for the reference and best kernel ISA:
 - f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
@@ -69,21 +72,24 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                               "first_k_dense_replace": 1}),
     "deepseek_v2-lite-shape": ("deepseek_v2", {}),
     "gpt_oss": ("gpt_oss", {}),
+    "llama4": ("llama4", {}),
 }
 # families with multi-token-prediction layers and dense first layers
 MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-MOE_ARCHS = MTP_ARCHS + ("gpt_oss",)
+MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "llama4")
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
     """(layer, router module) of each MoE layer of a transformers model."""
     out = []
     for i, block in enumerate(model.model.layers):
-        gate = getattr(block.mlp, "gate", None)
+        ffn = block.mlp if hasattr(block, "mlp") else block.feed_forward  # Llama 4
+        gate = getattr(ffn, "gate", None)
         if hasattr(gate, "routed_scaling_factor"):
             out.append((i, gate))
-        elif type(getattr(block.mlp, "router", None)).__name__ == "GptOssTopKRouter":
-            out.append((i, block.mlp.router))
+        elif type(getattr(ffn, "router", None)).__name__ in ("GptOssTopKRouter",
+                                                            "Llama4Router"):
+            out.append((i, ffn.router))
     return out
 
 
@@ -92,10 +98,20 @@ def _topk_softmax(gate: Any) -> bool:
     return type(gate).__name__ == "GptOssTopKRouter"
 
 
+def _topk_sigmoid(gate: Any) -> bool:
+    """Llama 4's router: it returns the sigmoid of the top-k logits (0 for the other
+    experts), then the logits."""
+    return type(gate).__name__ == "Llama4Router"
+
+
+def _router_logits(gate: Any, out: Any) -> Any:
+    return out[1] if _topk_sigmoid(gate) else out[0]
+
+
 def _scores(gate: Any, logits: Any) -> Any:
-    """A router's scores: sigmoid for the grouped sigmoid routers, softmax for DeepSeek-V2
-    and gpt-oss (whose weights are the softmax over the chosen logits: the same order)."""
-    if hasattr(gate, "e_score_correction_bias"):
+    """A router's scores: sigmoid for the sigmoid routers, softmax for DeepSeek-V2 and
+    gpt-oss (whose weights are the softmax over the chosen logits: the same order)."""
+    if hasattr(gate, "e_score_correction_bias") or _topk_sigmoid(gate):
         return torch.sigmoid(logits.float())
     return torch.softmax(logits.float(), dim=-1)
 
@@ -106,7 +122,7 @@ def _router_scores(model: Any, ids: np.ndarray) -> tuple[np.ndarray, list[np.nda
     hooks = []
     for _, gate in _routers(model):
         def hook(m: Any, args: Any, out: Any) -> None:
-            s = _scores(m, out[0]) + getattr(m, "e_score_correction_bias", 0.0)
+            s = _scores(m, _router_logits(m, out)) + getattr(m, "e_score_correction_bias", 0.0)
             found.append(s.numpy())
         hooks.append(gate.register_forward_hook(hook))
     try:
@@ -125,8 +141,12 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
     hooks = []
     for layer, gate in _routers(model):
         def hook(m: Any, args: Any, out: Any, layer: int = layer) -> Any:
-            logits = out[0]
+            logits = _router_logits(m, out)
             idx = torch.tensor(routes[:, layer].astype(np.int64))
+            if _topk_sigmoid(m):  # the chosen experts' sigmoid, 0 for the others
+                chosen = torch.full_like(logits, float("-inf")).scatter(1, idx,
+                                                                        logits.gather(1, idx))
+                return torch.sigmoid(chosen), logits
             if _topk_softmax(m):
                 return logits, torch.softmax(logits.gather(1, idx), dim=-1), idx
             w = _scores(m, logits).gather(1, idx)
@@ -218,6 +238,18 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
         assert (cfg["glu"], cfg["glu_alpha"], cfg["glu_limit"]) == (
             "swiglu_clamp", hf_cfg["swiglu_alpha"], hf_cfg["swiglu_limit"])
         assert cfg["rope"]["type"] == "yarn" and cfg["rope"]["truncate"] is False
+    elif case.arch == "llama4":
+        assert cfg["layer_ffn"] == ["dense", "moe", "moe", "dense"]
+        assert (cfg["n_ff"], cfg["n_ff_shared"], cfg["n_ff_dense"]) == (
+            hf_cfg["intermediate_size"], hf_cfg["intermediate_size"],
+            hf_cfg["intermediate_size_mlp"])
+        assert cfg["router"] == "sigmoid_topk" and cfg["route_input"]
+        assert cfg["layer_attn"] == ["chunked", "full", "chunked", "full"]
+        assert cfg["nope_layers"] == [1, 3] and cfg["qk_norm"] == "l2"
+        assert cfg["attn_chunk"] == hf_cfg["attention_chunk_size"] < PROMPT_LEN
+        assert (cfg["attn_temp_floor"], cfg["attn_temp_scale"]) == (
+            hf_cfg["floor_scale"], hf_cfg["attn_scale"])
+        assert cfg["rope"]["type"] == "llama3"
     elif case.arch in MOE_ARCHS:
         k = hf_cfg["first_k_dense_replace"]
         assert cfg["layer_ffn"] == ["dense"] * k + ["moe"] * (hf_cfg["num_hidden_layers"] - k)
@@ -325,10 +357,12 @@ def test_f32_chunked_and_batched(case: Case, isa: str) -> None:
 
 
 def test_f32_prompt_in_several_chunks(case: Case) -> None:
-    """The prompt (longer than any sliding window of the cases) fed in four chunks of unequal
-    lengths, each crossing window and KV block edges, equals one pass."""
+    """The prompt (longer than any sliding window or attention chunk of the cases) fed in
+    four chunks of unequal lengths, each crossing window, chunk and KV block edges, equals one
+    pass."""
     cfg = json.loads((case.converted("f32") / "config.json").read_text())
     assert (cfg.get("sliding_window") or 0) < PROMPT_LEN
+    assert (cfg.get("attn_chunk") or 0) < PROMPT_LEN
     m = Model.load(case.converted("f32"), threads=THREADS, n_ctx=N_CTX)
     whole = _prefill(m, case.prompt)
     m.reset(0)
@@ -362,6 +396,47 @@ def test_gpt_oss_window_sinks_and_clamp_decide_the_reference(tmp_path_factory:
             layer.self_attn.sinks.fill_(-1e30)
         ref = no_sinks(ids).logits[0].float().numpy()
     assert _rel_max(ref, case.ref_logits) > 1e-2
+
+
+def test_llama4_chunks_temperature_qk_norm_and_input_scaling_decide_the_reference(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each Llama 4 feature the parity tests check moves transformers' own logits far past
+    their 1e-4: without the attention chunks, without the query temperature, without the q/k
+    L2 norm, and with the router weight applied to the experts' output instead of their
+    input."""
+    case = _case("llama4", tmp_path_factory)
+    ids = torch.tensor(case.prompt[None].astype(np.int64))
+
+    def logits(model: Any = None, **overrides: Any) -> np.ndarray:
+        model = model or transformers.AutoModelForCausalLM.from_pretrained(
+            str(case.hf_dir), dtype=torch.float32, attn_implementation="eager",
+            **overrides).eval()
+        with torch.no_grad():
+            return model(ids).logits[0].float().numpy()
+
+    n = case.hf.config.num_hidden_layers
+    assert _rel_max(logits(layer_types=["full_attention"] * n), case.ref_logits) > 1e-2
+    assert _rel_max(logits(attn_temperature_tuning=False), case.ref_logits) > 1e-2
+    assert _rel_max(logits(use_qk_norm=False), case.ref_logits) > 1e-2
+
+    def output_scaled(moe: Any) -> Any:
+        """Llama4TextMoe.forward with each expert's output, not input, times its weight."""
+        def forward(h: Any) -> Any:
+            h = h.reshape(-1, moe.hidden_dim)
+            scores, router_logits = moe.router(h)
+            out = moe.shared_expert(h)
+            ex = moe.experts
+            for e in range(ex.num_experts):
+                gate, up = (h @ ex.gate_up_proj[e]).chunk(2, dim=-1)
+                out = out + scores[:, e:e + 1] * ((up * ex.act_fn(gate)) @ ex.down_proj[e])
+            return out, router_logits
+        return forward
+
+    model = _hf_model(case.hf_dir)
+    for layer in model.model.layers:
+        if layer.is_moe_layer:
+            layer.feed_forward.forward = output_scaled(layer.feed_forward)
+    assert _rel_max(logits(model), case.ref_logits) > 1e-2
 
 
 def _mxfp4_checkpoint(case: Case) -> Path:
