@@ -112,8 +112,19 @@ def test_refusals_name_the_value(over: dict[str, Any], words: str) -> None:
     assert words in str(e.value)
 
 
-def test_the_multimodal_class_is_refused_by_name() -> None:
-    with pytest.raises(archs.UnsupportedModel) as e:
-        archs.colibri_config({**BASE, "architectures": ["Llama4ForConditionalGeneration"]})
-    assert "Llama4ForConditionalGeneration" in str(e.value)
-    assert "Llama4ForCausalLM" in str(e.value)
+def test_a_multimodal_config_gives_its_text_model() -> None:
+    """Llama4ForConditionalGeneration (the released checkpoints): its text_config is the text
+    model's config; what it cannot run is refused by key."""
+    mm = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+          "tie_word_embeddings": False, "text_config": {**BASE, "rope_parameters": SCOUT_ROPE},
+          "vision_config": {"hidden_size": 32}}
+    cfg = archs.colibri_config(mm)
+    text = archs.colibri_config({**BASE, "rope_parameters": SCOUT_ROPE})
+    assert cfg == {**text, "hf_architecture": "Llama4ForConditionalGeneration"}
+    for over, words in [({"text_config": None}, "without a text_config object"),
+                        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+                        ({"quantization_config": {"quant_method": "compressed-tensors"}},
+                         "quantization_config")]:
+        with pytest.raises(archs.UnsupportedModel) as e:
+            archs.colibri_config({**mm, **over})
+        assert words in str(e.value)

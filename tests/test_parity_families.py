@@ -439,6 +439,43 @@ def test_llama4_chunks_temperature_qk_norm_and_input_scaling_decide_the_referenc
     assert _rel_max(logits(model), case.ref_logits) > 1e-2
 
 
+def test_llama4_multimodal_checkpoint_converts_its_text_model(
+        tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Llama4ForConditionalGeneration checkpoint (how Llama 4 ships) around the llama4
+    case's text model: conversion says it leaves the vision tower out, and the result gives
+    transformers' text logits of the multimodal model."""
+    case = _case("llama4", tmp_path_factory)
+    out = case.root / "hf-multimodal"
+    vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                  num_hidden_layers=1, image_size=28, patch_size=14, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32)
+    config = transformers.Llama4Config(text_config=case.hf.config.to_dict(),
+                                       vision_config=vision)
+    torch.manual_seed(3)
+    mm = transformers.Llama4ForConditionalGeneration(config).eval()
+    mm.language_model.load_state_dict(case.hf.state_dict())
+    mm.save_pretrained(str(out))
+    for f in case.hf_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copyfile(f, out / f.name)
+    mm = transformers.Llama4ForConditionalGeneration.from_pretrained(
+        str(out), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = mm(input_ids=torch.tensor(case.prompt[None].astype(np.int64))).logits[0].numpy()
+    assert _rel_max(ref, case.ref_logits) <= 1e-6  # the same text model
+
+    path = convert(out, case.root / "multimodal-f32", quant="f32", progress=True)
+    err = capsys.readouterr().err
+    assert "recognised Llama4ForConditionalGeneration as the llama4 family: 4 layers" in err
+    assert "tensors of the vision encoder and its projector" in err
+    m = Model.load(path, threads=THREADS, n_ctx=N_CTX)
+    assert _rel_max(_prefill(m, case.prompt), ref) <= 1e-4
+    text = json.loads((case.converted("f32") / "config.json").read_text())
+    files = json.loads((path / "config.json").read_text())["files"]
+    assert {k: v["sha256"] for k, v in files.items()} == {
+        k: v["sha256"] for k, v in text["files"].items()}  # the same weights, byte for byte
+
+
 def _mxfp4_checkpoint(case: Case) -> Path:
     """The gpt-oss case's checkpoint with its experts quantized to MXFP4 and stored as the
     released checkpoints store them (*_blocks [E, rows, in / 32, 16], *_scales [E, rows,

@@ -287,6 +287,10 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
              + ", ".join(parts)]
     used = ({t.source.hf_name for t in targets}
             | {t.source.scales for t in targets if t.source.scales})
+    vision = [n for n in names - used if n.startswith(("vision_model.", "multi_modal_projector."))]
+    if vision:
+        lines.append(f"skipping {len(vision)} tensors of the vision encoder and its projector: "
+                     f"the text model is converted")
     unused = sorted(n for n in names - used if n.startswith("model.layers."))
     if unused:
         layers = sorted({int(n.split(".")[2]) for n in unused if n.split(".")[2].isdigit()})

@@ -251,14 +251,14 @@ class Plan:
     def add(self, file: str, name: str, kind: str, shape: tuple[int, ...], src: Source) -> None:
         self.out.append(Target(file, name, kind, shape, src))
 
-    def embeddings(self, prefix: str = "model.") -> None:
+    def embeddings(self, prefix: str = "model.", head: str = "lm_head.weight") -> None:
         c = self.cfg
         V, D = c["n_vocab"], c["n_embd"]
         emb = "embeddings.bin"
         self.add(emb, "tok_embd", VOCAB, (V, D), Source(prefix + "embed_tokens.weight"))
         self.add(emb, "output_norm", NORM, (D,), Source(prefix + "norm.weight"))
         if not c["tie_embeddings"]:
-            self.add(emb, "output", VOCAB, (V, D), Source("lm_head.weight"))
+            self.add(emb, "output", VOCAB, (V, D), Source(head))
 
     def attention(self, i: int, p: str) -> None:
         """GQA attention of layer i (p: its HF prefix): norm, q/k/v/o, biases, q/k norms."""

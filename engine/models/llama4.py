@@ -7,13 +7,16 @@ FFNs of width intermediate_size_mlp on the others. The MoE routes each token to 
 experts by logit, multiplies the expert's *input* by sigmoid(logit), and adds an always-on
 shared expert of width intermediate_size (as the experts).
 
+The text model of a Llama4ForConditionalGeneration checkpoint (text_config, tensors under
+language_model.) is read the same way; its vision encoder and projector are left out.
+
 Experts are stored fused as transformers keeps them: gate_up_proj [E, D, 2F] (gate columns
 first, then up), down_proj [E, F, D]. q/k rows are reordered at conversion so the core's
 rotate-half RoPE rotates the pairs Llama 4 rotates (dot products and per-head norms do not
 change under the same permutation of q and k).
 
 Defaults and semantics follow transformers' configuration_llama4.py / modeling_llama4.py
-(Llama4TextConfig). The multimodal Llama4ForConditionalGeneration is not read.
+(Llama4TextConfig, Llama4Config).
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from colibri.engine.models.family import (
 from colibri.engine.models.rope import rope_config
 
 NAME = "llama4"
-HF_CLASSES = ("Llama4ForCausalLM",)
+MULTIMODAL = "Llama4ForConditionalGeneration"
+HF_CLASSES = ("Llama4ForCausalLM", MULTIMODAL)
+_VISION = ("vision_model.", "multi_modal_projector.")  # a multimodal checkpoint's other parts
 DEFAULTS: dict[str, Any] = dict(
     vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
     num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
@@ -122,11 +127,25 @@ def _experts(hf: HFConfig, moe: set[int], n: int) -> dict[str, Any]:
             "route_input": True, "n_ff_dense": dense, "layer_ffn": kinds}
 
 
-def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dict[str, Any]:
-    hf = HFConfig(raw, DEFAULTS)
+def text_config(raw: dict[str, Any], hf_arch: str) -> dict[str, Any]:
+    """The Llama4TextConfig keys: config.json itself, or a multimodal one's text_config."""
     if raw.get("quantization_config") is not None:
         raise UnsupportedModel("config.json: quantization_config is not supported for Llama 4; "
                                "convert the bfloat16 checkpoint")
+    if hf_arch != MULTIMODAL:
+        return raw
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModel(f"config.json: {MULTIMODAL} without a text_config object")
+    if raw.get("tie_word_embeddings") or text.get("tie_word_embeddings"):
+        raise UnsupportedModel("config.json: tie_word_embeddings is not supported for "
+                               f"{MULTIMODAL}")
+    return text
+
+
+def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dict[str, Any]:
+    raw = text_config(raw, hf_arch)
+    hf = HFConfig(raw, DEFAULTS)
     cfg = base_config(hf, NAME, hf_arch, gen)
     n = cfg["n_layer"]
     rope = _rope_layers(hf, n)
@@ -189,4 +208,12 @@ def _ffn(pl: Plan, i: int, p: str) -> None:
 
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:
-    return build_plan(cfg, names, _ffn, attention=_attention)
+    if cfg["hf_architecture"] != MULTIMODAL:
+        return build_plan(cfg, names, _ffn, attention=_attention)
+    pl = Plan(cfg)  # the text model under language_model.
+    pl.embeddings("language_model.model.", head="language_model.lm_head.weight")
+    for i in range(cfg["n_layer"]):
+        p = f"language_model.model.layers.{i}."
+        _attention(pl, i, p)
+        _ffn(pl, i, p)
+    return pl.done(names, NAME, skipped=lambda n: n.startswith(_VISION))
