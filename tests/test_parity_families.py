@@ -466,7 +466,10 @@ def test_llama4_multimodal_checkpoint_converts_its_text_model(
 
     path = convert(out, case.root / "multimodal-f32", quant="f32", progress=True)
     err = capsys.readouterr().err
-    assert "recognised Llama4ForConditionalGeneration as the llama4 family: 4 layers" in err
+    assert ("recognised Llama4ForConditionalGeneration as the llama4 family: 4 layers, 2 dense, "
+            "2 with 6 experts, top-1 (sigmoid_topk router), shared experts of width 32, 2 "
+            "attending in chunks of 8, 2 globally, 2 without RoPE (query temperature tuning), "
+            "q/k L2 norm on the RoPE layers, router weights scale the experts' input") in err
     assert "tensors of the vision encoder and its projector" in err
     m = Model.load(path, threads=THREADS, n_ctx=N_CTX)
     assert _rel_max(_prefill(m, case.prompt), ref) <= 1e-4
