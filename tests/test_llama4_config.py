@@ -67,6 +67,9 @@ def test_layer_keys_as_transformers_reads_them() -> None:
     assert cfg["layer_attn"] == ["full"] * 7 + ["chunked"] and cfg["nope_layers"] == [3, 7]
     off = archs.colibri_config({**BASE, "attn_temperature_tuning": False})
     assert off["attn_temp_floor"] == 0.0
+    # the first released configs wrote an integer here; transformers reads it as a truth value
+    on = archs.colibri_config({**BASE, "attn_temperature_tuning": 4})
+    assert (on["attn_temp_floor"], on["attn_temp_scale"]) == (8192.0, 0.1)
     scout = archs.colibri_config({**BASE, "rope_parameters": SCOUT_ROPE})
     assert scout["rope"]["type"] == "llama3" and scout["rope"]["high_freq_factor"] == 1.0
 
