@@ -108,6 +108,8 @@ def test_the_core_gets_per_layer_attention_flags() -> None:
     ({"rope_parameters": {**SCOUT_ROPE, "high_freq_factor": 0.5}},
      "high_freq_factor >= low_freq_factor"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_parameters": {**SCOUT_ROPE, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5"),
 ])
 def test_refusals_name_the_value(over: dict[str, Any], words: str) -> None:
     with pytest.raises(archs.UnsupportedModel) as e:

@@ -156,8 +156,12 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
     if tuning and floor <= 0:
         raise UnsupportedModel(f"config.json: floor_scale must be positive, got {floor}")
     bias = bool(hf.get("attention_bias"))
+    params = rope_parameters(hf)
+    prf = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if prf is not None and prf != 1:
+        raise UnsupportedModel(f"config.json: partial_rotary_factor {prf} is not supported")
     cfg.update(
-        rope=rope_config(rope_parameters(hf), cfg["max_position_embeddings"]),
+        rope=rope_config(params, cfg["max_position_embeddings"]),
         qk_norm="l2" if hf.get("use_qk_norm") and any(rope) else "none",
         qkv_bias=bias, o_bias=bias, clip_qkv=None, sliding_window=None,
         layer_attn=kinds, attn_chunk=chunk, nope_layers=[i for i in range(n) if not rope[i]],
