@@ -217,6 +217,7 @@ _EXPERT_COUNTERS = (
     ("prefetch_late", "Expert uses that waited for a prefetch in flight."),
     ("bytes_read", "Bytes of experts read from the model files."),
     ("stall_seconds", "Forward-pass time spent waiting for expert loads."),
+    ("storage_reads", "Expert misses the page cache could not serve, read from storage."),
 )
 
 

@@ -260,6 +260,7 @@ typedef struct {
     int32_t prefetch;        /* 1: pre-gating prefetch thread */
     int32_t huge_pages;      /* 1: ask for 2 MiB transparent huge pages on the slots */
     int64_t prefetch_window; /* tokens of routing history that make heat, >= 1 */
+    int64_t read_timeout_ms; /* a load that takes longer fails the model; 0: 30 s */
 } clb_xc_config;
 
 typedef struct {
@@ -271,6 +272,7 @@ typedef struct {
     int64_t prefetch_late;        /* acquisitions that waited for a prefetch in flight */
     int64_t bytes_read;           /* bytes loaded from the files */
     int64_t stall_ns;             /* forward time spent waiting for loads */
+    int64_t storage_reads;        /* misses memory could not serve: read by the reader thread */
 } clb_xc_stats;
 
 /* Copies the q8/q4 matrices the forward pass multiplies into the interleaved layout the active

@@ -1,10 +1,17 @@
 /* Colibri expert cache: a fixed number of slots per layer holding routed experts, loaded on
- * demand by the forward pass and ahead of it by one prefetch thread.
+ * demand for the forward pass (copied on its own thread when memory holds the expert, else by a
+ * reader thread it waits for) and ahead of it by one prefetch thread.
  * Guarantees: every table is guarded by one mutex; a slot is read into only by the thread that
- * marked it loading, and its tensors' data pointers change only while no one holds it; at most
- * per_layer experts of a layer are resident or loading; the prefetch thread is joined before
- * anything it reads is freed. A short read (a file cut short since load) fails the load with a
- * message naming the file, and every later forward call fails the same way.
+ * marked it loading or the reader it handed the load to, one at a time, and its tensors' data
+ * pointers change only while no one holds it; at most per_layer experts of a layer are
+ * resident or loading; the prefetch thread is joined before anything it reads is freed. A
+ * short read (a file cut short since load) fails the load with a message naming the file, and
+ * every later forward call fails the same way. The forward pass
+ * never waits on storage itself: it copies only what the page cache (or, mapped, memory)
+ * already holds, and waits at most read_timeout_ms for a load that needs the storage (its own
+ * by the reader, or a prefetch), so storage that stalls (a hung mount) fails the model instead
+ * of hanging the step; a thread still stuck in such a read when the cache is freed is left
+ * running and the cache's memory with it, never freed under it.
  * Refuses: configs outside the ranges in clb_model.h; more pinned experts than a layer's slots
  * minus one. */
 #define _GNU_SOURCE /* O_DIRECT, MADV_HUGEPAGE */
@@ -17,6 +24,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "clb_model_internal.h"
@@ -72,6 +81,13 @@ struct clb_xcache {
     pthread_cond_t work;   /* queue not empty, or stop */
     int thread_on, stop;
     pthread_t thread;
+    /* the reader thread: the forward pass's loads, one at a time (want_l >= 0: one waits) */
+    int reader_on;
+    pthread_t reader;
+    pthread_cond_t want; /* a load for the reader, or stop */
+    int64_t want_l, want_i;
+    int busy[2];         /* loader 0 (reader) / 1 (prefetch) is inside a read */
+    int stuck;           /* a read ran past the timeout: its thread may never return */
     int32_t *queue; /* ring of l * E + e, [L * E] */
     uint8_t *queued;
     int64_t q_head, q_len;
@@ -119,12 +135,36 @@ static int open_expert_file(const char *path, int extra_flags, char *msg) {
     return fd;
 }
 
+/* Whether every page of the mapped span [a, a + len) is in memory (mmap mode). */
+static int span_resident(uintptr_t a, size_t len) {
+    uintptr_t p0 = a / PAGE * PAGE, p1 = round_up(a + len, PAGE);
+    unsigned char vec[256];
+    for (uintptr_t p = p0; p < p1; p += sizeof vec * PAGE) {
+        size_t n = (p1 - p) / PAGE < sizeof vec ? (p1 - p) / PAGE : sizeof vec;
+        if (mincore((void *)p, n * PAGE, vec) != 0) return 0;
+        for (size_t k = 0; k < n; k++)
+            if (!(vec[k] & 1)) return 0;
+    }
+    return 1;
+}
+
 /* Loads expert idx into slot s (owned by the caller, state loading), repacking through the
- * loader's scratch. Returns the bytes read, or 0 with msg set. Called without the lock. */
-static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, char *msg) {
+ * loader's scratch. Returns the bytes read, or 0 with msg set. Called without the lock.
+ * nowait: only from what memory already holds (the page cache, RWF_NOWAIT; in mmap mode
+ * pages mincore finds resident); where storage would have to answer it returns 0 with
+ * *blocked set and no message, and the caller hands the load to the reader thread. */
+static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, int nowait,
+                          int *blocked, char *msg) {
     const xspan *sp = &xc->span[idx];
     const char *path = clb_wfile_path(xc->m->expert_files[idx]);
     size_t len = sp->hi - sp->lo;
+    *blocked = 0;
+    if (nowait && (xc->cfg.load == CLB_XC_DIRECT ||
+                   (xc->cfg.load == CLB_XC_MMAP &&
+                    !span_resident((uintptr_t)sp->mapped[0] - sp->rel[0], len)))) {
+        *blocked = 1;
+        return 0;
+    }
     if (xc->cfg.load == CLB_XC_MMAP) {
         uintptr_t a = (uintptr_t)sp->mapped[0] - (sp->rel[0]);
         uintptr_t p0 = a / PAGE * PAGE, p1 = round_up(a + len, PAGE);
@@ -140,9 +180,20 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, 
     if (fd < 0) return 0;
     size_t off = direct ? direct_start(sp) : sp->lo;
     size_t need = sp->hi - off, want = direct ? round_up(need, PAGE) : need, got = 0;
+    int again = 0;
     while (got < want) {
-        ssize_t r = pread(fd, s->mem + got, want - got, (off_t)(off + got));
+        struct iovec iov = {.iov_base = s->mem + got, .iov_len = want - got};
+        ssize_t r = nowait ? preadv2(fd, &iov, 1, (off_t)(off + got), RWF_NOWAIT)
+                           : pread(fd, iov.iov_base, iov.iov_len, (off_t)(off + got));
         if (r < 0 && errno == EINTR) continue;
+        /* EAGAIN: pages not in the page cache, or a readahead mark the kernel clears as it
+         * answers (so one more try); a file system without RWF_NOWAIT: the reader reads */
+        if (nowait && r < 0 && errno == EAGAIN && !again++) continue;
+        if (nowait && r < 0 && (errno == EAGAIN || errno == EOPNOTSUPP || errno == ENOSYS)) {
+            *blocked = 1;
+            close(fd);
+            return 0;
+        }
         if (r < 0) {
             const char *hint = direct && errno == EINVAL
                                    ? " (this file system refuses O_DIRECT reads; use another "
@@ -154,6 +205,7 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, void *scratch, 
         }
         if (r == 0) break;
         got += (size_t)r;
+        again = 0;
     }
     close(fd);
     if (got < need) {
@@ -277,17 +329,54 @@ static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char 
 }
 
 /* Loads expert e of layer l into slot i that the caller just claimed (lock held on entry and
- * exit, released while reading); loader 0 is the forward side, 1 the prefetch thread. */
-static size_t load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
-                           char *msg) {
+ * exit, released while reading); loader 0 is the forward side (the step thread or the reader,
+ * never both at once), 1 the prefetch thread. nowait (the step thread): only from what memory
+ * holds; returns -1 when storage would have to answer, the slot still claimed and the evicted
+ * expert's pages already dropped, for the reader to load. Else 1 loaded, 0 failed. */
+static int load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
+                        int nowait) {
     xslot *s = &xc->slots[l * xc->N + i];
     int64_t idx = l * xc->E + s->owner;
+    char msg[CLB_ERR_LEN];
+    int blocked;
+    xc->busy[loader] = 1;
     pthread_mutex_unlock(&xc->mu);
     if (old >= 0 && xc->cfg.load == CLB_XC_MMAP) drop_mapped(xc, old);
-    size_t got = read_expert(xc, idx, s, xc->scratch[loader], msg);
+    size_t got = read_expert(xc, idx, s, xc->scratch[loader], nowait, &blocked, msg);
     pthread_mutex_lock(&xc->mu);
+    xc->busy[loader] = 0;
+    if (blocked) return -1;
     finish(xc, l, i, got, msg);
-    return got;
+    return got > 0;
+}
+
+/* Waits on `loaded` until deadline_ns (CLOCK_MONOTONIC); 0 when it passed. */
+static int wait_loaded(clb_xcache *xc, int64_t deadline_ns) {
+    struct timespec ts = {.tv_sec = (time_t)(deadline_ns / 1000000000),
+                          .tv_nsec = (long)(deadline_ns % 1000000000)};
+    return pthread_cond_timedwait(&xc->loaded, &xc->mu, &ts) != ETIMEDOUT ||
+           clb_now_ns() < deadline_ns;
+}
+
+/* A load of layer l's slot i took longer than the timeout: the model fails (lock held). */
+static void timed_out(clb_xcache *xc, int64_t l, int64_t i) {
+    const xslot *s = &xc->slots[l * xc->N + i];
+    xc->stuck = 1;
+    if (!xc->failed && s->owner < 0) {
+        xc->failed = 1;
+        snprintf(xc->fail_msg, sizeof xc->fail_msg,
+                 "storage stalled: an expert read of layer %lld took longer than %lld ms",
+                 (long long)l, (long long)xc->cfg.read_timeout_ms);
+    }
+    if (!xc->failed) {
+        xc->failed = 1;
+        snprintf(xc->fail_msg, sizeof xc->fail_msg,
+                 "storage stalled: reading expert %lld of layer %lld from %s took longer than "
+                 "%lld ms; restart once the files can be read again",
+                 (long long)s->owner, (long long)l,
+                 clb_wfile_path(xc->m->expert_files[l * xc->E + s->owner]),
+                 (long long)xc->cfg.read_timeout_ms);
+    }
 }
 
 static int wave_empty(const clb_xcache *xc, int64_t l) {
@@ -301,8 +390,9 @@ static int wave_empty(const clb_xcache *xc, int64_t l) {
 int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
     const int64_t idx = l * xc->E + e;
     pthread_mutex_lock(&xc->mu);
-    int64_t t0 = 0;
+    int64_t t0 = 0, deadline = 0;
     for (;;) {
+        if (xc->failed) break;
         int64_t i = xc->slot_of[idx];
         if (i >= 0) {
             xslot *s = &xc->slots[l * xc->N + i];
@@ -322,16 +412,20 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
                 pthread_mutex_unlock(&xc->mu);
                 return 1;
             }
-            /* a prefetch of this expert is in flight: wait for it (a failure frees the slot) */
+            /* a load of this expert is in flight (the reader's or a prefetch): wait for it, at
+             * most the timeout (a failure frees the slot) */
             if (!t0) {
                 t0 = clb_now_ns();
                 xc->st[l].misses++;
-                xc->st[l].prefetch_late++;
+                if (s->prefetched) xc->st[l].prefetch_late++;
             }
-            pthread_cond_wait(&xc->loaded, &xc->mu);
+            if (!deadline) deadline = clb_now_ns() + xc->cfg.read_timeout_ms * 1000000;
+            if (!wait_loaded(xc, deadline)) {
+                timed_out(xc, l, i);
+                break;
+            }
             continue;
         }
-        if (xc->failed) break;
         i = pick_slot(xc, l);
         if (i < 0) {
             if (!wave_empty(xc, l)) {
@@ -339,21 +433,36 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
                 return 0;
             }
             if (!t0) t0 = clb_now_ns();
-            pthread_cond_wait(&xc->loaded, &xc->mu); /* every free slot is loading: wait */
+            /* every free slot is loading: wait, at most the timeout */
+            if (!deadline) deadline = clb_now_ns() + xc->cfg.read_timeout_ms * 1000000;
+            if (!wait_loaded(xc, deadline)) {
+                for (i = 0; i < xc->N && xc->slots[l * xc->N + i].state != S_LOADING; i++) {
+                }
+                timed_out(xc, l, i < xc->N ? i : 0);
+                break;
+            }
             continue;
         }
         if (!t0) {
             t0 = clb_now_ns();
             xc->st[l].misses++;
         }
+        /* what memory already holds is copied here; a read that needs the storage goes to
+         * the reader, and the loop above then waits for it like for any other load */
         int64_t old = claim(xc, l, i, e, 0);
         xc->slots[l * xc->N + i].in_use = 1;
-        char msg[CLB_ERR_LEN];
-        size_t got = load_claimed(xc, l, i, old, 0, msg);
-        xc->st[l].stall_ns += clb_now_ns() - t0;
-        if (got == 0) break;
-        pthread_mutex_unlock(&xc->mu);
-        return 1;
+        int done = load_claimed(xc, l, i, old, 0, 1);
+        if (done == 0) break;
+        if (done > 0) {
+            xc->st[l].stall_ns += clb_now_ns() - t0;
+            pthread_mutex_unlock(&xc->mu);
+            return 1;
+        }
+        xc->st[l].storage_reads++;
+        xc->want_l = l;
+        xc->want_i = i;
+        deadline = 0; /* its own timeout from now */
+        pthread_cond_signal(&xc->want);
     }
     pthread_mutex_unlock(&xc->mu);
     *st = CLB_E_IO;
@@ -428,12 +537,27 @@ clb_status clb_xc_failed(const clb_xcache *xc, char *err) {
     return failed ? CLB_E_IO : CLB_OK;
 }
 
+/* ---- reader thread ---------------------------------------------------------------------- */
+
+static void *reader_main(void *arg) {
+    clb_xcache *xc = arg;
+    pthread_mutex_lock(&xc->mu);
+    for (;;) {
+        while (!xc->stop && xc->want_l < 0) pthread_cond_wait(&xc->want, &xc->mu);
+        if (xc->stop) break;
+        int64_t l = xc->want_l, i = xc->want_i;
+        xc->want_l = -1;
+        load_claimed(xc, l, i, -1, 0, 0);
+    }
+    pthread_mutex_unlock(&xc->mu);
+    return NULL;
+}
+
 /* ---- prefetch thread -------------------------------------------------------------------- */
 
 static void *prefetch_main(void *arg) {
     clb_xcache *xc = arg;
     const int64_t cap = xc->L * xc->E;
-    char msg[CLB_ERR_LEN];
     pthread_mutex_lock(&xc->mu);
     for (;;) {
         while (!xc->stop && xc->q_len == 0) pthread_cond_wait(&xc->work, &xc->mu);
@@ -447,7 +571,7 @@ static void *prefetch_main(void *arg) {
         int64_t i = pick_slot(xc, l);
         if (i < 0) continue;
         int64_t old = claim(xc, l, i, e, 1);
-        load_claimed(xc, l, i, old, 1, msg);
+        load_claimed(xc, l, i, old, 1, 0);
     }
     pthread_mutex_unlock(&xc->mu);
     return NULL;
@@ -487,13 +611,22 @@ size_t clb_expert_bytes(const clb_model *m) {
 
 void clb_xc_free(clb_xcache *xc) {
     if (!xc) return;
-    if (xc->thread_on) {
-        pthread_mutex_lock(&xc->mu);
-        xc->stop = 1;
-        pthread_cond_broadcast(&xc->work);
-        pthread_mutex_unlock(&xc->mu);
-        pthread_join(xc->thread, NULL);
+    pthread_mutex_lock(&xc->mu);
+    xc->stop = 1;
+    pthread_cond_broadcast(&xc->work);
+    pthread_cond_broadcast(&xc->want);
+    /* a thread stuck in a read that ran past the timeout may never come back: it keeps the
+     * cache (it writes into a slot and takes the lock when its read ends), so nothing is freed */
+    int abandon = xc->stuck && (xc->busy[0] || xc->busy[1]);
+    pthread_mutex_unlock(&xc->mu);
+    if (abandon) {
+        if (xc->reader_on) pthread_detach(xc->reader);
+        if (xc->thread_on) pthread_detach(xc->thread);
+        return;
     }
+    if (xc->reader_on) pthread_join(xc->reader, NULL);
+    if (xc->thread_on) pthread_join(xc->thread, NULL);
+    pthread_cond_destroy(&xc->want);
     pthread_cond_destroy(&xc->work);
     pthread_cond_destroy(&xc->loaded);
     pthread_mutex_destroy(&xc->mu);
@@ -534,7 +667,8 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         return CLB_E_ARG;
     }
     if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
-        cfg->load > CLB_XC_MMAP || cfg->prefetch_window < 1) {
+        cfg->load > CLB_XC_MMAP || cfg->prefetch_window < 1 || cfg->read_timeout_ms < 0 ||
+        cfg->read_timeout_ms > 86400000) {
         clb_set_err(err,
                     "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, "
                     "prefetch window %lld)", (long long)cfg->per_layer, (long long)E,
@@ -566,8 +700,15 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->N = N;
     xc->decay = 1.0f - 1.0f / (float)cfg->prefetch_window;
     pthread_mutex_init(&xc->mu, NULL);
-    pthread_cond_init(&xc->loaded, NULL);
+    pthread_condattr_t monotonic;
+    pthread_condattr_init(&monotonic);
+    pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
+    pthread_cond_init(&xc->loaded, &monotonic); /* timed waits: see wait_loaded */
+    pthread_condattr_destroy(&monotonic);
     pthread_cond_init(&xc->work, NULL);
+    pthread_cond_init(&xc->want, NULL);
+    xc->want_l = -1;
+    if (xc->cfg.read_timeout_ms == 0) xc->cfg.read_timeout_ms = 30000;
     size_t LE = (size_t)(L * E);
     xc->slots = calloc((size_t)(L * N), sizeof(xslot));
     xc->slot_of = malloc(LE * sizeof(int32_t));
@@ -583,8 +724,9 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->pf_bad = calloc((size_t)L, sizeof(float));
     xc->pf_skips = calloc((size_t)L, sizeof(int64_t));
     xc->step = calloc((size_t)L, sizeof(int64_t));
-    if (!xc->step || !xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots || !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span ||
-        !xc->tens || !xc->st || !xc->queue || !xc->queued) {
+    if (!xc->step || !xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots ||
+        !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span || !xc->tens ||
+        !xc->st || !xc->queue || !xc->queued) {
         clb_xc_free(xc);
         clb_set_err(err, "out of memory for the expert cache tables");
         return CLB_E_NOMEM;
@@ -676,7 +818,8 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
                 if (!pinned[l * E + e] || !has_expert(m, l * E + e)) continue;
                 int64_t i = pick_slot(xc, l); /* an empty slot: fewer pinned than slots */
                 int64_t old = claim(xc, l, i, e, 0);
-                if (load_claimed(xc, l, i, old, 0, err) == 0) {
+                if (load_claimed(xc, l, i, old, 0, 0) == 0) {
+                    clb_set_err(err, "%s", xc->fail_msg);
                     pthread_mutex_unlock(&xc->mu);
                     return CLB_E_IO; /* m->xc stays: the model frees it */
                 }
@@ -685,6 +828,11 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         memset(xc->st, 0, (size_t)L * sizeof(clb_xc_stats));
         pthread_mutex_unlock(&xc->mu);
     }
+    if (pthread_create(&xc->reader, NULL, reader_main, xc) != 0) {
+        clb_set_err(err, "cannot start the expert reader thread");
+        return CLB_E_NOMEM;
+    }
+    xc->reader_on = 1;
     if (cfg->prefetch) {
         if (pthread_create(&xc->thread, NULL, prefetch_main, xc) != 0) {
             clb_set_err(err, "cannot start the expert prefetch thread");

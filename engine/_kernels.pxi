@@ -18,6 +18,7 @@ from colibri.engine.errors import (
     InputError,
     ModelFileNotFoundError,
     ShapeError,
+    StorageStalledError,
     WeightFileChangedError,
 )
 
@@ -213,6 +214,8 @@ def _status_error(int st, message=b"", arg_cls=InputError, range_cls=ContextOver
             return ModelFileNotFoundError(msg)
         if msg.startswith("weight file changed: "):
             return WeightFileChangedError(msg)
+        if msg.startswith("storage stalled: "):
+            return StorageStalledError(msg)
         return OSError(msg)
     if st == CLB_E_FORMAT:
         return FormatError(msg)

@@ -49,6 +49,10 @@ class WeightFileChangedError(ModelFaultError, OSError):
     """A mapped weight file was truncated or overwritten while the model was loaded."""
 
 
+class StorageStalledError(ModelFaultError, OSError):
+    """A weight file read took longer than its timeout (storage that stopped answering)."""
+
+
 class TokenIdError(InputError):
     """A list of token ids is empty or holds something that is not an id of the vocabulary;
     `param` names the request field it came from."""

@@ -227,6 +227,24 @@ def test_counters_of_one_chunk(demo_dir: Path) -> None:
                                               minlength=cfg.n_expert))
 
 
+def test_misses_memory_holds_are_copied_without_the_reader(demo_dir: Path) -> None:
+    """A miss whose expert the page cache holds is copied on the forward's own thread (no
+    hand-off, so no thread switch per miss); only reads that need the storage go to the
+    reader thread, whose wait is bounded. O_DIRECT bypasses the page cache: every miss is a
+    storage read there."""
+    for f in demo_dir.glob("experts/*.bin"):  # into the page cache
+        f.read_bytes()
+    cfg = Model.load(demo_dir).config
+    modes = ["pread"] + (["direct"] if _direct_ok(demo_dir) else [])
+    for load in modes:
+        m = _cached(demo_dir, cfg.n_expert // 2, load=load, prefetch=False)
+        _decode(m, 4)
+        st = m.core.expert_cache_stats()
+        assert st is not None and st["misses"].sum() > 0
+        expected = 0 if load == "pread" else st["misses"].sum()
+        assert st["storage_reads"].sum() == expected, load
+
+
 def test_truncated_expert_file_fails_the_call_and_names_it(demo_dir: Path,
                                                            tmp_path: Path) -> None:
     copy = tmp_path / "m"

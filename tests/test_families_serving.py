@@ -2,9 +2,9 @@
 (two dense layers, then routed and shared experts) and a Llama 4 model (dense and MoE layers
 interleaved: dense, MoE, MoE, dense) served through the real app, with the engine's default
 settings matching transformers at f32 (gpt-oss too, its 40-token prompt five times its sliding
-window; Llama 4's five times its attention chunk), the expert cache and its page counting only
-the layers with experts, `colibri info` naming the layers, and routing traces holding the MoE
-layers only."""
+window; MiniMax-M2; Llama 4, its prompt five times its attention chunk), the expert cache and
+its page counting only the layers with experts, `colibri info` naming the layers, and routing
+traces holding the MoE layers only."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ N_CTX = 128
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     return {a: make_checkpoint(a, root / a, seed=3)
-            for a in ("llama", "glm4_moe", "gpt_oss", "llama4")}
+            for a in ("llama", "glm4_moe", "gpt_oss", "minimax_m2", "llama4")}
 
 
 def _llm(hf: Path, quant: str, **engine: Any) -> Any:
@@ -40,7 +40,7 @@ def _llm(hf: Path, quant: str, **engine: Any) -> Any:
     return LLM(hf, threads=2, quant=quant, n_ctx=N_CTX, config=EngineConfig(**engine))
 
 
-@pytest.mark.parametrize("arch", ["llama", "glm4_moe", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe", "gpt_oss", "minimax_m2", "llama4"])
 def test_default_settings_match_transformers_at_f32(ckpts: dict[str, Path], arch: str) -> None:
     """The engine's defaults (KV type auto: f32 for an f32 model) keep the 1e-4 parity."""
     llm = _llm(ckpts[arch], "f32")

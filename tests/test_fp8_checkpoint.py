@@ -1,4 +1,4 @@
-"""DeepSeek and Kimi checkpoints as they ship: FP8 (e4m3) weights with block scales
+"""DeepSeek, Kimi and MiniMax-M2 checkpoints as they ship: FP8 (e4m3) weights with block scales
 (`weight_scale_inv`), read tensor by tensor by the converter; and Kimi K2's shape (384 routed
 experts, one shared, 61 layers) planned at full size and converted as a tiny copy."""
 
@@ -23,6 +23,17 @@ from colibri.engine.models import archs  # noqa: E402
 from tests.tiny_models import make_checkpoint  # noqa: E402
 
 BLOCK = 32  # the tiny checkpoint's scale blocks (real ones use 128; several blocks per matrix)
+# the linear projections the released checkpoints store in FP8: attention, MLA and the experts
+# (DeepSeek's *_proj, MiniMax-M2's experts.j.w1 / w2 / w3); routers, norms, embeddings and
+# lm_head stay in 16 bits
+FP8_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight",
+                ".w3.weight")
+# what each family's released quantization_config says beside the block size
+QUANT_EXTRA: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"fmt": "e4m3"},
+    "minimax_m2": {"fmt": "float8_e4m3fn",
+                   "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]},
+}
 
 
 def test_e4m3_table_matches_torch() -> None:
@@ -33,7 +44,7 @@ def test_e4m3_table_matches_torch() -> None:
     np.testing.assert_array_equal(E4M3[ok], ref[ok])
 
 
-def _fp8_copy(hf: Path, out: Path) -> tuple[Path, Path]:
+def _fp8_copy(hf: Path, out: Path, arch: str = "deepseek_v3") -> tuple[Path, Path]:
     """hf with every linear projection stored as FP8 plus block scales (as DeepSeek ships
     them), and the float32 checkpoint those FP8 weights decode to (the reference)."""
     from safetensors.numpy import load_file, save_file
@@ -44,7 +55,7 @@ def _fp8_copy(hf: Path, out: Path) -> tuple[Path, Path]:
     deq: dict[str, np.ndarray] = {}
     n_fp8 = 0
     for name, a in tensors.items():
-        if not (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")):
+        if not name.endswith(FP8_SUFFIXES):
             fp8[name] = torch.from_numpy(a.copy())
             deq[name] = a
             continue
@@ -69,7 +80,7 @@ def _fp8_copy(hf: Path, out: Path) -> tuple[Path, Path]:
         (d / "model.safetensors").unlink()
         c = dict(cfg)
         if kind == "fp8":
-            c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+            c["quantization_config"] = {"quant_method": "fp8", **QUANT_EXTRA[arch],
                                         "weight_block_size": [BLOCK, BLOCK],
                                         "activation_scheme": "dynamic"}
             save_torch(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
@@ -80,9 +91,10 @@ def _fp8_copy(hf: Path, out: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def test_fp8_checkpoint_converts_to_its_dequantized_reference(tmp_path: Path) -> None:
-    hf = make_checkpoint("deepseek_v3", tmp_path / "hf", seed=4)
-    fp8, ref = _fp8_copy(hf, tmp_path)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2"])
+def test_fp8_checkpoint_converts_to_its_dequantized_reference(tmp_path: Path, arch: str) -> None:
+    hf = make_checkpoint(arch, tmp_path / "hf", seed=4)
+    fp8, ref = _fp8_copy(hf, tmp_path, arch)
     with Checkpoint(fp8, fp8_block=(BLOCK, BLOCK)) as ck:
         assert not [n for n in ck.names() if n.endswith("_scale_inv")]  # folded into weights
     a = convert(fp8, tmp_path / "from-fp8", quant="f32", progress=False)

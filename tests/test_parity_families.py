@@ -6,9 +6,11 @@ selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k n
 DeepSeek-V3 (MLA with q_lora 96 != kv_lora 64, 32 + 16 query dims, values of 24, YaRN with
 mscale, interleaved rotary pairs; the same without q_lora and with rotate-half pairs) and
 DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss (sinks, sliding
-and full layers, biased experts with the clamped SwiGLU) and Llama 4 (chunked RoPE layers with
-q/k L2 norm and global NoPE layers with query temperature, dense and MoE layers, one routed
-expert fed its input scaled by a sigmoid weight, a shared expert, llama3 rope scaling).
+and full layers, biased experts with the clamped SwiGLU), MiniMax-M2 (q/k norms over the whole
+projection, 10 of 24 head dims rotated, sigmoid routing with a selection bias, renormalised)
+and Llama 4 (chunked RoPE layers with q/k L2 norm and global NoPE layers with query
+temperature, dense and MoE layers, one routed expert fed its input scaled by a sigmoid weight,
+a shared expert, llama3 rope scaling).
 
 For each case and for the reference and best kernel ISA:
 - f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
@@ -22,7 +24,8 @@ For each case and for the reference and best kernel ISA:
   instead of leaving positions out, transformers' routers are made to pick the experts
   Colibri picked (their weights still come from transformers' own scores): every position is
   compared, and the test measures quantization error, not tie-breaking;
-- GLM: every expert-cache budget gives the resident model's logits bit for bit.
+- every family with experts: every expert-cache budget gives the resident model's logits bit
+  for bit.
 """
 
 from __future__ import annotations
@@ -72,11 +75,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                               "first_k_dense_replace": 1}),
     "deepseek_v2-lite-shape": ("deepseek_v2", {}),
     "gpt_oss": ("gpt_oss", {}),
+    "minimax_m2": ("minimax_m2", {}),
     "llama4": ("llama4", {}),
 }
 # families with multi-token-prediction layers and dense first layers
 MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "llama4")
+MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "minimax_m2", "llama4")
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
@@ -90,7 +94,22 @@ def _routers(model: Any) -> list[tuple[int, Any]]:
         elif type(getattr(ffn, "router", None)).__name__ in ("GptOssTopKRouter",
                                                             "Llama4Router"):
             out.append((i, ffn.router))
+        elif _minimax(gate):
+            out.append((i, gate))
     return out
+
+
+def _minimax(gate: Any) -> bool:
+    """MiniMax-M2's router: sigmoid scores, its selection bias held by the MoE block and
+    passed in as the forward's second argument; weights always renormalised, never scaled."""
+    return type(gate).__name__ == "MiniMaxM2TopKRouter"
+
+
+def _selection_bias(model: Any, layer: int, gate: Any) -> Any:
+    """The bias a sigmoid router adds to its scores to choose experts (None: no bias)."""
+    if _minimax(gate):
+        return model.model.layers[layer].mlp.e_score_correction_bias
+    return getattr(gate, "e_score_correction_bias", None)
 
 
 def _topk_softmax(gate: Any) -> bool:
@@ -111,7 +130,7 @@ def _router_logits(gate: Any, out: Any) -> Any:
 def _scores(gate: Any, logits: Any) -> Any:
     """A router's scores: sigmoid for the sigmoid routers, softmax for DeepSeek-V2 and
     gpt-oss (whose weights are the softmax over the chosen logits: the same order)."""
-    if hasattr(gate, "e_score_correction_bias") or _topk_sigmoid(gate):
+    if hasattr(gate, "e_score_correction_bias") or _minimax(gate) or _topk_sigmoid(gate):
         return torch.sigmoid(logits.float())
     return torch.softmax(logits.float(), dim=-1)
 
@@ -120,9 +139,11 @@ def _router_scores(model: Any, ids: np.ndarray) -> tuple[np.ndarray, list[np.nda
     """Logits, and per MoE layer the scores experts are chosen by (with the selection bias)."""
     found: list[np.ndarray] = []
     hooks = []
-    for _, gate in _routers(model):
-        def hook(m: Any, args: Any, out: Any) -> None:
-            s = _scores(m, _router_logits(m, out)) + getattr(m, "e_score_correction_bias", 0.0)
+    for layer, gate in _routers(model):
+        bias = _selection_bias(model, layer, gate)
+
+        def hook(m: Any, args: Any, out: Any, bias: Any = bias) -> None:
+            s = _scores(m, _router_logits(m, out)) + (0.0 if bias is None else bias)
             found.append(s.numpy())
         hooks.append(gate.register_forward_hook(hook))
     try:
@@ -150,6 +171,8 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
             if _topk_softmax(m):
                 return logits, torch.softmax(logits.gather(1, idx), dim=-1), idx
             w = _scores(m, logits).gather(1, idx)
+            if _minimax(m):
+                return logits, w / w.sum(dim=-1, keepdim=True), idx
             if getattr(m, "norm_topk_prob", False):
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
             return logits, w * m.routed_scaling_factor, idx
@@ -220,7 +243,8 @@ def moe_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return _case(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=[n for n, (a, _) in CASES.items() if a in MTP_ARCHS])
+@pytest.fixture(scope="module",
+                params=[n for n, (a, _) in CASES.items() if a in MTP_ARCHS + ("minimax_m2",)])
 def mtp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
     """The cases whose checkpoints may carry multi-token-prediction layers."""
     return _case(request.param, tmp_path_factory)
@@ -238,6 +262,12 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
         assert (cfg["glu"], cfg["glu_alpha"], cfg["glu_limit"]) == (
             "swiglu_clamp", hf_cfg["swiglu_alpha"], hf_cfg["swiglu_limit"])
         assert cfg["rope"]["type"] == "yarn" and cfg["rope"]["truncate"] is False
+    elif case.arch == "minimax_m2":
+        assert cfg["layer_ffn"] == ["moe"] * hf_cfg["num_hidden_layers"]
+        assert (cfg["router"], cfg["n_group"], cfg["routed_scale"]) == ("sigmoid_grouped", 1, 1.0)
+        assert cfg["norm_topk_prob"] and cfg["n_ff_shared"] == 0
+        assert cfg["qk_norm"] == "full" and cfg["rotary_dim"] == hf_cfg["rotary_dim"] == 10
+        assert cfg["n_expert"] == hf_cfg["num_local_experts"]
     elif case.arch == "llama4":
         assert cfg["layer_ffn"] == ["dense", "moe", "moe", "dense"]
         assert (cfg["n_ff"], cfg["n_ff_shared"], cfg["n_ff_dense"]) == (
@@ -289,9 +319,9 @@ def test_routing_is_exercised(moe_case: Case) -> None:
                         moe_case.scores, strict=True):
         chosen = np.argsort(-c, axis=1)[:, :k]
         assert len(np.unique(chosen)) >= e - 2, (layer, np.unique(chosen))
-        gate = gates[layer]
-        if hasattr(gate, "e_score_correction_bias"):
-            plain = np.argsort(-(c - gate.e_score_correction_bias.numpy()), axis=1)[:, :k]
+        bias = _selection_bias(moe_case.hf, layer, gates[layer])
+        if bias is not None:
+            plain = np.argsort(-(c - bias.numpy()), axis=1)[:, :k]
             changed += int(np.sum(np.sort(plain, axis=1) != np.sort(chosen, axis=1)))
         else:
             changed += 1  # a softmax router has no selection bias
@@ -469,7 +499,7 @@ def test_llama4_multimodal_checkpoint_converts_its_text_model(
     assert ("recognised Llama4ForConditionalGeneration as the llama4 family: 4 layers, 2 dense, "
             "2 with 6 experts, top-1 (sigmoid_topk router), shared experts of width 32, 2 "
             "attending in chunks of 8, 2 globally, 2 without RoPE (query temperature tuning), "
-            "q/k L2 norm on the RoPE layers, router weights scale the experts' input") in err
+            "router weights scale the experts' input, q/k L2 norm on the RoPE layers") in err
     assert "tensors of the vision encoder and its projector" in err
     m = Model.load(path, threads=THREADS, n_ctx=N_CTX)
     assert _rel_max(_prefill(m, case.prompt), ref) <= 1e-4

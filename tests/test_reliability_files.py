@@ -217,3 +217,119 @@ def test_repacked_weights_do_not_depend_on_their_files(model_copy: Path, tmp_pat
     finally:
         code = srv.stop(signal.SIGTERM)
     assert code == 0 and "repacked" in srv.log(), srv.log()
+
+
+# Reads of expert files block while the flag file exists, as on a hung network mount: pread is
+# interposed (LD_PRELOAD) in the server process only; every other read goes through.
+_STALL_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+static int stalled(int fd) {
+    const char *flag = getenv("STALL_FLAG");
+    char link[64], path[PATH_MAX];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (!flag || n <= 0) return 0;
+    path[n] = '\0';
+    return strstr(path, "/experts/") != NULL && access(flag, F_OK) == 0;
+}
+
+static ssize_t wait_then(ssize_t (*real)(int, void *, size_t, off_t), int fd, void *buf,
+                         size_t len, off_t off) {
+    while (stalled(fd)) usleep(20000);
+    return real(fd, buf, len, off);
+}
+
+ssize_t pread(int fd, void *buf, size_t len, off_t off) {
+    static ssize_t (*real)(int, void *, size_t, off_t);
+    if (!real) real = (ssize_t (*)(int, void *, size_t, off_t))dlsym(RTLD_NEXT, "pread");
+    return wait_then(real, fd, buf, len, off);
+}
+
+ssize_t pread64(int fd, void *buf, size_t len, off_t off) {
+    static ssize_t (*real)(int, void *, size_t, off_t);
+    if (!real) real = (ssize_t (*)(int, void *, size_t, off_t))dlsym(RTLD_NEXT, "pread64");
+    return wait_then(real, fd, buf, len, off);
+}
+
+/* a read that may only copy what memory holds: the stalled storage's pages are not there */
+typedef ssize_t (*preadv2_fn)(int, const struct iovec *, int, off_t, int);
+
+static ssize_t nowait_then(preadv2_fn real, int fd, const struct iovec *iov, int n, off_t off,
+                           int flags) {
+    if ((flags & RWF_NOWAIT) && stalled(fd)) {
+        errno = EAGAIN;
+        return -1;
+    }
+    while (stalled(fd)) usleep(20000);
+    return real(fd, iov, n, off, flags);
+}
+
+ssize_t preadv2(int fd, const struct iovec *iov, int n, off_t off, int flags) {
+    static preadv2_fn real;
+    if (!real) real = (preadv2_fn)dlsym(RTLD_NEXT, "preadv2");
+    return nowait_then(real, fd, iov, n, off, flags);
+}
+
+ssize_t preadv64v2(int fd, const struct iovec *iov, int n, off_t off, int flags) {
+    static preadv2_fn real;
+    if (!real) real = (preadv2_fn)dlsym(RTLD_NEXT, "preadv64v2");
+    return nowait_then(real, fd, iov, n, off, flags);
+}
+"""
+
+
+@pytest.mark.slow  # a server and a compiler: left out of the quick pass
+def test_stalled_expert_reads_fail_the_model_within_the_timeout(model_copy: Path,
+                                                                 tmp_path: Path) -> None:
+    """Storage that stops answering under a running expert cache: the request that needs a
+    read fails with a 500 once expert_read_timeout_s has passed (the step does not hang),
+    /ready turns 503 so a supervisor restarts the server, and the log names the file."""
+    import subprocess
+    import sysconfig
+    import time
+
+    lib = tmp_path / "stall.so"
+    src = tmp_path / "stall.c"
+    src.write_text(_STALL_C)
+    cc = sysconfig.get_config_var("CC") or "cc"
+    subprocess.run([*cc.split(), "-shared", "-fPIC", "-O1", "-o", str(lib), str(src), "-ldl"],
+                   check=True)
+    flag = tmp_path / "stall"
+    n_expert = json.loads((model_copy / "config.json").read_text())["n_expert"]
+    srv = SubprocessServer(model_copy, tmp_path / "run", "--expert-cache-size",
+                           str(n_expert // 2), "--expert-load", "pread", "--no-expert-pin",
+                           "--expert-read-timeout-s", "2",
+                           env={"COLIBRI_REPACK": "0", "STALL_FLAG": str(flag),
+                                # after a sanitizer's runtime, when the tests run under one
+                                "LD_PRELOAD": f"{os.environ.get('LD_PRELOAD', '')} {lib}".strip()
+                                }).wait_ready()
+    try:
+        body = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        flag.touch()
+        long = {"prompt": "Hello there, how are you today?", "max_tokens": 24,
+                "temperature": 1.0, "seed": 3}
+        start = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json=long, timeout=60)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] == "model_fault"
+        assert time.monotonic() - start < 30, "the request waited far past the read timeout"
+        assert httpx.get(srv.url + "/ready", timeout=5).status_code == 503
+        assert srv.proc.poll() is None, "the server died"
+    finally:
+        flag.unlink(missing_ok=True)  # the stuck read ends; the process can exit
+        code = srv.stop(signal.SIGTERM)
+    log = srv.log()
+    assert "storage stalled: reading expert" in log and "longer than 2000 ms" in log, log
+    assert str(model_copy / "experts") in log, log
+    assert code == 0, (code, log)

@@ -20,9 +20,11 @@ DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GROUPED_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 # attention sinks, sliding-window layers, biased experts with the clamped SwiGLU
 SINK_ARCHS = ("gpt_oss",)
+# q/k norms over the whole projection, partial rotary, sigmoid routing with a selection bias
+MINIMAX_ARCHS = ("minimax_m2",)
 # chunked and NoPE layers, dense and MoE layers, experts fed inputs scaled by the router
 CHUNKED_ARCHS = ("llama4",)
-ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS + CHUNKED_ARCHS
+ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS + MINIMAX_ARCHS + CHUNKED_ARCHS
 
 VOCAB_SIZE = 320
 EOS_ID = 2  # <|im_end|> in engine.text.bpe.SPECIAL_TOKENS
@@ -138,6 +140,13 @@ _BASE: dict[str, dict[str, Any]] = {
                          "original_max_position_embeddings": 16, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False},
     ),
+    # head_dim 24 != 64 / 4, the released checkpoints' legacy rotary_dim (10 of 24 rotated:
+    # neither half nor all), three layers of 8 experts top-2
+    "minimax_m2": dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, num_local_experts=8, num_experts_per_tok=2,
+        rotary_dim=10, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+    ),
     # layers: chunked RoPE + dense, global NoPE + MoE, chunked RoPE + MoE, global NoPE + dense
     # (moe_layers given, so the two mixes cross); chunks of 8 positions, shorter than the test
     # prompts; floor_scale 4, so query temperatures change from position 3 on; llama3 rope
@@ -172,6 +181,7 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
         "llama4": (tf.Llama4TextConfig, tf.Llama4ForCausalLM),
     }
     if arch not in table:

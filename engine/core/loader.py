@@ -202,7 +202,8 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
         load = resolve_load(xc.expert_load, folder)
         model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.expert_prefetch,
                                        huge_pages=xc.expert_huge_pages,
-                                       prefetch_window=xc.prefetch_window, pinned=pinned)
+                                       prefetch_window=xc.prefetch_window, pinned=pinned,
+                                       read_timeout_s=xc.expert_read_timeout_s)
         pages = "" if load == "mmap" else (", slots on 2 MiB pages where granted"
                                            if xc.expert_huge_pages else ", slots on 4 KiB pages")
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "

@@ -221,6 +221,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("expert_huge_pages", bool, True, "2 MiB transparent huge pages on the expert slots, "
            "where the system grants them", _XC, commands=_SERVE_ENGINE, engine_env=True,
            note="O_DIRECT reads into 2 MiB pages run faster than into 4 KiB pages."),
+    Option("expert_read_timeout_s", float, 30.0, "seconds one expert read may take before the "
+           "model is marked failed", _XC, commands=_SERVE_ENGINE, engine_env=True, gt=0,
+           le=86400,
+           note="Storage that stalls (a hung network mount) fails the request with a clean "
+                "error and /ready answers 503, instead of the server hanging."),
     # -- network ------------------------------------------------------------------------
     Option("host", str, "127.0.0.1", "address to bind", _NET,
            note="127.0.0.1 keeps the server local; 0.0.0.0 exposes it (set an API key)."),
@@ -344,6 +349,8 @@ class ExpertCacheConfig:
     expert_prefetch: bool = default("expert_prefetch")  # pre-gating prefetch thread
     expert_pin: bool = default("expert_pin")  # pin the hot set learned from earlier runs
     expert_huge_pages: bool = default("expert_huge_pages")  # 2 MiB pages on the slots
+    # one read past this fails the model instead of hanging the step
+    expert_read_timeout_s: float = default("expert_read_timeout_s")
 
     @classmethod
     def from_env(cls) -> ExpertCacheConfig:

@@ -22,6 +22,7 @@ from colibri.engine.errors import (
     ContextOverflowError,
     InputError,
     ModelFaultError,
+    StorageStalledError,
     WeightFileChangedError,
 )
 from colibri.engine.format.verify import check_tensor_types
@@ -263,7 +264,7 @@ class Model:
             raise ModelFaultError(self.fault)
         try:
             out = self.core.forward(*args, routes=routes)
-        except WeightFileChangedError as e:
+        except (WeightFileChangedError, StorageStalledError) as e:
             self._mark_faulty(str(e))
             raise
         if not _core.all_finite(out):

@@ -275,14 +275,19 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
     if cfg.get("nope_layers"):
         tuned = " (query temperature tuning)" if cfg.get("attn_temp_floor") else ""
         parts.append(f"{len(cfg['nope_layers'])} without RoPE{tuned}")
-    if cfg.get("qk_norm") == "l2":
-        parts.append("q/k L2 norm on the RoPE layers")
     if cfg.get("route_input"):
         parts.append("router weights scale the experts' input")
     if cfg.get("attn_sinks"):
         parts.append("attention sinks")
     if any(t.kind == archs.MXFP4 for t in targets):
         parts.append("experts kept in MXFP4")
+    rd, hd = cfg.get("rotary_dim") or cfg["head_dim"], cfg["head_dim"]
+    if cfg.get("attn", "gqa") == "gqa" and rd < hd:
+        parts.append(f"rotary on {rd} of {hd} head dims")
+    qk = {"head": "q/k RMSNorm per head", "full": "q/k RMSNorm over the whole projection",
+          "l2": "q/k L2 norm on the RoPE layers"}.get(cfg.get("qk_norm", "none"))
+    if qk:
+        parts.append(qk)
     lines = [f"recognised {cfg['hf_architecture']} as the {cfg['architecture']} family: "
              + ", ".join(parts)]
     used = ({t.source.hf_name for t in targets}

@@ -13,6 +13,7 @@ from colibri.engine.models import (
     gpt_oss,
     llama,
     llama4,
+    minimax_m2,
     mixtral,
     olmoe,
     qwen2,
@@ -21,7 +22,7 @@ from colibri.engine.models import (
 )
 
 FAMILIES: tuple[ModuleType, ...] = (mixtral, qwen2_moe, qwen3_moe, olmoe, llama, qwen2,
-                                    glm4_moe, deepseek, gpt_oss, llama4)
+                                    glm4_moe, deepseek, gpt_oss, minimax_m2, llama4)
 _BY_CLASS = {c: f for f in FAMILIES for c in f.HF_CLASSES}
 _BY_NAME = {f.NAME: f for f in FAMILIES}
 # Hugging Face class name -> family name
