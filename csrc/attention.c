@@ -73,7 +73,8 @@ static att_block att_block_at(const att_task *a, const int32_t *tab, int kind, i
 }
 
 /* A work item is (token, kv head, nh query heads of its group); each query reads the keys of
- * its own sequence in [max(0, pos - window + 1), pos], all already in the cache, through the
+ * its own sequence in [max(0, pos - window + 1), pos] (in a chunked layer [pos - pos % chunk,
+ * pos]), all already in the cache, through the
  * sequence's block table, block by block (one table lookup per block; the next block's rows
  * are prefetched). f16 and q8 rows are widened to f32 once per block for all nh heads (q8:
  * the scale multiplies the dot product and the softmax weight) and read by the active ISA's
@@ -86,7 +87,7 @@ static void att_worker(void *vctx, int ith, int nth) {
     const clb_model *m = a->m;
     const clb_kv *kv = a->kv;
     const clb_att_io *io = &a->io;
-    const int64_t win = m->layers[a->il].window;
+    const int64_t win = m->layers[a->il].window, chunk = m->layers[a->il].chunk;
     const float *sinks = clb_f32_data(m->layers[a->il].sinks); /* [H] or NULL */
     const int64_t H = m->hp.n_head, Hkv = kv->n_head_kv, kd = kv->head_dim, vd = kv->v_dim;
     const int v_kind = kv->n_kinds == 2 ? 1 : 0;
@@ -110,6 +111,7 @@ static void att_worker(void *vctx, int ith, int nth) {
         const int64_t p = a->pos[t];
         int64_t lo = 0;
         if (win > 0 && p - win + 1 > 0) lo = p - win + 1;
+        if (chunk > 0) lo = p - p % chunk;
         const float *q0 = io->q + t * io->q_stride + h0 * io->q_head;
         float *out0 = io->out + t * io->out_stride + h0 * io->out_head;
 
@@ -189,6 +191,25 @@ clb_status clb_attend(clb_model *m, const clb_kv *kv, const clb_batch *b, int64_
     return st;
 }
 
+/* Llama 4's per-layer query and key options, after RoPE: each q and k head divided by its
+ * RMS (no weight), and queries scaled by 1 + s * log1p(floor((p + 1) / floor)), in float32 as
+ * transformers computes them (Llama4TextAttention). Query head h starts at q + h * qh. */
+static void llama4_qk(const clb_hparams *hp, int32_t fl, int64_t p, float *q, int64_t qh,
+                      float *k) {
+    const int64_t H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim;
+    if (fl & CLB_LAYER_QK_L2) {
+        for (int64_t h = 0; h < H; h++) clb_rmsnorm(q + h * qh, NULL, hd, hp->rms_eps, q + h * qh);
+        for (int64_t h = 0; h < Hkv; h++)
+            clb_rmsnorm(k + h * hd, NULL, hd, hp->rms_eps, k + h * hd);
+    }
+    if (fl & CLB_LAYER_TEMP) {
+        const float s =
+            log1pf(floorf(((float)p + 1.0f) / hp->attn_temp_floor)) * hp->attn_temp_scale + 1.0f;
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < hd; i++) q[h * qh + i] *= s;
+    }
+}
+
 clb_status clb_attention_gqa(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il, int64_t T,
                              const int32_t *seq, const int32_t *pos) {
     const clb_hparams *hp = &m->hp;
@@ -230,9 +251,13 @@ clb_status clb_attention_gqa(clb_model *m, clb_kv *kv, const clb_batch *b, int64
                 v[i] = fminf(fmaxf(v[i], -c), c);
             }
         }
-        const float *cs = m->rope + t * rd;
-        for (int64_t h = 0; h < H; h++) clb_rope_half(q + h * qh, cs, rd);
-        for (int64_t h = 0; h < Hkv; h++) clb_rope_half(k + h * hd, cs, rd);
+        const int32_t fl = l->attn_flags;
+        if (!(fl & CLB_LAYER_NOPE)) {
+            const float *cs = m->rope + t * rd;
+            for (int64_t h = 0; h < H; h++) clb_rope_half(q + h * qh, cs, rd);
+            for (int64_t h = 0; h < Hkv; h++) clb_rope_half(k + h * hd, cs, rd);
+        }
+        if (fl & (CLB_LAYER_QK_L2 | CLB_LAYER_TEMP)) llama4_qk(hp, fl, pos[t], q, qh, k);
         int64_t blk = b->block_tables[(int64_t)seq[t] * b->max_blocks + pos[t] / CLB_KV_BLOCK];
         clb_kv_store(kv, blk, il, 0, pos[t] % CLB_KV_BLOCK, k);
         clb_kv_store(kv, blk, il, 1, pos[t] % CLB_KV_BLOCK, v);

@@ -20,7 +20,7 @@ static inline const float *clb_f32_data(const clb_tensor *t) {
     return t ? (const float *)t->data : NULL;
 }
 
-/* y = x * rsqrt(mean(x^2) + eps) * w over n elements; y may alias x. */
+/* y = x * rsqrt(mean(x^2) + eps) * w over n elements (w NULL: no weight); y may alias x. */
 void clb_rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y);
 
 /* y[T, ldy] = x[T, n_in] @ w^T (+ bias) on the model's pool (tp: another pool or NULL for the

@@ -34,7 +34,20 @@ typedef enum {
                                        within the best topk_group of n_group groups; weights
                                        are the plain scores (optionally renormalised) times
                                        routed_scale */
+    CLB_ROUTER_SIGMOID_TOPK = 2,    /* the K largest logits, each weighted by its sigmoid
+                                       (Llama 4) */
 } clb_router_kind;
+
+/* Per-layer attention options: the bits of clb_hparams.layer_attn[il]. A layer sees all the
+ * earlier keys of its sequence unless SLIDING or CHUNKED narrows them. */
+typedef enum {
+    CLB_LAYER_SLIDING = 1, /* keys of the last sliding_window positions only */
+    CLB_LAYER_CHUNKED = 2, /* keys of the query's own chunk only: [p - p % attn_chunk, p] */
+    CLB_LAYER_NOPE = 4,    /* no rotary embedding on q and k */
+    CLB_LAYER_QK_L2 = 8,   /* each q and k head RMS-normalised without a weight, after RoPE */
+    CLB_LAYER_TEMP = 16,   /* queries scaled by position (attn_temp_floor, attn_temp_scale) */
+} clb_layer_attn_bit;
+#define CLB_LAYER_ATTN_ALL 31
 
 /* What mixes tokens in a layer: attention over the paged KV cache, or a gated DeltaNet linear
  * attention (Qwen3-Next) whose conv and recurrent state per sequence live in state slots
@@ -79,6 +92,12 @@ typedef struct {
     int64_t sliding_window; /* <= 0: off */
     int32_t attn_sinks;    /* GQA: a learned logit per query head (tensor "sinks" [n_head]) joins
                               every softmax's denominator (gpt-oss) */
+    int64_t attn_chunk;    /* chunk length of CLB_LAYER_CHUNKED layers; 0 when none is chunked */
+    float attn_temp_floor, attn_temp_scale; /* CLB_LAYER_TEMP: a query at position p is
+                              multiplied by 1 + attn_temp_scale * log1p(floor((p + 1) /
+                              attn_temp_floor)) (Llama 4's NoPE layers) */
+    int32_t route_input;   /* routed experts compute expert(w * x) rather than w * expert(x)
+                              (Llama 4; the SiLU makes the two differ) */
     int32_t router_bias;   /* the router's logits have a bias (tensor "gate_inp_bias" [n_expert]) */
     int32_t expert_bias;   /* routed experts' gate, up and down have biases (tensors "exp_b1",
                               "exp_b3" [n_expert, n_ff] and "exp_b2" [n_expert, n_embd] in the
@@ -96,8 +115,10 @@ typedef struct {
     const float *rope_freqs;   /* [rotary_dim / 2] inverse frequencies (YaRN, llama3, ...);
                                   NULL: 1 / rope_theta^(2i / rotary_dim) */
     const int32_t *layer_ffn;  /* [n_layer] clb_ffn_kind; NULL: every layer CLB_FFN_MOE */
-    const int32_t *layer_sliding; /* [n_layer] 1: the layer attends over sliding_window
-                                     positions, 0: over all; NULL: every layer 1 */
+    const int32_t *layer_attn; /* [n_layer] clb_layer_attn_bit flags; NULL: every layer
+                                  CLB_LAYER_SLIDING (which changes nothing while
+                                  sliding_window is 0) */
+
     const int32_t *layer_mixer; /* [n_layer] clb_mixer_kind; NULL: every layer CLB_MIX_ATTN */
 } clb_hparams;
 

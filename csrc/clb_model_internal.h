@@ -33,6 +33,8 @@ typedef struct {
     const clb_tensor *q_norm, *k_norm;      /* NULL unless qk_norm */
     const clb_tensor *sinks;                /* [H] f32 or NULL unless attn_sinks */
     int64_t window;                         /* keys a query sees at most; 0: all */
+    int64_t chunk;                          /* keys in the query's chunk of this length; 0: off */
+    int32_t attn_flags;                     /* clb_layer_attn_bit */
     /* MLA (wq above when q_lora_rank is 0; ql = q_lora_rank, kl = kv_lora_rank, dn = head_dim
      * - rotary_dim, dv = v_head_dim) */
     const clb_tensor *wq_a, *q_a_norm, *wq_b; /* [ql, D], [ql], [H*hd, ql] */
@@ -96,7 +98,7 @@ struct clb_model {
     float *rope;     /* [B, rotary_dim]: cos of the rotary_dim/2 frequencies, then sin */
     float *inv_freq; /* [rotary_dim/2] (hp.rope_freqs points here after load) */
     int32_t *layer_ffn; /* [n_layer] (hp.layer_ffn points here after load) */
-    int32_t *layer_sliding; /* [n_layer] (hp.layer_sliding points here after load) */
+    int32_t *layer_attn; /* [n_layer] (hp.layer_attn points here after load) */
     int32_t *layer_mixer; /* [n_layer] (hp.layer_mixer points here after load) */
     int64_t n_linear;     /* layers with linear attention */
     int32_t *kv_layer;    /* [n_layer] index among the layers that cache K/V, -1: linear */
@@ -115,13 +117,14 @@ struct clb_model {
     int32_t *route_tok; /* [B*K] token index, grouped by expert, tokens ascending */
     float *route_w;     /* [B*K] routing weight */
     float *xg;       /* [B, D] rows gathered for one expert */
+    float *xs;       /* [B*K, D] routed experts' inputs scaled by their weights (route_input) */
     float *h1, *h3;  /* [B, max(F, Fs)] */
     float *eo;       /* [B, D] expert output */
     float *sgate;    /* [B] shared expert gate logits */
     int32_t *out_rows; /* [B] chunk rows that want logits */
     float *scores;   /* [n_threads, H/Hkv, span] attention scores per worker and head */
     float *head_stat; /* [n_threads, 2, H/Hkv] per head: max score, then 1 / sum of exps */
-    int64_t span;    /* most keys one query sees in any layer: n_ctx, or the window */
+    int64_t span;    /* most keys one query sees in any layer: n_ctx, or the window / chunk */
     clb_glu_clamp glu_clamp; /* hp's clamp, for jobs when glu is CLB_GLU_SWIGLU_CLAMP */
     void *mm_scratch;  /* [B] packed activation rows for clb_matmul (any n_in) */
     size_t mm_scratch_size;

@@ -126,10 +126,19 @@ static void route_sigmoid_grouped(const clb_hparams *hp, float *p, const float *
     }
 }
 
+/* Llama 4's router: the K largest logits (ties: lower expert id first), each weighted by its
+ * sigmoid (Llama4Router: sigmoid of the top-k logits, the other experts' scores 0). */
+static void route_sigmoid_topk(const clb_hparams *hp, const float *p, int32_t *ids, float *w) {
+    top_k(p, hp->n_expert, hp->n_expert_used, NULL, hp->n_expert, ids);
+    for (int64_t k = 0; k < hp->n_expert_used; k++) w[k] = 1.0f / (1.0f + expf(-p[ids[k]]));
+}
+
 /* One token's routing from its router logits p [E] (overwritten): ids and weights [K]. */
 static void route_token(clb_model *m, const clb_layer_w *l, float *p, int32_t *ids, float *w) {
     if (m->hp.router == CLB_ROUTER_SIGMOID_GROUPED)
         route_sigmoid_grouped(&m->hp, p, clb_f32_data(l->gate_bias), m->choice, ids, w);
+    else if (m->hp.router == CLB_ROUTER_SIGMOID_TOPK)
+        route_sigmoid_topk(&m->hp, p, ids, w);
     else
         route_softmax(&m->hp, p, ids, w);
 }
@@ -265,6 +274,20 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         m->route_w[slot] = m->top_w[i];
     }
 
+    /* route_input: each (token, expert) row is the token's input times its weight, laid out
+     * in group order (Llama4TextMoe scales the hidden state before the experts) */
+    const float *src = m->xn;
+    const int32_t *idx = m->route_tok;
+    if (hp->route_input) {
+        for (int64_t r = 0; r < T * K; r++) {
+            const float *x = m->xn + (int64_t)m->route_tok[r] * D;
+            float *y = m->xs + r * D, w = m->route_w[r];
+            for (int64_t d = 0; d < D; d++) y[d] = x[d] * w;
+        }
+        src = m->xs;
+        idx = NULL;
+    }
+
     /* run each chosen expert once over its gathered rows, as many experts per dispatch as
      * fit in one batch of rows (and, with the expert cache, in the layer's slots); combine in
      * expert order, as HF does, so waves change no bit of the result */
@@ -292,14 +315,18 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         if (s1 == s0) continue;
         clb_status fst =
             ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
-                       m->e_start + e0, m->xn, m->route_tok, m->eo);
+                       m->e_start + e0, src, idx, m->eo);
         if (xc) clb_xc_release(xc, il);
         TRY(fst);
         for (int64_t r = s0; r < s1; r++) {
             float *dst = m->proj + (int64_t)m->route_tok[r] * D;
-            const float *src = m->eo + (r - s0) * D;
+            const float *eo = m->eo + (r - s0) * D;
+            if (hp->route_input) {
+                for (int64_t d = 0; d < D; d++) dst[d] += eo[d];
+                continue;
+            }
             float w = m->route_w[r];
-            for (int64_t d = 0; d < D; d++) dst[d] += src[d] * w;
+            for (int64_t d = 0; d < D; d++) dst[d] += eo[d] * w;
         }
     }
 

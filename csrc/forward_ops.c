@@ -9,12 +9,16 @@
 #include "clb_forward.h"
 #include "clb_util.h"
 
-/* y = x * rsqrt(mean(x^2) + eps) * w over n elements; y may alias x. The sum is kept in double
- * so the result does not depend on n's size. */
+/* y = x * rsqrt(mean(x^2) + eps) * w over n elements (w NULL: no weight); y may alias x. The
+ * sum is kept in double so the result does not depend on n's size. */
 void clb_rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
     double ss = 0.0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
     float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    if (!w) {
+        for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale;
+        return;
+    }
     for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * scale);
 }
 

@@ -86,8 +86,11 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
         NEED(hp->n_expert == 0 && hp->n_expert_used == 0 && hp->n_ff_shared == 0,
              "n_expert, n_expert_used and n_ff_shared must be 0 without an MoE layer");
     }
-    NEED(hp->router == CLB_ROUTER_SOFTMAX || hp->router == CLB_ROUTER_SIGMOID_GROUPED,
+    NEED(hp->router == CLB_ROUTER_SOFTMAX || hp->router == CLB_ROUTER_SIGMOID_GROUPED ||
+             hp->router == CLB_ROUTER_SIGMOID_TOPK,
          "unknown router %d", hp->router);
+    NEED(hp->route_input == 0 || hp->route_input == 1, "route_input %d is not 0 or 1",
+         hp->route_input);
     if (n_moe > 0) {
         NEED(hp->n_group > 0 && hp->n_group <= CLB_MAX_GROUPS && hp->n_expert % hp->n_group == 0,
              "n_group %lld must be in 1..%d and divide n_expert %lld", (long long)hp->n_group,
@@ -122,9 +125,24 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
          (long long)hp->n_ctx);
     NEED(hp->sliding_window >= 0, "sliding_window %lld is negative (0: off)",
          (long long)hp->sliding_window);
-    for (int64_t il = 0; hp->layer_sliding && il < hp->n_layer; il++)
-        NEED(hp->layer_sliding[il] == 0 || hp->layer_sliding[il] == 1,
-             "layer %lld: layer_sliding %d is not 0 or 1", (long long)il, hp->layer_sliding[il]);
+    NEED(hp->attn_chunk >= 0, "attn_chunk %lld is negative (0: off)", (long long)hp->attn_chunk);
+    for (int64_t il = 0; hp->layer_attn && il < hp->n_layer; il++) {
+        const int32_t f = hp->layer_attn[il];
+        NEED(f >= 0 && f <= CLB_LAYER_ATTN_ALL, "layer %lld: layer_attn %d has unknown bits",
+             (long long)il, f);
+        NEED(!(f & CLB_LAYER_SLIDING) || !(f & CLB_LAYER_CHUNKED),
+             "layer %lld: sliding and chunked at once", (long long)il);
+        NEED(!(f & CLB_LAYER_CHUNKED) || hp->attn_chunk > 0,
+             "layer %lld: chunked attention needs attn_chunk > 0", (long long)il);
+        NEED(hp->attn == CLB_ATTN_GQA || !(f & (CLB_LAYER_NOPE | CLB_LAYER_QK_L2 | CLB_LAYER_TEMP)),
+             "layer %lld: NoPE, q/k L2 norm and query temperature need GQA attention",
+             (long long)il);
+        NEED(!(f & CLB_LAYER_TEMP) ||
+                 (isfinite(hp->attn_temp_floor) && hp->attn_temp_floor > 0.0f &&
+                  isfinite(hp->attn_temp_scale)),
+             "layer %lld: query temperature needs a positive attn_temp_floor and a finite "
+             "attn_temp_scale", (long long)il);
+    }
     NEED(!hp->attn_sinks || hp->attn == CLB_ATTN_GQA, "attention sinks need GQA attention");
     NEED(!hp->expert_bias || n_moe > 0, "expert_bias set without an MoE layer");
     NEED(!hp->router_bias || n_moe > 0, "router_bias set without an MoE layer");
@@ -422,8 +440,12 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     if ((size_t)hp->n_ff_dense > ff) ff = (size_t)hp->n_ff_dense;
     m->span = 0;
     for (int64_t il = 0; il < hp->n_layer; il++) {
-        int64_t w = hp->layer_sliding && !hp->layer_sliding[il] ? 0 : hp->sliding_window;
-        m->layers[il].window = w;
+        const int32_t f = hp->layer_attn ? hp->layer_attn[il] : CLB_LAYER_SLIDING;
+        clb_layer_w *l = &m->layers[il];
+        l->window = f & CLB_LAYER_SLIDING ? hp->sliding_window : 0;
+        l->chunk = f & CLB_LAYER_CHUNKED ? hp->attn_chunk : 0;
+        l->attn_flags = l->window > 0 ? f : f & ~CLB_LAYER_SLIDING;
+        int64_t w = l->window > 0 ? l->window : l->chunk;
         int64_t span = w > 0 && w < hp->n_ctx ? w : hp->n_ctx;
         if (span > m->span) m->span = span;
     }
@@ -508,7 +530,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->rope = palloc(m, B * (size_t)hp->rotary_dim * F, &fail);
     m->inv_freq = palloc(m, (size_t)hp->rotary_dim / 2 * F, &fail);
     m->layer_ffn = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
-    m->layer_sliding = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
+    m->layer_attn = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
     m->probs = palloc(m, B * e * F, &fail);
     m->choice = palloc(m, e * F, &fail);
     m->top_id = palloc(m, B * k * sizeof(int32_t), &fail);
@@ -518,6 +540,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->route_tok = palloc(m, B * k * sizeof(int32_t), &fail);
     m->route_w = palloc(m, B * k * F, &fail);
     m->xg = palloc(m, B * d * F, &fail);
+    m->xs = palloc(m, hp->route_input ? B * k * d * F : 1, &fail);
     m->h1 = palloc(m, B * ff * F, &fail);
     m->h3 = palloc(m, B * ff * F, &fail);
     m->eo = palloc(m, B * d * F, &fail);
@@ -547,8 +570,8 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     for (int64_t il = 0; il < hp->n_layer; il++) m->layer_ffn[il] = m->layers[il].ffn;
     m->hp.rope_freqs = m->inv_freq; /* the caller's arrays may go away after load */
     m->hp.layer_ffn = m->layer_ffn;
-    for (int64_t il = 0; il < hp->n_layer; il++) m->layer_sliding[il] = m->layers[il].window > 0;
-    m->hp.layer_sliding = m->layer_sliding;
+    for (int64_t il = 0; il < hp->n_layer; il++) m->layer_attn[il] = m->layers[il].attn_flags;
+    m->hp.layer_attn = m->layer_attn;
     int32_t n_cached = 0;
     for (int64_t il = 0; il < hp->n_layer; il++) {
         m->layer_mixer[il] = m->layers[il].mixer;

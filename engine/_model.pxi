@@ -42,6 +42,9 @@ cdef extern from "clb_model.h" nogil:
         float rms_eps
         int64_t sliding_window
         int32_t attn_sinks
+        int64_t attn_chunk
+        float attn_temp_floor, attn_temp_scale
+        int32_t route_input
         int32_t router_bias
         int32_t expert_bias
         int32_t glu
@@ -51,7 +54,7 @@ cdef extern from "clb_model.h" nogil:
         int64_t n_ctx
         const float *rope_freqs
         const int32_t *layer_ffn
-        const int32_t *layer_sliding
+        const int32_t *layer_attn
         const int32_t *layer_mixer
 
     ctypedef struct clb_tensor:
@@ -156,12 +159,13 @@ _HPARAM_INT_KEYS = (
     "kv_lora_rank", "v_head_dim", "n_ff", "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense", "shared_gate", "norm_topk_prob",
     "router", "n_group", "topk_group", "qk_norm", "qkv_bias", "o_bias", "tie_embeddings",
     "rotary_dim", "sliding_window", "attn_sinks", "router_bias", "expert_bias", "glu", "n_ctx",
+    "attn_chunk", "route_input",
     "attn_gate", "lin_n_k_heads", "lin_n_v_heads", "lin_k_dim", "lin_v_dim", "lin_conv",
 )
 _HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps",
-                      "glu_alpha", "glu_limit")
+                      "glu_alpha", "glu_limit", "attn_temp_floor", "attn_temp_scale")
 # arrays (None: the C default), kept alive by the caller of _fill_hparams while C reads them
-_HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn", "layer_sliding", "layer_mixer")
+_HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn", "layer_attn", "layer_mixer")
 
 
 def _as_i32(x, str what):
@@ -233,6 +237,10 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.rms_eps = hparams["rms_eps"]
     hp.sliding_window = hparams["sliding_window"]
     hp.attn_sinks = hparams["attn_sinks"]
+    hp.attn_chunk = hparams["attn_chunk"]
+    hp.attn_temp_floor = hparams["attn_temp_floor"]
+    hp.attn_temp_scale = hparams["attn_temp_scale"]
+    hp.route_input = hparams["route_input"]
     hp.router_bias = hparams["router_bias"]
     hp.expert_bias = hparams["expert_bias"]
     hp.glu = hparams["glu"]
@@ -248,8 +256,8 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     cdef int32_t[::1] mixers
     cdef float[::1] freqs
     cdef int32_t[::1] kinds
-    cdef int32_t[::1] sliding
-    keep_freqs = keep_kinds = keep_sliding = keep_mixers = None
+    cdef int32_t[::1] attn
+    keep_freqs = keep_kinds = keep_attn = keep_mixers = None
     if hparams["rope_freqs"] is not None:
         keep_freqs = np.ascontiguousarray(hparams["rope_freqs"], dtype=np.float32).reshape(-1)
         if keep_freqs.size != hp.rotary_dim // 2:
@@ -264,13 +272,12 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
             raise ValueError(f"layer_ffn has {keep_kinds.size} values for {hp.n_layer} layers")
         kinds = keep_kinds
         hp.layer_ffn = &kinds[0]
-    if hparams["layer_sliding"] is not None:
-        keep_sliding = _as_i32(hparams["layer_sliding"], "layer_sliding")
-        if keep_sliding.size != hp.n_layer:
-            raise ValueError(f"layer_sliding has {keep_sliding.size} values for {hp.n_layer} "
-                             f"layers")
-        sliding = keep_sliding
-        hp.layer_sliding = &sliding[0]
+    if hparams["layer_attn"] is not None:
+        keep_attn = _as_i32(hparams["layer_attn"], "layer_attn")
+        if keep_attn.size != hp.n_layer:
+            raise ValueError(f"layer_attn has {keep_attn.size} values for {hp.n_layer} layers")
+        attn = keep_attn
+        hp.layer_attn = &attn[0]
     if hparams["layer_mixer"] is not None:
         keep_mixers = _as_i32(hparams["layer_mixer"], "layer_mixer")
         if keep_mixers.size != hp.n_layer:
@@ -278,7 +285,7 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
                              f"layers")
         mixers = keep_mixers
         hp.layer_mixer = &mixers[0]
-    return (keep_freqs, keep_kinds, keep_sliding, keep_mixers)
+    return (keep_freqs, keep_kinds, keep_attn, keep_mixers)
 
 
 def kv_block_bytes(dict hparams, str kv_type="f32") -> int:

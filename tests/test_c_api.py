@@ -34,7 +34,9 @@ class _HParams(ctypes.Structure):
                 + [("clip_qkv", ctypes.c_float), ("rope_theta", ctypes.c_float),
                    ("rotary_dim", ctypes.c_int64), ("rope_scale", ctypes.c_float),
                    ("rms_eps", ctypes.c_float), ("sliding_window", ctypes.c_int64)]
-                + [(k, ctypes.c_int32) for k in ("attn_sinks", "router_bias", "expert_bias",
+                + [("attn_sinks", ctypes.c_int32), ("attn_chunk", ctypes.c_int64),
+                   ("attn_temp_floor", ctypes.c_float), ("attn_temp_scale", ctypes.c_float)]
+                + [(k, ctypes.c_int32) for k in ("route_input", "router_bias", "expert_bias",
                                                  "glu")]
                 + [("glu_alpha", ctypes.c_float), ("glu_limit", ctypes.c_float),
                    ("attn_gate", ctypes.c_int32)]
@@ -42,7 +44,7 @@ class _HParams(ctypes.Structure):
                                                  "lin_v_dim", "lin_conv")]
                 + [("n_ctx", ctypes.c_int64), ("rope_freqs", ctypes.POINTER(ctypes.c_float)),
                    ("layer_ffn", ctypes.POINTER(ctypes.c_int32)),
-                   ("layer_sliding", ctypes.POINTER(ctypes.c_int32)),
+                   ("layer_attn", ctypes.POINTER(ctypes.c_int32)),
                    ("layer_mixer", ctypes.POINTER(ctypes.c_int32))])
 
 
@@ -72,7 +74,7 @@ def test_colibri_wrappers_match_model(model_dir: Path) -> None:
     fields = ModelConfig.from_dir(model_dir).to_hparams(N_CTX)
     # every field set (ctypes would take an unknown name as a plain attribute, silently)
     assert set(fields) == {name for name, _ in _HParams._fields_}
-    for k in ("rope_freqs", "layer_ffn", "layer_sliding", "layer_mixer"):  # NULL: C defaults
+    for k in ("rope_freqs", "layer_ffn", "layer_attn", "layer_mixer"):  # NULL: C defaults
         assert fields.pop(k) is None
     hp = _HParams(**fields)
     err = ctypes.create_string_buffer(512)

@@ -1,9 +1,10 @@
-"""Everything around the model follows the new families: a dense model and a GLM-4.5 model
-(two dense layers, then routed and shared experts) served through the real app, with the
-engine's default settings matching transformers at f32 (gpt-oss too, its 40-token prompt
-five times its sliding window, and MiniMax-M2), the expert cache and its page
-counting only the layers with experts, `colibri info` naming the layers, and routing traces
-holding the MoE layers only."""
+"""Everything around the model follows the new families: a dense model, a GLM-4.5 model
+(two dense layers, then routed and shared experts) and a Llama 4 model (dense and MoE layers
+interleaved: dense, MoE, MoE, dense) served through the real app, with the engine's default
+settings matching transformers at f32 (gpt-oss too, its 40-token prompt five times its sliding
+window; MiniMax-M2; Llama 4, its prompt five times its attention chunk), the expert cache and
+its page counting only the layers with experts, `colibri info` naming the layers, and routing
+traces holding the MoE layers only."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ N_CTX = 128
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     return {a: make_checkpoint(a, root / a, seed=3)
-            for a in ("llama", "glm4_moe", "gpt_oss", "minimax_m2")}
+            for a in ("llama", "glm4_moe", "gpt_oss", "minimax_m2", "llama4")}
 
 
 def _llm(hf: Path, quant: str, **engine: Any) -> Any:
@@ -39,7 +40,7 @@ def _llm(hf: Path, quant: str, **engine: Any) -> Any:
     return LLM(hf, threads=2, quant=quant, n_ctx=N_CTX, config=EngineConfig(**engine))
 
 
-@pytest.mark.parametrize("arch", ["llama", "glm4_moe", "gpt_oss", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe", "gpt_oss", "minimax_m2", "llama4"])
 def test_default_settings_match_transformers_at_f32(ckpts: dict[str, Path], arch: str) -> None:
     """The engine's defaults (KV type auto: f32 for an f32 model) keep the 1e-4 parity."""
     llm = _llm(ckpts[arch], "f32")
@@ -97,6 +98,35 @@ def test_glm_serves_and_its_cache_counts_moe_layers_only(glm_server: InProcessSe
     assert info.shared_expert_bytes > 0 and info.n_expert == 8
 
 
+def test_llama4_serves_and_its_cache_skips_its_interleaved_dense_layers(
+        ckpts: dict[str, Path]) -> None:
+    """Llama 4's dense layers sit between its MoE layers (dense, MoE, MoE, dense): the cache
+    budgets, loads and draws the MoE layers only, wherever they are."""
+    from colibri.engine.core.options import ExpertCacheConfig
+
+    llm = _llm(ckpts["llama4"], "q8",
+               expert_cache=ExpertCacheConfig(expert_cache_size=3, expert_pin=False))
+    srv = InProcessServer(_app(llm)).start()
+    try:
+        wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 60, "ready")
+        _complete(srv.url)
+        info = ExpertCacheInfo.model_validate(
+            httpx.get(srv.url + "/v1/expert_cache").json())
+        assert httpx.get(srv.url + "/experts").status_code == 200
+    finally:
+        srv.stop()
+    assert info.enabled and (info.n_layer, info.n_moe_layers) == (4, 2)
+    assert info.dense_layers == [0, 3] and info.n_expert == 6
+    assert info.budget_bytes == 2 * 3 * info.expert_bytes
+    assert info.state is not None and info.layers is not None
+    for layer in (0, 3):
+        assert set(info.state[layer]) == {0} and info.layers[layer]["loads"] == 0
+    for layer in (1, 2):
+        assert 1 <= sum(s >= 1 for s in info.state[layer]) <= 3
+        assert info.layers[layer]["loads"] > 0
+    assert info.shared_expert_bytes > 0  # one shared expert per MoE layer, never budgeted
+
+
 def test_dense_model_serves_without_an_expert_cache(ckpts: dict[str, Path],
                                                     caplog: pytest.LogCaptureFixture) -> None:
     from colibri.engine.core.options import ExpertCacheConfig
@@ -132,6 +162,14 @@ def test_info_names_the_layers(ckpts: dict[str, Path], tmp_path: Path) -> None:
     dense = render(describe(convert(ckpts["llama"], tmp_path / "llama", quant="q8",
                                     progress=False)))
     assert "layers        2 dense (0-1)" in dense and "experts/layer 0 0" in dense
+    d4 = describe(convert(ckpts["llama4"], tmp_path / "llama4", quant="q8", progress=False))
+    text4 = render(d4)
+    assert "layers        2 dense (0-3 step 3), 2 MoE (1-2)" in text4
+    assert d4["experts_per_layer"] == [0, 6, 6, 0]
+    assert "router=sigmoid_topk" in text4 and "attn_chunk=8" in text4
+    assert "nope_layers=[1, 3]" in text4 and "route_input=True" in text4
+    # active: each MoE layer's one routed expert of 6, the shared expert always
+    assert d4["params_active"] == d4["params_total"] - 2 * 5 * 3 * 64 * 32
 
 
 def test_routing_trace_holds_the_moe_layers(ckpts: dict[str, Path], tmp_path: Path) -> None:
@@ -148,6 +186,27 @@ def test_routing_trace_holds_the_moe_layers(ckpts: dict[str, Path], tmp_path: Pa
     assert trace.routes.min() >= 0 and trace.routes.max() < 8
     again = RoutingTrace.load(trace.save(tmp_path / "t.npz"))
     np.testing.assert_array_equal(again.routes, trace.routes)
+
+
+def test_llama4_routing_trace_holds_its_interleaved_moe_layers(ckpts: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    """The trace of a model whose MoE layers are 1 and 2 (of 0-3) holds those two layers'
+    choices, in layer order: what the forward pass reported for them."""
+    from colibri.engine.executor.model import Model
+    from colibri.engine.format.convert import convert
+    from colibri.engine.tools.routing_trace import RouteRecorder
+
+    path = convert(ckpts["llama4"], tmp_path / "l4", quant="q8", progress=False)
+    prompt = np.arange(5, 25, dtype=np.int32)
+    rec = RouteRecorder(Model.load(path, threads=2, n_ctx=64))
+    rec.forward(prompt, np.zeros(20, np.int32), np.arange(20, dtype=np.int32))
+    trace = rec.trace("test")
+    assert trace.n_layer == 2 and trace.n_tokens == 20
+    m = Model.load(path, threads=2, n_ctx=64)
+    routes = np.full((20, 4, 1), -1, np.int32)
+    m.forward(prompt, np.zeros(20, np.int32), np.arange(20, dtype=np.int32), routes=routes)
+    assert (routes[:, [0, 3]] == -1).all()
+    np.testing.assert_array_equal(trace.routes, routes[:, [1, 2]])
 
 
 @pytest.mark.parametrize("arch", ["llama", "glm4_moe"])

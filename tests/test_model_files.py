@@ -332,6 +332,11 @@ def test_c_checks_hparams_too(tiny_model: Path) -> None:
                               ("n_expert_used", 5, "n_expert_used"),
                               ("router", 9, "unknown router"),
                               ("layer_ffn", [0, 7], "unknown FFN kind"),
+                              ("layer_attn", [0, 32], "unknown bits"),
+                              ("layer_attn", [3, 0], "sliding and chunked at once"),
+                              ("layer_attn", [2, 0], "needs attn_chunk > 0"),
+                              ("layer_attn", [16, 0], "positive attn_temp_floor"),
+                              ("route_input", 2, "route_input 2"),
                               ("n_ctx", 0, "n_ctx")]:
         bad = dict(hp, **{key: value})
         with pytest.raises(FormatError, match=words):

@@ -7,9 +7,12 @@ DeepSeek-V3 (MLA with q_lora 96 != kv_lora 64, 32 + 16 query dims, values of 24,
 mscale, interleaved rotary pairs; the same without q_lora and with rotate-half pairs) and
 DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss, MiniMax-M2 (q/k
 norms over the whole projection, 10 of 24 head dims rotated, sigmoid routing with a selection
-bias, renormalised), and Qwen3-Next / Qwen3.5 (gated DeltaNet linear-attention layers around
+bias, renormalised), Qwen3-Next / Qwen3.5 (gated DeltaNet linear-attention layers around
 gated full-attention ones, a dense layer, softmax routing with a gated shared expert;
-transformers' torch fallbacks of the delta rule and the conv as the reference).
+transformers' torch fallbacks of the delta rule and the conv as the reference) and Llama 4
+(chunked RoPE layers with q/k L2 norm and global NoPE layers with query temperature, dense and
+MoE layers, one routed expert fed its input scaled by a sigmoid weight, a shared expert,
+llama3 rope scaling).
 
 For each case and for the reference and best kernel ISA:
 - f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
@@ -46,7 +49,7 @@ from colibri.engine.executor.model import Model  # noqa: E402
 from colibri.engine.format import quant  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
 from colibri.engine.models import archs  # noqa: E402
-from colibri.engine.models.family import transform, untransform  # noqa: E402
+from colibri.engine.models.family import cols, transform, untransform  # noqa: E402
 from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
 from tests.parity_helpers import prefill as _prefill  # noqa: E402
 from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
@@ -82,22 +85,25 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                            "linear_num_value_heads": 2,
                                            "mlp_only_layers": []}),
     "qwen3_5_moe": ("qwen3_5_moe", {}),
+    "llama4": ("llama4", {}),
 }
 # families with multi-token-prediction layers and dense first layers
 MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
-MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "minimax_m2") + HYBRID_ARCHS
+MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "minimax_m2", "llama4") + HYBRID_ARCHS
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
     """(layer, router module) of each MoE layer of a transformers model."""
     out = []
     for i, block in enumerate(model.model.layers):
-        gate = getattr(block.mlp, "gate", None)
+        ffn = block.mlp if hasattr(block, "mlp") else block.feed_forward  # Llama 4
+        gate = getattr(ffn, "gate", None)
         if hasattr(gate, "routed_scaling_factor"):
             out.append((i, gate))
-        elif type(getattr(block.mlp, "router", None)).__name__ == "GptOssTopKRouter":
-            out.append((i, block.mlp.router))
+        elif type(getattr(ffn, "router", None)).__name__ in ("GptOssTopKRouter",
+                                                            "Llama4Router"):
+            out.append((i, ffn.router))
         elif _minimax(gate) or type(gate).__name__ in ("Qwen3NextTopKRouter",
                                                         "Qwen3_5MoeTopKRouter"):
             out.append((i, gate))
@@ -122,10 +128,20 @@ def _topk_softmax(gate: Any) -> bool:
     return type(gate).__name__ == "GptOssTopKRouter"
 
 
+def _topk_sigmoid(gate: Any) -> bool:
+    """Llama 4's router: it returns the sigmoid of the top-k logits (0 for the other
+    experts), then the logits."""
+    return type(gate).__name__ == "Llama4Router"
+
+
+def _router_logits(gate: Any, out: Any) -> Any:
+    return out[1] if _topk_sigmoid(gate) else out[0]
+
+
 def _scores(gate: Any, logits: Any) -> Any:
-    """A router's scores: sigmoid for the grouped sigmoid routers, softmax for DeepSeek-V2
-    and gpt-oss (whose weights are the softmax over the chosen logits: the same order)."""
-    if hasattr(gate, "e_score_correction_bias") or _minimax(gate):
+    """A router's scores: sigmoid for the sigmoid routers, softmax for DeepSeek-V2 and
+    gpt-oss (whose weights are the softmax over the chosen logits: the same order)."""
+    if hasattr(gate, "e_score_correction_bias") or _minimax(gate) or _topk_sigmoid(gate):
         return torch.sigmoid(logits.float())
     return torch.softmax(logits.float(), dim=-1)
 
@@ -138,7 +154,7 @@ def _router_scores(model: Any, ids: np.ndarray) -> tuple[np.ndarray, list[np.nda
         bias = _selection_bias(model, layer, gate)
 
         def hook(m: Any, args: Any, out: Any, bias: Any = bias) -> None:
-            s = _scores(m, out[0]) + (0.0 if bias is None else bias)
+            s = _scores(m, _router_logits(m, out)) + (0.0 if bias is None else bias)
             found.append(s.numpy())
         hooks.append(gate.register_forward_hook(hook))
     try:
@@ -157,8 +173,12 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
     hooks = []
     for layer, gate in _routers(model):
         def hook(m: Any, args: Any, out: Any, layer: int = layer) -> Any:
-            logits = out[0]
+            logits = _router_logits(m, out)
             idx = torch.tensor(routes[:, layer].astype(np.int64))
+            if _topk_sigmoid(m):  # the chosen experts' sigmoid, 0 for the others
+                chosen = torch.full_like(logits, float("-inf")).scatter(1, idx,
+                                                                        logits.gather(1, idx))
+                return torch.sigmoid(chosen), logits
             if _topk_softmax(m):
                 return logits, torch.softmax(logits.gather(1, idx), dim=-1), idx
             w = _scores(m, logits).gather(1, idx)
@@ -260,6 +280,18 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
         assert cfg["norm_topk_prob"] and cfg["n_ff_shared"] == 0
         assert cfg["qk_norm"] == "full" and cfg["rotary_dim"] == hf_cfg["rotary_dim"] == 10
         assert cfg["n_expert"] == hf_cfg["num_local_experts"]
+    elif case.arch == "llama4":
+        assert cfg["layer_ffn"] == ["dense", "moe", "moe", "dense"]
+        assert (cfg["n_ff"], cfg["n_ff_shared"], cfg["n_ff_dense"]) == (
+            hf_cfg["intermediate_size"], hf_cfg["intermediate_size"],
+            hf_cfg["intermediate_size_mlp"])
+        assert cfg["router"] == "sigmoid_topk" and cfg["route_input"]
+        assert cfg["layer_attn"] == ["chunked", "full", "chunked", "full"]
+        assert cfg["nope_layers"] == [1, 3] and cfg["qk_norm"] == "l2"
+        assert cfg["attn_chunk"] == hf_cfg["attention_chunk_size"] < PROMPT_LEN
+        assert (cfg["attn_temp_floor"], cfg["attn_temp_scale"]) == (
+            hf_cfg["floor_scale"], hf_cfg["attn_scale"])
+        assert cfg["rope"]["type"] == "llama3"
     elif case.arch in HYBRID_ARCHS:
         types = case.hf.config.layer_types
         assert cfg["layer_mixer"] == [
@@ -381,10 +413,12 @@ def test_f32_chunked_and_batched(case: Case, isa: str) -> None:
 
 
 def test_f32_prompt_in_several_chunks(case: Case) -> None:
-    """The prompt (longer than any sliding window of the cases) fed in four chunks of unequal
-    lengths, each crossing window and KV block edges, equals one pass."""
+    """The prompt (longer than any sliding window or attention chunk of the cases) fed in
+    four chunks of unequal lengths, each crossing window, chunk and KV block edges, equals one
+    pass."""
     cfg = json.loads((case.converted("f32") / "config.json").read_text())
     assert (cfg.get("sliding_window") or 0) < PROMPT_LEN
+    assert (cfg.get("attn_chunk") or 0) < PROMPT_LEN
     m = Model.load(case.converted("f32"), threads=THREADS, n_ctx=N_CTX)
     whole = _prefill(m, case.prompt)
     m.reset(0)
@@ -418,6 +452,87 @@ def test_gpt_oss_window_sinks_and_clamp_decide_the_reference(tmp_path_factory:
             layer.self_attn.sinks.fill_(-1e30)
         ref = no_sinks(ids).logits[0].float().numpy()
     assert _rel_max(ref, case.ref_logits) > 1e-2
+
+
+def test_llama4_chunks_temperature_qk_norm_and_input_scaling_decide_the_reference(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each Llama 4 feature the parity tests check moves transformers' own logits far past
+    their 1e-4: without the attention chunks, without the query temperature, without the q/k
+    L2 norm, and with the router weight applied to the experts' output instead of their
+    input."""
+    case = _case("llama4", tmp_path_factory)
+    ids = torch.tensor(case.prompt[None].astype(np.int64))
+
+    def logits(model: Any = None, **overrides: Any) -> np.ndarray:
+        model = model or transformers.AutoModelForCausalLM.from_pretrained(
+            str(case.hf_dir), dtype=torch.float32, attn_implementation="eager",
+            **overrides).eval()
+        with torch.no_grad():
+            return model(ids).logits[0].float().numpy()
+
+    n = case.hf.config.num_hidden_layers
+    assert _rel_max(logits(layer_types=["full_attention"] * n), case.ref_logits) > 1e-2
+    assert _rel_max(logits(attn_temperature_tuning=False), case.ref_logits) > 1e-2
+    assert _rel_max(logits(use_qk_norm=False), case.ref_logits) > 1e-2
+
+    def output_scaled(moe: Any) -> Any:
+        """Llama4TextMoe.forward with each expert's output, not input, times its weight."""
+        def forward(h: Any) -> Any:
+            h = h.reshape(-1, moe.hidden_dim)
+            scores, router_logits = moe.router(h)
+            out = moe.shared_expert(h)
+            ex = moe.experts
+            for e in range(ex.num_experts):
+                gate, up = (h @ ex.gate_up_proj[e]).chunk(2, dim=-1)
+                out = out + scores[:, e:e + 1] * ((up * ex.act_fn(gate)) @ ex.down_proj[e])
+            return out, router_logits
+        return forward
+
+    model = _hf_model(case.hf_dir)
+    for layer in model.model.layers:
+        if layer.is_moe_layer:
+            layer.feed_forward.forward = output_scaled(layer.feed_forward)
+    assert _rel_max(logits(model), case.ref_logits) > 1e-2
+
+
+def test_llama4_multimodal_checkpoint_converts_its_text_model(
+        tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Llama4ForConditionalGeneration checkpoint (how Llama 4 ships) around the llama4
+    case's text model: conversion says it leaves the vision tower out, and the result gives
+    transformers' text logits of the multimodal model."""
+    case = _case("llama4", tmp_path_factory)
+    out = case.root / "hf-multimodal"
+    vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                  num_hidden_layers=1, image_size=28, patch_size=14, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32)
+    config = transformers.Llama4Config(text_config=case.hf.config.to_dict(),
+                                       vision_config=vision)
+    torch.manual_seed(3)
+    mm = transformers.Llama4ForConditionalGeneration(config).eval()
+    mm.language_model.load_state_dict(case.hf.state_dict())
+    mm.save_pretrained(str(out))
+    for f in case.hf_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copyfile(f, out / f.name)
+    mm = transformers.Llama4ForConditionalGeneration.from_pretrained(
+        str(out), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = mm(input_ids=torch.tensor(case.prompt[None].astype(np.int64))).logits[0].numpy()
+    assert _rel_max(ref, case.ref_logits) <= 1e-6  # the same text model
+
+    path = convert(out, case.root / "multimodal-f32", quant="f32", progress=True)
+    err = capsys.readouterr().err
+    assert ("recognised Llama4ForConditionalGeneration as the llama4 family: 4 layers, 2 dense, "
+            "2 with 6 experts, top-1 (sigmoid_topk router), shared experts of width 32, 2 "
+            "attending in chunks of 8, 2 globally, 2 without RoPE (query temperature tuning), "
+            "router weights scale the experts' input, q/k L2 norm on the RoPE layers") in err
+    assert "tensors of the vision encoder and its projector" in err
+    m = Model.load(path, threads=THREADS, n_ctx=N_CTX)
+    assert _rel_max(_prefill(m, case.prompt), ref) <= 1e-4
+    text = json.loads((case.converted("f32") / "config.json").read_text())
+    files = json.loads((path / "config.json").read_text())["files"]
+    assert {k: v["sha256"] for k, v in files.items()} == {
+        k: v["sha256"] for k, v in text["files"].items()}  # the same weights, byte for byte
 
 
 def _mxfp4_checkpoint(case: Case) -> Path:
@@ -512,7 +627,7 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
             if src.transform == "t":
                 part[...] = untransform(ours, src)
             else:
-                part[..., src.params[0]::src.params[1]] = untransform(ours, src)
+                part[..., cols(src)] = untransform(ours, src)
             continue
         ours = transform(tensors[name], src)  # quantized in our layout, as the converter does
         if ty in ("q8", "q6", "q4", "f16", "bf16"):

@@ -24,8 +24,10 @@ SINK_ARCHS = ("gpt_oss",)
 MINIMAX_ARCHS = ("minimax_m2",)
 # gated DeltaNet linear-attention layers between gated full-attention ones
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
+# chunked and NoPE layers, dense and MoE layers, experts fed inputs scaled by the router
+CHUNKED_ARCHS = ("llama4",)
 ALL_ARCHS = (ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS + MINIMAX_ARCHS
-             + HYBRID_ARCHS)
+             + HYBRID_ARCHS + CHUNKED_ARCHS)
 
 VOCAB_SIZE = 320
 EOS_ID = 2  # <|im_end|> in engine.text.bpe.SPECIAL_TOKENS
@@ -180,6 +182,21 @@ _BASE: dict[str, dict[str, Any]] = {
                          "partial_rotary_factor": 0.5, "mrope_section": [2, 2, 2],
                          "mrope_interleaved": True},
     ),
+    # layers: chunked RoPE + dense, global NoPE + MoE, chunked RoPE + MoE, global NoPE + dense
+    # (moe_layers given, so the two mixes cross); chunks of 8 positions, shorter than the test
+    # prompts; floor_scale 4, so query temperatures change from position 3 on; llama3 rope
+    # scaling with Llama 4 Scout's equal low and high frequency factors; q/k L2 norm and
+    # attention biases on; expert and dense widths differ
+    "llama4": dict(
+        hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=6,
+        num_experts_per_tok=1, moe_layers=[1, 2], no_rope_layers=[1, 0, 1, 0],
+        attention_chunk_size=8, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+        use_qk_norm=True, attention_bias=True, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 16},
+    ),
 }
 
 
@@ -202,6 +219,7 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+        "llama4": (tf.Llama4TextConfig, tf.Llama4ForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")

@@ -269,6 +269,14 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
                      f"{cfg['sliding_window']}, {attn.count('full')} full")
     elif cfg.get("sliding_window"):
         parts.append(f"a sliding window of {cfg['sliding_window']}")
+    if "chunked" in attn:
+        parts.append(f"{attn.count('chunked')} attending in chunks of {cfg['attn_chunk']}, "
+                     f"{attn.count('full')} globally")
+    if cfg.get("nope_layers"):
+        tuned = " (query temperature tuning)" if cfg.get("attn_temp_floor") else ""
+        parts.append(f"{len(cfg['nope_layers'])} without RoPE{tuned}")
+    if cfg.get("route_input"):
+        parts.append("router weights scale the experts' input")
     if cfg.get("attn_sinks"):
         parts.append("attention sinks")
     mixers = cfg.get("layer_mixer") or []
@@ -280,13 +288,18 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
     rd, hd = cfg.get("rotary_dim") or cfg["head_dim"], cfg["head_dim"]
     if cfg.get("attn", "gqa") == "gqa" and rd < hd:
         parts.append(f"rotary on {rd} of {hd} head dims")
-    if cfg.get("qk_norm", "none") != "none":
-        parts.append("q/k RMSNorm " + ("per head" if cfg["qk_norm"] == "head"
-                                        else "over the whole projection"))
+    qk = {"head": "q/k RMSNorm per head", "full": "q/k RMSNorm over the whole projection",
+          "l2": "q/k L2 norm on the RoPE layers"}.get(cfg.get("qk_norm", "none"))
+    if qk:
+        parts.append(qk)
     lines = [f"recognised {cfg['hf_architecture']} as the {cfg['architecture']} family: "
              + ", ".join(parts)]
     used = ({t.source.hf_name for t in targets}
             | {t.source.scales for t in targets if t.source.scales})
+    vision = [n for n in names - used if n.startswith(("vision_model.", "multi_modal_projector."))]
+    if vision:
+        lines.append(f"skipping {len(vision)} tensors of the vision encoder and its projector: "
+                     f"the text model is converted")
     unused = sorted(n for n in names - used if n.startswith("model.layers."))
     if unused:
         layers = sorted({int(n.split(".")[2]) for n in unused if n.split(".")[2].isdigit()})

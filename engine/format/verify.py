@@ -27,6 +27,7 @@ HPARAM_KEYS = (
     "n_ff_dense", "layer_ffn", "router", "n_group", "topk_group", "routed_scale", "o_bias", "rope",
     "attn", "q_lora_rank", "kv_lora_rank", "v_head_dim", "attn_scale",
     "layer_attn", "attn_sinks", "router_bias", "expert_bias", "glu", "glu_alpha", "glu_limit",
+    "attn_chunk", "nope_layers", "attn_temp_floor", "attn_temp_scale", "route_input",
 )
 
 

@@ -18,11 +18,17 @@ from colibri.engine.models.registry import family_names
 from colibri.engine.models.rope import rope_frequencies
 
 QK_NORM_IDS = {"none": 0, "head": 1, "full": 2}
+# "l2": each q and k head RMS-normalised without a weight after RoPE, on the layers with RoPE
+# (Llama 4); a per-layer bit in C rather than a clb_qk_norm
+QK_NORMS = (*QK_NORM_IDS, "l2")
 ATTN_IDS = {"gqa": 0, "mla": 1}  # clb_attn_kind
-ROUTER_IDS = {"softmax": 0, "sigmoid_grouped": 1}  # clb_router_kind
+ROUTER_IDS = {"softmax": 0, "sigmoid_grouped": 1, "sigmoid_topk": 2}  # clb_router_kind
 FFN_IDS = {"moe": 0, "dense": 1}  # clb_ffn_kind
 GLU_IDS = {"silu": 0, "swiglu_clamp": 1}  # clb_glu_kind
-LAYER_ATTN = ("sliding", "full")  # per layer: over sliding_window positions, or all
+# per layer: over sliding_window positions, all, or the query's attn_chunk-aligned chunk;
+# the values are the span bits of clb_layer_attn_bit
+LAYER_ATTN = {"full": 0, "sliding": 1, "chunked": 2}
+_NOPE, _QK_L2, _TEMP = 4, 8, 16  # the other clb_layer_attn_bit flags
 MIXER_IDS = {"attention": 0, "linear": 1}  # clb_mixer_kind: what mixes tokens in a layer
 QUANTS = ("f32", "f16", "bf16", "q8", "q4")
 FORMAT_VERSION = 1
@@ -73,7 +79,12 @@ class ModelConfig:
     rotary_dim: int = 0  # 0: head_dim
     rms_eps: float = 1e-6
     sliding_window: int | None = None
-    layer_attn: tuple[str, ...] = ()  # per layer "sliding" or "full"; empty: every layer sliding
+    layer_attn: tuple[str, ...] = ()  # per layer LAYER_ATTN; empty: every layer sliding
+    attn_chunk: int | None = None  # the chunk of "chunked" layers
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE
+    attn_temp_floor: float = 0.0  # > 0: queries of the NoPE layers scaled by position (Llama 4)
+    attn_temp_scale: float = 0.0
+    route_input: bool = False  # routing weights scale the experts' input (Llama 4)
     attn_sinks: bool = False  # a learned logit per head in every softmax's denominator
     router_bias: bool = False
     expert_bias: bool = False
@@ -174,8 +185,13 @@ class ModelConfig:
         if quant not in QUANTS:
             raise FormatError(f"{source}: unknown quant {quant!r}")
         qk_norm = get("qk_norm", str, "none")
-        if qk_norm not in QK_NORM_IDS:
-            raise FormatError(f"{source}: qk_norm {qk_norm!r} not in {list(QK_NORM_IDS)}")
+        if qk_norm not in QK_NORMS:
+            raise FormatError(f"{source}: qk_norm {qk_norm!r} not in {list(QK_NORMS)}")
+        nope = get("nope_layers", list, [])
+        if not all(isinstance(i, int) and not isinstance(i, bool)
+                   and 0 <= i < ints["n_layer"] for i in nope) or len(set(nope)) != len(nope):
+            raise FormatError(f"{source}: nope_layers must list distinct layers in "
+                              f"0..{ints['n_layer'] - 1}")
         clip = get("clip_qkv", (int, float), None)
         window = get("sliding_window", int, None)
         eos = get("eos_token_ids", list, [])
@@ -213,6 +229,11 @@ class ModelConfig:
             rms_eps=float(get("rms_eps", (int, float), 1e-6)),
             sliding_window=window,
             layer_attn=tuple(layer_attn),
+            attn_chunk=get("attn_chunk", int, None),
+            nope_layers=tuple(nope),
+            attn_temp_floor=float(get("attn_temp_floor", (int, float), 0.0)),
+            attn_temp_scale=float(get("attn_temp_scale", (int, float), 0.0)),
+            route_input=get("route_input", bool, False),
             attn_sinks=get("attn_sinks", bool, False),
             router_bias=get("router_bias", bool, False),
             expert_bias=get("expert_bias", bool, False),
@@ -276,6 +297,17 @@ class ModelConfig:
             raise bad(f"sliding_window must be positive or null, got {self.sliding_window}")
         if "sliding" in self.layer_attn and self.sliding_window is None:
             raise bad("layer_attn names sliding layers but sliding_window is null")
+        if self.attn_chunk is not None and self.attn_chunk <= 0:
+            raise bad(f"attn_chunk must be positive or null, got {self.attn_chunk}")
+        if "chunked" in self.layer_attn and self.attn_chunk is None:
+            raise bad("layer_attn names chunked layers but attn_chunk is null")
+        if not (math.isfinite(self.attn_temp_floor) and self.attn_temp_floor >= 0
+                and math.isfinite(self.attn_temp_scale)):
+            raise bad(f"attn_temp_floor must be >= 0 and attn_temp_scale finite, got "
+                      f"{self.attn_temp_floor} and {self.attn_temp_scale}")
+        if self.attn != "gqa" and (self.nope_layers or self.qk_norm == "l2"
+                                   or self.attn_temp_floor):
+            raise bad("NoPE layers, the q/k L2 norm and query temperature need GQA attention")
         if self.glu == "swiglu_clamp" and not (math.isfinite(self.glu_alpha)
                                                and math.isfinite(self.glu_limit)
                                                and self.glu_limit > 0):
@@ -343,7 +375,7 @@ class ModelConfig:
             "n_group": self.n_group,
             "topk_group": self.topk_group,
             "routed_scale": float(self.routed_scale),
-            "qk_norm": QK_NORM_IDS[self.qk_norm],
+            "qk_norm": 0 if self.qk_norm == "l2" else QK_NORM_IDS[self.qk_norm],
             "qkv_bias": int(self.qkv_bias),
             "o_bias": int(self.o_bias),
             "tie_embeddings": int(self.tie_embeddings),
@@ -354,6 +386,10 @@ class ModelConfig:
             "rms_eps": float(self.rms_eps),
             "sliding_window": self.sliding_window or 0,
             "attn_sinks": int(self.attn_sinks),
+            "attn_chunk": self.attn_chunk or 0,
+            "attn_temp_floor": float(self.attn_temp_floor),
+            "attn_temp_scale": float(self.attn_temp_scale),
+            "route_input": int(self.route_input),
             "router_bias": int(self.router_bias),
             "expert_bias": int(self.expert_bias),
             "glu": GLU_IDS[self.glu],
@@ -362,8 +398,7 @@ class ModelConfig:
             "n_ctx": n_ctx,
             "rope_freqs": freqs,
             "layer_ffn": [FFN_IDS[k] for k in self.layer_ffn] if self.layer_ffn else None,
-            "layer_sliding": ([int(k == "sliding") for k in self.layer_attn]
-                              if self.layer_attn else None),
+            "layer_attn": self.layer_attn_bits(),
             "layer_mixer": ([MIXER_IDS[k] for k in self.layer_mixer]
                             if self.layer_mixer else None),
             "attn_gate": int(self.attn_gate),
@@ -373,3 +408,17 @@ class ModelConfig:
             "lin_v_dim": self.lin_v_dim,
             "lin_conv": self.lin_conv,
         }
+
+    def layer_attn_bits(self) -> list[int] | None:
+        """Per layer its clb_layer_attn_bit flags; None (every layer sliding, the C default)
+        for a model without per-layer attention options."""
+        l2, temp = self.qk_norm == "l2", self.attn_temp_floor > 0
+        if not (self.layer_attn or self.nope_layers or l2 or temp):
+            return None
+        kinds = self.layer_attn or ("sliding",) * self.n_layer
+        out = []
+        for i, kind in enumerate(kinds):
+            rope = i not in self.nope_layers
+            out.append(LAYER_ATTN[kind] | (0 if rope else _NOPE) | (_QK_L2 if l2 and rope else 0)
+                       | (_TEMP if temp and not rope else 0))
+        return out

@@ -62,6 +62,12 @@ def _kv_b(a: np.ndarray, H: int, dn: int, dv: int, part: str) -> np.ndarray:
     return np.ascontiguousarray(heads[:, dn:, :]).reshape(-1, a.shape[1])
 
 
+def cols(src: Source) -> slice:
+    """The columns a "cols" / "cols_t" source takes: params (start, step[, stop])."""
+    p = src.params
+    return slice(p[0], p[2] if len(p) > 2 else None, p[1])
+
+
 def _grouped_rows(nk: int, widths: tuple[int, ...]) -> np.ndarray:
     """Row order that turns nk groups of rows, each holding parts of the given widths in
     turn, into the parts one after another (part 0 of every group, then part 1, ...): Qwen3-
@@ -83,10 +89,10 @@ def _group_order(src: Source) -> np.ndarray:
 def transform(a: np.ndarray, src: Source) -> np.ndarray:
     """The checkpoint array a laid out as our tensor (src.transform: None, "rope_rows" with
     (block, offset, dr), "kv_b_k" / "kv_b_v" with (H, dn, dv), "t" (transposed), "cols" /
-    "cols_t" with (start, step): every step-th column from start (then transposed);
-    "plus_one": 1 + a in float32, for the norms that multiply by (1 + weight); "qkvz" with
-    (nk, dk, nv, dv) / "ba" with (nk, nv): rows grouped by key head regrouped by part;
-    "squeeze1": a [C, 1, K] depthwise conv weight as [C, K])."""
+    "cols_t" with (start, step[, stop]): every step-th column from start, up to stop (then
+    transposed); "plus_one": 1 + a in float32, for the norms that multiply by (1 + weight);
+    "qkvz" with (nk, dk, nv, dv) / "ba" with (nk, nv): rows grouped by key head regrouped by
+    part; "squeeze1": a [C, 1, K] depthwise conv weight as [C, K])."""
     if src.transform is None:
         return a
     if src.transform == "plus_one":
@@ -98,9 +104,9 @@ def transform(a: np.ndarray, src: Source) -> np.ndarray:
     if src.transform == "t":
         return np.ascontiguousarray(a.T)
     if src.transform == "cols":
-        return np.ascontiguousarray(a[..., src.params[0]::src.params[1]])
+        return np.ascontiguousarray(a[..., cols(src)])
     if src.transform == "cols_t":
-        return np.ascontiguousarray(a[:, src.params[0]::src.params[1]].T)
+        return np.ascontiguousarray(a[:, cols(src)].T)
     if src.transform == "rope_rows":
         return a[_rope_rows(a.shape[0], *src.params)]
     if src.transform in ("kv_b_k", "kv_b_v"):
@@ -112,7 +118,7 @@ def untransform(a: np.ndarray, src: Source) -> np.ndarray:
     """transform's inverse: our tensor back in the checkpoint's layout (tests compare against
     transformers run on weights quantized in our layout); for kv_b_k / kv_b_v, that part's
     rows per head [H, dn or dv, kl], which concatenate into kv_b_proj; for cols / cols_t,
-    the columns [..., start::step] of the checkpoint's array."""
+    the columns cols(src) of the checkpoint's array."""
     if src.transform is None or src.transform == "cols":
         return a
     if src.transform == "plus_one":
@@ -279,14 +285,14 @@ class Plan:
     def add(self, file: str, name: str, kind: str, shape: tuple[int, ...], src: Source) -> None:
         self.out.append(Target(file, name, kind, shape, src))
 
-    def embeddings(self, prefix: str = "model.") -> None:
+    def embeddings(self, prefix: str = "model.", head: str = "lm_head.weight") -> None:
         c = self.cfg
         V, D = c["n_vocab"], c["n_embd"]
         emb = "embeddings.bin"
         self.add(emb, "tok_embd", VOCAB, (V, D), Source(prefix + "embed_tokens.weight"))
         self.add(emb, "output_norm", NORM, (D,), Source(prefix + "norm.weight"))
         if not c["tie_embeddings"]:
-            self.add(emb, "output", VOCAB, (V, D), Source("lm_head.weight"))
+            self.add(emb, "output", VOCAB, (V, D), Source(head))
 
     def attention(self, i: int, p: str) -> None:
         """GQA attention of layer i (p: its HF prefix): norm, q/k/v/o, biases, q/k norms."""

@@ -12,6 +12,7 @@ from colibri.engine.models import (
     glm4_moe,
     gpt_oss,
     llama,
+    llama4,
     minimax_m2,
     mixtral,
     olmoe,
@@ -24,7 +25,7 @@ from colibri.engine.models import (
 
 FAMILIES: tuple[ModuleType, ...] = (mixtral, qwen2_moe, qwen3_moe, olmoe, llama, qwen2,
                                     glm4_moe, deepseek, gpt_oss, minimax_m2, qwen3_next,
-                                    qwen3_5_moe)
+                                    qwen3_5_moe, llama4)
 _BY_CLASS = {c: f for f in FAMILIES for c in f.HF_CLASSES}
 _BY_NAME = {f.NAME: f for f in FAMILIES}
 # Hugging Face class name -> family name

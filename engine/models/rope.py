@@ -41,8 +41,8 @@ def rope_config(params: dict[str, Any], max_position_embeddings: int) -> dict[st
                    high_freq_factor=_num(params, "high_freq_factor"),
                    original_max_position_embeddings=_num(
                        params, "original_max_position_embeddings"))
-        if out["high_freq_factor"] <= out["low_freq_factor"]:
-            raise UnsupportedModel("config.json: llama3 rope needs high_freq_factor > "
+        if out["high_freq_factor"] < out["low_freq_factor"]:  # equal: no smoothed band
+            raise UnsupportedModel("config.json: llama3 rope needs high_freq_factor >= "
                                    "low_freq_factor")
     elif kind == "yarn":
         out["original_max_position_embeddings"] = _num(
@@ -72,6 +72,8 @@ def _llama3(inv: np.ndarray, r: dict[str, Any]) -> np.ndarray:
     low_wavelen, high_wavelen = old / lo, old / hi
     wavelen = np.float32(2 * math.pi) / inv
     scaled = np.where(wavelen > low_wavelen, inv / np.float32(factor), inv).astype(np.float32)
+    if hi == lo:  # Llama 4 Scout: the band between the two wavelengths is empty
+        return scaled
     smooth = ((old / wavelen - lo) / (hi - lo)).astype(np.float32)
     smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)

@@ -16,7 +16,8 @@ _DIMS = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_f
          "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense")
 _FEATURES = ("router", "n_group", "topk_group", "routed_scale", "norm_topk_prob", "qk_norm",
              "qkv_bias", "o_bias", "clip_qkv", "rope_theta", "rope", "rotary_dim", "rms_eps",
-             "sliding_window", "layer_attn", "attn_sinks", "router_bias", "expert_bias", "glu",
+             "sliding_window", "layer_attn", "attn_chunk", "nope_layers", "attn_temp_floor",
+             "attn_temp_scale", "route_input", "attn_sinks", "router_bias", "expert_bias", "glu",
              "glu_alpha", "glu_limit", "attn_gate", "lin_n_k_heads", "lin_n_v_heads",
              "lin_k_dim", "lin_v_dim", "lin_conv", "tie_embeddings", "max_position_embeddings",
              "bos_token_id", "eos_token_ids")
@@ -89,22 +90,30 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _span(idx: list[int]) -> str:
+    """Layer indices in short: "3", "3-91", "1-47 step 2" (evenly interleaved), or a list of
+    a few; "" for many irregular ones."""
+    if len(idx) == 1:
+        return f" ({idx[0]})"
+    step = idx[1] - idx[0]
+    if idx == list(range(idx[0], idx[-1] + 1, step)):
+        return f" ({idx[0]}-{idx[-1]}" + (f" step {step})" if step > 1 else ")")
+    return f" ({', '.join(map(str, idx))})" if len(idx) <= 8 else ""
+
+
 def _kinds(kinds: list[str], labels: tuple[tuple[str, str], ...]) -> list[str]:
     parts = []
     for kind, label in labels:
         idx = [i for i, k in enumerate(kinds) if k == kind]
         if idx:
-            span = f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"
-            contiguous = idx == list(range(idx[0], idx[-1] + 1))
-            parts.append(f"{len(idx)} {label}" + (f" ({span})" if contiguous
-                                                  else f" ({', '.join(map(str, idx))})"
-                                                  if len(idx) <= 8 else ""))
+            parts.append(f"{len(idx)} {label}{_span(idx)}")
     return parts
 
 
 def _layers(d: dict[str, Any]) -> str:
-    """The layers by FFN kind, e.g. "3 dense (0-2), 89 MoE (3-91)", and by token mixer when
-    some layers are linear attention ("36 linear attention, 12 full attention")."""
+    """The layers by FFN kind, e.g. "3 dense (0-2), 89 MoE (3-91)" or, interleaved,
+    "24 dense (0-46 step 2), 24 MoE (1-47 step 2)", and by token mixer when some layers are
+    linear attention ("36 linear attention, 12 full attention")."""
     parts = _kinds(d["layer_ffn"], (("dense", "dense"), ("moe", "MoE")))
     mixers = d.get("layer_mixer") or []
     if "linear" in mixers:
