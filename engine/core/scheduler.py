@@ -1,8 +1,9 @@
 """The scheduler: which requests run in the next step, and how many of their tokens.
 
-Every step takes each running request's next tokens (one for a decode, a chunk for a prompt
-still being computed) and then admits waiting requests first come first served, under a token
-budget (`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`). When KV
+Every step takes each running request's next tokens (one for a decode, plus the tokens drafted
+for it when it speculates; a chunk for a prompt still being computed) and then admits waiting
+requests first come first served, under a token budget (`max_num_batched_tokens`) and a cap on
+running sequences (`max_num_seqs`). When KV
 blocks run out, the newest running request is preempted: its blocks are freed and it goes back
 to the front of the queue, to be recomputed later (never dropped).
 Guarantees: a request is running or waiting, never both; a scheduled request's block table
@@ -77,10 +78,26 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.rid)
         req.num_computed = 0
+        req.drafts = []
         req.status = Status.WAITING
         req.n_preempted += 1
         self.n_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _fit_drafts(self, req: Request, spare: int) -> int:
+        """Keep as many of req's drafts as the spare tokens and blocks allow (the blocks the
+        running requests after it need for their next token stay free); grow its table for
+        them. Drafts never preempt anything: what does not fit is dropped."""
+        n = max(0, min(len(req.drafts), spare))
+        c = req.num_computed
+        extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))
+        reserve = sum(1 for r in self.running if r is not req)
+        while n > 0 and (extra > self.blocks.n_free - reserve
+                         or not self.blocks.grow(req.rid, c + 1 + n)):
+            n -= 1
+            extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))
+        del req.drafts[n:]
+        return n
 
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
@@ -99,11 +116,14 @@ class Scheduler:
             req = self.running[i]
             n_new = min(req.num_tokens - req.num_computed, budget)
             if not req.prefill_done or n_new > 1:  # a prompt, or a recompute after preemption
+                req.drafts = []
                 if prompt_budget == 0:
                     i += 1
                     continue  # its prompt goes on next step
                 n_new = min(n_new, prompt_budget)
                 prompt_budget -= n_new
+            elif req.drafts:
+                n_new += self._fit_drafts(req, budget - (len(self.running) - i))
             while not self.blocks.grow(req.rid, req.num_computed + n_new):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -1,0 +1,77 @@
+"""Which sequences speculate and what they draft; the counters of drafted and accepted tokens.
+
+A sequence drafts only while it decodes greedily without a grammar (the greedy rule accepts a
+draft exactly when it is the argmax, so the output is token for token what decoding one token
+at a time gives); sampled and constrained sequences decode one token per step. Drafts never
+run past the sequence's token budget, so a verify step never writes past its context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colibri.engine.core.options import default
+from colibri.engine.core.request import Request
+from colibri.engine.sample.sampler import GREEDY_TEMPERATURE
+from colibri.engine.spec import SPECULATIVE_METHODS
+from colibri.engine.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
+
+
+@dataclass
+class SpeculativeConfig:
+    """How the step engine speculates (options speculative, num_speculative_tokens)."""
+
+    method: str = default("speculative")
+    num_tokens: int = default("num_speculative_tokens")  # drafts per sequence and step, at most
+    ngram_min: int = DEFAULT_MIN_N
+    ngram_max: int = DEFAULT_MAX_N
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+@dataclass
+class SpecStats:
+    """Counters for /metrics and `colibri bench` (vLLM's spec_decode names where exported)."""
+
+    n_drafts: int = 0  # sequence steps that carried drafts
+    n_draft_tokens: int = 0  # tokens drafted and scored
+    n_accepted: int = 0  # of which the model agreed with
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per sequence step that carried drafts (0 before any)."""
+        return self.n_accepted / self.n_drafts if self.n_drafts else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"spec_drafts": self.n_drafts, "spec_draft_tokens": self.n_draft_tokens,
+                "spec_accepted_tokens": self.n_accepted, "spec_mean_accepted": self.mean_accepted}
+
+
+def may_speculate(req: Request) -> bool:
+    """Greedy and unconstrained: the only requests this version verifies drafts for."""
+    p = req.params
+    return p.temperature < GREEDY_TEMPERATURE and getattr(p, "constraint", None) is None
+
+
+def propose(req: Request, config: SpeculativeConfig) -> list[int]:
+    """Drafts for req's next step ([] when it does not decode one token now, or may not
+    speculate): at most num_tokens, and fewer than the tokens it may still generate."""
+    if not req.prefill_done or req.num_tokens - req.num_computed != 1:
+        return []
+    k = min(config.num_tokens, req.max_new - len(req.output) - 1)
+    if k <= 0:
+        return []
+    if req.drafter is None:
+        if not may_speculate(req):
+            return []
+        req.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+    return req.drafter.propose(req.tokens, k)
