@@ -230,20 +230,23 @@ def test_stops_inside_accepted_drafts(ckpts: dict[str, Path]) -> None:
 
 
 def test_mixed_batch_each_request_gets_what_it_gets_alone(ckpts: dict[str, Path]) -> None:
-    """Greedy requests that speculate (one with penalties and a logit bias, one with n = 2),
-    sampled ones that do not, and a greedy one with a stop string, all in one batch: each
-    gets exactly what it gets alone on an engine without speculation."""
+    """Greedy requests (one with penalties and a logit bias, one with n = 2) and sampled ones,
+    all speculating in one batch beside each other's drafts and prompt chunks: each gets
+    exactly what it gets alone on an engine with the same settings, and the greedy ones what
+    they get without speculation."""
     from colibri.engine import SamplingParams
 
     llm = _llm(ckpts["deepseek_v3"])
     _spec(llm, 3)
+    solo = _llm(ckpts["deepseek_v3"], prefix_cache=False)
+    _spec(solo, 3)
     base = _llm(ckpts["deepseek_v3"], prefix_cache=False)
     prompts = [_ids(llm, p) for p in PROMPTS]
     params = [
         _params(repetition_penalty=1.3, frequency_penalty=0.2, logit_bias={5: 3.0}),
         _params(max_tokens=25, temperature=0.9, top_p=0.9, seed=11),
         [_params(max_tokens=30), _params(max_tokens=30, logprobs=None)],
-        _params(max_tokens=30, temperature=0.7, seed=5, logprobs=None),
+        _params(max_tokens=30, temperature=0.7, top_k=8, seed=5, logprobs=None),
     ]
     core = llm.core
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -257,14 +260,15 @@ def test_mixed_batch_each_request_gets_what_it_gets_alone(ckpts: dict[str, Path]
     assert core.spec_stats.n_draft_tokens > 0
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         choices = p if isinstance(p, list) else [p]
-        alone = base.core
-        alone.add_request("solo", prompt, [SamplingParams(**vars(c)) for c in choices])
-        outs: list[Any] = []
-        while alone.has_work():
-            outs += alone.step()
-        for c in range(len(choices)):
-            assert (_trace([o for o in together[f"m{i}"] if o.index == c])
-                    == _trace([o for o in outs if o.index == c])), (i, c)
+        greedy = choices[0].temperature == 0.0
+        for alone in (solo.core, base.core) if greedy else (solo.core,):
+            alone.add_request("solo", prompt, [SamplingParams(**vars(c)) for c in choices])
+            outs: list[Any] = []
+            while alone.has_work():
+                outs += alone.step()
+            for c in range(len(choices)):
+                assert (_trace([o for o in together[f"m{i}"] if o.index == c])
+                        == _trace([o for o in outs if o.index == c])), (i, c)
 
 
 def test_speculation_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
@@ -289,9 +293,157 @@ def test_speculation_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
     assert st["misses"] > 0  # the budget was in play
 
 
-def test_sampled_and_constrained_requests_do_not_speculate(ckpts: dict[str, Path]) -> None:
-    llm = _llm(ckpts["mixtral"])
+def test_constrained_requests_do_not_speculate(ckpts: dict[str, Path]) -> None:
+    """A request with a grammar decodes one token per step beside speculating ones, and gets
+    what it gets without speculation."""
+    from colibri.engine.sample.constraints import ConstraintCompiler, ConstraintSpec
+
+    base = _llm(ckpts["mixtral"], prefix_cache=False)
+    llm = _llm(ckpts["mixtral"], prefix_cache=False)
     _spec(llm, 4)
+    compiler = ConstraintCompiler.for_tokenizer(llm.tokenizer, llm.vocab_size)
     prompt = _ids(llm, PROMPTS[1])
-    _run(llm, [prompt], _params(temperature=0.8, seed=3))
+
+    def params() -> Any:
+        c = compiler.compile(ConstraintSpec("regex", "(one, two, three, )+four"), max_tokens=24)
+        return _params(max_tokens=24, constraint=c)
+
+    want = _run(base, [prompt], params())["r0"]
+    got = _run(llm, [prompt], params())["r0"]
+    assert _trace(got) == _trace(want)
+    assert "".join(o.text for o in got).startswith("one, two")
     assert llm.core.spec_stats.n_drafts == 0
+
+
+def _chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X chi-square with df degrees of freedom: 1 - P(df/2, x/2), the
+    regularised lower incomplete gamma function by its power series."""
+    import math
+
+    a, h = df / 2.0, x / 2.0
+    if h <= 0:
+        return 1.0
+    term = total = 1.0 / a
+    n = 0
+    while term > 1e-16 * total:
+        n += 1
+        term *= h / (a + n)
+        total += term
+    return max(0.0, 1.0 - math.exp(-h + a * math.log(h) - math.lgamma(a)) * total)
+
+
+class TreeDrafter:
+    """Drafts the model's most likely token wherever the sequence is inside a known tree of
+    prefixes (table: prefix -> token), so drafts are often but not always kept."""
+
+    def __init__(self, table: dict[tuple[int, ...], int]) -> None:
+        self.table = table
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        cur, out = tuple(tokens), []
+        while len(out) < k and cur in self.table:
+            out.append(self.table[cur])
+            cur += (out[-1],)
+        return out
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 3), (0.7, 4)])
+def test_sampled_tokens_follow_the_models_distribution(ckpts: dict[str, Path],
+                                                       temperature: float, top_k: int) -> None:
+    """3000 seeded requests whose second and third tokens are verified against drafts (the
+    most likely token, kept by the speculative sampling rule or replaced by a draw from the
+    rest): the counts of every (t1, t2, t3) match the exact distribution computed from the
+    model's logits (top_k of the softmax at the temperature). Chi-square over the cells
+    (those expecting fewer than 5 merged), refused below p = 1e-3: a correct rule fails with
+    probability 0.1% over seed sets, and this fixed seed set passes."""
+    import numpy as np
+
+    llm = _llm(ckpts["qwen2_moe"], max_num_seqs=64, max_num_batched_tokens=512)
+    prompt = _ids(llm, PROMPTS[3])
+
+    def dist(prefix: tuple[int, ...]) -> dict[int, float]:
+        z = llm.logits(list(prefix))[-1].astype(np.float64) / temperature
+        top = np.argsort(-z, kind="stable")[:top_k]
+        w = np.exp(z[top] - z[top].max())
+        return {int(t): float(v) for t, v in zip(top, w / w.sum(), strict=True)}
+
+    exact: dict[tuple[int, ...], float] = {}
+    table: dict[tuple[int, ...], int] = {}
+    p0 = tuple(prompt)
+    d1 = dist(p0)
+    for t1, q1 in d1.items():
+        d2 = dist(p0 + (t1,))
+        table[p0 + (t1,)] = max(d2, key=d2.__getitem__)
+        for t2, q2 in d2.items():
+            d3 = dist(p0 + (t1, t2))
+            table[p0 + (t1, t2)] = max(d3, key=d3.__getitem__)
+            for t3, q3 in d3.items():
+                exact[(t1, t2, t3)] = q1 * q2 * q3
+    n = 3000
+    _spec(llm, 2)
+    p = _params(max_tokens=4, temperature=temperature, top_k=top_k, logprobs=None)
+    from dataclasses import replace
+
+    outs = _run(llm, [prompt] * n, [replace(p, seed=1000 + i) for i in range(n)],
+                [TreeDrafter(table)] * n)
+    counts = dict.fromkeys(exact, 0)
+    for o in outs.values():
+        counts[tuple(x.token_id for x in o[:3])] += 1
+    st = llm.core.spec_stats
+    assert 0 < st.n_accepted < st.n_draft_tokens  # drafts both kept and replaced
+    assert st.n_drafts >= n  # every request verified drafts
+    cells = sorted(exact, key=exact.__getitem__, reverse=True)
+    obs, exp = [], []
+    for cell in cells:
+        if n * exact[cell] >= 5:
+            obs.append(counts[cell])
+            exp.append(n * exact[cell])
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    if exp[-1] < 5:  # too little left over for a cell of its own
+        obs[-2] += obs.pop()
+        exp[-2] += exp.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
+    assert len(obs) >= 8
+    assert _chi2_sf(3.841459, 1) == pytest.approx(0.05, abs=1e-6)  # the function itself
+    assert _chi2_sf(18.307038, 10) == pytest.approx(0.05, abs=1e-6)
+    assert _chi2_sf(stat, len(obs) - 1) > 1e-3, (stat, len(obs))
+    assert sum(counts.values()) == n
+
+
+def test_sample_with_draft_keeps_samplers_logprobs_and_greedy_argmax() -> None:
+    """The rule on one row: greedy takes the argmax whatever the draft; a sampled row never
+    returns a token outside its candidates, keeps a certain draft always, and reports the
+    logprobs Sampler.sample reports for the same token."""
+    import numpy as np
+
+    from colibri.engine import SamplingParams
+    from colibri.engine.sample.sampler import Sampler
+    from colibri.engine.sample.verify import sample_with_draft
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=50).astype(np.float32)
+    hist = [1, 2, 3]
+    greedy = Sampler(SamplingParams(temperature=0.0, logprobs=2), 50)
+    res = sample_with_draft(greedy, logits, hist, draft=int(np.argmin(logits)))
+    ref = Sampler(SamplingParams(temperature=0.0, logprobs=2), 50).sample(logits, hist)
+    assert (res.token_id, res.logprob, res.top_logprobs) == (ref.token_id, ref.logprob,
+                                                             ref.top_logprobs)
+    x = logits.astype(np.float64)
+    logp = x - x.max() - np.log(np.sum(np.exp(x - x.max())))
+    best = int(np.argmax(logits))
+    top = set(np.argsort(-logits)[:4].tolist())
+    seen = set()
+    for seed in range(200):
+        s = Sampler(SamplingParams(temperature=1.0, top_k=4, seed=seed, logprobs=1), 50)
+        r = sample_with_draft(s, logits, hist, draft=int(np.argmin(logits)))  # weight 0
+        assert r.token_id in top
+        seen.add(r.token_id)
+        assert r.logprob == pytest.approx(logp[r.token_id], rel=1e-12)
+        assert r.top_logprobs == [(best, pytest.approx(logp[best], rel=1e-12))]
+    assert seen == top
+    certain = logits.copy()
+    certain[7] = 100.0
+    for seed in range(20):
+        s = Sampler(SamplingParams(temperature=1.0, seed=seed), 50)
+        assert sample_with_draft(s, certain, hist, draft=7).token_id == 7

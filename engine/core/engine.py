@@ -23,8 +23,9 @@ from colibri.engine.core.request import Request, RequestOutput, Status, new_requ
 from colibri.engine.core.scheduler import Scheduler, SchedulerConfig
 from colibri.engine.core.speculative import SpecStats, SpeculativeConfig, propose
 from colibri.engine.errors import check_token_ids
-from colibri.engine.sample.batch import prompt_logprobs, sample_rows
-from colibri.engine.sample.sampler import SamplingParams
+from colibri.engine.sample.batch import RowResult, prompt_logprobs, sample_rows
+from colibri.engine.sample.sampler import GREEDY_TEMPERATURE, SamplingParams
+from colibri.engine.sample.verify import sample_with_draft
 
 log = logging.getLogger("colibri.engine")
 
@@ -262,12 +263,7 @@ class EngineCore:
         verified: list[Request] = []
         rnd = 0
         while to_sample:
-            first, last = to_sample[0][1], to_sample[-1][1]
-            # decode steps sample consecutive rows: a view, not a copy
-            stacked = (logits[first:last + 1] if last - first + 1 == len(to_sample)
-                       else logits[[r for _, r in to_sample]])
-            results = sample_rows(stacked, [q.sampler for q, _ in to_sample],
-                                  [q.tokens for q, _ in to_sample])
+            results = self._sample_round(logits, to_sample, rnd)
             going_on: list[tuple[Request, int]] = []
             for (req, row), res in zip(to_sample, results, strict=True):
                 if rnd == 0 and req.drafts:
@@ -297,6 +293,32 @@ class EngineCore:
                 self.blocks.commit(req.rid, req.tokens, req.num_computed)
                 self.blocks.truncate(req.rid, req.num_tokens)
         return outputs
+
+    @staticmethod
+    def _sample_round(logits: np.ndarray, to_sample: list[tuple[Request, int]],
+                      rnd: int) -> list[RowResult]:
+        """One round: sampled requests checking their draft number rnd take the speculative
+        sampling rule row by row; every other row goes through one batched call."""
+        ruled = [i for i, (q, _) in enumerate(to_sample)
+                 if rnd < len(q.drafts) and q.params.temperature >= GREEDY_TEMPERATURE]
+        results: list[RowResult | None] = [None] * len(to_sample)
+        for i in ruled:
+            q, r = to_sample[i]
+            try:
+                results[i] = RowResult(sample_with_draft(q.sampler, logits[r], q.tokens,
+                                                         q.drafts[rnd]))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                results[i] = RowResult(None, exc)
+        batch = [e for i, e in enumerate(to_sample) if results[i] is None]
+        if batch:
+            first, last = batch[0][1], batch[-1][1]
+            # decode steps sample consecutive rows: a view, not a copy
+            stacked = (logits[first:last + 1] if last - first + 1 == len(batch)
+                       else logits[[r for _, r in batch]])
+            it = iter(sample_rows(stacked, [q.sampler for q, _ in batch],
+                                  [q.tokens for q, _ in batch]))
+            results = [res if res is not None else next(it) for res in results]
+        return results  # type: ignore[return-value]
 
     def close(self) -> None:
         """Saves what should outlive the process (the expert routing history)."""

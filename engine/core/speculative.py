@@ -1,8 +1,9 @@
 """Which sequences speculate and what they draft; the counters of drafted and accepted tokens.
 
-A sequence drafts only while it decodes greedily without a grammar (the greedy rule accepts a
-draft exactly when it is the argmax, so the output is token for token what decoding one token
-at a time gives); sampled and constrained sequences decode one token per step. Drafts never
+A sequence drafts while it decodes without a grammar. Greedy ones keep a draft exactly when it
+is the argmax, so their output is token for token what decoding one token at a time gives;
+sampled ones keep it by the speculative sampling rule (engine.sample.verify), so their output
+follows the same distribution. Constrained sequences decode one token per step. Drafts never
 run past the sequence's token budget, so a verify step never writes past its context.
 """
 
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 
 from colibri.engine.core.options import default
 from colibri.engine.core.request import Request
-from colibri.engine.sample.sampler import GREEDY_TEMPERATURE
 from colibri.engine.spec import SPECULATIVE_METHODS
 from colibri.engine.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 
@@ -57,9 +57,9 @@ class SpecStats:
 
 
 def may_speculate(req: Request) -> bool:
-    """Greedy and unconstrained: the only requests this version verifies drafts for."""
-    p = req.params
-    return p.temperature < GREEDY_TEMPERATURE and getattr(p, "constraint", None) is None
+    """Unconstrained requests speculate (a draft the grammar forbids could never be kept, and
+    the grammar's state would have to follow every draft)."""
+    return getattr(req.params, "constraint", None) is None
 
 
 def propose(req: Request, config: SpeculativeConfig) -> list[int]:
