@@ -16,6 +16,10 @@ import pytest
 from tests.tiny_models import make_checkpoint
 
 N_CTX = 256
+# every MoE family (softmax and grouped routers, MLA, sliding windows with sinks, partial
+# rotary) and a dense one
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
+            "glm4_moe", "gpt_oss", "minimax_m2", "llama")
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
     "One, two, three, four, five, six, seven, eight, nine, ten. One, two, three,",
@@ -38,8 +42,7 @@ def _cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("spec")
-    return {a: make_checkpoint(a, root / a, seed=7)
-            for a in ("mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe")}
+    return {a: make_checkpoint(a, root / a, seed=7) for a in FAMILIES}
 
 
 def _llm(hf: Path, quant: str = "f32", **cfg: Any) -> Any:
@@ -121,16 +124,18 @@ def _spec(llm: Any, k: int, method: str = "ngram") -> None:
     llm.core.spec_stats = SpecStats()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"])
-def test_greedy_output_is_the_same_with_prompt_lookup(ckpts: dict[str, Path],
-                                                      arch: str) -> None:
+@pytest.mark.parametrize("arch,quant", [(a, "f32") for a in FAMILIES]
+                         + [("mixtral", "q4"), ("qwen3_moe", "q8")])
+def test_greedy_output_is_the_same_with_prompt_lookup(ckpts: dict[str, Path], arch: str,
+                                                      quant: str) -> None:
     """Four prompts run together, greedy with logprobs: with ngram drafts at k = 1, 2, 4 the
     outputs equal those of the engine without speculation, token for token and logprob for
-    logprob; drafts were verified, and accepted where the output repeats itself."""
-    base = _llm(ckpts[arch], prefix_cache=False)
+    logprob (f32 weights and KV; q4 and q8 weights with the f16 KV cache); drafts were
+    verified, and accepted where the output repeats itself."""
+    base = _llm(ckpts[arch], quant, prefix_cache=False)
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
-    spec = _llm(ckpts[arch], prefix_cache=False)
+    spec = _llm(ckpts[arch], quant, prefix_cache=False)
     accepted = 0
     for k in (1, 2, 4):
         _spec(spec, k)

@@ -91,7 +91,7 @@ class Scheduler:
         n = max(0, min(len(req.drafts), spare))
         c = req.num_computed
         extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))
-        reserve = sum(1 for r in self.running if r is not req)
+        reserve = len(self.running) - 1  # a block for each other running request's token
         while n > 0 and (extra > self.blocks.n_free - reserve
                          or not self.blocks.grow(req.rid, c + 1 + n)):
             n -= 1
