@@ -452,3 +452,31 @@ def test_sample_with_draft_keeps_samplers_logprobs_and_greedy_argmax() -> None:
     for seed in range(20):
         s = Sampler(SamplingParams(temperature=1.0, seed=seed), 50)
         assert sample_with_draft(s, certain, hist, draft=7).token_id == 7
+
+
+def test_drafts_use_only_spare_budget_and_blocks_and_never_preempt(
+        ckpts: dict[str, Path]) -> None:
+    """A KV pool exactly as large as two requests need and a step budget of 8 tokens: with
+    drafts of 4 always offered (all kept), no step carries more than 8 tokens, nothing is
+    preempted, and both requests get the tokens of the engine without speculation."""
+    from colibri.engine import LLM, EngineConfig
+
+    probe = _llm(ckpts["olmoe"], prefix_cache=False)
+    prompts = [_ids(probe, p) for p in PROMPTS[:2]]
+    want = _run(probe, prompts, _params(max_tokens=30))
+    need = sum(-(-(len(p) + 30) // 16) for p in prompts)
+    mb = need * probe.model.kv_block_bytes() / 2**20
+    llm = LLM(ckpts["olmoe"], threads=2, quant="f32", n_ctx=N_CTX,
+              config=EngineConfig(kv_cache_mb=mb, max_num_seqs=2, max_num_batched_tokens=8,
+                                  prefill_tokens_while_decoding=8, prefix_cache=False))
+    assert llm.core.blocks.n_blocks == need
+    _spec(llm, 4)
+    sizes: list[int] = []
+    llm.core.on_step = lambda n_seq, n_tok: sizes.append(n_tok)
+    conts = [[o.token_id for o in want[f"r{i}"]] for i in range(2)]
+    got = _run(llm, prompts, _params(max_tokens=30),
+               [ScriptedDrafter(p, c) for p, c in zip(prompts, conts, strict=True)])
+    assert all(_trace(got[r]) == _trace(want[r]) for r in want)
+    assert max(sizes) == 8 and llm.core.scheduler.n_preemptions == 0
+    st = llm.core.spec_stats
+    assert st.n_accepted == st.n_draft_tokens > 0
