@@ -298,9 +298,13 @@ def test_speculation_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
     assert st["misses"] > 0  # the budget was in play
 
 
-def test_constrained_requests_do_not_speculate(ckpts: dict[str, Path]) -> None:
-    """A request with a grammar decodes one token per step beside speculating ones, and gets
-    what it gets without speculation."""
+def test_constrained_requests_speculate_within_their_grammar(ckpts: dict[str, Path]) -> None:
+    """A request with a grammar drafts only what the grammar accepts and chooses each token
+    under the grammar's mask of the tokens before it: greedy, it gets what it gets without
+    speculation, with drafts kept (the grammar makes the output repeat itself); sampled, its
+    text still matches the grammar."""
+    import re
+
     from colibri.engine.sample.constraints import ConstraintCompiler, ConstraintSpec
 
     base = _llm(ckpts["mixtral"], prefix_cache=False)
@@ -308,16 +312,23 @@ def test_constrained_requests_do_not_speculate(ckpts: dict[str, Path]) -> None:
     _spec(llm, 4)
     compiler = ConstraintCompiler.for_tokenizer(llm.tokenizer, llm.vocab_size)
     prompt = _ids(llm, PROMPTS[1])
+    pattern = "(one, two, three, ){3}four"
 
-    def params() -> Any:
-        c = compiler.compile(ConstraintSpec("regex", "(one, two, three, )+four"), max_tokens=24)
-        return _params(max_tokens=24, constraint=c)
+    def params(**kw: Any) -> Any:
+        c = compiler.compile(ConstraintSpec("regex", pattern), max_tokens=64)
+        return _params(max_tokens=64, constraint=c, ignore_eos=False, **kw)
 
     want = _run(base, [prompt], params())["r0"]
     got = _run(llm, [prompt], params())["r0"]
     assert _trace(got) == _trace(want)
-    assert "".join(o.text for o in got).startswith("one, two")
-    assert llm.core.spec_stats.n_drafts == 0
+    assert "".join(o.text for o in got) == "one, two, three, " * 3 + "four"
+    assert llm.core.spec_stats.n_accepted > 0
+    drafted = llm.core.spec_stats.n_draft_tokens
+    for seed in range(4):
+        outs = _run(llm, [prompt], params(temperature=1.0, seed=seed))["r0"]
+        text = "".join(o.text for o in outs)
+        assert re.fullmatch(pattern, text) and outs[-1].finish_reason == "stop", text
+    assert llm.core.spec_stats.n_draft_tokens > drafted
 
 
 def _chi2_sf(x: float, df: int) -> float:

@@ -233,13 +233,14 @@ OPTIONS: tuple[Option, ...] = (
            "ngram drafts by prompt lookup (what followed the sequence's last tokens earlier in "
            "its prompt and output); off decodes one token per step", _SPEC,
            commands=("serve", "generate", "bench"), choices=SPECULATIVE_METHODS,
-           note="Requests without a response format speculate. Greedy ones (temperature 0) "
-                "keep a draft only where it is the model's own choice, so their output is the "
-                "same token for token; sampled ones keep it by the speculative sampling rule, "
-                "so their output follows the same distribution (a given seed gives other "
-                "tokens than without speculation). It pays where the output repeats its input "
-                "(code edits, quoting); each verify step runs every draft through every layer, "
-                "and on a MoE model through the union of their experts."),
+           note="Greedy requests (temperature 0) keep a draft only where it is the model's "
+                "own choice, so their output is the same token for token; sampled ones keep it "
+                "by the speculative sampling rule, so their output follows the same "
+                "distribution (a given seed gives other tokens than without speculation); a "
+                "response format drafts only what its grammar accepts. It pays where the "
+                "output repeats its input (code edits, quoting); each verify step runs every "
+                "draft through every layer, and on a MoE model through the union of their "
+                "experts."),
     Option("num_speculative_tokens", int, 4, "tokens drafted per sequence and step at most",
            _SPEC, commands=("serve", "generate", "bench"), ge=1, le=16),
     # -- network ------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Which sequences speculate and what they draft; the counters of drafted and accepted tokens.
 
-A sequence drafts while it decodes without a grammar. Greedy ones keep a draft exactly when it
-is the argmax, so their output is token for token what decoding one token at a time gives;
-sampled ones keep it by the speculative sampling rule (engine.sample.verify), so their output
-follows the same distribution. Constrained sequences decode one token per step. Drafts never
-run past the sequence's token budget, so a verify step never writes past its context.
+A decoding sequence drafts. Greedy ones keep a draft exactly when it is the argmax, so their
+output is token for token what decoding one token at a time gives; sampled ones keep it by the
+speculative sampling rule (engine.sample.verify), so their output follows the same
+distribution. A sequence with a grammar drafts only the tokens the grammar would accept, and
+each token is chosen under the grammar's mask of the tokens before it. Drafts never run past
+the sequence's token budget, so a verify step never writes past its context.
 """
 
 from __future__ import annotations
@@ -56,12 +57,6 @@ class SpecStats:
                 "spec_accepted_tokens": self.n_accepted, "spec_mean_accepted": self.mean_accepted}
 
 
-def may_speculate(req: Request) -> bool:
-    """Unconstrained requests speculate (a draft the grammar forbids could never be kept, and
-    the grammar's state would have to follow every draft)."""
-    return getattr(req.params, "constraint", None) is None
-
-
 def propose(req: Request, config: SpeculativeConfig) -> list[int]:
     """Drafts for req's next step ([] when it does not decode one token now, or may not
     speculate): at most num_tokens, and fewer than the tokens it may still generate."""
@@ -71,7 +66,9 @@ def propose(req: Request, config: SpeculativeConfig) -> list[int]:
     if k <= 0:
         return []
     if req.drafter is None:
-        if not may_speculate(req):
-            return []
         req.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
-    return req.drafter.propose(req.tokens, k)
+    drafts = req.drafter.propose(req.tokens, k)
+    constraint = getattr(req.params, "constraint", None)
+    if drafts and constraint is not None:
+        del drafts[constraint.valid_prefix(drafts):]  # a draft the grammar forbids is lost
+    return drafts

@@ -6,8 +6,9 @@ from the normalised max(0, p - q)) becomes: keep d with probability p(d), else d
 d removed. Either way the token has exactly the distribution p that Sampler draws from (after
 bias, penalties, temperature, top_k, top_p and min_p), whatever the draft: the output of a
 sampled request follows the model's distribution with or without speculation, though a given
-seed gives other tokens. Greedy sequences take the argmax, as Sampler does.
-Logprobs are Sampler's: the log-softmax of the adjusted logits.
+seed gives other tokens. Greedy sequences take the argmax, as Sampler does. A request's
+constraint masks the adjusted logits first, as in the batched sampler; logprobs are the
+log-softmax of the adjusted (and masked) logits, as there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def sample_with_draft(sampler: Sampler, logits: np.ndarray, history: list[int],
     Advances the sampler's counts and generator as Sampler.sample does."""
     p = sampler.params
     x = sampler.adjusted_logits(logits, history)
+    if p.constraint is not None:
+        p.constraint.apply(x)  # as the batched sampler does: the grammar's mask first
     m = np.max(x)
     if not np.isfinite(m):
         raise ValueError("logits have no finite maximum")
