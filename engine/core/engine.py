@@ -252,9 +252,9 @@ class EngineCore:
 
     def _sample_rounds(self, logits: np.ndarray,
                        to_sample: list[tuple[Request, int]]) -> list[RequestOutput]:
-        """Sample every request's next token from its row, all rows in one call. A request
-        that carried drafts goes on while its token equals its next draft: one more call (a
-        round) samples the rows of the drafts accepted so far, so each token is chosen from
+        """Sample every request's next token from its row (see _sample_round). A request
+        that carried drafts goes on while its token equals its next draft: the next round
+        samples the rows of the drafts accepted so far, so each token is chosen from
         exactly the logits, history and sampler state that decoding one token at a time
         would have. Then its KV blocks past the accepted tokens are rolled back (their
         positions are rewritten before anything reads them) and only the accepted tokens'

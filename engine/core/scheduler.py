@@ -3,9 +3,9 @@
 Every step takes each running request's next tokens (one for a decode, plus the tokens drafted
 for it when it speculates; a chunk for a prompt still being computed) and then admits waiting
 requests first come first served, under a token budget (`max_num_batched_tokens`) and a cap on
-running sequences (`max_num_seqs`). When KV
-blocks run out, the newest running request is preempted: its blocks are freed and it goes back
-to the front of the queue, to be recomputed later (never dropped).
+running sequences (`max_num_seqs`). When KV blocks run out, the newest running request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+later (never dropped); drafts never cause that, they only take what is spare.
 Guarantees: a request is running or waiting, never both; a scheduled request's block table
 covers every position the step writes.
 """
@@ -85,9 +85,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _fit_drafts(self, req: Request, spare: int) -> int:
-        """Keep as many of req's drafts as the spare tokens and blocks allow (the blocks the
-        running requests after it need for their next token stay free); grow its table for
-        them. Drafts never preempt anything: what does not fit is dropped."""
+        """Keep as many of req's drafts as the spare tokens and blocks allow (a free block
+        stays for each other running request's next token); grow its table for them. Drafts
+        never preempt anything: what does not fit is dropped."""
         n = max(0, min(len(req.drafts), spare))
         c = req.num_computed
         extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))

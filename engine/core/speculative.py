@@ -58,8 +58,8 @@ class SpecStats:
 
 
 def propose(req: Request, config: SpeculativeConfig) -> list[int]:
-    """Drafts for req's next step ([] when it does not decode one token now, or may not
-    speculate): at most num_tokens, and fewer than the tokens it may still generate."""
+    """Drafts for req's next step ([] unless it decodes one token now): at most num_tokens,
+    fewer than the tokens it may still generate, none past what its grammar accepts."""
     if not req.prefill_done or req.num_tokens - req.num_computed != 1:
         return []
     k = min(config.num_tokens, req.max_new - len(req.output) - 1)
