@@ -31,7 +31,9 @@ colibri_model *colibri_init(const char *dir, const clb_hparams *hp, int n_thread
     }
     int64_t nb = (clb_model_hparams(cm->model)->n_ctx + CLB_KV_BLOCK - 1) / CLB_KV_BLOCK;
     cm->table = malloc((size_t)nb * sizeof(int32_t));
-    if (!cm->table || clb_kv_init(cm->model, nb, CLB_KV_F32, &cm->kv) != CLB_OK) {
+    if (!cm->table || clb_kv_init(cm->model, nb, CLB_KV_F32, &cm->kv) != CLB_OK ||
+        (clb_kv_state_bytes(clb_model_hparams(cm->model)) > 0 &&
+         clb_kv_states_init(cm->kv, 1) != CLB_OK)) {
         if (err) snprintf(err, CLB_ERR_LEN, "out of memory for the KV cache");
         colibri_free(cm);
         return NULL;
@@ -55,7 +57,7 @@ clb_status colibri_forward(colibri_model *cm, const int32_t *tokens, int64_t n_t
     }
     /* one small fixed-size batch at a time keeps this wrapper allocation-free */
     enum { STEP = 64 };
-    int32_t seq[STEP], pos[STEP];
+    int32_t seq[STEP], pos[STEP], slot = 0; /* the one sequence's state slot */
     uint8_t want[STEP];
     memset(seq, 0, sizeof seq);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += STEP) {
@@ -66,7 +68,7 @@ clb_status colibri_forward(colibri_model *cm, const int32_t *tokens, int64_t n_t
         }
         clb_batch b = {.n_tokens = n, .tokens = tokens + t0, .seq_ids = seq, .positions = pos,
                        .want_logits = want, .n_seq = 1, .max_blocks = cm->n_blocks,
-                       .block_tables = cm->table};
+                       .block_tables = cm->table, .state_slots = &slot};
         clb_status st = clb_forward(cm->model, cm->kv, &b, logits, err);
         if (st != CLB_OK) return st;
         cm->seq_len = start + t0 + n;
@@ -75,7 +77,8 @@ clb_status colibri_forward(colibri_model *cm, const int32_t *tokens, int64_t n_t
 }
 
 void colibri_reset(colibri_model *cm) {
-    if (cm) cm->seq_len = 0; /* rows past seq_len are never read */
+    if (cm) cm->seq_len = 0; /* rows past seq_len are never read; position 0 restarts the
+                                recurrent state of a model with linear attention */
 }
 
 void colibri_free(colibri_model *cm) {

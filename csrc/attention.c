@@ -195,26 +195,28 @@ clb_status clb_attention_gqa(clb_model *m, clb_kv *kv, const clb_batch *b, int64
     const clb_layer_w *l = &m->layers[il];
     const int64_t D = hp->n_embd, H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim;
     const int64_t qd = H * hd, kvd = Hkv * hd, rd = hp->rotary_dim;
+    /* with attn_gate, q holds each head's query then its gate: head h at h * qh */
+    const int64_t qh = hp->attn_gate ? 2 * hd : hd, qs = H * qh;
 
     for (int64_t t = 0; t < T; t++)
         clb_rmsnorm(m->x + t * D, clb_f32_data(l->attn_norm), D, hp->rms_eps, m->xn + t * D);
     if (l->wk->type == l->wq->type && l->wv->type == l->wq->type) {
         /* xn is packed once and q, k, v run in one dispatch */
         const void *a = clb_fw_act_for(l->wq, m->xn, D, T, m->act);
-        m->jobs[0] = clb_fw_job(l->wq, a, T, m->q, qd, l->bq);  /* [T, qd] */
+        m->jobs[0] = clb_fw_job(l->wq, a, T, m->q, qs, l->bq);  /* [T, qs] */
         m->jobs[1] = clb_fw_job(l->wk, a, T, m->k, kvd, l->bk); /* [T, kvd] */
         m->jobs[2] = clb_fw_job(l->wv, a, T, m->v, kvd, l->bv); /* [T, kvd] */
         TRY(clb_fw_run_jobs(m, CLB_PHASE_ATTN_PROJ, 3));
     } else {
-        TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, l->wq, m->xn, T, m->q, qd, l->bq));
+        TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, l->wq, m->xn, T, m->q, qs, l->bq));
         TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, l->wk, m->xn, T, m->k, kvd, l->bk));
         TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, l->wv, m->xn, T, m->v, kvd, l->bv));
     }
 
     for (int64_t t = 0; t < T; t++) {
-        float *q = m->q + t * qd, *k = m->k + t * kvd, *v = m->v + t * kvd;
+        float *q = m->q + t * qs, *k = m->k + t * kvd, *v = m->v + t * kvd;
         if (hp->qk_norm == CLB_QK_NORM_HEAD) {
-            for (int64_t h = 0; h < H; h++) clb_rmsnorm(q + h * hd, clb_f32_data(l->q_norm), hd, hp->rms_eps, q + h * hd);
+            for (int64_t h = 0; h < H; h++) clb_rmsnorm(q + h * qh, clb_f32_data(l->q_norm), hd, hp->rms_eps, q + h * qh);
             for (int64_t h = 0; h < Hkv; h++) clb_rmsnorm(k + h * hd, clb_f32_data(l->k_norm), hd, hp->rms_eps, k + h * hd);
         } else if (hp->qk_norm == CLB_QK_NORM_FULL) {
             clb_rmsnorm(q, clb_f32_data(l->q_norm), qd, hp->rms_eps, q);
@@ -229,7 +231,7 @@ clb_status clb_attention_gqa(clb_model *m, clb_kv *kv, const clb_batch *b, int64
             }
         }
         const float *cs = m->rope + t * rd;
-        for (int64_t h = 0; h < H; h++) clb_rope_half(q + h * hd, cs, rd);
+        for (int64_t h = 0; h < H; h++) clb_rope_half(q + h * qh, cs, rd);
         for (int64_t h = 0; h < Hkv; h++) clb_rope_half(k + h * hd, cs, rd);
         int64_t blk = b->block_tables[(int64_t)seq[t] * b->max_blocks + pos[t] / CLB_KV_BLOCK];
         clb_kv_store(kv, blk, il, 0, pos[t] % CLB_KV_BLOCK, k);
@@ -239,8 +241,15 @@ clb_status clb_attention_gqa(clb_model *m, clb_kv *kv, const clb_batch *b, int64
     /* every K/V row of this chunk is stored first, so in-chunk causal attention sees them (and
      * a token reads its own row back in the cache's format, as later tokens will) */
     const float scale = hp->attn_scale > 0.0f ? hp->attn_scale : 1.0f / sqrtf((float)hd);
-    const clb_att_io io = {m->q, qd, hd, m->att, qd, hd, scale};
+    const clb_att_io io = {m->q, qs, qh, m->att, qd, hd, scale};
     TRY(clb_attend(m, kv, b, il, T, seq, pos, &io));
+    if (hp->attn_gate) /* out *= sigmoid(gate), the gate beside each head's query */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++) {
+                float *o = m->att + t * qd + h * hd;
+                const float *g = m->q + t * qs + h * qh + hd;
+                for (int64_t d = 0; d < hd; d++) o[d] = o[d] * (1.0f / (1.0f + expf(-g[d])));
+            }
 
     TRY(clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, l->wo, m->att, T, m->proj, D, l->bo)); /* [T, D] */
     for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];

@@ -34,11 +34,16 @@ _Static_assert(sizeof(clb_block_q8c) == 40, "q8c block must be 40 bytes");
 
 /* The quantized weight kinds of the SIMD products, a compile-time parameter of their inlined
  * templates: q8 (signed bytes), q4 (nibbles, offset 8), q6 (nibbles plus two high bits,
- * offset 32; the q4 loop with the high bits merged in). */
-enum { CLB_QT_Q8 = 0, CLB_QT_Q4 = 1, CLB_QT_Q6 = 2 };
+ * offset 32; the q4 loop with the high bits merged in), mxfp4 (interleaved only: the q4 loop
+ * with each nibble looked up as its doubled value plus CLB_MXFP4_OFFSET, and e8m0 scales). */
+enum { CLB_QT_Q8 = 0, CLB_QT_Q4 = 1, CLB_QT_Q6 = 2, CLB_QT_MXFP4 = 3 };
 #define CLB_QT_BLOCK(QT)                                                                       \
-    ((QT) == CLB_QT_Q8 ? sizeof(clb_block_q8)                                                 \
-                       : (QT) == CLB_QT_Q4 ? sizeof(clb_block_q4) : sizeof(clb_block_q6))
+    ((QT) == CLB_QT_Q8   ? sizeof(clb_block_q8)                                               \
+     : (QT) == CLB_QT_Q4 ? sizeof(clb_block_q4)                                               \
+     : (QT) == CLB_QT_Q6 ? sizeof(clb_block_q6)                                               \
+                         : sizeof(clb_block_mxfp4))
+/* bytes of an interleaved group's block before its quants: 8 f16 scales, or 8 e8m0 exponents */
+#define CLB_QT_SCALES(QT) ((QT) == CLB_QT_MXFP4 ? 8 : 16)
 
 /* The softmax exponent of the attention kernels (exp_sum), one definition for every ISA: the
  * argument clamped to [-87, 88] (so 2^n stays a normal float; NaN passes through), n =
@@ -87,6 +92,10 @@ static inline float clb_exp_fold(float part[CLB_EXP_LANES]) {
 
 /* MXFP4's nibbles as doubled values (sign bit 3): every ISA's table */
 #define CLB_MXFP4_VALUES 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+/* the same plus CLB_MXFP4_OFFSET (0..24): unsigned bytes for vpdpbusd / vpmaddubsw, the
+ * offset taken back out through corr = -12 * sum of the activations (clb_block_q8c) */
+#define CLB_MXFP4_OFFSET 12
+#define CLB_MXFP4_UVALUES 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
 
 /* an MXFP4 block's scale for the doubled values: 2^(e - 128), exact (a subnormal float for
  * e < 2) */
@@ -145,6 +154,20 @@ void clb_gemm_mxfp4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_ro
                            const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
 float clb_vec_dot_mxfp4_avx2(int64_t n, const void *w, const void *x);
 float clb_vec_dot_mxfp4_avx512(int64_t n, const void *w, const void *x);
+/* the interleaved twin (mxfp4x8): the reference on q8a rows, the SIMD products on q8c rows with
+ * corr = -CLB_MXFP4_OFFSET * sum; the same bits as the row products */
+void clb_gemm_mxfp4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                          const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_act_pack_mxfp4_avx2(int64_t n, const float *x, void *y);
+void clb_act_pack_mxfp4_avx512(int64_t n, const float *x, void *y);
+void clb_gemm_mxfp4x8_avx2(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy);
+void clb_gemm_mxfp4x8_avxvnni(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                              const void *act, size_t act_row, int64_t n_tok, float *y,
+                              int64_t ldy);
+void clb_gemm_mxfp4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                             const void *act, size_t act_row, int64_t n_tok, float *y,
+                             int64_t ldy);
 
 /* the interleaved twins (q8x8, q4x8, q6x8 weights, q8a rows): same results as the row products */
 void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,

@@ -36,6 +36,14 @@ typedef enum {
                                        routed_scale */
 } clb_router_kind;
 
+/* What mixes tokens in a layer: attention over the paged KV cache, or a gated DeltaNet linear
+ * attention (Qwen3-Next) whose conv and recurrent state per sequence live in state slots
+ * beside the KV cache (csrc/linear_attn.c). */
+typedef enum {
+    CLB_MIX_ATTN = 0,
+    CLB_MIX_LINEAR = 1,
+} clb_mixer_kind;
+
 typedef enum {
     CLB_GLU_SILU = 0,         /* silu(gate) * up */
     CLB_GLU_SWIGLU_CLAMP = 1, /* gate clamped above at limit, up to [-limit, limit]:
@@ -77,6 +85,12 @@ typedef struct {
                               router file) */
     int32_t glu;           /* clb_glu_kind: the gated activation of every FFN */
     float glu_alpha, glu_limit; /* CLB_GLU_SWIGLU_CLAMP's sigmoid gain and clamp */
+    int32_t attn_gate;     /* GQA: wq gives each head's query then as many gate rows; the
+                              attention output is multiplied by sigmoid(gate) (Qwen3-Next) */
+    /* gated DeltaNet linear attention (layers whose layer_mixer is CLB_MIX_LINEAR) */
+    int64_t lin_n_k_heads, lin_n_v_heads; /* query/key heads, value heads (a multiple) */
+    int64_t lin_k_dim, lin_v_dim;         /* per-head widths */
+    int64_t lin_conv;                     /* causal conv1d kernel width, >= 2 */
     int64_t n_ctx;         /* KV capacity per sequence */
     /* per-model arrays, copied at load (the caller's may go away after clb_model_load) */
     const float *rope_freqs;   /* [rotary_dim / 2] inverse frequencies (YaRN, llama3, ...);
@@ -84,6 +98,7 @@ typedef struct {
     const int32_t *layer_ffn;  /* [n_layer] clb_ffn_kind; NULL: every layer CLB_FFN_MOE */
     const int32_t *layer_sliding; /* [n_layer] 1: the layer attends over sliding_window
                                      positions, 0: over all; NULL: every layer 1 */
+    const int32_t *layer_mixer; /* [n_layer] clb_mixer_kind; NULL: every layer CLB_MIX_ATTN */
 } clb_hparams;
 
 /* One weight file mapped read-only. */
@@ -126,8 +141,9 @@ void clb_model_free(clb_model *m);
 /* Paged KV cache: one pool of n_blocks blocks shared by every sequence. A block holds the K
  * and V rows of CLB_KV_BLOCK consecutive positions of one sequence, for every layer; which
  * block holds which positions is the caller's business (a block table per sequence, passed
- * with each forward call). The cache keeps no per-sequence state: sequence lengths, block
- * allocation and prefix sharing live with the caller. */
+ * with each forward call). The cache keeps no per-sequence state (but for the recurrent-state
+ * slots of a model with linear attention, below): sequence lengths, block allocation and
+ * prefix sharing live with the caller. */
 #define CLB_KV_BLOCK 16 /* positions per block */
 
 typedef enum {
@@ -145,6 +161,24 @@ void clb_kv_free(clb_kv *kv);
 int64_t clb_kv_n_blocks(const clb_kv *kv);
 clb_kv_type clb_kv_get_type(const clb_kv *kv);
 
+/* Recurrent-state slots of a model with linear-attention layers: per slot and linear layer
+ * the conv window (lin_conv - 1 inputs) and the DeltaNet state [lin_n_v_heads, lin_k_dim,
+ * lin_v_dim], f32. A forward call names each sequence's slot (clb_batch.state_slots); a
+ * sequence whose first position in a call is 0 starts from a zero state, any other first
+ * position must equal the positions its slot has absorbed (the state cannot be rewound).
+ * clb_kv_state_bytes: one slot's bytes (0 without linear layers). clb_kv_states_init
+ * allocates n_slots slots (once, 1..INT32_MAX; CLB_E_ARG without linear layers).
+ * clb_kv_state_copy makes dst what src is (n > 1 sequences forked from one prompt);
+ * clb_kv_state_len: positions slot has absorbed (-1: none usable, after a failed call). */
+size_t clb_kv_state_bytes(const clb_hparams *hp);
+/* Copies every layer's rows of block src into block dst (a fork's copy of a partly filled
+ * block it would otherwise share with the sequence it forks from). CLB_E_ARG for bad ids. */
+clb_status clb_kv_block_copy(clb_kv *kv, int64_t dst, int64_t src);
+clb_status clb_kv_states_init(clb_kv *kv, int64_t n_slots);
+int64_t clb_kv_n_state_slots(const clb_kv *kv);
+clb_status clb_kv_state_copy(clb_kv *kv, int64_t dst, int64_t src);
+int64_t clb_kv_state_len(const clb_kv *kv, int64_t slot);
+
 /* One forward call's tokens and the block tables of its sequences. */
 typedef struct {
     int64_t n_tokens;
@@ -158,6 +192,8 @@ typedef struct {
                                     of sequence s; -1 = none */
     int32_t *routes;             /* [n_tokens, n_layer, n_expert_used] or NULL: receives the
                                     experts each token chose in each layer, in rank order */
+    const int32_t *state_slots;  /* [n_seq] each sequence's recurrent-state slot: needed by a
+                                    model with linear-attention layers, ignored otherwise */
 } clb_batch;
 
 /* One forward step over a batch of tokens. Token i (sequence s = seq_ids[i], position

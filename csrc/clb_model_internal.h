@@ -25,6 +25,7 @@ typedef struct {
 
 typedef struct {
     int32_t ffn;                            /* clb_ffn_kind */
+    int32_t mixer;                          /* clb_mixer_kind */
     const clb_tensor *attn_norm;            /* [D] */
     const clb_tensor *wq, *wk, *wv, *wo;    /* [H*hd, D], [Hkv*hd, D] x2, [D, H*hd] */
     const clb_tensor *bq, *bk, *bv;         /* NULL unless qkv_bias */
@@ -38,6 +39,17 @@ typedef struct {
     const clb_tensor *wkv_a, *kv_a_norm;    /* [kl + rotary_dim, D], [kl] */
     const clb_tensor *wk_b, *wv_b;          /* [H*kl, dn] per head k up-projection, transposed;
                                                [H*dv, kl] per head v up-projection */
+    /* linear attention (nk, nv heads of dk, dv; conv channels C = 2*nk*dk + nv*dv) */
+    const clb_tensor *lin_qkvz;             /* [C + nv*dv, D]: q, k, v (the conv's channels),
+                                               then z (the output gate) */
+    const clb_tensor *lin_ba;               /* [2*nv, D]: b (beta logits), then a (decay) */
+    const clb_tensor *lin_qkv, *lin_z;      /* or lin_qkvz as two matrices [C, D], [nv*dv, D] */
+    const clb_tensor *lin_b, *lin_a;        /* or lin_ba as two [nv, D] (Qwen3.5) */
+    const clb_tensor *lin_conv;             /* [C, lin_conv] f32 depthwise conv weights */
+    const clb_tensor *lin_dt_bias, *lin_a_log; /* [nv] f32 */
+    const clb_tensor *lin_norm;             /* [dv] f32 gated RMSNorm weight */
+    const clb_tensor *lin_out;              /* [D, nv*dv] */
+    int64_t lin_index;                      /* this layer's place among the linear layers */
     const clb_tensor *ffn_norm;             /* [D] */
     const clb_tensor *gate_inp;             /* [E, D] f32; NULL in a dense layer */
     const clb_tensor *gate_bias;            /* [E] f32 selection bias (grouped router) or NULL */
@@ -85,6 +97,15 @@ struct clb_model {
     float *inv_freq; /* [rotary_dim/2] (hp.rope_freqs points here after load) */
     int32_t *layer_ffn; /* [n_layer] (hp.layer_ffn points here after load) */
     int32_t *layer_sliding; /* [n_layer] (hp.layer_sliding points here after load) */
+    int32_t *layer_mixer; /* [n_layer] (hp.layer_mixer points here after load) */
+    int64_t n_linear;     /* layers with linear attention */
+    int32_t *kv_layer;    /* [n_layer] index among the layers that cache K/V, -1: linear */
+    /* linear-attention scratch (NULL without such layers) */
+    float *lin_p;    /* [B, C + nv*dv] projected q, k, v (conv input), z */
+    float *lin_ba;   /* [B, 2*nv] b, a; then beta and the decay factor exp(g) */
+    float *lin_c;    /* [B, C] conv output: q, k (L2-normed, q scaled), v */
+    float *lin_o;    /* [B, nv*dv] the recurrence's output, then gated-normed */
+    float *lin_tmp;  /* [n_threads, 2*dk + dv] one worker's normed q, k and the delta */
     float *probs;    /* [B, E] router probabilities */
     float *choice;   /* [E] one token's selection scores (grouped router) */
     int32_t *top_id; /* [B, K] */
@@ -115,7 +136,10 @@ struct clb_kv {
     const clb_model *model; /* the model this cache was made for */
     clb_kv_type type;
     int64_t n_blocks;
-    int64_t n_layer, n_head_kv, head_dim; /* cached heads per position and their row width */
+    int64_t n_layer, n_head_kv, head_dim; /* cached layers (attention ones), cached heads per
+                                             position and their row width */
+    const int32_t *kv_layer; /* [model n_layer] a layer's index among the cached ones (-1:
+                                a linear-attention layer, which caches nothing per position) */
     int64_t n_kinds;        /* 2: K and V rows; 1: one latent row (MLA), values its first v_dim */
     int64_t v_dim;          /* value width read by attention */
     size_t head_bytes;      /* one position's K (or V) values of one kv head, q8 scale included */
@@ -129,6 +153,12 @@ struct clb_kv {
     int32_t *writer;        /* [n_blocks] forward's validation scratch: -1 between calls */
     int32_t *seq_next;      /* [n_blocks] forward's validation scratch (one per sequence) */
     float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
+    /* recurrent-state slots (models with linear attention; clb_kv_states_init) */
+    int64_t n_slots;
+    size_t slot_floats;     /* floats per slot: per linear layer conv window, then S */
+    float *state;           /* [n_slots, slot_floats] */
+    int64_t *state_len;     /* [n_slots] positions absorbed; -1: unusable until position 0 */
+    int32_t *slot_user;     /* [n_slots] forward's validation scratch: -1 between calls */
 };
 
 /* After a step during which some mapping faulted (clb_wfault_any()): CLB_E_IO naming the
@@ -151,6 +181,7 @@ static inline size_t clb_kv_elem_bytes(clb_kv_type t) {
  * head_bytes apart, then block blk + 1's. */
 static inline unsigned char *clb_kv_head(const clb_kv *kv, int64_t blk, int64_t il, int kind,
                                          int64_t kvh, int64_t slot) {
+    il = kv->kv_layer[il];
     size_t r = (size_t)((((il * kv->n_kinds + kind) * kv->n_head_kv + kvh) * kv->n_blocks + blk) *
                             CLB_KV_BLOCK + slot); /* < n_blocks * block_bytes / head_bytes */
     return kv->data + r * kv->head_bytes;
@@ -163,5 +194,11 @@ void clb_kv_store(const clb_kv *kv, int64_t blk, int64_t il, int kind, int64_t s
 /* q8 KV values widened for attention (kv.c): n values into y (f16 rows go through the F16
  * type's to_float of the active ISA). */
 void clb_kv_i8_to_f32(int64_t n, const int8_t *restrict x, float *restrict y);
+
+/* Layers of hp that cache K/V (every layer but the linear-attention ones). */
+int64_t clb_hp_n_attn_layers(const clb_hparams *hp);
+/* Floats one linear layer keeps per state slot: its conv window, then its DeltaNet state. */
+int64_t clb_lin_conv_floats(const clb_hparams *hp);
+int64_t clb_lin_state_floats(const clb_hparams *hp);
 
 #endif

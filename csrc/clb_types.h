@@ -35,6 +35,11 @@ typedef enum {
     CLB_TYPE_Q6 = 8,
     CLB_TYPE_Q6X8 = 9, /* q6 rows interleaved like q8x8 / q4x8 (never stored in files) */
     CLB_TYPE_MXFP4 = 10, /* OCP microscaling FP4, as gpt-oss checkpoints ship their experts */
+    /* mxfp4 rows interleaved like q4x8 (never stored in files): per group of 8 rows and per
+     * block, the 8 rows' exponents (byte r: row r's), then each row's 16 nibble bytes in q4's
+     * element order (byte j: element j in its low nibble, j + 16 in its high one), 4 bytes at
+     * a time, row after row (bytes 4c..4c+3 of row r at 8 + 4 * (8c + r)) */
+    CLB_TYPE_MXFP4X8 = 11,
     CLB_TYPE_COUNT
 } clb_type;
 

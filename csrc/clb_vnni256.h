@@ -1,13 +1,14 @@
-/* The interleaved products (q8x8, q4x8, q6x8 weights, clb_block_q8c activations) with 256-bit
- * vpdpbusd, one 8-row group per pass, shared by two kernel files: kernels_avx2.c for CPUs with
- * AVX-VNNI (VEX encoding) and kernels_avx512.c for one-token products (EVEX encoding, AVX-512
- * VNNI + VL). The includer defines CLB_VNNI256_INSN, the instruction's spelling, and is built
- * with at least AVX2, FMA and F16C.
+/* The interleaved products (q8x8, q4x8, q6x8, mxfp4x8 weights, clb_block_q8c activations)
+ * with 256-bit vpdpbusd, one 8-row group per pass, shared by two kernel files: kernels_avx2.c
+ * for CPUs with AVX-VNNI (VEX encoding) and kernels_avx512.c for one-token products (EVEX
+ * encoding, AVX-512 VNNI + VL). The includer defines CLB_VNNI256_INSN, the instruction's
+ * spelling, and is built with at least AVX2, FMA and F16C.
  * Weights are read unsigned (q8 xor 0x80, q4 raw nibbles, q6 nibbles with their high bits or'ed
- * in) and the activations carry corr = -offset * sum (q8 128, q4 8, q6 32), so each lane's block
- * sum is exact; it is scaled and added in the reference's order (a multiply, a multiply and an
- * add), so every result equals the reference's bits. The instruction is written in assembly so
- * that an AVX2 file can hold it; only the dispatcher's CPUID checks decide where it runs. */
+ * in, mxfp4 nibbles looked up as their doubled values + 12) and the activations carry
+ * corr = -offset * sum (q8 128, q4 8, q6 32, mxfp4 12), so each lane's block sum is exact; it
+ * is scaled and added in the reference's order (a multiply, a multiply and an add), so every
+ * result equals the reference's bits. The instruction is written in assembly so that an AVX2
+ * file can hold it; only the dispatcher's CPUID checks decide where it runs. */
 #ifndef CLB_VNNI256_H
 #define CLB_VNNI256_H
 
@@ -30,8 +31,11 @@
  * threads 90.7% of the same minutes' read against 63.6% (wider model, q4); the AVX2 pass
  * (COLIBRI_ISA=avx2, benchmark model, q4) 1.20x and 1.21x on one thread, 0.93x to 1.16x
  * (median 1.09x of 5) on two. */
-#define CLB_X8_PF_AHEAD_FEW(QT) \
-    ((QT) == CLB_QT_Q8 ? CLB_X8_PF_AHEAD_Q8_FEW : (QT) == CLB_QT_Q4 ? 40 : 28)
+#define CLB_X8_PF_AHEAD_FEW(QT)                                                              \
+    ((QT) == CLB_QT_Q8 ? CLB_X8_PF_AHEAD_Q8_FEW                                              \
+     : (QT) == CLB_QT_Q4 ? 40                                                                \
+     : (QT) == CLB_QT_Q6 ? 28                                                                \
+                         : 44) /* mxfp4: the same 6 KB */
 
 static inline __attribute__((always_inline)) __m256i clb_bcast32_avx2(const int8_t *p) {
     int32_t v;
@@ -51,6 +55,27 @@ static inline __attribute__((always_inline)) __m256i clb_q6_hi(__m256i h, int j)
     }
 }
 
+/* 8 e8m0 exponents at p as 2^(e - 128), bit for bit clb_e8m0_half: (e - 1) << 23 for e >= 2,
+ * the subnormals 2^-128 and 2^-127 (0x00200000 << e) below */
+static inline __attribute__((always_inline)) __m256 clb_e8m0_half8(const char *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(norm, sub, small));
+}
+
+/* the 8 rows' scales of an interleaved group's block as f32 */
+static inline __attribute__((always_inline)) __m256 clb_x8_scales(int QT, const char *blk) {
+    if (QT == CLB_QT_MXFP4) return clb_e8m0_half8(blk);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+}
+
+/* mxfp4's nibbles (0..15 in every byte) as their doubled values plus CLB_MXFP4_OFFSET */
+static inline __attribute__((always_inline)) __m256i clb_mxfp4_u8(__m256i nib) {
+    return _mm256_shuffle_epi8(_mm256_setr_epi8(CLB_MXFP4_UVALUES, CLB_MXFP4_UVALUES), nib);
+}
+
 static inline __attribute__((always_inline)) __m256i clb_dpbusd256(__m256i acc, __m256i w,
                                                                    const int8_t *p) {
     const __m256i a = clb_bcast32_avx2(p);
@@ -59,7 +84,7 @@ static inline __attribute__((always_inline)) __m256i clb_dpbusd256(__m256i acc, 
 }
 
 /* half h of an interleaved block as 4 registers of unsigned weights: elements 16h..16h+15, v[d]
- * lane r = row r's elements 16h + 4d..16h + 4d + 3 */
+ * lane r = row r's elements 16h + 4d..16h + 4d + 3 (q points at the block's quants) */
 static inline __attribute__((always_inline)) void clb_half_u8(int QT, const __m256i *q, int h,
                                                               __m256i v[4]) {
     if (QT == CLB_QT_Q8) {
@@ -72,6 +97,7 @@ static inline __attribute__((always_inline)) void clb_half_u8(int QT, const __m2
     for (int d = 0; d < 4; d++) {
         const __m256i z = _mm256_loadu_si256(q + d);
         v[d] = _mm256_and_si256(h ? _mm256_srli_epi16(z, 4) : z, low4);
+        if (QT == CLB_QT_MXFP4) v[d] = clb_mxfp4_u8(v[d]);
     }
     if (QT == CLB_QT_Q6) {
         const __m256i hb = _mm256_loadu_si256(q + 4 + h);
@@ -94,7 +120,7 @@ static inline __attribute__((always_inline)) void clb_pass8_vnni(int QT, int TT,
         const char *blk = g + (size_t)b * gb;
         const uintptr_t p = (uintptr_t)blk + ahead;
         for (size_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
-        const __m256i *q = (const __m256i *)(blk + 16);
+        const __m256i *q = (const __m256i *)(blk + CLB_QT_SCALES(QT));
         for (int h = 0; h < 2; h++) {
             __m256i v[4];
             clb_half_u8(QT, q, h, v);
@@ -105,7 +131,7 @@ static inline __attribute__((always_inline)) void clb_pass8_vnni(int QT, int TT,
                 sum[t] = s;
             }
         }
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 ws = clb_x8_scales(QT, blk);
         for (int t = 0; t < TT; t++) {
             const clb_block_q8c *a = (const clb_block_q8c *)(act + (size_t)t * act_row) + b;
             __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(a->d));

@@ -81,6 +81,7 @@ static void clb_fill_ref(clb_type_traits *t) {
     t[CLB_TYPE_Q8X8] = clb_x8_ref("q8x8", sizeof(clb_block_q8), clb_gemm_q8x8_ref);
     t[CLB_TYPE_Q4X8] = clb_x8_ref("q4x8", sizeof(clb_block_q4), clb_gemm_q4x8_ref);
     t[CLB_TYPE_Q6X8] = clb_x8_ref("q6x8", sizeof(clb_block_q6), clb_gemm_q6x8_ref);
+    t[CLB_TYPE_MXFP4X8] = clb_x8_ref("mxfp4x8", sizeof(clb_block_mxfp4), clb_gemm_mxfp4x8_ref);
 }
 
 #ifdef CLB_HAVE_X86
@@ -102,6 +103,9 @@ static void clb_fill_shared_avx2(clb_type_traits *t) {
     clb_products(&t[CLB_TYPE_Q6X8], clb_act_pack_q6_avx2, clb_gemm_q6x8_avx2, bb);
     clb_products(&t[CLB_TYPE_Q6], clb_act_pack_q6_avx2, clb_gemm_q6_avx2, bb);
     t[CLB_TYPE_Q6].prefer_x8 = 1;
+    /* MXFP4 rows keep their one-row dots (products of rows that do not fill groups of 8) */
+    clb_products(&t[CLB_TYPE_MXFP4X8], clb_act_pack_mxfp4_avx2, clb_gemm_mxfp4x8_avx2, bb);
+    t[CLB_TYPE_MXFP4].prefer_x8 = 1;
 }
 
 static void clb_fill_avx2(clb_type_traits *t) {
@@ -136,6 +140,7 @@ static void clb_fill_avxvnni(clb_type_traits *t) {
     clb_products(&t[CLB_TYPE_Q8X8], clb_act_pack_q8u_avx2, clb_gemm_q8x8_avxvnni, bb);
     clb_products(&t[CLB_TYPE_Q4X8], clb_act_pack_q4_avx2, clb_gemm_q4x8_avxvnni, bb);
     clb_products(&t[CLB_TYPE_Q6X8], clb_act_pack_q6_avx2, clb_gemm_q6x8_avxvnni, bb);
+    clb_products(&t[CLB_TYPE_MXFP4X8], clb_act_pack_mxfp4_avx2, clb_gemm_mxfp4x8_avxvnni, bb);
 }
 
 static void clb_fill_avx512(clb_type_traits *t) {
@@ -159,6 +164,7 @@ static void clb_fill_avx512(clb_type_traits *t) {
     clb_products(&t[CLB_TYPE_Q8X8], clb_act_pack_q8_avx512, clb_gemm_q8x8_avx512, bb);
     clb_products(&t[CLB_TYPE_Q4X8], clb_act_pack_q4_avx512, clb_gemm_q4x8_avx512, bb);
     clb_products(&t[CLB_TYPE_Q6X8], clb_act_pack_q6_avx512, clb_gemm_q6x8_avx512, bb);
+    clb_products(&t[CLB_TYPE_MXFP4X8], clb_act_pack_mxfp4_avx512, clb_gemm_mxfp4x8_avx512, bb);
     t[CLB_TYPE_MXFP4].vec_dot = clb_vec_dot_mxfp4_avx512;
     t[CLB_TYPE_MXFP4].act_pack = clb_quantize_q8a_avx512;
     t[CLB_TYPE_MXFP4].gemm = clb_gemm_mxfp4_avx512;

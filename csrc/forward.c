@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "clb_forward.h"
+#include "clb_linear.h"
 #include "clb_xcache.h"
 #include "clb_util.h"
 
@@ -357,8 +358,11 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
         }
     }
     for (int64_t il = 0; il < hp->n_layer; il++) {
-        TRY(hp->attn == CLB_ATTN_MLA ? clb_attention_mla(m, kv, b, il, T, seq, pos)
-                                     : clb_attention_gqa(m, kv, b, il, T, seq, pos));
+        if (m->layers[il].mixer == CLB_MIX_LINEAR)
+            TRY(clb_linear_attn(m, kv, b, il, T, seq, pos));
+        else
+            TRY(hp->attn == CLB_ATTN_MLA ? clb_attention_mla(m, kv, b, il, T, seq, pos)
+                                         : clb_attention_gqa(m, kv, b, il, T, seq, pos));
         TRY(m->layers[il].ffn == CLB_FFN_DENSE ? dense_ffn(m, il, T, routes)
                                                : moe(m, il, T, routes));
     }
@@ -498,6 +502,7 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
         return CLB_E_ARG;
     }
     clb_status st = validate(m, kv, b, err);
+    if (st == CLB_OK) st = clb_linear_check(m, kv, b, err);
     if (st != CLB_OK) return st;
     if ((st = clb_xc_failed(m->xc, err)) != CLB_OK) return st; /* a weight file changed */
     const uint8_t *want_logits = b->want_logits;
@@ -509,6 +514,7 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
     }
 
     const int64_t n_tokens = b->n_tokens;
+    clb_linear_begin(m, kv, b);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
         int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH, n_out = 0;
         int32_t *routes = b->routes ? b->routes + t0 * m->hp.n_layer * m->hp.n_expert_used
@@ -518,6 +524,7 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
                            want_logits ? want_logits + t0 : NULL, routes, logits, &n_out);
         m->prod.forward_ns += clb_now_ns() - c0;
         if (st != CLB_OK) {
+            clb_linear_end(m, kv, b, 0);
             if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
             clb_set_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "
                         "positions may be partly written", (int)st);
@@ -525,6 +532,10 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
         }
         if (n_out > 0) logits += n_out * m->hp.n_vocab;
     }
-    if (clb_wfault_any() && (st = clb_model_weight_fault(m, err)) != CLB_OK) return st;
+    if (clb_wfault_any() && (st = clb_model_weight_fault(m, err)) != CLB_OK) {
+        clb_linear_end(m, kv, b, 0);
+        return st;
+    }
+    clb_linear_end(m, kv, b, 1);
     return CLB_OK;
 }

@@ -171,6 +171,9 @@ static void clb_act_pack_offset(int64_t n, const float *x, void *vy, int32_t off
 
 void clb_act_pack_q4_avx2(int64_t n, const float *x, void *y) { clb_act_pack_offset(n, x, y, 8); }
 void clb_act_pack_q6_avx2(int64_t n, const float *x, void *y) { clb_act_pack_offset(n, x, y, 32); }
+void clb_act_pack_mxfp4_avx2(int64_t n, const float *x, void *y) {
+    clb_act_pack_offset(n, x, y, CLB_MXFP4_OFFSET);
+}
 
 static inline __attribute__((always_inline)) void clb_t4x4_avx2(__m256i z[4]) {
     __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
@@ -199,7 +202,42 @@ static inline __attribute__((always_inline)) void clb_load_t4(const char *const 
 /* The interleaved layout (clb_types.h) with the products' own transposing loads: a block's
  * stored registers are the ones clb_pass8 builds from rows, so each group is written in
  * sequential 32-byte stores; the same bytes as clb_repack_x8_ref. */
+/* mxfp4 rows: each row's 16 nibble bytes reordered to q4's element order (elements 0..15 and
+ * 16..31 are the low and high halves of the nibbles unpacked in order), then the same
+ * transposing stores; the same bytes as clb_repack_x8_ref */
+static void clb_repack_mxfp4x8_avx2(int64_t n, int64_t n_rows, const void *src, void *dst) {
+    const size_t bs = sizeof(clb_block_mxfp4), row = (size_t)(n / CLB_QK) * bs;
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < n_rows / 8; g++) {
+        const char *s = (const char *)src + (size_t)g * 8 * row;
+        char *d = (char *)dst + (size_t)g * 8 * row;
+        for (int64_t b = 0; b < n / CLB_QK; b++) {
+            char *db = d + (size_t)b * 8 * bs;
+            __m128i q[8];
+            for (int r = 0; r < 8; r++) {
+                const char *sb = s + (size_t)r * row + (size_t)b * bs;
+                db[r] = sb[0];
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(sb + 1));
+                const __m128i lo = _mm_and_si128(raw, low4);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+                q[r] = _mm_or_si128(_mm_unpacklo_epi8(lo, hi),
+                                    _mm_slli_epi16(_mm_unpackhi_epi8(lo, hi), 4));
+            }
+            __m256i v[4];
+            for (int k = 0; k < 4; k++)
+                v[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(q[k]), q[k + 4], 1);
+            clb_t4x4_avx2(v);
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_si256((__m256i *)(db + CLB_QT_SCALES(CLB_QT_MXFP4) + 32 * j), v[j]);
+        }
+    }
+}
+
 void clb_repack_x8_avx2(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
+    if (t == CLB_TYPE_MXFP4) {
+        clb_repack_mxfp4x8_avx2(n, n_rows, src, dst);
+        return;
+    }
     const size_t bs = clb_type_row_size(t, CLB_QK), qb = bs - sizeof(clb_f16);
     const size_t row = (size_t)(n / CLB_QK) * bs;
     for (int64_t g = 0; g < n_rows / 8; g++) {
@@ -289,9 +327,10 @@ static inline __attribute__((always_inline)) void clb_q6_merge(__m256i v[8], __m
     }
 }
 
-/* per lane (row), the exact int32 sum of a block's unsigned weights v (q4: 0..15, q6: 0..63;
- * v[d] elements 4d.., v[4 + d] elements 16 + 4d..) times the activation bytes qa. q4: sixteen
- * products of 15 * 127 fit int16, so the whole block sums in int16; q6: four of 63 * 127 */
+/* per lane (row), the exact int32 sum of a block's unsigned weights v (q4: 0..15, q6: 0..63,
+ * mxfp4: 0..24; v[d] elements 4d.., v[4 + d] elements 16 + 4d..) times the activation bytes qa.
+ * q4: sixteen products of 15 * 127 fit int16, so the whole block sums in int16; q6 and mxfp4:
+ * four (of 63 * 127, of 24 * 127) */
 static inline __attribute__((always_inline)) __m256i clb_sum_u8(int QT, const __m256i v[8],
                                                                 const int8_t *qa) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -328,7 +367,7 @@ static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int 
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / CLB_QK; b++) {
         const char *blk = X8 ? g + (size_t)b * gb : NULL;
-        const __m256i *q = X8 ? (const __m256i *)(blk + 16) : NULL;
+        const __m256i *q = X8 ? (const __m256i *)(blk + CLB_QT_SCALES(QT)) : NULL;
         const size_t off = (size_t)b * bs + 2; /* rows: the block's quants in each row */
         if (X8) {
             const uintptr_t p = (uintptr_t)blk + ahead;
@@ -338,8 +377,7 @@ static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int 
             for (int l = 0; l < (int)CLB_PF_LINES(QT); l++)
                 _mm_prefetch((const char *)(p + 64 * (uintptr_t)l), _MM_HINT_T0);
         }
-        const __m256 ws = X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))
-                             : clb_scales8(bs, rp, b);
+        const __m256 ws = X8 ? clb_x8_scales(QT, blk) : clb_scales8(bs, rp, b);
         if (QT != CLB_QT_Q8) {
             /* nibbles read unsigned (w + 8, or q6's w + 32 with its high bits or'ed in) and the
              * sum started from corr = -offset * sum(a) */
@@ -353,6 +391,8 @@ static inline __attribute__((always_inline)) void clb_pass8(int QT, int X8, int 
                 v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low4);
                 v[j] = _mm256_and_si256(v[j], low4);
             }
+            if (QT == CLB_QT_MXFP4)
+                for (int j = 0; j < 8; j++) v[j] = clb_mxfp4_u8(v[j]);
             if (QT == CLB_QT_Q6) {
                 __m256i h[4]; /* h[2], h[3]: the high bits of elements 0..15 and 16..31 */
                 if (X8) {
@@ -472,6 +512,7 @@ void clb_act_pack_q8u_avx2(int64_t n, const float *x, void *y) {
 CLB_GEMM8_VNNI(clb_gemm_q8x8_avxvnni, CLB_QT_Q8)
 CLB_GEMM8_VNNI(clb_gemm_q4x8_avxvnni, CLB_QT_Q4)
 CLB_GEMM8_VNNI(clb_gemm_q6x8_avxvnni, CLB_QT_Q6)
+CLB_GEMM8_VNNI(clb_gemm_mxfp4x8_avxvnni, CLB_QT_MXFP4)
 
 /* Row groups of 8, tokens CLB_PASS_TOK at a time inside each group, so a group's weights are
  * read from memory once for all tokens and its later passes hit the cache. One token goes
@@ -526,6 +567,7 @@ CLB_GEMM8_AVX2(clb_gemm_q6_avx2, CLB_QT_Q6, 0)
 CLB_GEMM8_AVX2(clb_gemm_q8x8_avx2, CLB_QT_Q8, 1)
 CLB_GEMM8_AVX2(clb_gemm_q4x8_avx2, CLB_QT_Q4, 1)
 CLB_GEMM8_AVX2(clb_gemm_q6x8_avx2, CLB_QT_Q6, 1)
+CLB_GEMM8_AVX2(clb_gemm_mxfp4x8_avx2, CLB_QT_MXFP4, 1)
 
 /* ---- the ceiling of the q8 products' arithmetic -----------------------------------------
  * n_calls products of the interleaved q8 kernel (clb_gemm8 as clb_gemm_q8x8_avx2 runs it, the

@@ -187,6 +187,9 @@ static void clb_act_pack_q8c(int64_t n, const float *x, void *vy, int32_t offset
 void clb_act_pack_q8_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 128); }
 void clb_act_pack_q4_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 8); }
 void clb_act_pack_q6_avx512(int64_t n, const float *x, void *y) { clb_act_pack_q8c(n, x, y, 32); }
+void clb_act_pack_mxfp4_avx512(int64_t n, const float *x, void *y) {
+    clb_act_pack_q8c(n, x, y, CLB_MXFP4_OFFSET);
+}
 
 /* in every 128-bit lane, dword j of z[k] -> dword k of z[j] (a 4x4 transpose) */
 static inline __attribute__((always_inline)) void clb_t4x4(__m512i z[4]) {
@@ -331,23 +334,27 @@ void clb_gemm_q4_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row, 
     clb_gemm16(1, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
-/* ---- interleaved weights (q8x8, q4x8, q6x8): two 8-row groups in the 256-bit halves -----
+/* ---- interleaved weights (q8x8, q4x8, q6x8, mxfp4x8): two 8-row groups in 256-bit halves -
  * The layout (clb_types.h) already holds, per group and block, the registers the row-group
  * kernel above builds by transposing: 32 bytes whose dword r is row r's bytes 4d..4d+3. Two
  * neighbouring groups' registers side by side make the 16-lane register, one 256-bit insert
  * each, shared by every token of the pass; so the products need no transposes and no sign
  * step (weights read unsigned: q8 xor 0x80, q4 raw nibbles, q6 nibbles with its high bits
- * or'ed in; corr in the activations), and each token costs one vpdpbusd per 64 weight bytes
+ * or'ed in, mxfp4 nibbles looked up as doubled values + 12 by one vpshufb per register, its
+ * scales 2^(e - 128) built from the exponent bytes; corr in the activations), and each token
+ * costs one vpdpbusd per 64 weight bytes
  * (clb_dpbusd_bcast). Each group is one sequential stream, prefetched about 3.3 KB ahead
  * (chosen on Zen 4's decode when this pass also took one token: q8 ran alike from 6 to 32
  * blocks ahead; q4 one thread ran 30% faster 24 blocks ahead than 12, and no faster at 36 or
- * 48; q6 takes the same distance in bytes, not measured on its own). It now takes two tokens
+ * 48; q6 and mxfp4 take the same distance in bytes, not measured on their own). It now takes
+ * two tokens
  * or more; one token goes through clb_vnni256.h's pass (clb_gemm_x16). A matrix with an odd
  * number of groups pairs its last group with itself and stores the low half. Same per-lane
  * arithmetic as clb_group, so the same bits as the reference. */
 
 /* blocks ahead: about 3.3 KB of each stream for every type */
-#define CLB_X16_PF_AHEAD(QT) ((QT) == CLB_QT_Q8 ? 12 : (QT) == CLB_QT_Q4 ? 24 : 16)
+#define CLB_X16_PF_AHEAD(QT)                                                                 \
+    ((QT) == CLB_QT_Q8 ? 12 : (QT) == CLB_QT_Q4 || (QT) == CLB_QT_MXFP4 ? 24 : 16)
 
 /* (h >> 2j) & 3 moved to bits 4..5 of every byte: q6's high bits for nibble register j
  * (clb_vnni256.h's clb_q6_hi at double width) */
@@ -359,6 +366,20 @@ static inline __attribute__((always_inline)) __m512i clb_q6_hi16(__m512i h, int 
     case 2: return _mm512_and_si512(h, m);
     default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), m);
     }
+}
+
+/* the 8 e8m0 exponents at p0 and the 8 at p1 as 2^(e - 128), bit for bit clb_e8m0_half (see
+ * clb_e8m0_half8) */
+static inline __attribute__((always_inline)) __m512 clb_e8m0_half16(const char *p0,
+                                                                    const char *p1) {
+    uint64_t e0, e1;
+    memcpy(&e0, p0, sizeof e0);
+    memcpy(&e1, p1, sizeof e1);
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)e1, (long long)e0));
+    const __m512i norm = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, norm, sub));
 }
 
 static inline __attribute__((always_inline)) __m512i clb_pair256(const char *p0, const char *p1) {
@@ -396,16 +417,23 @@ static inline __attribute__((always_inline)) void clb_pass_x16(int QT, int NTA, 
                 _mm_prefetch((const char *)((uintptr_t)p1 + pf + l), _MM_HINT_T1);
             }
         }
-        const __m512 ws = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
-            _mm_loadu_si128((const __m128i *)p1), 1));
+        const __m512 ws = QT == CLB_QT_MXFP4
+            ? clb_e8m0_half16(p0, p1)
+            : _mm512_cvtph_ps(_mm256_inserti128_si256(
+                  _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+                  _mm_loadu_si128((const __m128i *)p1), 1));
         __m512i v[8];
         if (QT != CLB_QT_Q8) {
             const __m512i low4 = _mm512_set1_epi8(0x0f);
+            const size_t qo = CLB_QT_SCALES(QT);
             for (int j = 0; j < 4; j++) {
-                __m512i z = clb_pair256(p0 + 16 + 32 * j, p1 + 16 + 32 * j);
+                __m512i z = clb_pair256(p0 + qo + 32 * j, p1 + qo + 32 * j);
                 v[j] = _mm512_and_si512(z, low4);
                 v[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
+            }
+            if (QT == CLB_QT_MXFP4) {
+                const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(CLB_MXFP4_UVALUES));
+                for (int j = 0; j < 8; j++) v[j] = _mm512_shuffle_epi8(lut, v[j]);
             }
             if (QT == CLB_QT_Q6) { /* the high bits of elements 0..15, then of 16..31 */
                 const __m512i h0 = clb_pair256(p0 + 144, p1 + 144);
@@ -476,6 +504,12 @@ void clb_gemm_q4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row
 void clb_gemm_q6x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
                           const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
     clb_gemm_x16(CLB_QT_Q6, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
+}
+
+void clb_gemm_mxfp4x8_avx512(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                             const void *act, size_t act_row, int64_t n_tok, float *y,
+                             int64_t ldy) {
+    clb_gemm_x16(CLB_QT_MXFP4, n, n_rows, w, w_row, act, act_row, n_tok, y, ldy);
 }
 
 /* ---- the ceiling of the interleaved products' arithmetic (bench_kernels) -----------------

@@ -350,6 +350,7 @@ clb_type clb_x8_type(clb_type t) {
     case CLB_TYPE_Q8: return CLB_TYPE_Q8X8;
     case CLB_TYPE_Q4: return CLB_TYPE_Q4X8;
     case CLB_TYPE_Q6: return CLB_TYPE_Q6X8;
+    case CLB_TYPE_MXFP4: return CLB_TYPE_MXFP4X8;
     default: return t;
     }
 }
@@ -359,14 +360,36 @@ clb_type clb_x8_base(clb_type t) {
     case CLB_TYPE_Q8X8: return CLB_TYPE_Q8;
     case CLB_TYPE_Q4X8: return CLB_TYPE_Q4;
     case CLB_TYPE_Q6X8: return CLB_TYPE_Q6;
+    case CLB_TYPE_MXFP4X8: return CLB_TYPE_MXFP4;
     default: return t;
     }
 }
 
+/* An mxfp4 block's 16 nibble bytes in q4's element order (byte j: element j low, j + 16 high)
+ * from the checkpoints' (byte k: element 2k low, 2k + 1 high), and back. */
+static int clb_mxfp4_nib(const uint8_t *qs, int e) { return (qs[e / 2] >> (4 * (e % 2))) & 15; }
+
+static void clb_mxfp4_to_q4_order(const uint8_t *qs, uint8_t *out) {
+    for (int j = 0; j < CLB_QK / 2; j++)
+        out[j] = (uint8_t)(clb_mxfp4_nib(qs, j) | clb_mxfp4_nib(qs, j + CLB_QK / 2) << 4);
+}
+
+static void clb_mxfp4_from_q4_order(const uint8_t *q4, uint8_t *qs) {
+    int nib[CLB_QK];
+    for (int j = 0; j < CLB_QK / 2; j++) {
+        nib[j] = q4[j] & 15;
+        nib[j + CLB_QK / 2] = q4[j] >> 4;
+    }
+    for (int k = 0; k < CLB_QK / 2; k++) qs[k] = (uint8_t)(nib[2 * k] | nib[2 * k + 1] << 4);
+}
+
+/* a row type's scale bytes per block: f16, or mxfp4's one exponent */
+static size_t clb_x8_scale_bytes(clb_type t) { return t == CLB_TYPE_MXFP4 ? 1 : sizeof(clb_f16); }
+
 void clb_repack_x8_ref(clb_type t, int64_t n, int64_t n_rows, const void *src, void *dst) {
     assert(clb_x8_type(t) != t && n_rows % 8 == 0 && n % CLB_QK == 0);
-    const size_t bs = clb_type_row_size(t, CLB_QK);
-    const size_t qb = bs - sizeof(clb_f16), row = (size_t)(n / CLB_QK) * bs;
+    const size_t bs = clb_type_row_size(t, CLB_QK), sc = clb_x8_scale_bytes(t);
+    const size_t qb = bs - sc, row = (size_t)(n / CLB_QK) * bs;
     for (int64_t g = 0; g < n_rows / 8; g++) {
         const char *s = (const char *)src + (size_t)g * 8 * row;
         char *d = (char *)dst + (size_t)g * 8 * row;
@@ -374,58 +397,76 @@ void clb_repack_x8_ref(clb_type t, int64_t n, int64_t n_rows, const void *src, v
             char *db = d + (size_t)b * 8 * bs;
             for (int r = 0; r < 8; r++) {
                 const char *sb = s + (size_t)r * row + (size_t)b * bs;
-                memcpy(db + 2 * r, sb, sizeof(clb_f16));
+                uint8_t q[CLB_QK / 2];
+                const char *qs = sb + sc;
+                if (t == CLB_TYPE_MXFP4) {
+                    clb_mxfp4_to_q4_order((const uint8_t *)qs, q);
+                    qs = (const char *)q;
+                }
+                memcpy(db + sc * (size_t)r, sb, sc);
                 for (size_t c = 0; c < qb / 4; c++)
-                    memcpy(db + 16 + 32 * c + 4 * (size_t)r, sb + 2 + 4 * c, 4);
+                    memcpy(db + 8 * sc + 32 * c + 4 * (size_t)r, qs + 4 * c, 4);
             }
         }
     }
 }
 
-/* block b of row r (0..7) of an interleaved group, back in the row layout */
-static void clb_x8_block(size_t bs, const char *grp, int64_t b, int r, char *out) {
+/* block b of row r (0..7) of an interleaved group of row type t, back in the row layout */
+static void clb_x8_block(clb_type t, const char *grp, int64_t b, int r, char *out) {
+    const size_t bs = clb_type_row_size(t, CLB_QK), sc = clb_x8_scale_bytes(t);
     const char *db = grp + (size_t)b * 8 * bs;
-    memcpy(out, db + 2 * r, sizeof(clb_f16));
-    for (size_t c = 0; c < (bs - sizeof(clb_f16)) / 4; c++)
-        memcpy(out + 2 + 4 * c, db + 16 + 32 * c + 4 * (size_t)r, 4);
+    memcpy(out, db + sc * (size_t)r, sc);
+    for (size_t c = 0; c < (bs - sc) / 4; c++)
+        memcpy(out + sc + 4 * c, db + 8 * sc + 32 * c + 4 * (size_t)r, 4);
+    if (t == CLB_TYPE_MXFP4) {
+        uint8_t q4[CLB_QK / 2];
+        memcpy(q4, out + sc, sizeof q4);
+        clb_mxfp4_from_q4_order(q4, (uint8_t *)out + sc);
+    }
 }
 
 /* The row layout's reference dot, block by block in the same order (s += d_w * d_a * sum), so
  * an interleaved matrix gives bit for bit the results of its rows. */
-static void clb_gemm_x8_ref(clb_vec_dot_fn dot, size_t bs, int64_t n, int64_t n_rows,
+static void clb_gemm_x8_ref(clb_vec_dot_fn dot, clb_type t, int64_t n, int64_t n_rows,
                             const void *w, size_t w_row, const void *act, size_t act_row,
                             int64_t n_tok, float *y, int64_t ldy) {
     assert(n_rows % 8 == 0);
     char blk[sizeof(clb_block_q8)];
-    for (int64_t t = 0; t < n_tok; t++) {
-        const clb_block_q8a *a = (const clb_block_q8a *)((const char *)act + (size_t)t * act_row);
+    for (int64_t tk = 0; tk < n_tok; tk++) {
+        const clb_block_q8a *a = (const clb_block_q8a *)((const char *)act + (size_t)tk * act_row);
         for (int64_t r = 0; r < n_rows; r++) {
             const char *grp = (const char *)w + (size_t)(r / 8) * 8 * w_row;
             float s = 0.0f;
             for (int64_t b = 0; b < n / CLB_QK; b++) {
-                clb_x8_block(bs, grp, b, (int)(r % 8), blk);
+                clb_x8_block(t, grp, b, (int)(r % 8), blk);
                 s += dot(CLB_QK, blk, a + b);
             }
-            y[t * ldy + r] = s;
+            y[tk * ldy + r] = s;
         }
     }
 }
 
 void clb_gemm_q8x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm_x8_ref(clb_vec_dot_q8_ref, sizeof(clb_block_q8), n, n_rows, w, w_row, act, act_row,
+    clb_gemm_x8_ref(clb_vec_dot_q8_ref, CLB_TYPE_Q8, n, n_rows, w, w_row, act, act_row,
                     n_tok, y, ldy);
 }
 
 void clb_gemm_q4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm_x8_ref(clb_vec_dot_q4_ref, sizeof(clb_block_q4), n, n_rows, w, w_row, act, act_row,
+    clb_gemm_x8_ref(clb_vec_dot_q4_ref, CLB_TYPE_Q4, n, n_rows, w, w_row, act, act_row,
                     n_tok, y, ldy);
 }
 
 void clb_gemm_q6x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row, const void *act,
                        size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
-    clb_gemm_x8_ref(clb_vec_dot_q6_ref, sizeof(clb_block_q6), n, n_rows, w, w_row, act, act_row,
+    clb_gemm_x8_ref(clb_vec_dot_q6_ref, CLB_TYPE_Q6, n, n_rows, w, w_row, act, act_row,
+                    n_tok, y, ldy);
+}
+
+void clb_gemm_mxfp4x8_ref(int64_t n, int64_t n_rows, const void *w, size_t w_row,
+                          const void *act, size_t act_row, int64_t n_tok, float *y, int64_t ldy) {
+    clb_gemm_x8_ref(clb_vec_dot_mxfp4_ref, CLB_TYPE_MXFP4, n, n_rows, w, w_row, act, act_row,
                     n_tok, y, ldy);
 }
 

@@ -41,9 +41,27 @@ static size_t head_layout(const clb_hparams *hp, clb_kv_type type, size_t *scale
     return 0;
 }
 
+int64_t clb_hp_n_attn_layers(const clb_hparams *hp) {
+    int64_t n = 0;
+    for (int64_t il = 0; il < hp->n_layer; il++)
+        n += !hp->layer_mixer || hp->layer_mixer[il] != CLB_MIX_LINEAR;
+    return n;
+}
+
+int64_t clb_lin_conv_floats(const clb_hparams *hp) {
+    const int64_t C = 2 * hp->lin_n_k_heads * hp->lin_k_dim + hp->lin_n_v_heads * hp->lin_v_dim;
+    return (hp->lin_conv - 1) * C;
+}
+
+int64_t clb_lin_state_floats(const clb_hparams *hp) {
+    return hp->lin_n_v_heads * hp->lin_k_dim * hp->lin_v_dim;
+}
+
 size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
     /* limits well inside what clb_model_load accepts, so the products below cannot overflow */
     if (!hp || hp->n_layer <= 0 || hp->n_layer > (1 << 16)) return 0;
+    const int64_t n_attn = clb_hp_n_attn_layers(hp);
+    if (n_attn <= 0) return 0;
     if (hp->attn != CLB_ATTN_GQA && hp->attn != CLB_ATTN_MLA) return 0;
     const kv_shape sh = shape_of(hp);
     if (sh.n_heads <= 0 || sh.n_heads > (1 << 16) || sh.row_dim <= 0 || sh.row_dim > (1 << 16) ||
@@ -53,7 +71,67 @@ size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
     size_t off;
     size_t head = head_layout(hp, type, &off);
     /* head <= 2^19, n_heads <= 2^16 and 2 * 16 * n_layer <= 2^21: fits a 64-bit size_t */
-    return head * (size_t)sh.n_heads * (size_t)(sh.n_kinds * CLB_KV_BLOCK) * (size_t)hp->n_layer;
+    return head * (size_t)sh.n_heads * (size_t)(sh.n_kinds * CLB_KV_BLOCK) * (size_t)n_attn;
+}
+
+/* the model's hparams were checked at load (dimensions capped far below overflow) */
+size_t clb_kv_state_bytes(const clb_hparams *hp) {
+    if (!hp) return 0;
+    const int64_t n_lin = hp->n_layer - clb_hp_n_attn_layers(hp);
+    if (n_lin <= 0) return 0;
+    return (size_t)(n_lin * (clb_lin_conv_floats(hp) + clb_lin_state_floats(hp))) *
+           sizeof(float);
+}
+
+clb_status clb_kv_states_init(clb_kv *kv, int64_t n_slots) {
+    if (!kv || kv->state || n_slots <= 0 || n_slots > INT32_MAX) return CLB_E_ARG;
+    const size_t bytes = clb_kv_state_bytes(&kv->model->hp);
+    if (bytes == 0) return CLB_E_ARG;
+    if ((size_t)n_slots > SIZE_MAX / bytes) return CLB_E_RANGE;
+    kv->state = clb_pool_alloc(kv->pool, (size_t)n_slots * bytes);
+    kv->state_len = clb_pool_alloc(kv->pool, (size_t)n_slots * sizeof(int64_t));
+    kv->slot_user = clb_pool_alloc(kv->pool, (size_t)n_slots * sizeof(int32_t));
+    if (!kv->state || !kv->state_len || !kv->slot_user) {
+        kv->state = NULL;
+        return CLB_E_NOMEM;
+    }
+    for (int64_t i = 0; i < n_slots; i++) {
+        kv->state_len[i] = -1;
+        kv->slot_user[i] = -1;
+    }
+    kv->slot_floats = bytes / sizeof(float);
+    kv->n_slots = n_slots;
+    return CLB_OK;
+}
+
+int64_t clb_kv_n_state_slots(const clb_kv *kv) { return kv ? kv->n_slots : 0; }
+
+clb_status clb_kv_block_copy(clb_kv *kv, int64_t dst, int64_t src) {
+    if (!kv || dst < 0 || dst >= kv->n_blocks || src < 0 || src >= kv->n_blocks)
+        return CLB_E_ARG;
+    if (dst == src) return CLB_OK;
+    /* one (cached layer, kind, kv head)'s part of a block is CLB_KV_BLOCK rows in a run */
+    const size_t run = (size_t)CLB_KV_BLOCK * kv->head_bytes;
+    for (int64_t p = 0; p < kv->n_layer * kv->n_kinds * kv->n_head_kv; p++) {
+        const size_t base = (size_t)p * (size_t)kv->n_blocks;
+        memcpy(kv->data + (base + (size_t)dst) * run, kv->data + (base + (size_t)src) * run,
+               run);
+    }
+    return CLB_OK;
+}
+
+clb_status clb_kv_state_copy(clb_kv *kv, int64_t dst, int64_t src) {
+    if (!kv || dst < 0 || dst >= kv->n_slots || src < 0 || src >= kv->n_slots) return CLB_E_ARG;
+    if (dst != src)
+        memcpy(kv->state + (size_t)dst * kv->slot_floats,
+               kv->state + (size_t)src * kv->slot_floats, kv->slot_floats * sizeof(float));
+    kv->state_len[dst] = kv->state_len[src];
+    return CLB_OK;
+}
+
+int64_t clb_kv_state_len(const clb_kv *kv, int64_t slot) {
+    if (!kv || slot < 0 || slot >= kv->n_slots) return -1;
+    return kv->state_len[slot];
 }
 
 clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out) {
@@ -75,7 +153,8 @@ clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, c
     kv->type = type;
     kv->n_blocks = n_blocks;
     const kv_shape sh = shape_of(hp);
-    kv->n_layer = hp->n_layer;
+    kv->n_layer = clb_hp_n_attn_layers(hp);
+    kv->kv_layer = m->kv_layer;
     kv->n_head_kv = sh.n_heads;
     kv->head_dim = sh.row_dim;
     kv->n_kinds = sh.n_kinds;

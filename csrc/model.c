@@ -129,6 +129,33 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
     NEED(!hp->expert_bias || n_moe > 0, "expert_bias set without an MoE layer");
     NEED(!hp->router_bias || n_moe > 0, "router_bias set without an MoE layer");
     NEED(hp->glu == CLB_GLU_SILU || hp->glu == CLB_GLU_SWIGLU_CLAMP, "unknown glu %d", hp->glu);
+    NEED(!hp->attn_gate || (hp->attn == CLB_ATTN_GQA && hp->qk_norm != CLB_QK_NORM_FULL &&
+                            hp->clip_qkv <= 0.0f),
+         "the attention output gate needs GQA without a whole-projection q/k norm or clip");
+    int64_t n_linear = 0;
+    for (int64_t il = 0; hp->layer_mixer && il < hp->n_layer; il++) {
+        NEED(hp->layer_mixer[il] == CLB_MIX_ATTN || hp->layer_mixer[il] == CLB_MIX_LINEAR,
+             "layer %lld: unknown token mixer %d", (long long)il, hp->layer_mixer[il]);
+        n_linear += hp->layer_mixer[il] == CLB_MIX_LINEAR;
+    }
+    if (n_linear > 0) {
+        NEED(n_linear < hp->n_layer, "at least one layer must be an attention layer");
+        NEED(hp->attn == CLB_ATTN_GQA, "linear-attention layers need GQA for the others");
+        NEED(hp->lin_n_k_heads > 0 && hp->lin_n_k_heads <= CLB_MAX_HEADS &&
+                 hp->lin_n_v_heads > 0 && hp->lin_n_v_heads <= CLB_MAX_HEADS &&
+                 hp->lin_n_v_heads % hp->lin_n_k_heads == 0,
+             "linear attention: %lld value heads must be a positive multiple of %lld key heads",
+             (long long)hp->lin_n_v_heads, (long long)hp->lin_n_k_heads);
+        NEED(hp->lin_k_dim > 0 && hp->lin_k_dim <= 4096 && hp->lin_v_dim > 0 &&
+                 hp->lin_v_dim <= 4096,
+             "linear attention: head widths %lld / %lld out of range", (long long)hp->lin_k_dim,
+             (long long)hp->lin_v_dim);
+        NEED(hp->lin_n_v_heads * hp->lin_v_dim <= CLB_MAX_EMBD &&
+                 hp->lin_n_k_heads * hp->lin_k_dim <= CLB_MAX_EMBD,
+             "linear attention: projections too wide");
+        NEED(hp->lin_conv >= 2 && hp->lin_conv <= 64, "linear attention: conv width %lld not in "
+             "2..64", (long long)hp->lin_conv);
+    }
     NEED(hp->glu != CLB_GLU_SWIGLU_CLAMP ||
              (isfinite(hp->glu_alpha) && isfinite(hp->glu_limit) && hp->glu_limit > 0.0f),
          "the clamped SwiGLU needs a finite glu_alpha and a positive glu_limit");
@@ -236,6 +263,31 @@ static clb_status load_mla(loader *ld, const clb_wfile *f, const char *rel, clb_
     return CLB_OK;
 }
 
+/* A gated DeltaNet layer's tensors (clb_model_internal.h). */
+static clb_status load_linear(loader *ld, const clb_wfile *f, const char *rel, clb_layer_w *l) {
+    const clb_hparams *hp = &ld->m->hp;
+    const int64_t d = hp->n_embd, nv = hp->lin_n_v_heads, vd = nv * hp->lin_v_dim;
+    const int64_t C = 2 * hp->lin_n_k_heads * hp->lin_k_dim + vd;
+    if (clb_wfile_find(f, "lin_qkvz")) { /* one matrix each (Qwen3-Next) or two (Qwen3.5) */
+        TRY(want(ld, f, rel, "lin_qkvz", KIND_MAT_ANY, C + vd, d, "2*k_heads*k_dim + "
+                 "2*v_heads*v_dim, n_embd", &l->lin_qkvz));
+        TRY(want(ld, f, rel, "lin_ba", KIND_MAT_ANY, 2 * nv, d, "2*v_heads, n_embd", &l->lin_ba));
+    } else {
+        TRY(want(ld, f, rel, "lin_qkv", KIND_MAT_ANY, C, d, "2*k_heads*k_dim + v_heads*v_dim, "
+                 "n_embd", &l->lin_qkv));
+        TRY(want(ld, f, rel, "lin_z", KIND_MAT_ANY, vd, d, "v_heads*v_dim, n_embd", &l->lin_z));
+        TRY(want(ld, f, rel, "lin_b", KIND_MAT_ANY, nv, d, "v_heads, n_embd", &l->lin_b));
+        TRY(want(ld, f, rel, "lin_a", KIND_MAT_ANY, nv, d, "v_heads, n_embd", &l->lin_a));
+    }
+    TRY(want(ld, f, rel, "lin_conv", KIND_MAT_F32, C, hp->lin_conv, "conv channels, lin_conv",
+             &l->lin_conv));
+    TRY(want(ld, f, rel, "lin_dt_bias", KIND_VEC_F32, 0, nv, "v_heads", &l->lin_dt_bias));
+    TRY(want(ld, f, rel, "lin_a_log", KIND_VEC_F32, 0, nv, "v_heads", &l->lin_a_log));
+    TRY(want(ld, f, rel, "lin_norm", KIND_VEC_F32, 0, hp->lin_v_dim, "v_dim", &l->lin_norm));
+    TRY(want(ld, f, rel, "lin_out", KIND_MAT_ANY, d, vd, "n_embd, v_heads*v_dim", &l->lin_out));
+    return CLB_OK;
+}
+
 static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
     clb_model *m = ld->m;
     const clb_hparams *hp = &m->hp;
@@ -247,11 +299,20 @@ static clb_status load_layer(loader *ld, const char *dir, int64_t il) {
     snprintf(rel, sizeof rel, "attention/layer_%lld.bin", (long long)il);
     TRY(open_file(ld, dir, rel, &f));
     TRY(want(ld, f, rel, "attn_norm", KIND_VEC_F32, 0, d, "n_embd", &l->attn_norm));
+    l->mixer = hp->layer_mixer ? hp->layer_mixer[il] : CLB_MIX_ATTN;
+    if (l->mixer == CLB_MIX_LINEAR) {
+        TRY(load_linear(ld, f, rel, l));
+        return load_ffn_of(ld, dir, il);
+    }
     if (hp->attn == CLB_ATTN_MLA) {
         TRY(load_mla(ld, f, rel, l));
         return load_ffn_of(ld, dir, il);
     }
-    TRY(want(ld, f, rel, "wq", KIND_MAT_ANY, qd, d, "n_head*head_dim, n_embd", &l->wq));
+    if (hp->attn_gate)
+        TRY(want(ld, f, rel, "wq", KIND_MAT_ANY, 2 * qd, d, "2*n_head*head_dim (query and gate "
+                 "per head), n_embd", &l->wq));
+    else
+        TRY(want(ld, f, rel, "wq", KIND_MAT_ANY, qd, d, "n_head*head_dim, n_embd", &l->wq));
     TRY(want(ld, f, rel, "wk", KIND_MAT_ANY, kvd, d, "n_head_kv*head_dim, n_embd", &l->wk));
     TRY(want(ld, f, rel, "wv", KIND_MAT_ANY, kvd, d, "n_head_kv*head_dim, n_embd", &l->wv));
     TRY(want(ld, f, rel, "wo", KIND_MAT_ANY, d, qd, "n_embd, n_head*head_dim", &l->wo));
@@ -378,6 +439,13 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
         mm = mm_need(l->wq_a, mm);
         mm = mm_need(l->wq_b, mm);
         mm = mm_need(l->wkv_a, mm);
+        mm = mm_need(l->lin_qkvz, mm);
+        mm = mm_need(l->lin_ba, mm);
+        mm = mm_need(l->lin_qkv, mm);
+        mm = mm_need(l->lin_z, mm);
+        mm = mm_need(l->lin_b, mm);
+        mm = mm_need(l->lin_a, mm);
+        mm = mm_need(l->lin_out, mm);
         mm = mm_need(l->dense.w1, mm);
         mm = mm_need(l->dense.w3, mm);
         mm = mm_need(l->dense.w2, mm);
@@ -395,7 +463,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     int fail = 0;
     m->x = palloc(m, B * d * F, &fail);
     m->xn = palloc(m, B * d * F, &fail);
-    m->q = palloc(m, B * qd * F, &fail);
+    m->q = palloc(m, B * qd * (hp->attn_gate ? 2 : 1) * F, &fail); /* attn_gate: query, gate */
     m->k = palloc(m, B * kvd * F, &fail);
     m->v = palloc(m, B * kvd * F, &fail);
     const int mla = hp->attn == CLB_ATTN_MLA;
@@ -421,6 +489,21 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
         m->ctx = palloc(m, S * H * kl * F, &fail);
         m->head_act = palloc(m, S * H * m->head_act_row, &fail);
     }
+    m->n_linear = 0;
+    for (int64_t il = 0; il < hp->n_layer; il++)
+        if (m->layers[il].mixer == CLB_MIX_LINEAR) m->layers[il].lin_index = m->n_linear++;
+    if (m->n_linear > 0) {
+        const size_t vd = (size_t)(hp->lin_n_v_heads * hp->lin_v_dim);
+        const size_t C = (size_t)(2 * hp->lin_n_k_heads * hp->lin_k_dim) + vd;
+        m->lin_p = palloc(m, B * (C + vd) * F, &fail);
+        m->lin_ba = palloc(m, B * 2 * (size_t)hp->lin_n_v_heads * F, &fail);
+        m->lin_c = palloc(m, B * C * F, &fail);
+        m->lin_o = palloc(m, B * vd * F, &fail);
+        m->lin_tmp = palloc(m, (size_t)m->n_threads *
+                                   (size_t)(2 * hp->lin_k_dim + hp->lin_v_dim) * F, &fail);
+    }
+    m->layer_mixer = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
+    m->kv_layer = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
     m->proj = palloc(m, B * d * F, &fail);
     m->rope = palloc(m, B * (size_t)hp->rotary_dim * F, &fail);
     m->inv_freq = palloc(m, (size_t)hp->rotary_dim / 2 * F, &fail);
@@ -447,6 +530,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->mm_scratch = palloc(m, mm, &fail);
     m->act = palloc(m, mm, &fail);
     size_t n_jobs = e + 3 > (size_t)hp->n_head ? e + 3 : (size_t)hp->n_head; /* MLA: a head each */
+    if (n_jobs < 4) n_jobs = 4; /* a linear layer's four input projections */
     m->jobs = palloc(m, n_jobs * sizeof(clb_mm_job), &fail);
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
     m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);
@@ -465,6 +549,12 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->hp.layer_ffn = m->layer_ffn;
     for (int64_t il = 0; il < hp->n_layer; il++) m->layer_sliding[il] = m->layers[il].window > 0;
     m->hp.layer_sliding = m->layer_sliding;
+    int32_t n_cached = 0;
+    for (int64_t il = 0; il < hp->n_layer; il++) {
+        m->layer_mixer[il] = m->layers[il].mixer;
+        m->kv_layer[il] = m->layers[il].mixer == CLB_MIX_LINEAR ? -1 : n_cached++;
+    }
+    m->hp.layer_mixer = m->layer_mixer;
     return CLB_OK;
 }
 

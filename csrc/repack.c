@@ -47,6 +47,13 @@ static void collect(clb_model *m, int experts, plan *p) {
         add(p, &l->wk);
         add(p, &l->wv);
         add(p, &l->wo);
+        add(p, &l->lin_qkvz); /* linear attention's: NULL elsewhere, skipped */
+        add(p, &l->lin_ba);
+        add(p, &l->lin_qkv);
+        add(p, &l->lin_z);
+        add(p, &l->lin_b);
+        add(p, &l->lin_a);
+        add(p, &l->lin_out);
         add(p, &l->dense.w1); /* absent (NULL) outside dense layers: add skips them */
         add(p, &l->dense.w3);
         add(p, &l->dense.w2);

@@ -81,6 +81,7 @@ static const struct {
     [CLB_TYPE_Q6] = {CLB_QK, sizeof(clb_block_q6)},
     [CLB_TYPE_Q6X8] = {CLB_QK, sizeof(clb_block_q6)},
     [CLB_TYPE_MXFP4] = {CLB_QK, sizeof(clb_block_mxfp4)},
+    [CLB_TYPE_MXFP4X8] = {CLB_QK, sizeof(clb_block_mxfp4)},
 };
 
 size_t clb_type_row_size(clb_type t, int64_t n) {

@@ -7,3 +7,4 @@ One include per C area so each grows on its own; Python code uses engine's modul
 include "_kernels.pxi"
 include "_model.pxi"
 include "_bench.pxi"
+include "_linear.pxi"

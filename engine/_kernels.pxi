@@ -44,6 +44,7 @@ cdef extern from "clb_types.h" nogil:
         CLB_TYPE_Q6
         CLB_TYPE_Q6X8
         CLB_TYPE_MXFP4
+        CLB_TYPE_MXFP4X8
         CLB_TYPE_COUNT
 
     int CLB_QK
@@ -247,12 +248,13 @@ cdef const unsigned char[::1] _matrix_bytes(clb_type t, w, int64_t n_out, int64_
 
 
 def repack_x8(name: str, w, int n_out, int n_in, bint in_place=False, bint ref=False) -> bytes:
-    """The bytes of a [n_out, n_in] q8, q4 or q6 matrix (n_out a multiple of 8) in the 8-row
-    interleaved layout (type "q8x8" / "q4x8" / "q6x8" for matmul), through the copying or the
-    in-place repack (the CPU's fastest), or the plain C reference (ref)."""
+    """The bytes of a [n_out, n_in] q8, q4, q6 or mxfp4 matrix (n_out a multiple of 8) in the
+    8-row interleaved layout (type "q8x8" / "q4x8" / "q6x8" / "mxfp4x8" for matmul), through the
+    copying or the in-place repack (the CPU's fastest), or the plain C reference (ref)."""
     cdef clb_type t = _kernel_type(name)
     if clb_x8_type(t) == t:
-        raise ValueError(f"only q8, q4 and q6 weights have an interleaved layout, not {name!r}")
+        raise ValueError(f"only q8, q4, q6 and mxfp4 weights have an interleaved layout, "
+                         f"not {name!r}")
     if n_out <= 0 or n_out % 8:
         raise ValueError(f"rows must be a positive multiple of 8, got {n_out}")
     cdef size_t rs = _row_bytes(t, n_in)

@@ -46,10 +46,13 @@ cdef extern from "clb_model.h" nogil:
         int32_t expert_bias
         int32_t glu
         float glu_alpha, glu_limit
+        int32_t attn_gate
+        int64_t lin_n_k_heads, lin_n_v_heads, lin_k_dim, lin_v_dim, lin_conv
         int64_t n_ctx
         const float *rope_freqs
         const int32_t *layer_ffn
         const int32_t *layer_sliding
+        const int32_t *layer_mixer
 
     ctypedef struct clb_tensor:
         const char name[64]
@@ -99,6 +102,12 @@ cdef extern from "clb_model.h" nogil:
     void clb_kv_free(clb_kv *kv)
     int64_t clb_kv_n_blocks(const clb_kv *kv)
     clb_kv_type clb_kv_get_type(const clb_kv *kv)
+    size_t clb_kv_state_bytes(const clb_hparams *hp)
+    clb_status clb_kv_states_init(clb_kv *kv, int64_t n_slots)
+    int64_t clb_kv_n_state_slots(const clb_kv *kv)
+    clb_status clb_kv_state_copy(clb_kv *kv, int64_t dst, int64_t src)
+    clb_status clb_kv_block_copy(clb_kv *kv, int64_t dst, int64_t src)
+    int64_t clb_kv_state_len(const clb_kv *kv, int64_t slot)
 
     ctypedef struct clb_batch:
         int64_t n_tokens
@@ -110,6 +119,7 @@ cdef extern from "clb_model.h" nogil:
         int32_t max_blocks
         const int32_t *block_tables
         int32_t *routes
+        const int32_t *state_slots
 
     ctypedef struct clb_xc_config:
         int64_t per_layer
@@ -146,11 +156,12 @@ _HPARAM_INT_KEYS = (
     "kv_lora_rank", "v_head_dim", "n_ff", "n_expert", "n_expert_used", "n_ff_shared", "n_ff_dense", "shared_gate", "norm_topk_prob",
     "router", "n_group", "topk_group", "qk_norm", "qkv_bias", "o_bias", "tie_embeddings",
     "rotary_dim", "sliding_window", "attn_sinks", "router_bias", "expert_bias", "glu", "n_ctx",
+    "attn_gate", "lin_n_k_heads", "lin_n_v_heads", "lin_k_dim", "lin_v_dim", "lin_conv",
 )
 _HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps",
                       "glu_alpha", "glu_limit")
 # arrays (None: the C default), kept alive by the caller of _fill_hparams while C reads them
-_HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn", "layer_sliding")
+_HPARAM_ARRAY_KEYS = ("rope_freqs", "layer_ffn", "layer_sliding", "layer_mixer")
 
 
 def _as_i32(x, str what):
@@ -228,10 +239,17 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.glu_alpha = hparams["glu_alpha"]
     hp.glu_limit = hparams["glu_limit"]
     hp.n_ctx = hparams["n_ctx"]
+    hp.attn_gate = hparams["attn_gate"]
+    hp.lin_n_k_heads = hparams["lin_n_k_heads"]
+    hp.lin_n_v_heads = hparams["lin_n_v_heads"]
+    hp.lin_k_dim = hparams["lin_k_dim"]
+    hp.lin_v_dim = hparams["lin_v_dim"]
+    hp.lin_conv = hparams["lin_conv"]
+    cdef int32_t[::1] mixers
     cdef float[::1] freqs
     cdef int32_t[::1] kinds
     cdef int32_t[::1] sliding
-    keep_freqs = keep_kinds = keep_sliding = None
+    keep_freqs = keep_kinds = keep_sliding = keep_mixers = None
     if hparams["rope_freqs"] is not None:
         keep_freqs = np.ascontiguousarray(hparams["rope_freqs"], dtype=np.float32).reshape(-1)
         if keep_freqs.size != hp.rotary_dim // 2:
@@ -253,14 +271,21 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
                              f"layers")
         sliding = keep_sliding
         hp.layer_sliding = &sliding[0]
-    return (keep_freqs, keep_kinds, keep_sliding)
+    if hparams["layer_mixer"] is not None:
+        keep_mixers = _as_i32(hparams["layer_mixer"], "layer_mixer")
+        if keep_mixers.size != hp.n_layer:
+            raise ValueError(f"layer_mixer has {keep_mixers.size} values for {hp.n_layer} "
+                             f"layers")
+        mixers = keep_mixers
+        hp.layer_mixer = &mixers[0]
+    return (keep_freqs, keep_kinds, keep_sliding, keep_mixers)
 
 
 def kv_block_bytes(dict hparams, str kv_type="f32") -> int:
     """Bytes of one KV block (16 positions, K and V, every layer) for a model's hparams
     (ModelConfig.to_hparams) and a KV type: divide a memory budget by it to size a cache."""
     cdef clb_hparams hp
-    _fill_hparams(hparams, &hp)
+    keep = _fill_hparams(hparams, &hp)  # noqa: F841 (C reads its arrays)
     cdef size_t n = clb_kv_block_bytes(&hp, _kv_type(kv_type))
     if n == 0:
         raise ValueError("hparams give no valid KV block size")
@@ -342,7 +367,7 @@ cdef class KVCache:
     def __cinit__(self):
         self.kv = NULL
 
-    def __init__(self, CoreModel model not None, n_blocks, str kv_type="f32"):
+    def __init__(self, CoreModel model not None, n_blocks, str kv_type="f32", n_state_slots=0):
         cdef clb_kv_type ty = _kv_type(kv_type)
         n = operator.index(n_blocks)
         if n <= 0 or n > 2**31 - 1:
@@ -358,6 +383,12 @@ cdef class KVCache:
             clb_kv_free(self.kv)
         self.kv = kv
         self.model = model
+        ns = operator.index(n_state_slots)
+        if ns > 0 and clb_kv_state_bytes(clb_model_hparams(model.m)) > 0:
+            st = clb_kv_states_init(kv, ns)
+            if st != CLB_OK:
+                raise _status_error(st, f"cannot allocate {ns} recurrent-state slots",
+                                    range_cls=MemoryError)
 
     def __dealloc__(self):
         if self.kv != NULL:
@@ -375,6 +406,34 @@ cdef class KVCache:
     @property
     def block_bytes(self) -> int:
         return clb_kv_block_bytes(clb_model_hparams(self.model.m), clb_kv_get_type(self.kv))
+
+    @property
+    def n_state_slots(self) -> int:
+        """Recurrent-state slots (models with linear-attention layers; 0 otherwise)."""
+        return clb_kv_n_state_slots(self.kv)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one recurrent-state slot (0 without linear-attention layers)."""
+        return clb_kv_state_bytes(clb_model_hparams(self.model.m))
+
+    def state_len(self, slot) -> int:
+        """Positions state slot `slot` has absorbed (-1: none usable)."""
+        return clb_kv_state_len(self.kv, operator.index(slot))
+
+    def copy_block(self, dst, src):
+        """Make block dst hold what block src holds, every layer (a fork's own copy of a
+        partly filled block)."""
+        cdef clb_status st = clb_kv_block_copy(self.kv, operator.index(dst), operator.index(src))
+        if st != CLB_OK:
+            raise InputError(f"blocks {dst} and {src} must be in 0..{self.n_blocks - 1}")
+
+    def copy_state(self, dst, src):
+        """Make state slot dst what slot src is (a sequence forked from another)."""
+        cdef clb_status st = clb_kv_state_copy(self.kv, operator.index(dst), operator.index(src))
+        if st != CLB_OK:
+            raise InputError(f"state slots {dst} and {src} must be in "
+                             f"0..{clb_kv_n_state_slots(self.kv) - 1}")
 
 
 cdef class CoreModel:
@@ -544,7 +603,7 @@ cdef class CoreModel:
         return out
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
-                block_tables, routes=None):
+                block_tables, routes=None, state_slots=None):
         """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
 
         tokens, seq_ids, positions: int32 [T] (other integer arrays are converted when their
@@ -554,7 +613,8 @@ cdef class CoreModel:
         block for its position and attends over the positions before it, which earlier calls
         must have written. A refused call (InputError / ContextOverflowError) changes nothing.
         routes: None, or an int32 array [T, n_layer, n_expert_used] (C-contiguous) that
-        receives the experts each token chose in each layer.
+        receives the experts each token chose in each layer. state_slots: None, or int32
+        [n_seq]: each sequence's recurrent-state slot (models with linear attention).
         """
         if kv.model is not self:
             raise ValueError("this KV cache belongs to another model")
@@ -593,6 +653,14 @@ cdef class CoreModel:
         b.max_blocks = <int32_t>tb.shape[1]
         b.block_tables = &tb[0, 0]
         b.routes = NULL
+        b.state_slots = NULL
+        cdef int32_t[::1] sl
+        if state_slots is not None:
+            sl = _as_i32(state_slots, "state_slots")
+            if sl.shape[0] != tb.shape[0]:
+                raise InputError(f"state_slots has {sl.shape[0]} entries for {tb.shape[0]} "
+                                 f"sequences")
+            b.state_slots = &sl[0]
         cdef int32_t[:, :, ::1] rv
         if routes is not None:
             hp = clb_model_hparams(self.m)

@@ -46,6 +46,17 @@ def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
+def random_mxfp4(rng: np.random.Generator, rows: int, cols: int) -> bytes:
+    """A [rows, cols] MXFP4 matrix of random nibbles with exponents near 2^-7 (the C core has
+    no MXFP4 quantizer: checkpoints ship the blocks; the values do not change the timing)."""
+    from colibri.engine.format.quant import MXFP4_DTYPE, QK
+
+    b = np.empty(rows * cols // QK, dtype=MXFP4_DTYPE)
+    b["e"] = rng.integers(118, 123, b.size, dtype=np.uint8)
+    b["qs"] = rng.integers(0, 256, (b.size, QK // 2), dtype=np.uint8)
+    return b.tobytes()
+
+
 def kernel_paths(isas: list[str], hints: list[str]) -> list[str]:
     """The variants to time: each ISA path, the AVX-512 one once per prefetch hint when several
     are asked for (as "avx512/nta")."""
@@ -105,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=16384, help="output rows (default 16384)")
     p.add_argument("--cols", type=int, default=4096, help="input columns (default 4096)")
     p.add_argument("--types", default="q8,q4,q8x8,q4x8",
-                   help="weight types; q8x8 and q4x8 are q8 and q4 in the 8-row interleaved "
-                        "layout the SIMD paths repack to at load (default q8,q4,q8x8,q4x8)")
+                   help="weight types; q8x8, q4x8 and mxfp4x8 are q8, q4 and mxfp4 in the 8-row "
+                        "interleaved layout the SIMD paths repack to at load (mxfp4 takes "
+                        "random blocks) (default q8,q4,q8x8,q4x8)")
     p.add_argument("--isa", default=None, help="ISA paths, e.g. avx512,avx2 (default: all)")
     p.add_argument("--tokens", default="1,2,4,8,16", help="rows of activations per product")
     p.add_argument("--threads", default="1,2", help="thread counts")
@@ -149,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'GMAC/s':>8}{'read':>7}{'% read':>8}{versus}")
     for name in args.types.split(","):
         base = name.removesuffix("x8")
-        w = _core.quantize(base, w32)
+        w = (random_mxfp4(rng, args.rows, args.cols) if base == "mxfp4"
+             else _core.quantize(base, w32))
         if base != name:
             w = _core.repack_x8(base, w, args.rows, args.cols)
         for th in ints(args.threads):

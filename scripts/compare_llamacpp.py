@@ -26,6 +26,19 @@ Needs the bench extra: pip install -e '.[bench]' (llama-cpp-python, sentencepiec
     python scripts/compare_llamacpp.py                      # the default benchmark model
     python scripts/compare_llamacpp.py --layers 2 --repeat 3 --skip-transformers --json out.json
     python scripts/compare_llamacpp.py --arch deepseek_v2 --skip-transformers   # V2-Lite shape
+    python scripts/compare_llamacpp.py --arch gpt_oss --skip-transformers --layers 12
+
+--arch gpt_oss is gpt-oss-20b's shape (hidden 2880, 64 heads of 64, 8 KV heads, 32 experts of
+width 2880 top-4, sliding window 128 on every other layer; 24 layers unless --layers says
+fewer: at 24 layers each engine's copy is about 11 GB, and the work folder holds three) with
+its experts in MXFP4 as the released checkpoints ship them (scripts/gpt_oss_checkpoint.py
+draws the blocks at random and writes the checkpoint shard by shard), a sentencepiece
+vocabulary of --vocab tokens (the real o200k one has 201088: its lm_head would add as much to
+both engines' bytes per token). llama.cpp's converter turns it into GGUF with the experts in
+llama.cpp's MXFP4 and every other matrix Q8_0 (what llama-quantize's MXFP4_MOE gives), Colibri
+converts it with the q8 preset, which keeps the experts MXFP4 byte for byte and makes every
+other matrix q8: one pair, "mxfp4". transformers runs it with its experts dequantized to f32
+(about 80 GB at full size): leave it out there with --skip-transformers.
 
 A measurement for docs/performance.md goes into results/ (the file records the CPU, commit,
 command and date), then `python scripts/make_performance_page.py` makes the page again:
@@ -80,6 +93,10 @@ from colibri.engine.tools.bench import (  # noqa: E402
     weight_bytes_per_token,
 )
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # the module beside this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpt_oss_checkpoint import GptOssShape, write_checkpoint  # noqa: E402
+
 # the KV cache of both engines: llama.cpp's default, and what Colibri's "auto" picks for the
 # q8 and q4 models compared here
 KV_CACHE_TYPE = "f16"
@@ -116,9 +133,13 @@ class Dims:
     moe_intermediate: int = 1408
     shared: int = 2
     dense: int = 1
+    # gpt_oss only: the attention heads' width (its 64 is not hidden / heads)
+    head_dim: int = 64
 
     def tag(self) -> str:
-        raw = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = {k: v for k, v in asdict(self).items()
+                  if k not in GPT_OSS_ONLY or self.arch == "gpt_oss"}
+        raw = json.dumps(fields, sort_keys=True).encode()
         return (f"{self.arch}-v{self.vocab}-d{self.hidden}-f{self.intermediate}-l{self.layers}"
                 f"-e{self.experts}k{self.top_k}-h{self.heads}kv{self.kv_heads}-s{self.seed}-"
                 + hashlib.sha256(raw).hexdigest()[:8])
@@ -130,6 +151,29 @@ class Dims:
 # for the full V2 and refuses one without it
 DEEPSEEK_V2_LITE = dict(vocab=32000, hidden=2048, intermediate=10944, layers=4, experts=64,
                         top_k=6, heads=16, kv_heads=16)
+# --arch gpt_oss defaults: gpt-oss-20b (its 24 layers; --layers 12 keeps both engines' copies
+# in the page cache of a 24 GB machine)
+GPT_OSS_20B = dict(vocab=32000, hidden=2880, intermediate=2880, layers=24, experts=32, top_k=4,
+                   heads=64, kv_heads=8)
+GPT_OSS_ONLY = ("head_dim",)  # fields that name other models' cached folders only when set
+ARCH_DEFAULTS: dict[str, dict[str, int]] = {"mixtral": {}, "deepseek_v2": DEEPSEEK_V2_LITE,
+                                            "gpt_oss": GPT_OSS_20B}
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One side-by-side comparison: Colibri's conversion preset against a llama.cpp GGUF."""
+    label: str  # the name both engines' rows and the ratios go by
+    colibri: str  # colibri convert --quant
+    llama: str  # the GGUF's precision (a llama_ftype name without LLAMA_FTYPE_MOSTLY_)
+
+
+def pairs_for(arch: str) -> list[Pair]:
+    """gpt-oss: its MXFP4 experts with every other matrix 8-bit in both engines; the others:
+    Q8_0 against q8, Q4_0 against q4."""
+    if arch == "gpt_oss":
+        return [Pair("mxfp4", "q8", "MXFP4_MOE")]
+    return [Pair("q8", "q8", "Q8_0"), Pair("q4", "q4", "Q4_0")]
 
 
 def _words(rng: random.Random, n: int) -> list[str]:
@@ -209,17 +253,30 @@ def _scale_init(model: Any, seed: int) -> None:
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
 
 
+def gpt_oss_shape(d: Dims) -> GptOssShape:
+    return GptOssShape(vocab=d.vocab, hidden=d.hidden, intermediate=d.intermediate,
+                       layers=d.layers, experts=d.experts, top_k=d.top_k, heads=d.heads,
+                       kv_heads=d.kv_heads, head_dim=d.head_dim)
+
+
 def build_checkpoint(out: Path, d: Dims) -> Path:
-    """Random Mixtral (transformers' own init, seeded) saved as f16 safetensors."""
+    """Random Mixtral or DeepSeek-V2 (transformers' own init, seeded) saved as f16
+    safetensors, or a random gpt-oss with MXFP4 experts (scripts/gpt_oss_checkpoint.py)."""
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
-    import torch
-    import transformers as tf
-
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     print(f"building the random checkpoint in {out} ...", flush=True)
+    if d.arch == "gpt_oss":
+        write_checkpoint(tmp, gpt_oss_shape(d), d.seed)
+        train_tokenizer(tmp, d.vocab, d.seed)
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+        return out
+    import torch
+    import transformers as tf
+
     if d.arch == "deepseek_v2":
         cfg = tf.DeepseekV2Config(
             vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
@@ -295,30 +352,51 @@ def llama_source(workdir: Path, given: str | None) -> Path:
     return dest
 
 
-# Runs llama.cpp's converter with DeepSeek-V2's vocabulary written from the random model's
-# sentencepiece tokenizer (the converter only knows DeepSeek's own BPE tokenizers).
+# Runs llama.cpp's converter with the model class's vocabulary written from the random model's
+# sentencepiece tokenizer (DeepSeek-V2's and gpt-oss's converters only know their own BPE
+# tokenizers). argv: source root, "module:Class" under conversion/, the converter's arguments.
 _CONVERT_SENTENCEPIECE_VOCAB = """\
-import runpy, sys
+import importlib, runpy, sys
 sys.path.insert(0, sys.argv[1])
-import conversion.deepseek as ds
-ds.DeepseekV2Model.set_vocab = lambda self: self._set_vocab_sentencepiece()
-sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+module, cls = sys.argv[2].split(":")
+model = getattr(importlib.import_module("conversion." + module), cls)
+model.set_vocab = lambda self: self._set_vocab_sentencepiece()
+sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+_SENTENCEPIECE_CLASSES = {"deepseek_v2": "deepseek:DeepseekV2Model",
+                          "gpt_oss": "gpt_oss:GptOssModel"}
+
+
+def _converter(src: Path, arch: str) -> list[str]:
+    if arch in _SENTENCEPIECE_CLASSES:
+        return [sys.executable, "-c", _CONVERT_SENTENCEPIECE_VOCAB, str(src),
+                _SENTENCEPIECE_CLASSES[arch]]
+    return [sys.executable, str(src / "convert_hf_to_gguf.py")]
 
 
 def build_gguf(hf: Path, out_dir: Path, src: Path, arch: str = "mixtral") -> dict[str, Path]:
-    """GGUF f16 by llama.cpp's converter, then Q8_0 and Q4_0 by llama_model_quantize."""
+    """GGUF f16 by llama.cpp's converter, then Q8_0 and Q4_0 by llama_model_quantize; gpt-oss:
+    MXFP4_MOE straight from the converter (its MXFP4 experts copied, the rest Q8_0)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if arch == "gpt_oss":
+        path = out_dir / "model-MXFP4_MOE.gguf"
+        if not path.is_file():
+            print("converting to GGUF (MXFP4 experts, Q8_0 elsewhere) with "
+                  "convert_hf_to_gguf.py ...", flush=True)
+            part = path.with_suffix(".part")
+            subprocess.run([*_converter(src, arch), str(hf), "--outtype", "q8_0", "--outfile",
+                            str(part)], check=True)
+            os.rename(part, path)
+        return {"MXFP4_MOE": path}
     import llama_cpp
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     f16 = out_dir / "model-f16.gguf"
     if not f16.is_file():
         print("converting to GGUF f16 with convert_hf_to_gguf.py ...", flush=True)
         part = f16.with_suffix(".part")
-        conv = ([sys.executable, "-c", _CONVERT_SENTENCEPIECE_VOCAB, str(src)]
-                if arch == "deepseek_v2" else [sys.executable, str(src / "convert_hf_to_gguf.py")])
-        subprocess.run([*conv, str(hf), "--outtype", "f16", "--outfile", str(part)], check=True)
+        subprocess.run([*_converter(src, arch), str(hf), "--outtype", "f16", "--outfile",
+                        str(part)], check=True)
         os.rename(part, f16)
     out = {}
     for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
@@ -586,25 +664,31 @@ def _spawn(args: argparse.Namespace, engine: str, path: Path) -> Run:
 _KV_BYTES: dict[str, float | None] = {}  # each engine's KV bytes per token, from its runs
 
 
+def dims_from_args(args: argparse.Namespace) -> Dims:
+    return Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts,
+                args.top_k, args.heads, args.kv_heads, args.seed, args.arch,
+                head_dim=args.head_dim)
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     from colibri.engine import _core
     from colibri.engine.executor.model import kernels_from_env
     from colibri.engine.format.convert import convert_once
 
     isa = kernels_from_env()  # a COLIBRI_ISA this CPU cannot run fails here, not after the runs
-    d = Dims(args.vocab, args.hidden, args.intermediate, args.layers, args.experts, args.top_k,
-             args.heads, args.kv_heads, args.seed, args.arch)
+    d = dims_from_args(args)
     work = Path(args.workdir)
     base = work / d.tag()
     hf = build_checkpoint(base / "hf", d)
     src = llama_source(work, args.llama_src)
     ggufs = build_gguf(hf, base / "gguf", src, d.arch)
+    pairs = pairs_for(d.arch)
     colibri_dirs = {}
-    for q in ("q8", "q4"):
+    for q in sorted({pr.colibri for pr in pairs}):
         print(f"Colibri {q} ...", flush=True)
         colibri_dirs[q] = convert_once(hf, base / f"colibri-{q}", q)
 
-    llama_preflight(ggufs["Q4_0"], args.threads)
+    llama_preflight(ggufs[pairs[-1].llama], args.threads)
     load0 = os.getloadavg()
 
     def read_memory() -> float:
@@ -615,11 +699,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     prompt = bench_prompt(d.vocab, args.prompt_tokens)
     rows: list[dict[str, Any]] = []
     tokens: dict[str, list[int]] = {}
-    pairs: dict[str, list[float]] = {}  # colibri / llama.cpp decode speed, repeat by repeat
-    for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
+    by_rep: dict[str, list[float]] = {}  # colibri / llama.cpp decode speed, repeat by repeat
+    for pr in pairs:
+        q, lq = pr.label, pr.llama
         runners = {
             "llama.cpp": lambda lq=lq: _spawn(args, "llama.cpp", ggufs[lq]),
-            "colibri": lambda q=q: _spawn(args, "colibri", colibri_dirs[q]),
+            "colibri": lambda c=pr.colibri: _spawn(args, "colibri", colibri_dirs[c]),
         }
 
         def report(rep: int, res: dict[str, list[Run]], q: str = q) -> None:
@@ -630,11 +715,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
         res, reads = alternate(runners, args.repeat, read_memory, between, report)
         lbytes = gguf_bytes_per_token(ggufs[lq], d.top_k)
-        cbytes = weight_bytes_per_token(colibri_dirs[q])
+        cdir = colibri_dirs[pr.colibri]
+        cbytes = weight_bytes_per_token(cdir)
         for name, prec, nbytes, types in (
                 ("llama.cpp", lq, lbytes["total"], lbytes["types"]),
                 ("colibri", q, cbytes["total"], json.loads(
-                    (colibri_dirs[q] / "config.json").read_text())["tensor_types"])):
+                    (cdir / "config.json").read_text())["tensor_types"])):
             runs = res[name]
             same_minute = [percent_of_read(args.gen_tokens, r[1], nbytes, g)
                            for r, g in zip(runs, reads[name], strict=True)]
@@ -648,15 +734,19 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                          "decode_tok_s": summarize([args.gen_tokens / r[1] for r in runs]),
                          "percent_of_bound_same_minute": summarize(same_minute)})
             tokens[f"{name} {prec}"] = runs[0][2]
-        pairs[q] = [ll[1] / c[1] for ll, c in zip(res["llama.cpp"], res["colibri"], strict=True)]
+        by_rep[q] = [ll[1] / c[1] for ll, c in zip(res["llama.cpp"], res["colibri"],
+                                                    strict=True)]
 
     if not args.skip_transformers:
         import torch
         import transformers as tf
 
         torch.set_num_threads(args.threads)
+        # gpt-oss: its MXFP4 experts dequantized by transformers' own loader
+        extra = ({"quantization_config": tf.Mxfp4Config(dequantize=True)}
+                 if d.arch == "gpt_oss" else {})
         model = tf.AutoModelForCausalLM.from_pretrained(
-            str(hf), dtype=torch.float32, attn_implementation="eager").eval()
+            str(hf), dtype=torch.float32, attn_implementation="eager", **extra).eval()
         hf_greedy_run(model, prompt, 4)  # warm-up
         runs = []
         for rep in range(args.tf_repeat):
@@ -679,19 +769,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         r["percent_of_bound"] = 100 * r["decode_tok_s"]["median"] / r["bound_tok_s"]
     by = {(r["engine"], r["precision"]): r for r in rows}
     ratios = {}
-    for q, lq in (("q8", "Q8_0"), ("q4", "Q4_0")):
-        c, ll = by[("colibri", q)], by[("llama.cpp", lq)]
-        ratios[q] = {k: c[k]["median"] / ll[k]["median"] for k in ("prefill_tok_s", "decode_tok_s")}
-        ratios[q]["decode_pairs"] = summarize(pairs[q])
-    agreement = {
-        "q8 colibri vs llama.cpp": _agree(tokens["colibri q8"], tokens["llama.cpp Q8_0"]),
-        "q4 colibri vs llama.cpp": _agree(tokens["colibri q4"], tokens["llama.cpp Q4_0"]),
-        "q8 colibri vs llama.cpp, common prefix": _prefix(tokens["colibri q8"],
-                                                          tokens["llama.cpp Q8_0"]),
-    }
-    if "transformers f32" in tokens:
-        for k in ("colibri q8", "llama.cpp Q8_0", "colibri q4", "llama.cpp Q4_0"):
-            agreement[f"{k} vs transformers f32"] = _agree(tokens[k], tokens["transformers f32"])
+    for pr in pairs:
+        c, ll = by[("colibri", pr.label)], by[("llama.cpp", pr.llama)]
+        ratios[pr.label] = {k: c[k]["median"] / ll[k]["median"]
+                            for k in ("prefill_tok_s", "decode_tok_s")}
+        ratios[pr.label]["decode_pairs"] = summarize(by_rep[pr.label])
+        ratios[pr.label]["llama_precision"] = pr.llama  # the row it was set against
+    agreement = agreement_counts(pairs, tokens)
     import llama_cpp
 
     return {
@@ -712,18 +796,47 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def agreement_counts(pairs: list[Pair], tokens: dict[str, list[int]]) -> dict[str, int]:
+    """Greedy tokens agreeing among the first 16: each pair's engines, the first pair's common
+    prefix, and each run against transformers when it ran (tokens keyed "engine precision")."""
+    out: dict[str, int] = {}
+    for pr in pairs:
+        out[f"{pr.label} colibri vs llama.cpp"] = _agree(tokens[f"colibri {pr.label}"],
+                                                         tokens[f"llama.cpp {pr.llama}"])
+    first = pairs[0]
+    out[f"{first.label} colibri vs llama.cpp, common prefix"] = _prefix(
+        tokens[f"colibri {first.label}"], tokens[f"llama.cpp {first.llama}"])
+    if "transformers f32" in tokens:
+        for pr in pairs:
+            for k in (f"colibri {pr.label}", f"llama.cpp {pr.llama}"):
+                out[f"{k} vs transformers f32"] = _agree(tokens[k], tokens["transformers f32"])
+    return out
+
+
+def describe_model(d: dict[str, Any]) -> str:
+    arch = d.get("arch", "mixtral")
+    if arch == "gpt_oss":
+        return (f"random gpt-oss, experts MXFP4: vocab {d['vocab']}, hidden {d['hidden']}, "
+                f"{d['layers']} layers (sliding window 128 and full alternating), "
+                f"{d['experts']} experts of width {d['intermediate']} top-{d['top_k']}, "
+                f"{d['heads']} heads of {d['head_dim']} / {d['kv_heads']} kv, seed {d['seed']}")
+    if arch == "deepseek_v2":
+        return (f"random DeepSeek-V2 (MLA): vocab {d['vocab']}, hidden {d['hidden']}, "
+                f"{d['layers']} layers ({d['dense']} dense, ffn {d['intermediate']}), "
+                f"{d['experts']} experts top-{d['top_k']} of width {d['moe_intermediate']} + "
+                f"{d['shared']} shared, {d['heads']} heads, q_lora {d['q_lora']}, kv_lora "
+                f"{d['kv_lora']}, rope {d['rope_dim']}, nope {d['nope_dim']}, v {d['v_dim']}, "
+                f"seed {d['seed']}")
+    return (f"random Mixtral: vocab {d['vocab']}, hidden {d['hidden']}, ffn "
+            f"{d['intermediate']}, {d['layers']} layers, {d['experts']} experts "
+            f"top-{d['top_k']}, {d['heads']} heads / {d['kv_heads']} kv, seed {d['seed']}")
+
+
 def render(res: dict[str, Any]) -> str:
     d = res["model"]
     lines = [
         f"cpu: {res['cpu']}",
-        (f"random Mixtral: vocab {d['vocab']}, hidden {d['hidden']}, ffn {d['intermediate']}, "
-         f"{d['layers']} layers, {d['experts']} experts top-{d['top_k']}, {d['heads']} heads / "
-         f"{d['kv_heads']} kv, seed {d['seed']}") if d.get("arch", "mixtral") == "mixtral" else
-        (f"random DeepSeek-V2 (MLA): vocab {d['vocab']}, hidden {d['hidden']}, {d['layers']} "
-         f"layers ({d['dense']} dense, ffn {d['intermediate']}), {d['experts']} experts "
-         f"top-{d['top_k']} of width {d['moe_intermediate']} + {d['shared']} shared, "
-         f"{d['heads']} heads, q_lora {d['q_lora']}, kv_lora {d['kv_lora']}, rope "
-         f"{d['rope_dim']}, nope {d['nope_dim']}, v {d['v_dim']}, seed {d['seed']}"),
+        describe_model(d),
         f"{res['threads']} threads, {res['prompt_tokens']}-token prompt, {res['gen_tokens']} "
         f"greedy tokens, medians of {res['repeat']} alternating repeats "
         f"(transformers: {res['tf_repeat']}); llama-cpp-python {res['llama_cpp_python']}, "
@@ -772,13 +885,14 @@ def render(res: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arch", choices=("mixtral", "deepseek_v2"), default="mixtral",
-                   help="mixtral (default dims below) or deepseek_v2 (DeepSeek-V2-Lite's dims, "
-                        "4 layers)")
+    p.add_argument("--arch", choices=tuple(ARCH_DEFAULTS), default="mixtral",
+                   help="mixtral (default dims below), deepseek_v2 (DeepSeek-V2-Lite's dims, "
+                        "4 layers) or gpt_oss (gpt-oss-20b's dims, experts MXFP4)")
     for name in ("vocab", "hidden", "intermediate", "layers", "experts", "heads", "seed"):
         p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None, help="gpt_oss: attention head width")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128)
@@ -796,9 +910,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=argparse.SUPPRESS)  # internal: one timed run in a fresh process
     p.add_argument("--child-model", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    dflt = {**asdict(Dims()), **(DEEPSEEK_V2_LITE if args.arch == "deepseek_v2" else {})}
+    dflt = {**asdict(Dims()), **ARCH_DEFAULTS[args.arch]}
     for name in ("vocab", "hidden", "intermediate", "layers", "experts", "heads", "seed",
-                 "top_k", "kv_heads"):
+                 "top_k", "kv_heads", "head_dim"):
         if getattr(args, name) is None:
             setattr(args, name, dflt[name])
     return args

@@ -108,14 +108,16 @@ def _workload(d: dict[str, Any]) -> str:
 
 
 def compare_llamacpp_rows(d: dict[str, Any]) -> list[list[str]]:
-    """scripts/compare_llamacpp.py: Colibri beside llama.cpp at q8 and q4, one row each."""
+    """scripts/compare_llamacpp.py: Colibri beside llama.cpp, one row per pair (q8 and q4; or
+    gpt-oss's mxfp4 against MXFP4_MOE), the llama.cpp precision as each ratio records it (files
+    from before it did: Q8_0 for q8, Q4_0 for q4)."""
     m = d["model"]
     model = (f"random {m.get('arch', 'mixtral')}: hidden {m['hidden']}, {m['layers']} layers, "
              f"{m['experts']} experts top-{m['top_k']}; {_workload(d)}")
     by = {(r["engine"], r["precision"]): r for r in d["rows"]}
     rows = []
     for q, ratio in d["ratios_colibri_over_llama"].items():
-        lq = {"q8": "Q8_0", "q4": "Q4_0"}[q]
+        lq = ratio.get("llama_precision") or {"q8": "Q8_0", "q4": "Q4_0"}[q]
         c, ll = by[("colibri", q)], by[("llama.cpp", lq)]
         same = "–"
         if "percent_of_bound_same_minute" in c:

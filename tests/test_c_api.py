@@ -37,9 +37,13 @@ class _HParams(ctypes.Structure):
                 + [(k, ctypes.c_int32) for k in ("attn_sinks", "router_bias", "expert_bias",
                                                  "glu")]
                 + [("glu_alpha", ctypes.c_float), ("glu_limit", ctypes.c_float),
-                   ("n_ctx", ctypes.c_int64), ("rope_freqs", ctypes.POINTER(ctypes.c_float)),
+                   ("attn_gate", ctypes.c_int32)]
+                + [(k, ctypes.c_int64) for k in ("lin_n_k_heads", "lin_n_v_heads", "lin_k_dim",
+                                                 "lin_v_dim", "lin_conv")]
+                + [("n_ctx", ctypes.c_int64), ("rope_freqs", ctypes.POINTER(ctypes.c_float)),
                    ("layer_ffn", ctypes.POINTER(ctypes.c_int32)),
-                   ("layer_sliding", ctypes.POINTER(ctypes.c_int32))])
+                   ("layer_sliding", ctypes.POINTER(ctypes.c_int32)),
+                   ("layer_mixer", ctypes.POINTER(ctypes.c_int32))])
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def test_colibri_wrappers_match_model(model_dir: Path) -> None:
     fields = ModelConfig.from_dir(model_dir).to_hparams(N_CTX)
     # every field set (ctypes would take an unknown name as a plain attribute, silently)
     assert set(fields) == {name for name, _ in _HParams._fields_}
-    for k in ("rope_freqs", "layer_ffn", "layer_sliding"):  # NULL: the C defaults
+    for k in ("rope_freqs", "layer_ffn", "layer_sliding", "layer_mixer"):  # NULL: C defaults
         assert fields.pop(k) is None
     hp = _HParams(**fields)
     err = ctypes.create_string_buffer(512)

@@ -1,10 +1,13 @@
 """The bookkeeping of scripts/compare_llamacpp.py: which memory reads each run is set against,
 the model shape from its flags, and the printed summary (the engines themselves run only
-when the script is run, with llama-cpp-python installed)."""
+when the script is run, with llama-cpp-python installed); and the random gpt-oss checkpoint
+with MXFP4 experts it writes (scripts/gpt_oss_checkpoint.py), read by transformers and
+colibri convert."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -133,3 +136,81 @@ def test_deepseek_arch_takes_v2_lite_dims_unless_given() -> None:
     assert cl.parse_args(["--arch", "deepseek_v2", "--layers", "2"]).layers == 2
     mixtral = cl.parse_args([])
     assert (mixtral.hidden, mixtral.experts) == (cl.Dims().hidden, cl.Dims().experts)
+
+
+def test_gpt_oss_arch_takes_20b_dims_and_leaves_other_caches_alone() -> None:
+    cl = _script()
+    a = cl.parse_args(["--arch", "gpt_oss"])
+    assert (a.hidden, a.intermediate, a.experts, a.top_k, a.heads, a.kv_heads, a.head_dim,
+            a.layers) == (2880, 2880, 32, 4, 64, 8, 64, 24)
+    d = cl.dims_from_args(cl.parse_args(["--arch", "gpt_oss", "--layers", "2"]))
+    assert d.tag().startswith("gpt_oss-v32000-d2880-f2880-l2-e32k4-h64kv8-s0-")
+    assert cl.dims_from_args(cl.parse_args(["--arch", "gpt_oss", "--layers", "2",
+                                            "--head-dim", "32"])).tag() != d.tag()
+    # the head width names gpt-oss folders only: the other models' cached folders keep theirs
+    assert cl.Dims(head_dim=32).tag() == cl.Dims().tag()
+    assert [(p.label, p.colibri, p.llama) for p in cl.pairs_for("gpt_oss")] == [
+        ("mxfp4", "q8", "MXFP4_MOE")]
+    assert [p.label for p in cl.pairs_for("mixtral")] == ["q8", "q4"]
+
+
+def test_agreement_counts_name_each_pair() -> None:
+    cl = _script()
+    pairs = cl.pairs_for("gpt_oss")
+    tokens = {"colibri mxfp4": [5, 6, 7, 8], "llama.cpp MXFP4_MOE": [5, 6, 1, 8],
+              "transformers f32": [5, 6, 7, 9]}
+    assert cl.agreement_counts(pairs, tokens) == {
+        "mxfp4 colibri vs llama.cpp": 3, "mxfp4 colibri vs llama.cpp, common prefix": 2,
+        "colibri mxfp4 vs transformers f32": 3, "llama.cpp MXFP4_MOE vs transformers f32": 2}
+    text = cl.describe_model({**vars(cl.dims_from_args(cl.parse_args(["--arch", "gpt_oss"])))})
+    assert text.startswith("random gpt-oss, experts MXFP4: vocab 32000, hidden 2880, 24 layers")
+    assert "32 experts of width 2880 top-4, 64 heads of 64 / 8 kv" in text
+
+
+def test_gpt_oss_checkpoint_is_mxfp4_as_transformers_and_colibri_read_it(
+        tmp_path: Path) -> None:
+    """The random gpt-oss checkpoint the benchmark writes shard by shard: transformers' own
+    MXFP4 loader dequantizes its experts to numpy's decoding of the blocks (gate and up rows
+    alternating), at the scale of the other matrices, and runs it; colibri convert keeps them
+    MXFP4 byte for byte."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from colibri.engine.format import quant
+    from colibri.engine.format.convert import convert
+    from colibri.engine.format.wfile import read_wfile
+    from colibri.engine.text.bpe import train_bpe_tokenizer
+
+    cl = _script()
+    s = cl.GptOssShape(vocab=300, hidden=64, intermediate=96, layers=2, experts=4, top_k=2,
+                       heads=4, kv_heads=2, head_dim=16)
+    hf = cl.write_checkpoint(tmp_path / "hf", s, seed=3)
+    assert sorted(p.name for p in hf.glob("*.safetensors")) == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors"]
+    shard = load_file(str(hf / "model-00002-of-00003.safetensors"))  # layer 1
+    blocks = shard["model.layers.1.mlp.experts.gate_up_proj_blocks"]
+    scales = shard["model.layers.1.mlp.experts.gate_up_proj_scales"]
+    assert blocks.shape == (4, 192, 2, 16) and scales.shape == (4, 192, 2)
+    decoded = quant.decode(quant.mxfp4_from_checkpoint(blocks, scales).tobytes(), "mxfp4",
+                           (4, 192, 64))  # [E, 2F, D]
+    assert 0.7 < float(decoded.std()) * 64 ** 0.5 < 1.4  # about 1 / sqrt(fan_in)
+
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(hf), dtype=torch.float32,
+        quantization_config=tf.Mxfp4Config(dequantize=True)).eval()
+    gate_up = model.model.layers[1].mlp.experts.gate_up_proj.detach().numpy()  # [E, D, 2F]
+    np.testing.assert_array_equal(gate_up, np.swapaxes(decoded, 1, 2))
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 200]])).logits
+    assert torch.isfinite(logits).all()
+
+    train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog"] * 50, 300, hf)
+    out = convert(hf, tmp_path / "q8", quant="q8", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert {k: v for k, v in cfg["tensor_types"].items() if k.startswith("experts.")} == {
+        "experts.w1": "mxfp4", "experts.w3": "mxfp4", "experts.w2": "mxfp4"}
+    w1 = read_wfile(out / "experts" / "layer_1_expert_2.bin").array("w1")  # [F, D]: gate rows
+    np.testing.assert_array_equal(w1, decoded[2, 0::2])

@@ -2,10 +2,10 @@
 
 A row's result must not depend on how many rows (tokens) share the call or where the row sits
 among them: prefill, decode, continuous batching and the expert groups of a step all give a
-token the same numbers. The q8/q4/q6 products of every ISA path must also equal the plain C
-reference (`ref`) bit for bit: they compute each row's exact integer block sums and scale and
-add them in the reference's order. Outputs are pre-filled with NaN by engine._core.matmul, so
-an element a kernel fails to write cannot pass.
+token the same numbers. The q8/q4/q6/mxfp4 products of every ISA path must also equal the
+plain C reference (`ref`) bit for bit: they compute each row's exact integer block sums and
+scale and add them in the reference's order. Outputs are pre-filled with NaN by
+engine._core.matmul, so an element a kernel fails to write cannot pass.
 """
 
 from __future__ import annotations
@@ -49,9 +49,17 @@ def _weights(type_name: str, n_out: int, n_in: int, seed: int) -> bytes:
 
 def _raw_block_weights(type_name: str, n_out: int, n_in: int, seed: int) -> bytes:
     """Arbitrary q8/q4/q6 bytes, beyond what the quantizer writes: q8 values -128..127, every
-    q4 nibble, every q6 byte, f16 scales from zero and subnormal up to the largest finite."""
+    q4 nibble, every q6 byte, f16 scales from zero and subnormal up to the largest finite;
+    mxfp4: every nibble, exponents 0 and 1 (subnormal scales) and 110..140."""
     rng = np.random.default_rng(seed)
     nb = n_out * n_in // quant.QK
+    if type_name == "mxfp4":
+        b = np.empty(nb, dtype=quant.MXFP4_DTYPE)
+        b["qs"] = rng.integers(0, 256, (nb, quant.QK // 2), dtype=np.uint8)
+        b["qs"][4::9] = 0x77  # the largest magnitude, 6, in both nibbles
+        b["e"] = rng.integers(110, 141, nb, dtype=np.uint8)
+        b["e"][::7], b["e"][3::11] = 0, 1
+        return b.tobytes()
     scales = rng.standard_normal(nb).astype(np.float32) * np.float32(0.02)
     scales[::7] = 0.0
     scales[3::11] = np.float32(3e-6)  # f16 subnormal
@@ -139,7 +147,7 @@ def test_block_products_equal_reference_bits(type_name: str, shape: tuple[int, i
 
 # The interleaved layouts the SIMD paths repack to at load: the same two promises, on whole
 # 8-row groups (40 rows: two 16-row pairs of groups and a lone group, as AVX-512 reads them).
-@pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q6", "mxfp4"])
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_interleaved_row_alone_equals_row_in_any_batch(kind: str, n_threads: int,
                                                        isa: str) -> None:
@@ -162,7 +170,7 @@ def test_interleaved_row_alone_equals_row_in_any_batch(kind: str, n_threads: int
 # end in the next, and which worker computes a row depends on timing. Every job must come out
 # exactly as it does alone on one thread. n_in = 4096 makes a row tile (16 rows) big enough
 # that spans are one to a few tiles, so every job is split between workers.
-@pytest.mark.parametrize("kind", ["f32", "q8", "q4x8", "q6x8"])
+@pytest.mark.parametrize("kind", ["f32", "q8", "q4x8", "q6x8", "mxfp4x8"])
 @pytest.mark.parametrize("n_threads", [2, 3, 4])
 def test_jobs_in_one_dispatch_equal_each_job_alone(kind: str, n_threads: int,
                                                    isa: str) -> None:
@@ -194,7 +202,7 @@ def test_jobs_in_one_dispatch_equal_each_job_alone(kind: str, n_threads: int,
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4", "q6"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q6", "mxfp4"])
 @pytest.mark.parametrize("shape", [(8, 32, 1), (16, 64, 8), (40, 288, 17), (72, 4096, 3),
                                    (24, 96, 9), (32, 160, 4)])
 def test_interleaved_products_equal_reference_bits(kind: str, shape: tuple[int, int, int],

@@ -2,7 +2,9 @@
 (engine/format/quant.py) against an independent formula and transformers' own dequantizer; the
 C decoding against numpy bit for bit; every ISA's product against the reference bit for bit
 (tails of 1 to 3 blocks, rows not a multiple of the kernels' tiles, zero blocks, the smallest
-and largest exponents) and the reference against numpy's exact product of the same operands.
+and largest exponents) and the reference against numpy's exact product of the same operands;
+the 8-row interleaved layout the SIMD paths repack experts to against its description, and its
+products against the rows' bits.
 """
 
 from __future__ import annotations
@@ -155,6 +157,62 @@ def test_reference_product_is_numpys_exact_product(shape: tuple[int, int, int]) 
     exact = xq @ W.T
     bound = (n_in // QK + 2) * 2.0**-24 * (np.abs(xq) @ np.abs(W).T) + 1e-30
     assert np.all(np.abs(got - exact) <= bound)
+
+
+def numpy_x8(raw: bytes, n_out: int, n_in: int) -> bytes:
+    """The interleaved layout (mxfp4x8) as clb_types.h states it: per group of 8 rows and per
+    block, the 8 rows' exponents, then each row's nibbles in q4's element order (byte j: element
+    j low, j + 16 high) 4 bytes at a time, bytes 4c..4c+3 of row r at 8 + 4 * (8c + r)."""
+    nb = n_in // QK
+    b = np.frombuffer(raw, quant.MXFP4_DTYPE).reshape(n_out // 8, 8, nb)  # group, row, block
+    nib = np.empty((n_out // 8, 8, nb, QK), np.uint8)  # element order
+    nib[..., 0::2], nib[..., 1::2] = b["qs"] & 15, b["qs"] >> 4
+    q4 = nib[..., :QK // 2] | (nib[..., QK // 2:] << 4)  # [g, r, b, 16]
+    quants = q4.reshape(n_out // 8, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4)  # g, b, c, r, byte
+    scales = b["e"].transpose(0, 2, 1)  # g, b, r
+    return np.concatenate([scales, quants.reshape(n_out // 8, nb, 128)], axis=2).tobytes()
+
+
+@pytest.mark.parametrize("shape", [(8, 32), (16, 64), (24, 1024), (200, 160)])
+def test_interleaved_layout_matches_its_description(shape: tuple[int, int]) -> None:
+    n_out, n_in = shape
+    raw = _blocks(np.random.default_rng(n_out + n_in), n_out * n_in // QK).tobytes()
+    want = numpy_x8(raw, n_out, n_in)
+    assert core.repack_x8("mxfp4", raw, n_out, n_in, ref=True) == want  # the specification
+    assert core.repack_x8("mxfp4", raw, n_out, n_in) == want  # the CPU's fastest copy
+    assert core.repack_x8("mxfp4", raw, n_out, n_in, in_place=True) == want
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_interleaved_products_are_the_row_bits(isa: str) -> None:
+    """The layout the SIMD paths repack experts to at load (mxfp4x8): one token (decode),
+    1 to 8 and more (prefill passes of 8, tails), 1 and 2 threads, bias and a wider ldy, on
+    blocks with the extreme exponents: the bits of the rows on the reference."""
+    rng = np.random.default_rng(9)
+    for n_out, n_in in ((8, 32), (40, 288), (64, 2880), (24, 96)):
+        raw = _blocks(rng, n_out * n_in // QK).tobytes()
+        x8 = core.repack_x8("mxfp4", raw, n_out, n_in)
+        for n_tok in (1, 2, 3, 5, 8, 9, 16, 17):
+            x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+            core.isa_force("ref")
+            try:
+                want = core.matmul("mxfp4", raw, n_out, n_in, x)
+                core.isa_force(isa)
+                for threads in (1, 2):
+                    got = core.matmul("mxfp4x8", x8, n_out, n_in, x, n_threads=threads)
+                    np.testing.assert_array_equal(got, want, err_msg=f"{n_out}x{n_in} "
+                                                  f"{n_tok} tokens {threads} threads")
+            finally:
+                core.isa_force(core.isa_best())
+        bias = rng.standard_normal(n_out).astype(np.float32)
+        x = rng.standard_normal((3, n_in)).astype(np.float32)
+        core.isa_force(isa)
+        try:
+            got = core.matmul("mxfp4x8", x8, n_out, n_in, x, bias=bias, ldy=n_out + 5)
+            want = core.matmul("mxfp4", raw, n_out, n_in, x, bias=bias, ldy=n_out + 5)
+        finally:
+            core.isa_force(core.isa_best())
+        np.testing.assert_array_equal(got, want)
 
 
 def test_weight_files_hold_mxfp4_and_the_loader_checks_its_sizes(tmp_path: Path) -> None:

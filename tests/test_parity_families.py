@@ -5,9 +5,11 @@ q/k norms), GLM-4.5 (two dense layers, then grouped sigmoid routing with n_group
 selection bias, routed_scaling_factor, two shared experts, partial rotary, q/k norms, biases),
 DeepSeek-V3 (MLA with q_lora 96 != kv_lora 64, 32 + 16 query dims, values of 24, YaRN with
 mscale, interleaved rotary pairs; the same without q_lora and with rotate-half pairs) and
-DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss and MiniMax-M2 (q/k
+DeepSeek-V2-Lite's shape (no q_lora, softmax group-limited routing), gpt-oss, MiniMax-M2 (q/k
 norms over the whole projection, 10 of 24 head dims rotated, sigmoid routing with a selection
-bias, renormalised).
+bias, renormalised), and Qwen3-Next / Qwen3.5 (gated DeltaNet linear-attention layers around
+gated full-attention ones, a dense layer, softmax routing with a gated shared expert;
+transformers' torch fallbacks of the delta rule and the conv as the reference).
 
 For each case and for the reference and best kernel ISA:
 - f32: prompt logits within 1e-4 (max |diff| / max |ref|) of transformers float32 with the
@@ -73,10 +75,18 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v2-lite-shape": ("deepseek_v2", {}),
     "gpt_oss": ("gpt_oss", {}),
     "minimax_m2": ("minimax_m2", {}),
+    "qwen3_next": ("qwen3_next", {}),
+    # layer_types from full_attention_interval (full on every second layer), as many value
+    # heads as key heads, no dense layer
+    "qwen3_next-interval": ("qwen3_next", {"layer_types": None, "full_attention_interval": 2,
+                                           "linear_num_value_heads": 2,
+                                           "mlp_only_layers": []}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
 }
 # families with multi-token-prediction layers and dense first layers
 MTP_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
-MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "minimax_m2")
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
+MOE_ARCHS = MTP_ARCHS + ("gpt_oss", "minimax_m2") + HYBRID_ARCHS
 
 
 def _routers(model: Any) -> list[tuple[int, Any]]:
@@ -88,7 +98,8 @@ def _routers(model: Any) -> list[tuple[int, Any]]:
             out.append((i, gate))
         elif type(getattr(block.mlp, "router", None)).__name__ == "GptOssTopKRouter":
             out.append((i, block.mlp.router))
-        elif _minimax(gate):
+        elif _minimax(gate) or type(gate).__name__ in ("Qwen3NextTopKRouter",
+                                                        "Qwen3_5MoeTopKRouter"):
             out.append((i, gate))
     return out
 
@@ -153,9 +164,10 @@ def _forced_routing(model: Any, routes: np.ndarray) -> list[Any]:
             w = _scores(m, logits).gather(1, idx)
             if _minimax(m):
                 return logits, w / w.sum(dim=-1, keepdim=True), idx
-            if getattr(m, "norm_topk_prob", False):
+            # Qwen3.5's router always renormalises (it has no norm_topk_prob)
+            if getattr(m, "norm_topk_prob", type(m).__name__ == "Qwen3_5MoeTopKRouter"):
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-            return logits, w * m.routed_scaling_factor, idx
+            return logits, w * getattr(m, "routed_scaling_factor", 1.0), idx
         hooks.append(gate.register_forward_hook(hook))
     return hooks
 
@@ -248,6 +260,19 @@ def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
         assert cfg["norm_topk_prob"] and cfg["n_ff_shared"] == 0
         assert cfg["qk_norm"] == "full" and cfg["rotary_dim"] == hf_cfg["rotary_dim"] == 10
         assert cfg["n_expert"] == hf_cfg["num_local_experts"]
+    elif case.arch in HYBRID_ARCHS:
+        types = case.hf.config.layer_types
+        assert cfg["layer_mixer"] == [
+            "linear" if t == "linear_attention" else "attention" for t in types]
+        assert {"linear", "attention"} <= set(cfg["layer_mixer"])
+        dense = hf_cfg.get("mlp_only_layers") or []
+        assert cfg["layer_ffn"] == ["dense" if i in dense else "moe" for i in range(len(types))]
+        assert cfg["attn_gate"] and cfg["shared_gate"] and cfg["qk_norm"] == "head"
+        assert cfg["rotary_dim"] == hf_cfg["head_dim"] // 2
+        assert (cfg["lin_n_k_heads"], cfg["lin_n_v_heads"], cfg["lin_conv"]) == (
+            hf_cfg["linear_num_key_heads"], hf_cfg["linear_num_value_heads"],
+            hf_cfg["linear_conv_kernel_dim"])
+        assert hf_cfg["linear_conv_kernel_dim"] < PROMPT_LEN
     elif case.arch in MOE_ARCHS:
         k = hf_cfg["first_k_dense_replace"]
         assert cfg["layer_ffn"] == ["dense"] * k + ["moe"] * (hf_cfg["num_hidden_layers"] - k)
@@ -270,8 +295,9 @@ def test_mla_caches_the_latent(moe_case: Case) -> None:
     per_token = m.kv_block_bytes() // _core.KV_BLOCK
     if cfg.get("attn") == "mla":
         assert per_token == cfg["n_layer"] * (cfg["kv_lora_rank"] + cfg["rotary_dim"]) * 4
-    else:
-        assert per_token == cfg["n_layer"] * 2 * cfg["n_head_kv"] * cfg["head_dim"] * 4
+    else:  # linear-attention layers cache nothing per position
+        n_attn = cfg.get("layer_mixer", ["attention"] * cfg["n_layer"]).count("attention")
+        assert per_token == n_attn * 2 * cfg["n_head_kv"] * cfg["head_dim"] * 4
 
 
 def test_routing_is_exercised(moe_case: Case) -> None:

@@ -162,3 +162,20 @@ def test_checkout_python_imports_each_layout(tmp_path: Path) -> None:
     names = Path(env["PYTHONPATH"].split(":")[0]) / "colibri"
     assert (names / "engine").resolve() == (ROOT / "engine").resolve()
     assert (names / "app").resolve() == (ROOT / "app").resolve()
+
+
+def test_a_gpt_oss_comparison_names_its_mxfp4_pair(page: ModuleType) -> None:
+    """compare_llamacpp --arch gpt_oss records one pair, Colibri's mxfp4 against llama.cpp's
+    MXFP4_MOE, with the llama.cpp precision in its ratio."""
+    d = json.loads((ROOT / "results" / CMP).read_text())
+    d["model"] = {**d["model"], "arch": "gpt_oss", "hidden": 2880, "layers": 12, "experts": 32,
+                  "top_k": 4}
+    q8 = d["ratios_colibri_over_llama"]["q8"]
+    d["ratios_colibri_over_llama"] = {"mxfp4": {**q8, "llama_precision": "MXFP4_MOE"}}
+    by = {(r["engine"], r["precision"]): r for r in d["rows"]}
+    d["rows"] = [{**by[("colibri", "q8")], "precision": "mxfp4"},
+                 {**by[("llama.cpp", "Q8_0")], "precision": "MXFP4_MOE"}]
+    (row,) = page.compare_llamacpp_rows(d)
+    assert row[1].startswith("random gpt_oss: hidden 2880, 12 layers, 32 experts top-4; ")
+    assert row[2] == "mxfp4"
+    assert row[4] == f"llama.cpp MXFP4_MOE (llama-cpp-python {d['llama_cpp_python']})"

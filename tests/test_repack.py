@@ -1,11 +1,12 @@
-"""The 8-row interleaved weight layouts (q8x8, q4x8, q6x8) that the SIMD paths repack weights
-to at load (AVX-512 reads two groups at once): the layout against an independent numpy
+"""The 8-row interleaved weight layouts (q8x8, q4x8, q6x8, mxfp4x8) that the SIMD paths repack
+weights to at load (AVX-512 reads two groups at once): the layout against an independent numpy
 description, products on it equal the row layout's bit for bit on every ISA (so a repacked
 model decodes the same tokens and logits), the expert cache's slot repacking gives the
 all-resident output, and the refusals."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,7 @@ def test_refusals() -> None:
     raw = _weights("q8", 12, 64, seed=1)
     with pytest.raises(ValueError, match="multiple of 8"):
         _core.repack_x8("q8", raw, 12, 64)
-    with pytest.raises(ValueError, match="only q8, q4 and q6"):
+    with pytest.raises(ValueError, match="only q8, q4, q6 and mxfp4"):
         _core.repack_x8("f32", np.zeros(64, np.float32).tobytes(), 8, 8)
     with pytest.raises(ValueError, match="weight bytes"):
         _core.repack_x8("q8", raw[:-1], 8, 64)
@@ -110,12 +111,38 @@ def _decode(m: Model, n: int = 10) -> tuple[list[int], list[np.ndarray]]:
     return out, logits
 
 
-@pytest.fixture(scope="module", params=["q8", "q4"])
+def _gpt_oss_mxfp4(root: Path) -> Path:
+    """A random gpt-oss whose experts ship in MXFP4 (scripts/gpt_oss_checkpoint.py, the
+    benchmark's writer), converted with the q8 preset: MXFP4 experts, q8 attention."""
+    import importlib.util
+
+    from colibri.engine.text.bpe import train_bpe_tokenizer
+    from tests.tiny_models import _TEXT, VOCAB_SIZE
+
+    g = sys.modules.get("gpt_oss_checkpoint")
+    if g is None:
+        path = Path(__file__).resolve().parent.parent / "scripts" / "gpt_oss_checkpoint.py"
+        spec = importlib.util.spec_from_file_location("gpt_oss_checkpoint", path)
+        assert spec is not None and spec.loader is not None
+        g = importlib.util.module_from_spec(spec)
+        sys.modules["gpt_oss_checkpoint"] = g  # its dataclass looks its module up by name
+        spec.loader.exec_module(g)
+    shape = g.GptOssShape(vocab=VOCAB_SIZE, hidden=64, intermediate=96, layers=2, experts=8,
+                          top_k=2, heads=4, kv_heads=2, head_dim=16, window=8)
+    hf = g.write_checkpoint(root / "hf", shape, seed=5)
+    train_bpe_tokenizer([_TEXT] * 4, VOCAB_SIZE, hf)
+    return convert(hf, root / "q8", quant="q8", progress=False)
+
+
+@pytest.fixture(scope="module", params=["q8", "q4", "mxfp4"])
 def quant_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained demo model (q8), and a random Mixtral with an untied lm_head (q4)."""
+    """The trained demo model (q8), a random Mixtral with an untied lm_head (q4), and a random
+    gpt-oss with MXFP4 experts (mxfp4)."""
     if request.param == "q8":
         return ensure_converted(Path(default_model_path()), "q8", progress=False)
     pytest.importorskip("transformers")
+    if request.param == "mxfp4":
+        return _gpt_oss_mxfp4(tmp_path_factory.mktemp("repack_gpt_oss"))
     from tests.tiny_models import make_checkpoint
 
     root = tmp_path_factory.mktemp("repack_mixtral")
@@ -137,6 +164,9 @@ def test_a_repacked_model_decodes_the_same_logits(quant_dir: Path, rows_ref: tup
     assert tokens == rows_ref[0]
     for a, b in zip(logits, rows_ref[1], strict=True):
         assert np.array_equal(a, b)
+    if _core.wants_x8("mxfp4") and m.config.n_expert > 0:  # every expert's three matrices
+        other = Model.load(quant_dir, n_seq=1)
+        assert n - other.core.repack(experts=False) == 3 * m.config.n_layer * m.config.n_expert
 
 
 @pytest.mark.parametrize("isa", _core.isa_supported())

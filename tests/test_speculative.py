@@ -491,3 +491,22 @@ def test_drafts_use_only_spare_budget_and_blocks_and_never_preempt(
     assert max(sizes) == 8 and llm.core.scheduler.n_preemptions == 0
     st = llm.core.spec_stats
     assert st.n_accepted == st.n_draft_tokens > 0
+
+
+def test_hybrid_models_do_not_speculate(tmp_path: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A model with linear-attention layers keeps a recurrent state per sequence that a
+    rejected draft would advance for good: with --speculative ngram it decodes one token per
+    step, says so once, and gives the tokens it gives without."""
+    import logging
+
+    hf = make_checkpoint("qwen3_next", tmp_path / "qwen3_next", seed=7)
+    base = _llm(hf, prefix_cache=False)
+    prompts = [_ids(base, p) for p in PROMPTS[:2]]
+    want = _run(base, prompts, _params(max_tokens=24))
+    with caplog.at_level(logging.INFO, logger="colibri.engine"):
+        llm = _llm(hf, prefix_cache=False, speculative="ngram")
+    assert "speculative decoding is off" in caplog.text
+    got = _run(llm, prompts, _params(max_tokens=24))
+    assert all(_trace(got[r]) == _trace(want[r]) for r in want)
+    assert llm.core.spec_stats.n_drafts == 0

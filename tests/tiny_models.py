@@ -22,7 +22,10 @@ GROUPED_ARCHS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 SINK_ARCHS = ("gpt_oss",)
 # q/k norms over the whole projection, partial rotary, sigmoid routing with a selection bias
 MINIMAX_ARCHS = ("minimax_m2",)
-ALL_ARCHS = ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS + MINIMAX_ARCHS
+# gated DeltaNet linear-attention layers between gated full-attention ones
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
+ALL_ARCHS = (ARCHS + DENSE_ARCHS + GROUPED_ARCHS + SINK_ARCHS + MINIMAX_ARCHS
+             + HYBRID_ARCHS)
 
 VOCAB_SIZE = 320
 EOS_ID = 2  # <|im_end|> in engine.text.bpe.SPECIAL_TOKENS
@@ -145,6 +148,38 @@ _BASE: dict[str, dict[str, Any]] = {
         num_key_value_heads=2, head_dim=24, num_local_experts=8, num_experts_per_tok=2,
         rotary_dim=10, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
     ),
+    # linear, full, linear (dense FFN), linear: two key heads of 16 serving four value heads
+    # of 24 (so a transposed state or a wrong head map shows), conv width 4 (shorter than the
+    # prompts), head_dim 24 != 64 / 4 with half of it rotary. rms_norm_eps 1e-3 (which an
+    # ignored eps would show more than 1e-6): the gated norm scales each head's output to unit
+    # size, so where a random query is nearly orthogonal to the keys a tiny eps lets q8
+    # rounding flip that head's whole output
+    "qwen3_next": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-3,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=4, mlp_only_layers=[2],
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+    ),
+    # Qwen3.5's text model: the same mix with four input projections per linear layer and
+    # experts on every layer; its multi-axis RoPE sections on (plain RoPE for text)
+    "qwen3_5_moe": dict(
+        hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-3,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention",
+                     "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5, "mrope_section": [2, 2, 2],
+                         "mrope_interleaved": True},
+    ),
 }
 
 
@@ -165,6 +200,8 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ALL_ARCHS}")
@@ -180,8 +217,11 @@ def _randomize(model: Any, seed: int) -> None:
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             shape = tuple(p.shape)
             if name.endswith("norm.weight") or "layernorm" in name or name.endswith("_norm.weight"):
-                # around 1 but clearly not 1: a missing or misplaced norm weight shows
-                val = 1.0 + 0.3 * torch.randn(shape, generator=g)
+                # around 1 but clearly not 1: a missing or misplaced norm weight shows; a norm
+                # the model initialised to zeros multiplies by (1 + weight) (Qwen3-Next): its
+                # weight goes around 0, so the norm still scales by about 1
+                base = 0.0 if not bool(p.any()) else 1.0
+                val = base + 0.3 * torch.randn(shape, generator=g)
             elif name.endswith(".bias"):
                 val = 0.2 * torch.randn(shape, generator=g)
             elif "embed_tokens" in name:

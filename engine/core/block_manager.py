@@ -33,9 +33,18 @@ class BlockManager:
     """The pool of `n_blocks` blocks and the prefix-cache index over full blocks."""
 
     def __init__(self, n_blocks: int, block_size: int = BLOCK_SIZE,
-                 enable_prefix_cache: bool = True) -> None:
+                 enable_prefix_cache: bool = True, n_state_slots: int = 0) -> None:
+        """n_state_slots > 0 (a model with linear-attention layers): each request also holds
+        one recurrent-state slot from admission to its end, and shares no blocks (its state
+        covers its whole sequence, not blocks of it)."""
         if n_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
+        self.n_state_slots = n_state_slots
+        self._free_slots = list(range(n_state_slots - 1, -1, -1))  # popped lowest first
+        self.state_slots: dict[str, int] = {}
+        # what a hybrid fork leaves the engine to copy before the next forward: (the forked
+        # rid, "block" or "state", src, dst)
+        self.pending_copies: list[tuple[str, str, int, int]] = []
         self.n_blocks = n_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -112,6 +121,8 @@ class BlockManager:
             self.prefix_queries += len(tokens)
             self.prefix_hits += len(shared) * self.block_size
         assert rid not in self.tables, rid
+        if self.n_state_slots and not self._free_slots:
+            return None
         # blocks taken from the free list by the hit must not be counted as free below
         n_from_free = sum(1 for b in shared if self._ref[b] == 0)
         if self.n_free - n_from_free < 1:
@@ -119,14 +130,41 @@ class BlockManager:
         for b in shared:
             self._ref_block(b)
         self.tables[rid] = BlockTable(list(shared), list(shared_hashes or []))
+        if self.n_state_slots:
+            self.state_slots[rid] = self._free_slots.pop()
         return len(shared) * self.block_size
 
     def fork(self, parent_rid: str, rid: str, n_prompt: int) -> int | None:
         """rid shares parent's full blocks before its last prompt token (n choices of one
-        prompt share one prefill). Returns the tokens rid need not compute, or None."""
+        prompt share one prefill). Returns the tokens rid need not compute, or None. With
+        state slots the parent must hold exactly n_prompt - 1 positions (Scheduler holds its
+        prefill there): see _fork_state."""
         parent = self.tables[parent_rid]
+        if self.n_state_slots:
+            return self._fork_state(parent_rid, rid, n_prompt - 1)
         n_share = min(len(parent.blocks), (n_prompt - 1) // self.block_size)
         return self.allocate_prompt(rid, [], parent.blocks[:n_share], parent.hashes[:n_share])
+
+    def _fork_state(self, parent_rid: str, rid: str, at: int) -> int | None:
+        """A hybrid fork at position `at` (the parent holds exactly `at` positions): rid shares
+        the parent's full blocks before it, takes a copy of the partly filled one and of the
+        parent's recurrent state (queued in pending_copies). Returns `at`, or None."""
+        parent = self.tables[parent_rid]
+        n_share = at // self.block_size
+        partial = at % self.block_size != 0
+        if self.allocate_prompt(rid, [], parent.blocks[:n_share], []) is None:
+            return None
+        if partial:
+            dst = self._take_free()
+            self.tables[rid].blocks.append(dst)
+            self.pending_copies.append((rid, "block", parent.blocks[n_share], dst))
+        self.pending_copies.append((rid, "state", self.state_slots[parent_rid],
+                                    self.state_slots[rid]))
+        return at
+
+    def state_slot(self, rid: str) -> int:
+        """rid's recurrent-state slot (models with linear-attention layers)."""
+        return self.state_slots[rid]
 
     def grow(self, rid: str, n_tokens: int) -> bool:
         """Make rid's table cover n_tokens positions; False (nothing changed) if the pool is
@@ -180,6 +218,10 @@ class BlockManager:
         t = self.tables.pop(rid, None)
         if t is None:
             return
+        slot = self.state_slots.pop(rid, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+            self.pending_copies = [c for c in self.pending_copies if c[0] != rid]
         # the tail first, so that when the pool runs short a prefix's last block goes before
         # its first (which other prompts are more likely to share)
         for b in reversed(t.blocks):

@@ -69,7 +69,18 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = int(model.n_vocab)
         self.n_ctx = int(model.n_ctx)
-        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache)
+        # linear-attention layers keep one recurrent state per sequence, not per block: no
+        # block of such a model can stand for its prefix, so prefix caching is off
+        self.hybrid = bool(getattr(getattr(model, "config", None), "hybrid", False))
+        if self.hybrid and enable_prefix_cache:
+            log.info("prefix caching is off: this model's linear-attention layers keep a "
+                     "recurrent state per sequence, which blocks of a prefix cannot restore")
+            enable_prefix_cache = False
+        if self.hybrid and self.speculative.enabled:
+            log.info("speculative decoding is off: this model's linear-attention layers keep "
+                     "a recurrent state that rejected drafts would advance past recall")
+        n_slots = int(model.kv.n_state_slots) if self.hybrid else 0
+        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_slots)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.requests: dict[str, list[Request]] = {}
         self.stats = StepStats()
@@ -130,6 +141,7 @@ class EngineCore:
         for i, (p, max_new) in enumerate(zip(choices, budgets, strict=True)):
             reqs.append(new_request(request_id, i, prompt, p, self.vocab_size, self.tokenizer,
                                     max_new, self.eos_ids, parent=reqs[0] if i else None))
+        reqs[0].n_forks = len(reqs) - 1
         self.requests[request_id] = reqs
         for r in reqs:
             self.scheduler.add(r)
@@ -168,10 +180,12 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        if self.speculative.enabled:
+        if self.speculative.enabled and not self.hybrid:
             for req in self.scheduler.running:
                 req.drafts = propose(req, self.speculative)
         sched = self.scheduler.schedule()
+        if self.blocks.pending_copies:  # hybrid forks: blocks and states they start from
+            self._copy_forks()
         if not sched.items:
             return []
         n_seq = len(sched.items)
@@ -182,6 +196,8 @@ class EngineCore:
         want = np.zeros(n_tok, dtype=np.uint8)
         max_blocks = max(len(self.blocks.table(r.rid)) for r, _ in sched.items)
         tables = np.full((n_seq, max_blocks), -1, dtype=np.int32)
+        slots = (np.array([self.blocks.state_slot(r.rid) for r, _ in sched.items], np.int32)
+                 if self.hybrid else None)
         at = 0
         for i, (req, n) in enumerate(sched.items):
             c = req.num_computed
@@ -202,7 +218,7 @@ class EngineCore:
             at += n
         tf = time.perf_counter()
         try:
-            logits = self.model.forward_paged(tokens, seq_ids, positions, tables, want)
+            logits = self._forward(tokens, seq_ids, positions, tables, want, slots)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             log.error("forward pass failed for %d requests: %s", n_seq, exc)
             return [self._fail(req, exc) for req, _ in sched.items]
@@ -320,6 +336,20 @@ class EngineCore:
             results = [res if res is not None else next(it) for res in results]
         return results  # type: ignore[return-value]
 
+    def _copy_forks(self) -> None:
+        kv = self.model.kv
+        for _, what, src, dst in self.blocks.pending_copies:
+            (kv.copy_block if what == "block" else kv.copy_state)(dst, src)
+        self.blocks.pending_copies.clear()
+
+    def _forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
+                 tables: np.ndarray, want: np.ndarray | None,
+                 slots: np.ndarray | None) -> np.ndarray:
+        if slots is None:
+            return self.model.forward_paged(tokens, seq_ids, positions, tables, want)
+        return self.model.forward_paged(tokens, seq_ids, positions, tables, want,
+                                        state_slots=slots)
+
     def close(self) -> None:
         """Saves what should outlive the process (the expert routing history)."""
         if self.expert_cache is not None:
@@ -413,8 +443,10 @@ class EngineCore:
         try:
             table = np.asarray([self.blocks.table(rid)], dtype=np.int32)
             ids = np.asarray(tokens, dtype=np.int32)
-            return self.model.forward_paged(ids, np.zeros(n, dtype=np.int32),
-                                            np.arange(n, dtype=np.int32), table, None)
+            slots = (np.array([self.blocks.state_slot(rid)], np.int32) if self.hybrid
+                     else None)
+            return self._forward(ids, np.zeros(n, dtype=np.int32),
+                                 np.arange(n, dtype=np.int32), table, None, slots)
         finally:
             self.blocks.free(rid)
 

@@ -60,6 +60,7 @@ class Request:
     max_new: int
     stop_ids: frozenset[int]
     parent: Request | None = None  # n > 1: choice 0, whose prompt blocks this one shares
+    n_forks: int = 0  # n > 1, choice 0: the other choices still to fork from it
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
     n_cached: int = 0

@@ -99,6 +99,15 @@ class Scheduler:
         del req.drafts[n:]
         return n
 
+    def _hold_for_forks(self, req: Request, computed: int, n_new: int) -> int:
+        """n_new, cut so that a hybrid model's choice 0 stops its prefill one token short of
+        its prompt while other choices wait to fork: its recurrent state then holds what they
+        copy (the state cannot be rewound to a fork point)."""
+        at = len(req.prompt) - 1
+        if self.blocks.n_state_slots and req.n_forks > 0 and computed < at:
+            return min(n_new, at - computed)
+        return n_new
+
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
         # prompt tokens of this step: fewer while some request decodes, so its stream keeps
@@ -115,6 +124,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n_new = min(req.num_tokens - req.num_computed, budget)
+            n_new = self._hold_for_forks(req, req.num_computed, n_new)
             if not req.prefill_done or n_new > 1:  # a prompt, or a recompute after preemption
                 req.drafts = []
                 if prompt_budget == 0:
@@ -143,11 +153,18 @@ class Scheduler:
             req = self.waiting[0]
             if preempted and req is preempted[-1]:
                 break  # freed blocks were not enough for it just now: try again next step
-            if req.parent is not None and req.parent.status != Status.FINISHED and (
-                    req.parent.status != Status.RUNNING or not req.parent.prefill_done):
+            parent = req.parent
+            at = len(req.prompt) - 1  # where a hybrid choice forks: before the last token
+            hybrid = self.blocks.n_state_slots > 0
+            if parent is not None and parent.status != Status.FINISHED and (
+                    parent.status != Status.RUNNING
+                    or (parent.num_computed < at if hybrid else not parent.prefill_done)):
                 break  # n > 1: wait for choice 0's prompt, then share its blocks
-            if req.parent is not None and req.parent.status == Status.RUNNING:
-                done = self.blocks.fork(req.parent.rid, req.rid, len(req.prompt))
+            fork = parent is not None and parent.status == Status.RUNNING and (
+                not hybrid or (parent.num_computed == at and at > 0 and req.n_preempted == 0))
+            if fork:
+                assert parent is not None
+                done = self.blocks.fork(parent.rid, req.rid, len(req.prompt))
             elif getattr(req.params, "prompt_logprobs", None) is not None:
                 # every prompt position must be computed to score it: no cached prefix
                 done = self.blocks.allocate_prompt(req.rid, req.tokens, [], [])
@@ -155,11 +172,14 @@ class Scheduler:
                 done = self.blocks.allocate_prompt(req.rid, req.tokens)
             if done is None:
                 break
-            n_new = min(req.num_tokens - done, budget, prompt_budget)
+            n_new = self._hold_for_forks(req, done,
+                                         min(req.num_tokens - done, budget, prompt_budget))
             if not self.blocks.grow(req.rid, done + n_new):
                 self.blocks.free(req.rid)
                 break
             self.waiting.popleft()
+            if parent is not None and req.n_preempted == 0:
+                parent.n_forks = max(0, parent.n_forks - 1)  # forked now, or computes alone
             if req.n_preempted == 0:
                 req.n_cached = done
             req.num_computed = done

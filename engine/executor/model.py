@@ -115,12 +115,14 @@ class Model:
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
-             n_seq: int = 1, kv_type: str = "f32", kv_blocks: int | None = None) -> Model:
+             n_seq: int = 1, kv_type: str = "f32", kv_blocks: int | None = None,
+             state_slots: int | None = None) -> Model:
         """Load a Colibri folder. threads None: physical cores; n_ctx None:
         min(max_position_embeddings, 4096) (the most positions one sequence may hold);
         kv_type: "f32", "f16" or "q8"; kv_blocks None: enough for n_seq slots of n_ctx
         positions. n_seq = 0 keeps no slots (only forward_paged is usable); otherwise
-        kv_blocks must cover the n_seq slots."""
+        kv_blocks must cover the n_seq slots. state_slots (models with linear-attention
+        layers): recurrent-state slots for forward_paged's sequences; None: n_seq."""
         if n_seq < 0:
             raise ValueError(f"n_seq must be >= 0, got {n_seq}")
         if kv_type not in _core.KV_TYPES:
@@ -137,7 +139,9 @@ class Model:
         if blocks < need:
             raise ValueError(f"kv_blocks {blocks} cannot hold {n_seq} sequence slots of "
                              f"{core.n_ctx} positions ({need} blocks)")
-        return cls(p, cfg, core, _core.KVCache(core, blocks, kv_type), n_seq)
+        n_state = n_seq if state_slots is None else state_slots
+        kv = _core.KVCache(core, blocks, kv_type, n_state_slots=n_state if cfg.hybrid else 0)
+        return cls(p, cfg, core, kv, n_seq)
 
     @property
     def kv_type(self) -> str:
@@ -234,14 +238,15 @@ class Model:
             ends[s] = int(p[-1]) + 1
         out = self._core_forward(self.kv, tok, seq, pos, want_logits, self.slot_tables
                                  if self.n_seq else np.full((1, 1), -1, np.int32),
-                                 routes=routes)
+                                 routes=routes, state_slots=self._slot_states)
         for s, e in ends.items():
             self._len[s] = e
         return out
 
     def forward_paged(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                       block_tables: np.ndarray, want_logits: np.ndarray | None = None,
-                      routes: np.ndarray | None = None) -> np.ndarray:
+                      routes: np.ndarray | None = None,
+                      state_slots: np.ndarray | None = None) -> np.ndarray:
         """The raw paged step for a scheduler that owns block allocation and lengths.
 
         Token i of sequence seq_ids[i] (a row of block_tables, int32 [n_seq, max_blocks],
@@ -251,19 +256,27 @@ class Model:
         may be shared read-only between sequences; a block may be written by one sequence
         per call. Does not touch the slots of `forward` (using both on one cache is the
         caller's business). Refused calls (InputError / ContextOverflowError) change nothing.
-        routes: as in `forward`.
+        routes: as in `forward`. state_slots (models with linear-attention layers): int32
+        [n_seq], each sequence's recurrent-state slot; a sequence starting at position 0
+        starts a fresh state, any other start must continue its slot's state exactly.
         """
         tok = _i32(tokens, "tokens")
         self._check_tokens(tok)
         return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables,
-                                  routes=routes)
+                                  routes=routes, state_slots=state_slots)
 
-    def _core_forward(self, *args: Any, routes: np.ndarray | None = None) -> np.ndarray:
+    @property
+    def _slot_states(self) -> np.ndarray | None:
+        """forward's slot s keeps its recurrent state in state slot s."""
+        return np.arange(max(self.n_seq, 1), dtype=np.int32) if self.config.hybrid else None
+
+    def _core_forward(self, *args: Any, routes: np.ndarray | None = None,
+                      state_slots: np.ndarray | None = None) -> np.ndarray:
         """core.forward, refusing a faulty model and marking one that turns faulty."""
         if self.fault is not None:
             raise ModelFaultError(self.fault)
         try:
-            out = self.core.forward(*args, routes=routes)
+            out = self.core.forward(*args, routes=routes, state_slots=state_slots)
         except (WeightFileChangedError, StorageStalledError) as e:
             self._mark_faulty(str(e))
             raise

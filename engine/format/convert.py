@@ -271,6 +271,10 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
         parts.append(f"a sliding window of {cfg['sliding_window']}")
     if cfg.get("attn_sinks"):
         parts.append("attention sinks")
+    mixers = cfg.get("layer_mixer") or []
+    if "linear" in mixers:
+        parts.append(f"{mixers.count('linear')} linear attention (gated DeltaNet, conv width "
+                     f"{cfg['lin_conv']}), {mixers.count('attention')} gated full attention")
     if any(t.kind == archs.MXFP4 for t in targets):
         parts.append("experts kept in MXFP4")
     rd, hd = cfg.get("rotary_dim") or cfg["head_dim"], cfg["head_dim"]
@@ -288,6 +292,14 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
         layers = sorted({int(n.split(".")[2]) for n in unused if n.split(".")[2].isdigit()})
         lines.append(f"skipping {len(unused)} tensors of multi-token-prediction layer(s) "
                      f"{', '.join(map(str, layers))}: they are not used to decode")
+    mtp = [n for n in names - used if n.startswith("mtp.")]
+    if mtp:
+        lines.append(f"skipping {len(mtp)} tensors of the multi-token-prediction module "
+                     f"(mtp.*): they are not used to decode")
+    visual = [n for n in names - used if n.startswith("model.visual.")]
+    if visual:
+        lines.append(f"skipping {len(visual)} tensors of the vision encoder (model.visual.*): "
+                     f"only the text model is served")
     return lines
 
 

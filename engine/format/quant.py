@@ -36,6 +36,7 @@ WEIGHT_TYPES: tuple[WeightType, ...] = (
     WeightType("q6", 8, QK, 26, True),
     WeightType("q6x8", 9, QK, 26, False),
     WeightType("mxfp4", 10, QK, 17, True),  # OCP microscaling FP4 (gpt-oss experts)
+    WeightType("mxfp4x8", 11, QK, 17, False),  # mxfp4 rows interleaved 8 at a time at load
 )
 _FILE_TYPES = tuple(t for t in WEIGHT_TYPES if t.in_files)
 # The types weight files hold, which the converter writes and the loader reads.

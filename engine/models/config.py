@@ -23,6 +23,7 @@ ROUTER_IDS = {"softmax": 0, "sigmoid_grouped": 1}  # clb_router_kind
 FFN_IDS = {"moe": 0, "dense": 1}  # clb_ffn_kind
 GLU_IDS = {"silu": 0, "swiglu_clamp": 1}  # clb_glu_kind
 LAYER_ATTN = ("sliding", "full")  # per layer: over sliding_window positions, or all
+MIXER_IDS = {"attention": 0, "linear": 1}  # clb_mixer_kind: what mixes tokens in a layer
 QUANTS = ("f32", "f16", "bf16", "q8", "q4")
 FORMAT_VERSION = 1
 
@@ -79,6 +80,14 @@ class ModelConfig:
     glu: str = "silu"  # the FFNs' gated activation (GLU_IDS)
     glu_alpha: float = 1.0
     glu_limit: float = 0.0
+    # gated DeltaNet linear attention (engine/models/qwen3_next.py)
+    layer_mixer: tuple[str, ...] = ()  # per layer MIXER_IDS; empty: every layer attention
+    attn_gate: bool = False  # q_proj gives each head's query and a sigmoid gate on its output
+    lin_n_k_heads: int = 0
+    lin_n_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    lin_conv: int = 0
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -133,6 +142,11 @@ class ModelConfig:
                            or not all(k in LAYER_ATTN for k in layer_attn)):
             raise FormatError(f"{source}: layer_attn must list {ints['n_layer']} of "
                               f"{list(LAYER_ATTN)}")
+        layer_mixer = get("layer_mixer", list, [])
+        if layer_mixer and (len(layer_mixer) != ints["n_layer"]
+                            or not all(k in MIXER_IDS for k in layer_mixer)):
+            raise FormatError(f"{source}: layer_mixer must list {ints['n_layer']} of "
+                              f"{list(MIXER_IDS)}")
         glu = get("glu", str, "silu")
         if glu not in GLU_IDS:
             raise FormatError(f"{source}: glu {glu!r} not in {list(GLU_IDS)}")
@@ -205,6 +219,13 @@ class ModelConfig:
             glu=glu,
             glu_alpha=float(get("glu_alpha", (int, float), 1.0)),
             glu_limit=float(get("glu_limit", (int, float), 0.0)),
+            layer_mixer=tuple(layer_mixer),
+            attn_gate=get("attn_gate", bool, False),
+            lin_n_k_heads=get("lin_n_k_heads", int, 0),
+            lin_n_v_heads=get("lin_n_v_heads", int, 0),
+            lin_k_dim=get("lin_k_dim", int, 0),
+            lin_v_dim=get("lin_v_dim", int, 0),
+            lin_conv=get("lin_conv", int, 0),
             tie_embeddings=get("tie_embeddings", bool, False),
             bos_token_id=get("bos_token_id", int, None),
             eos_token_ids=tuple(eos),
@@ -262,6 +283,26 @@ class ModelConfig:
                       f"got {self.glu_alpha} and {self.glu_limit}")
         if self.attn_sinks and self.attn != "gqa":
             raise bad("attention sinks need GQA attention")
+        if self.hybrid:
+            if "attention" not in self.layer_mixer:
+                raise bad("layer_mixer needs at least one attention layer")
+            dims = (self.lin_n_k_heads, self.lin_n_v_heads, self.lin_k_dim, self.lin_v_dim)
+            if min(dims) <= 0 or self.lin_n_v_heads % self.lin_n_k_heads or self.lin_conv < 2:
+                raise bad(f"linear attention needs positive heads and widths (value heads a "
+                          f"multiple of key heads) and lin_conv >= 2, got {dims}, "
+                          f"lin_conv {self.lin_conv}")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers mix tokens by linear attention (a recurrent state per
+        sequence beside the paged KV cache)."""
+        return "linear" in self.layer_mixer
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that attend over the KV cache (every layer but the linear ones)."""
+        return [i for i in range(self.n_layer)
+                if not self.layer_mixer or self.layer_mixer[i] == "attention"]
 
     @property
     def moe_layers(self) -> list[int]:
@@ -323,4 +364,12 @@ class ModelConfig:
             "layer_ffn": [FFN_IDS[k] for k in self.layer_ffn] if self.layer_ffn else None,
             "layer_sliding": ([int(k == "sliding") for k in self.layer_attn]
                               if self.layer_attn else None),
+            "layer_mixer": ([MIXER_IDS[k] for k in self.layer_mixer]
+                            if self.layer_mixer else None),
+            "attn_gate": int(self.attn_gate),
+            "lin_n_k_heads": self.lin_n_k_heads,
+            "lin_n_v_heads": self.lin_n_v_heads,
+            "lin_k_dim": self.lin_k_dim,
+            "lin_v_dim": self.lin_v_dim,
+            "lin_conv": self.lin_conv,
         }

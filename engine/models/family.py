@@ -62,12 +62,39 @@ def _kv_b(a: np.ndarray, H: int, dn: int, dv: int, part: str) -> np.ndarray:
     return np.ascontiguousarray(heads[:, dn:, :]).reshape(-1, a.shape[1])
 
 
+def _grouped_rows(nk: int, widths: tuple[int, ...]) -> np.ndarray:
+    """Row order that turns nk groups of rows, each holding parts of the given widths in
+    turn, into the parts one after another (part 0 of every group, then part 1, ...): Qwen3-
+    Next's in_proj_qkvz / in_proj_ba, grouped by key head, into q, k, v, z / b, a."""
+    step = sum(widths)
+    starts = np.cumsum((0,) + widths[:-1])
+    return np.concatenate([np.arange(g * step + s0, g * step + s0 + w)
+                           for s0, w in zip(starts, widths, strict=True) for g in range(nk)])
+
+
+def _group_order(src: Source) -> np.ndarray:
+    if src.transform == "qkvz":  # (nk, dk, nv, dv): per key head q, k, then r heads of v, z
+        nk, dk, nv, dv = src.params
+        return _grouped_rows(nk, (dk, dk, nv // nk * dv, nv // nk * dv))
+    nk, nv = src.params  # "ba": per key head r values of b, then r of a
+    return _grouped_rows(nk, (nv // nk, nv // nk))
+
+
 def transform(a: np.ndarray, src: Source) -> np.ndarray:
     """The checkpoint array a laid out as our tensor (src.transform: None, "rope_rows" with
     (block, offset, dr), "kv_b_k" / "kv_b_v" with (H, dn, dv), "t" (transposed), "cols" /
-    "cols_t" with (start, step): every step-th column from start (then transposed))."""
+    "cols_t" with (start, step): every step-th column from start (then transposed);
+    "plus_one": 1 + a in float32, for the norms that multiply by (1 + weight); "qkvz" with
+    (nk, dk, nv, dv) / "ba" with (nk, nv): rows grouped by key head regrouped by part;
+    "squeeze1": a [C, 1, K] depthwise conv weight as [C, K])."""
     if src.transform is None:
         return a
+    if src.transform == "plus_one":
+        return np.float32(1.0) + a.astype(np.float32)
+    if src.transform in ("qkvz", "ba"):
+        return np.ascontiguousarray(a[_group_order(src)])
+    if src.transform == "squeeze1":
+        return np.ascontiguousarray(a[:, 0, :])
     if src.transform == "t":
         return np.ascontiguousarray(a.T)
     if src.transform == "cols":
@@ -88,6 +115,14 @@ def untransform(a: np.ndarray, src: Source) -> np.ndarray:
     the columns [..., start::step] of the checkpoint's array."""
     if src.transform is None or src.transform == "cols":
         return a
+    if src.transform == "plus_one":
+        return a.astype(np.float32) - np.float32(1.0)
+    if src.transform in ("qkvz", "ba"):
+        out = np.empty_like(a)
+        out[_group_order(src)] = a
+        return out
+    if src.transform == "squeeze1":
+        return np.ascontiguousarray(a[:, None, :])
     if src.transform in ("t", "cols_t"):
         return np.ascontiguousarray(a.T)
     if src.transform == "rope_rows":

@@ -17,11 +17,14 @@ from colibri.engine.models import (
     olmoe,
     qwen2,
     qwen2_moe,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )
 
 FAMILIES: tuple[ModuleType, ...] = (mixtral, qwen2_moe, qwen3_moe, olmoe, llama, qwen2,
-                                    glm4_moe, deepseek, gpt_oss, minimax_m2)
+                                    glm4_moe, deepseek, gpt_oss, minimax_m2, qwen3_next,
+                                    qwen3_5_moe)
 _BY_CLASS = {c: f for f in FAMILIES for c in f.HF_CLASSES}
 _BY_NAME = {f.NAME: f for f in FAMILIES}
 # Hugging Face class name -> family name

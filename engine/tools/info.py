@@ -17,7 +17,8 @@ _DIMS = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_f
 _FEATURES = ("router", "n_group", "topk_group", "routed_scale", "norm_topk_prob", "qk_norm",
              "qkv_bias", "o_bias", "clip_qkv", "rope_theta", "rope", "rotary_dim", "rms_eps",
              "sliding_window", "layer_attn", "attn_sinks", "router_bias", "expert_bias", "glu",
-             "glu_alpha", "glu_limit", "tie_embeddings", "max_position_embeddings",
+             "glu_alpha", "glu_limit", "attn_gate", "lin_n_k_heads", "lin_n_v_heads",
+             "lin_k_dim", "lin_v_dim", "lin_conv", "tie_embeddings", "max_position_embeddings",
              "bos_token_id", "eos_token_ids")
 
 
@@ -67,6 +68,7 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
         "bytes_by_type": dict(sorted(bytes_by_type.items())),
         "params_shared_experts": params_shared,
         "layer_ffn": list(cfg.get("layer_ffn") or ["moe"] * int(cfg["n_layer"])),
+        "layer_mixer": list(cfg.get("layer_mixer") or ["attention"] * int(cfg["n_layer"])),
         "experts_per_layer": [experts_per_layer.get(i, 0) for i in range(int(cfg["n_layer"]))],
         "n_files": len(files),
         "tokenizer": (model_dir / "tokenizer.json").is_file(),
@@ -87,15 +89,27 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _layers(d: dict[str, Any]) -> str:
-    """The layers by FFN kind, e.g. "3 dense (0-2), 89 MoE (3-91)"."""
+def _kinds(kinds: list[str], labels: tuple[tuple[str, str], ...]) -> list[str]:
     parts = []
-    for kind, label in (("dense", "dense"), ("moe", "MoE")):
-        idx = [i for i, k in enumerate(d["layer_ffn"]) if k == kind]
+    for kind, label in labels:
+        idx = [i for i, k in enumerate(kinds) if k == kind]
         if idx:
             span = f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"
             contiguous = idx == list(range(idx[0], idx[-1] + 1))
-            parts.append(f"{len(idx)} {label}" + (f" ({span})" if contiguous else ""))
+            parts.append(f"{len(idx)} {label}" + (f" ({span})" if contiguous
+                                                  else f" ({', '.join(map(str, idx))})"
+                                                  if len(idx) <= 8 else ""))
+    return parts
+
+
+def _layers(d: dict[str, Any]) -> str:
+    """The layers by FFN kind, e.g. "3 dense (0-2), 89 MoE (3-91)", and by token mixer when
+    some layers are linear attention ("36 linear attention, 12 full attention")."""
+    parts = _kinds(d["layer_ffn"], (("dense", "dense"), ("moe", "MoE")))
+    mixers = d.get("layer_mixer") or []
+    if "linear" in mixers:
+        parts += _kinds(mixers, (("linear", "linear attention (recurrent state per sequence)"),
+                                 ("attention", "full attention (KV cache)")))
     return ", ".join(parts)
 
 
