@@ -176,6 +176,16 @@ class Metrics:
              "step_s"),
             ("colibri_engine_forward_seconds_total", "counter",
              "Time in the forward pass (the C core) within engine steps.", "forward_s"),
+            ("vllm:spec_decode_num_drafts_total", "counter",
+             "Sequence steps that carried drafted tokens (speculative decoding).",
+             "spec_drafts"),
+            ("vllm:spec_decode_num_draft_tokens_total", "counter",
+             "Tokens drafted and verified.", "spec_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens_total", "counter",
+             "Drafted tokens the model agreed with (kept).", "spec_accepted_tokens"),
+            ("colibri_spec_decode_mean_accepted_length", "gauge",
+             "Drafted tokens accepted per sequence step that carried drafts, since start.",
+             "spec_mean_accepted"),
         ]
         out: list[str] = []
         for name, kind, doc, key in rows:

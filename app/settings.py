@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     expert_huge_pages: bool = _option("expert_huge_pages")
     expert_read_timeout_s: float = _option("expert_read_timeout_s")
 
+    # -- speculative decoding ---------------------------------------------------------
+    speculative: Literal["off", "ngram"] = _option("speculative")
+    num_speculative_tokens: int = _option("num_speculative_tokens")
+
     # -- network ----------------------------------------------------------------------
     host: str = _option("host")
     port: int = _option("port")

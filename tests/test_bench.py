@@ -265,6 +265,27 @@ def test_bench_table_and_bad_arguments(tiny: dict[str, Path],
     assert "repeat must be positive" in capsys.readouterr().err
 
 
+def test_bench_speculative_runs_the_step_engine_both_ways(
+        tiny: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """--speculative ngram adds step-engine decode figures with and without drafts (runs
+    alternating, the same greedy tokens both ways, else the bench fails) and the counters."""
+    args = ["bench", "--model", str(tiny["q4"]), "--prompt-tokens", "12", "--gen-tokens", "24",
+            "--threads", "2", "--repeat", "2", "--probe-mib", "4", "--speculative", "ngram",
+            "--num-speculative-tokens", "3"]
+    assert main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["speculative"]
+    assert (r["method"], r["num_speculative_tokens"]) == ("ngram", 3)
+    for key in ("decode_tok_s", "decode_tok_s_off"):
+        assert len(r[key]["runs"]) == 2 and all(v > 0 for v in r[key]["runs"])
+    assert r["drafts"] > 0 and 0 < r["draft_tokens"] <= 3 * r["drafts"]
+    assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+    assert r["mean_accepted"] == pytest.approx(r["accepted_tokens"] / r["drafts"])
+    assert main(args) == 0
+    assert "mean accepted length" in capsys.readouterr().out
+    assert main([*args[:-1], "0"]) == 2
+    assert "--num-speculative-tokens must be at least 1" in capsys.readouterr().err
+
+
 def test_bench_converts_a_hugging_face_folder(tiny: dict[str, Path], tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:

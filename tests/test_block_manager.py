@@ -128,3 +128,27 @@ def test_random_admit_grow_finish_abort_never_leaks() -> None:
     for rid in list(live):
         bm.free(rid)
     assert bm.n_free == bm.n_blocks
+
+
+def test_truncate_frees_the_rejected_tail_first_in_line_and_keeps_cached_prefixes() -> None:
+    """Speculative decoding grows a table for drafts, then shrinks it to the accepted length:
+    the freed blocks go back first in line (they hold nothing reusable), while a finished
+    request's hashed blocks stay findable behind them."""
+    bm = BlockManager(8)
+    prompt = list(range(40))
+    assert bm.allocate_prompt("old", prompt) == 0 and bm.grow("old", 40)
+    bm.commit("old", prompt, 40)  # two full blocks hashed
+    bm.free("old")
+    assert bm.allocate_prompt("a", [100 + t for t in range(17)]) == 0
+    assert bm.grow("a", 17 + 3 * BLOCK_SIZE)  # drafts reach three blocks past the prompt's two
+    assert len(bm.table("a")) == 5
+    kept = bm.table("a")[:2]
+    bm.commit("a", [100 + t for t in range(17)], 17)  # one full block committed
+    bm.truncate("a", 18)
+    assert bm.table("a") == kept and bm.n_free == 6
+    # the three freed blocks are taken before the old request's cached ones
+    assert bm.allocate_prompt("b", []) == 0 and bm.grow("b", 3 * BLOCK_SIZE)
+    assert len(bm.cached_prefix(prompt + [0])[0]) == 2  # "old"'s prefix is still cached
+    bm.free("a")
+    bm.free("b")
+    assert bm.n_free == 8

@@ -108,7 +108,8 @@ ENGINE = "colibri.engine"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_core", "errors", "isolate"),  # the C binding; the error types; bounded child processes
     ("format.jsonfile", "format.quant", "format.safetensors_io", "format.wfile"),  # files
-    ("models", "sample", "text"),  # architectures; sampling and constraints; tokenizer, chat
+    # architectures; sampling and constraints; drafts for speculative decoding; tokenizer, chat
+    ("models", "sample", "spec", "text"),
     ("demo",),  # the bundled demo model and its data
     ("format",),  # convert, verify, check a model folder, fetch one from the Hub
     ("executor",),  # the loaded C model and its expert cache

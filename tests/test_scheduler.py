@@ -326,3 +326,36 @@ def test_choices_of_one_prompt_share_its_prefill() -> None:
     assert (child, 3) in step.items  # only what follows the shared full blocks
     assert s.blocks.table(child.rid)[:2] == s.blocks.table(parent.rid)[:2]
     _run(s, [parent, child])
+
+
+def test_drafts_take_only_spare_tokens_and_blocks() -> None:
+    """A decoding request's drafts join its step only as far as the step budget (one token
+    kept for each running request after it) and the free blocks (one kept for each other
+    running request) allow; what does not fit is dropped, never preempting anything."""
+    s = _scheduler(n_blocks=3, max_num_batched_tokens=64)
+    a, b = _req(15, max_new=20), _req(15, max_new=20)
+    s.add(a), s.add(b)
+    step = s.schedule()
+    assert [n for _, n in step.items] == [15, 15]
+    for r in (a, b):  # both prompts computed, one token sampled: both decode now
+        r.num_computed = 15
+        r.output.append(7)
+    # a's drafts would need a second block; the one free block is b's reserve
+    a.drafts, b.drafts = [1, 2, 3, 4], []
+    step = s.schedule()
+    assert [n for _, n in step.items] == [1, 1] and not step.preempted and a.drafts == []
+    assert s.blocks.n_free == 1
+    # with blocks to spare, the budget decides: 3 tokens for two decoding requests
+    s = _scheduler(n_blocks=8, max_num_batched_tokens=64)
+    a, b = _req(15, max_new=20), _req(15, max_new=20)
+    s.add(a), s.add(b)
+    s.schedule()
+    s.config.max_num_batched_tokens = 3
+    for r in (a, b):
+        r.num_computed = 15
+        r.output.append(7)
+    a.drafts, b.drafts = [1, 2, 3, 4], [5, 6]
+    step = s.schedule()
+    assert [n for _, n in step.items] == [2, 1] and not step.preempted
+    assert (a.drafts, b.drafts) == ([1], [])
+    assert len(s.blocks.table(a.rid)) == 2  # positions 15 and 16: a second block

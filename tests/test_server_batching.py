@@ -174,7 +174,10 @@ def test_metrics_names_are_the_documented_vllm_ones(server: SubprocessServer) ->
     assert types == {
         "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
         "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries_total": "counter",
-        "vllm:prefix_cache_hits_total": "counter", "vllm:num_preemptions_total": "counter"}
+        "vllm:prefix_cache_hits_total": "counter", "vllm:num_preemptions_total": "counter",
+        "vllm:spec_decode_num_drafts_total": "counter",
+        "vllm:spec_decode_num_draft_tokens_total": "counter",
+        "vllm:spec_decode_num_accepted_tokens_total": "counter"}
     m = parse_metrics(text)
     queries = _vllm(m, "prefix_cache_queries_total") - _vllm(before, "prefix_cache_queries_total")
     hits = _vllm(m, "prefix_cache_hits_total") - _vllm(before, "prefix_cache_hits_total")

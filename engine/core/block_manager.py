@@ -198,6 +198,21 @@ class BlockManager:
                 self._hash_of[b] = h
             parent = h
 
+    def truncate(self, rid: str, n_tokens: int) -> None:
+        """Shrink rid's table to the blocks n_tokens positions need (rejected draft tokens
+        wrote past them). Those blocks hold nothing any prefix may reuse, so they go to the
+        front of the free list, the first to be taken again. Never touches a hashed block."""
+        t = self.tables[rid]
+        keep = self.blocks_for(n_tokens)
+        assert keep >= len(t.hashes), "a committed block cannot be rolled back"
+        while len(t.blocks) > keep:
+            b = t.blocks.pop()
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+                if self._hash_of[b] is None:
+                    self._free.move_to_end(b, last=False)
+
     def free(self, rid: str) -> None:
         """Return rid's blocks; hashed ones stay findable until reused. Unknown rid: no-op."""
         t = self.tables.pop(rid, None)

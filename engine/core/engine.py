@@ -21,9 +21,11 @@ import numpy as np
 from colibri.engine.core.block_manager import BLOCK_SIZE, BlockManager
 from colibri.engine.core.request import Request, RequestOutput, Status, new_request
 from colibri.engine.core.scheduler import Scheduler, SchedulerConfig
+from colibri.engine.core.speculative import SpecStats, SpeculativeConfig, propose
 from colibri.engine.errors import check_token_ids
-from colibri.engine.sample.batch import prompt_logprobs, sample_rows
-from colibri.engine.sample.sampler import SamplingParams
+from colibri.engine.sample.batch import RowResult, prompt_logprobs, sample_rows
+from colibri.engine.sample.sampler import GREEDY_TEMPERATURE, SamplingParams
+from colibri.engine.sample.verify import sample_with_draft
 
 log = logging.getLogger("colibri.engine")
 
@@ -59,8 +61,11 @@ class EngineCore:
     """Requests in, outputs out, one step at a time."""
 
     def __init__(self, model: Any, tokenizer: Any, scheduler_config: SchedulerConfig,
-                 n_blocks: int, enable_prefix_cache: bool = True) -> None:
+                 n_blocks: int, enable_prefix_cache: bool = True,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.model = model
+        self.speculative = speculative or SpeculativeConfig()
+        self.spec_stats = SpecStats()
         self.tokenizer = tokenizer
         self.vocab_size = int(model.n_vocab)
         self.n_ctx = int(model.n_ctx)
@@ -71,6 +76,9 @@ class EngineCore:
             log.info("prefix caching is off: this model's linear-attention layers keep a "
                      "recurrent state per sequence, which blocks of a prefix cannot restore")
             enable_prefix_cache = False
+        if self.hybrid and self.speculative.enabled:
+            log.info("speculative decoding is off: this model's linear-attention layers keep "
+                     "a recurrent state that rejected drafts would advance past recall")
         n_slots = int(model.kv.n_state_slots) if self.hybrid else 0
         self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_slots)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
@@ -158,7 +166,8 @@ class EngineCore:
                 "kv_usage": b.usage, "prefix_queries": b.prefix_queries,
                 "prefix_hits": b.prefix_hits, "preemptions": self.scheduler.n_preemptions,
                 "kv_free": b.n_free, "kv_total": b.n_blocks,
-                "step_s": self.stats.step_time_s, "forward_s": self.stats.forward_time_s}
+                "step_s": self.stats.step_time_s, "forward_s": self.stats.forward_time_s,
+                **self.spec_stats.as_dict()}
 
     @property
     def n_running(self) -> int:
@@ -171,6 +180,9 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.speculative.enabled and not self.hybrid:
+            for req in self.scheduler.running:
+                req.drafts = propose(req, self.speculative)
         sched = self.scheduler.schedule()
         if self.blocks.pending_copies:  # hybrid forks: blocks and states they start from
             self._copy_forks()
@@ -189,9 +201,14 @@ class EngineCore:
         at = 0
         for i, (req, n) in enumerate(sched.items):
             c = req.num_computed
-            tokens[at:at + n] = req.tokens[c:c + n]
             seq_ids[at:at + n] = i
             positions[at:at + n] = np.arange(c, c + n, dtype=np.int32)
+            if req.drafts:  # the last known token, then its drafts: every one's logits
+                tokens[at] = req.tokens[c]
+                tokens[at + 1:at + n] = req.drafts
+                want[at:at + n] = 1
+            else:
+                tokens[at:at + n] = req.tokens[c:c + n]
             if getattr(req.params, "prompt_logprobs", None) is not None and c < len(req.prompt):
                 want[at:at + min(n, len(req.prompt) - c)] = 1  # every prompt position scored
             if c + n == req.num_tokens:
@@ -216,6 +233,12 @@ class EngineCore:
             rows = logits[row:row + n_rows]
             row += n_rows
             c = req.num_computed
+            if req.drafts:
+                # verified in _sample_rounds: for now only the last known token is computed
+                req.num_computed = c + 1
+                at += n
+                to_sample.append((req, row - n_rows))
+                continue
             if getattr(req.params, "prompt_logprobs", None) is not None and c < len(req.prompt):
                 try:
                     self._gather_prompt_logprobs(req, c, min(n, len(req.prompt) - c), rows)
@@ -232,21 +255,7 @@ class EngineCore:
                     continue
                 to_sample.append((req, row - 1))
         if to_sample:
-            first, last = to_sample[0][1], to_sample[-1][1]
-            # decode steps sample consecutive rows: a view, not a copy
-            stacked = (logits[first:last + 1] if last - first + 1 == len(to_sample)
-                       else logits[[r for _, r in to_sample]])
-            results = sample_rows(stacked, [q.sampler for q, _ in to_sample],
-                                  [q.tokens for q, _ in to_sample])
-            for (req, _), res in zip(to_sample, results, strict=True):
-                if res.error is not None:
-                    outputs.append(self._fail(req, res.error))
-                    continue
-                assert res.result is not None
-                try:
-                    outputs.append(self._advance(req, res.result))
-                except Exception as exc:  # noqa: BLE001 - detokenizing or a constraint failed
-                    outputs.append(self._fail(req, exc))
+            outputs += self._sample_rounds(logits, to_sample)
         outputs += failed
         self.stats.n_steps += 1
         self.stats.n_step_tokens += n_tok
@@ -256,6 +265,76 @@ class EngineCore:
         if self.expert_cache is not None:
             self.expert_cache.on_step(n_seq, n_tok)
         return outputs
+
+    def _sample_rounds(self, logits: np.ndarray,
+                       to_sample: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """Sample every request's next token from its row (see _sample_round). A request
+        that carried drafts goes on while its token equals its next draft: the next round
+        samples the rows of the drafts accepted so far, so each token is chosen from
+        exactly the logits, history and sampler state that decoding one token at a time
+        would have. Then its KV blocks past the accepted tokens are rolled back (their
+        positions are rewritten before anything reads them) and only the accepted tokens'
+        full blocks enter the prefix cache."""
+        outputs: list[RequestOutput] = []
+        verified: list[Request] = []
+        rnd = 0
+        while to_sample:
+            results = self._sample_round(logits, to_sample, rnd)
+            going_on: list[tuple[Request, int]] = []
+            for (req, row), res in zip(to_sample, results, strict=True):
+                if rnd == 0 and req.drafts:
+                    verified.append(req)
+                if res.error is not None:
+                    outputs.append(self._fail(req, res.error))
+                    continue
+                assert res.result is not None
+                try:
+                    out = self._advance(req, res.result)
+                except Exception as exc:  # noqa: BLE001 - detokenizing or a constraint failed
+                    outputs.append(self._fail(req, exc))
+                    continue
+                outputs.append(out)
+                if rnd < len(req.drafts) and out.token_id == req.drafts[rnd]:
+                    self.spec_stats.n_accepted += 1
+                    if out.finish_reason is None:
+                        req.num_computed += 1  # the draft's KV is the accepted token's
+                        going_on.append((req, row + 1))
+            to_sample = going_on
+            rnd += 1
+        for req in verified:
+            self.spec_stats.n_drafts += 1
+            self.spec_stats.n_draft_tokens += len(req.drafts)
+            req.drafts = []
+            if req.status == Status.RUNNING:
+                self.blocks.commit(req.rid, req.tokens, req.num_computed)
+                self.blocks.truncate(req.rid, req.num_tokens)
+        return outputs
+
+    @staticmethod
+    def _sample_round(logits: np.ndarray, to_sample: list[tuple[Request, int]],
+                      rnd: int) -> list[RowResult]:
+        """One round: sampled requests checking their draft number rnd take the speculative
+        sampling rule row by row; every other row goes through one batched call."""
+        ruled = [i for i, (q, _) in enumerate(to_sample)
+                 if rnd < len(q.drafts) and q.params.temperature >= GREEDY_TEMPERATURE]
+        results: list[RowResult | None] = [None] * len(to_sample)
+        for i in ruled:
+            q, r = to_sample[i]
+            try:
+                results[i] = RowResult(sample_with_draft(q.sampler, logits[r], q.tokens,
+                                                         q.drafts[rnd]))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                results[i] = RowResult(None, exc)
+        batch = [e for i, e in enumerate(to_sample) if results[i] is None]
+        if batch:
+            first, last = batch[0][1], batch[-1][1]
+            # decode steps sample consecutive rows: a view, not a copy
+            stacked = (logits[first:last + 1] if last - first + 1 == len(batch)
+                       else logits[[r for _, r in batch]])
+            it = iter(sample_rows(stacked, [q.sampler for q, _ in batch],
+                                  [q.tokens for q, _ in batch]))
+            results = [res if res is not None else next(it) for res in results]
+        return results  # type: ignore[return-value]
 
     def _copy_forks(self) -> None:
         kv = self.model.kv

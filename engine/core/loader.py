@@ -20,6 +20,7 @@ from colibri.engine.core.engine import EngineCore
 from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
 from colibri.engine.core.options import ExpertCacheConfig, default
 from colibri.engine.core.scheduler import SchedulerConfig
+from colibri.engine.core.speculative import SpeculativeConfig
 from colibri.engine.executor.expert_cache import (
     CachePlan,
     ExpertCacheMonitor,
@@ -57,6 +58,8 @@ class EngineConfig:
     kv_cache_mb: float | None = None  # None: sized from max_num_seqs and available memory
     kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
     prefix_cache: bool = default("prefix_cache")
+    speculative: str = default("speculative")  # off | ngram
+    num_speculative_tokens: int = default("num_speculative_tokens")
     progress: bool = True  # show the conversion progress bar
     expert_cache: ExpertCacheConfig = field(default_factory=ExpertCacheConfig.from_env)
 
@@ -149,7 +152,8 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             prefill_tokens_while_decoding=config.prefill_tokens_while_decoding)
-    core = EngineCore(model, tokenizer, sched, n_blocks, config.prefix_cache)
+    spec = SpeculativeConfig(config.speculative, config.num_speculative_tokens)
+    core = EngineCore(model, tokenizer, sched, n_blocks, config.prefix_cache, spec)
     core.model_path = folder
     core.model_name = Path(path).name
     core.expert_cache = monitor

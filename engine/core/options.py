@@ -22,6 +22,7 @@ from typing import Any
 from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES
 from colibri.engine.executor.expert_cache import LOAD_MODES
 from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
+from colibri.engine.spec import SPECULATIVE_METHODS
 
 ENV_PREFIX = "COLIBRI_"
 # every command with flags from this table; "serve" is the server (its settings), the others
@@ -146,6 +147,7 @@ def _num(x: float) -> str:
 _MODEL = "model"
 _BATCH = "batching and KV cache"
 _XC = "expert cache"
+_SPEC = "speculative decoding"
 _NET = "network"
 _LIMITS = "limits"
 _TEMPLATES = "chat templates"
@@ -226,6 +228,21 @@ OPTIONS: tuple[Option, ...] = (
            le=86400,
            note="Storage that stalls (a hung network mount) fails the request with a clean "
                 "error and /ready answers 503, instead of the server hanging."),
+    # -- speculative decoding -------------------------------------------------------------
+    Option("speculative", str, "off", "draft tokens and verify them together in one step: "
+           "ngram drafts by prompt lookup (what followed the sequence's last tokens earlier in "
+           "its prompt and output); off decodes one token per step", _SPEC,
+           commands=("serve", "generate", "bench"), choices=SPECULATIVE_METHODS,
+           note="Greedy requests (temperature 0) keep a draft only where it is the model's "
+                "own choice, so their output is the same token for token; sampled ones keep it "
+                "by the speculative sampling rule, so their output follows the same "
+                "distribution (a given seed gives other tokens than without speculation); a "
+                "response format drafts only what its grammar accepts. It pays where the "
+                "output repeats its input (code edits, quoting); each verify step runs every "
+                "draft through every layer, and on a MoE model through the union of their "
+                "experts."),
+    Option("num_speculative_tokens", int, 4, "tokens drafted per sequence and step at most",
+           _SPEC, commands=("serve", "generate", "bench"), ge=1, le=16),
     # -- network ------------------------------------------------------------------------
     Option("host", str, "127.0.0.1", "address to bind", _NET,
            note="127.0.0.1 keeps the server local; 0.0.0.0 exposes it (set an API key)."),

@@ -2,7 +2,9 @@
 counters, tokens known and tokens computed — there is no separate prefill or decode phase.
 
 Guarantees: `tokens` is prompt + generated; `num_computed` of them are in the KV cache; the
-step that computes the last known token also samples the next one. A preempted request keeps
+step that computes the last known token also samples the next one. Drafted tokens (speculative
+decoding) are never part of `tokens`: a step computes them after the last known token, and
+only those the model agrees with join the output. A preempted request keeps
 its generated tokens and sampler state and recomputes them later, so it continues exactly
 where it stopped.
 """
@@ -68,6 +70,10 @@ class Request:
     n_preempted: int = 0
     prompt_lp: list[Any] | None = None  # prompt logprobs gathered over the prompt's chunks
     sent_prompt_lp: bool = False
+    # speculative decoding: the drafter of this sequence (None: it does not speculate) and the
+    # tokens drafted for the next step, which that step scores after the last known token
+    drafter: Any = None
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def rid(self) -> str:

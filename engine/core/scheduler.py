@@ -1,10 +1,11 @@
 """The scheduler: which requests run in the next step, and how many of their tokens.
 
-Every step takes each running request's next tokens (one for a decode, a chunk for a prompt
-still being computed) and then admits waiting requests first come first served, under a token
-budget (`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`). When KV
-blocks run out, the newest running request is preempted: its blocks are freed and it goes back
-to the front of the queue, to be recomputed later (never dropped).
+Every step takes each running request's next tokens (one for a decode, plus the tokens drafted
+for it when it speculates; a chunk for a prompt still being computed) and then admits waiting
+requests first come first served, under a token budget (`max_num_batched_tokens`) and a cap on
+running sequences (`max_num_seqs`). When KV blocks run out, the newest running request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+later (never dropped); drafts never cause that, they only take what is spare.
 Guarantees: a request is running or waiting, never both; a scheduled request's block table
 covers every position the step writes.
 """
@@ -77,10 +78,26 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.rid)
         req.num_computed = 0
+        req.drafts = []
         req.status = Status.WAITING
         req.n_preempted += 1
         self.n_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _fit_drafts(self, req: Request, spare: int) -> int:
+        """Keep as many of req's drafts as the spare tokens and blocks allow (a free block
+        stays for each other running request's next token); grow its table for them. Drafts
+        never preempt anything: what does not fit is dropped."""
+        n = max(0, min(len(req.drafts), spare))
+        c = req.num_computed
+        extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))
+        reserve = len(self.running) - 1  # a block for each other running request's token
+        while n > 0 and (extra > self.blocks.n_free - reserve
+                         or not self.blocks.grow(req.rid, c + 1 + n)):
+            n -= 1
+            extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))
+        del req.drafts[n:]
+        return n
 
     def _hold_for_forks(self, req: Request, computed: int, n_new: int) -> int:
         """n_new, cut so that a hybrid model's choice 0 stops its prefill one token short of
@@ -109,11 +126,14 @@ class Scheduler:
             n_new = min(req.num_tokens - req.num_computed, budget)
             n_new = self._hold_for_forks(req, req.num_computed, n_new)
             if not req.prefill_done or n_new > 1:  # a prompt, or a recompute after preemption
+                req.drafts = []
                 if prompt_budget == 0:
                     i += 1
                     continue  # its prompt goes on next step
                 n_new = min(n_new, prompt_budget)
                 prompt_budget -= n_new
+            elif req.drafts:
+                n_new += self._fit_drafts(req, budget - (len(self.running) - i))
             while not self.blocks.grow(req.rid, req.num_computed + n_new):
                 victim = self.running[-1]
                 self._preempt(victim)

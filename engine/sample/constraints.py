@@ -237,6 +237,12 @@ class Constraint:
         self._fill()
         self._ready = True
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, from the first, the grammar would accept in a row from the
+        current state (the state does not change): drafts past that can never be kept."""
+        self._wait()
+        return int(self._m.validate_tokens([int(t) for t in tokens]))
+
     def is_finished(self) -> bool:
         """True once the grammar is complete and admits nothing but end-of-sequence."""
         return self._finished

@@ -274,7 +274,9 @@ class Sampler:
         top = [(int(i), float(logp[i])) for i in idx]
         return SampleResult(token, float(logp[token]), top)
 
-    def _draw(self, x: np.ndarray) -> int:
+    def candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution a draw from adjusted logits x samples (temperature > 0): the
+        candidate ids after top_k, top_p and min_p, and their unnormalised weights."""
         p = self.params
         # shift before dividing: the largest z is 0 and none can overflow
         x64 = x.astype(np.float64)
@@ -292,10 +294,17 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * np.max(probs)  # max of probs is 1 after the shift
             cand, probs = cand[keep], probs[keep]
-        cdf = np.cumsum(probs)
+        return cand, probs
+
+    def draw_from(self, cand: np.ndarray, weights: np.ndarray) -> int:
+        """One draw from this sequence's generator over cand with weights (not all zero)."""
+        cdf = np.cumsum(weights)
         u = self._rng.random() * cdf[-1]
         i = int(np.searchsorted(cdf, u, side="right"))
         return int(cand[min(i, cand.shape[0] - 1)])
+
+    def _draw(self, x: np.ndarray) -> int:
+        return self.draw_from(*self.candidates(x))
 
     def _nucleus(self, z: np.ndarray, cand: np.ndarray | None) -> np.ndarray:
         """Smallest best-first set whose probability reaches top_p (the crossing token kept)."""

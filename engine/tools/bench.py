@@ -29,12 +29,20 @@ from tqdm import tqdm
 
 from colibri.engine.core.kv_types import resolve_kv_type
 from colibri.engine.core.loader import available_memory_bytes, start_expert_cache
-from colibri.engine.core.options import ExpertCacheConfig, add_option_args
+from colibri.engine.core.options import (
+    OPTION,
+    ExpertCacheConfig,
+    add_option_args,
+    check_flag,
+    default,
+)
+from colibri.engine.core.speculative import SpeculativeConfig
 from colibri.engine.executor.expert_cache import ExpertCacheMonitor
 from colibri.engine.format.convert import DEFAULT_QUANT
 from colibri.engine.format.modelcheck import check_model
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.tools.bench_profile import decode_profile, render_profile
+from colibri.engine.tools.bench_spec import render_speculative, speculative_report
 from colibri.engine.tools.cache_args import (
     DEFAULT_KV_CACHE_TYPE,
     add_expert_cache_args,
@@ -230,6 +238,10 @@ class BenchSettings:
     expert_cache: ExpertCacheConfig | None = None  # None: from the environment
     kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
     progress: bool = False  # a bar on stderr over the phases and runs
+    # off: no step-engine runs; else greedy decode through the step engine with and without
+    # this method (engine.tools.bench_spec)
+    speculative: str = default("speculative")
+    num_speculative_tokens: int = default("num_speculative_tokens")
 
     def check(self) -> None:
         """Refuse counts below 1, named by their `colibri bench` option."""
@@ -238,6 +250,7 @@ class BenchSettings:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        check_flag(OPTION["num_speculative_tokens"], self.num_speculative_tokens)
 
 
 def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, Any] | None,
@@ -361,6 +374,14 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
     prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
     decode = summarize([s.gen_tokens / r.decode_s for r in runs])
     products = decode_products(runs, s.gen_tokens)
+    spec = None
+    if s.speculative != "off":
+        from colibri.engine.text.tokenizer import Tokenizer
+
+        bar.set_postfix_str("step engine with and without speculation")
+        spec = speculative_report(model, Tokenizer.from_dir(path), prompt, s.gen_tokens,
+                                  s.repeat, SpeculativeConfig(s.speculative,
+                                                              s.num_speculative_tokens))
     rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
     n_threads = model.n_threads  # what the model runs on (the core caps very large counts)
     n_repacked = model.core.n_repacked
@@ -405,6 +426,8 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
         "greedy_tokens": runs[0].tokens[:16],
         "expert_cache": cache,
     }
+    if spec is not None:
+        result["speculative"] = spec
     if s.profile:
         i = median_run(runs)
         read = max(reads[i], reads[i + 1]) if reads else gbps
@@ -475,6 +498,8 @@ def render(r: dict[str, Any]) -> str:
             f"{xc['prefetch_issued']:.0f}")
     elif xc:
         lines.append(f"expert cache   off: every expert resident ({xc['reason']})")
+    if "speculative" in r:
+        lines.append(render_speculative(r["speculative"]))
     if "profile" in r:
         lines.append(render_profile(r["profile"]))
     return "\n".join(lines)
@@ -499,6 +524,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "experts, lm_head), attention over the cache, the rest")
     add_kv_cache_type_arg(p)
     add_expert_cache_args(p)
+    add_option_args(p, ("speculative", "num_speculative_tokens"))
     add_trace_args(p)
 
 
@@ -508,7 +534,8 @@ def bench_main(args: argparse.Namespace) -> int:
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
         profile=args.profile, expert_cache=expert_cache_from_args(args),
-        kv_cache_type=args.kv_cache_type, progress=not args.no_progress)
+        kv_cache_type=args.kv_cache_type, progress=not args.no_progress,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     settings.check()  # before anything is read, timed or converted
     check_model(args.model)
     check_trace_args(args)

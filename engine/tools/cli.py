@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from colibri.engine import __version__
-from colibri.engine.core.options import GENERATION_OPTIONS, add_option_args
+from colibri.engine.core.options import GENERATION_OPTIONS, OPTION, add_option_args, check_flag
 from colibri.engine.format.modelcheck import ModelError, check_model
 from colibri.engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
 
@@ -112,6 +112,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_option_args(p, ("threads",))
     add_expert_cache_args(p)
+    add_option_args(p, ("speculative", "num_speculative_tokens"))
 
 
 def _generate_params(args: argparse.Namespace) -> SamplingParams:
@@ -130,6 +131,7 @@ def _generate_params(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"{flag}{e.message}, got {getattr(params, e.param)!r}") from None
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    check_flag(OPTION["num_speculative_tokens"], args.num_speculative_tokens)
     return params
 
 
@@ -141,7 +143,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = _generate_params(args)
     check_model(args.model)
-    config = EngineConfig(expert_cache=expert_cache_from_args(args))
+    config = EngineConfig(expert_cache=expert_cache_from_args(args),
+                          speculative=args.speculative,
+                          num_speculative_tokens=args.num_speculative_tokens)
     llm = LLM(args.model, threads=args.threads, quant=args.quant, config=config)
     if args.chat:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
