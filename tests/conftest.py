@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,20 @@ SLOW: tuple[str, ...] = ("test_reliability_schema.py", "test_expert_page_browser
                          "test_server_browser.py", "test_lm_eval.py", "test_server_clients.py")
 
 _BY_FILE = {f: name for name, files in SUBSYSTEMS.items() for f in files}
+
+
+@pytest.fixture(scope="module")
+def own_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """COLIBRI_CACHE_DIR pointed at a fresh folder for one test module (conversions made there
+    stay out of the other modules' way), restored afterwards."""
+    old = os.environ.get("COLIBRI_CACHE_DIR")
+    path = tmp_path_factory.mktemp("cache")
+    os.environ["COLIBRI_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("COLIBRI_CACHE_DIR", None)
+    else:
+        os.environ["COLIBRI_CACHE_DIR"] = old
 
 
 @pytest.fixture(params=sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref"))

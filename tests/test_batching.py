@@ -4,7 +4,6 @@ runs beside it) at f32, q8 and q4 weights with the default KV cache type."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,8 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    old = os.environ.get("COLIBRI_CACHE_DIR")
-    os.environ["COLIBRI_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        os.environ.pop("COLIBRI_CACHE_DIR", None)
-    else:
-        os.environ["COLIBRI_CACHE_DIR"] = old
+def _cache(own_cache_dir: Path) -> None:
+    """Conversions of this module's checkpoints in a cache folder of their own."""
 
 
 def _llm(hf_dir: Path, quant: str = "f32", **cfg: Any) -> Any:

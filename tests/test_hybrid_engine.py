@@ -7,7 +7,6 @@ tokens each sequence gives alone."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +34,8 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    old = os.environ.get("COLIBRI_CACHE_DIR")
-    os.environ["COLIBRI_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        os.environ.pop("COLIBRI_CACHE_DIR", None)
-    else:
-        os.environ["COLIBRI_CACHE_DIR"] = old
+def _cache(own_cache_dir: Path) -> None:
+    """Conversions of this module's checkpoints in a cache folder of their own."""
 
 
 def _llm(hf_dir: Path, **cfg: Any) -> Any:

@@ -6,7 +6,6 @@ logprobs, an expert budget and mixed batches keep working."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,14 +28,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    old = os.environ.get("COLIBRI_CACHE_DIR")
-    os.environ["COLIBRI_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        os.environ.pop("COLIBRI_CACHE_DIR", None)
-    else:
-        os.environ["COLIBRI_CACHE_DIR"] = old
+def _cache(own_cache_dir: Path) -> None:
+    """Conversions of this module's checkpoints in a cache folder of their own."""
 
 
 @pytest.fixture(scope="module")
