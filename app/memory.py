@@ -6,7 +6,8 @@ growing arenas of their own, a few large requests (a body near max_body_bytes th
 400, say) left a few hundred MB resident that no later request reused, growing round after
 round. The server therefore caps the arenas at start (`limit_arenas`), and `MemoryReturner`
 trims the heap (malloc_trim) once the resident size has grown by TRIM_STEP_BYTES since the last
-trim, checked once a second, off the event loop. Without glibc both do nothing.
+trim, and again once memory a trim found in use has been freed, checked once a second, off the
+event loop. Without glibc both do nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ log = logging.getLogger("colibri.app")
 ARENAS = 2
 TRIM_STEP_BYTES = 32 << 20
 CHECK_EVERY_S = 1.0
+EAGER_TRIES = 8
+MAX_RETRY_S = 64.0
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
@@ -62,7 +65,14 @@ def resident_bytes() -> int:
 
 
 class MemoryReturner:
-    """Trims after growth: `await run()` until cancelled."""
+    """Trims after growth, and again after memory that was in use at a trim is freed:
+    `await run()` until cancelled.
+
+    A trim while a burst of requests still holds its memory gives little back, and the burst
+    frees it afterwards without the resident size growing again; so while the resident size
+    stays TRIM_STEP_BYTES above the least it fell to after a trim, trims are tried again: each
+    second for EAGER_TRIES trims that returned less than a step, then twice as long after each
+    (at most MAX_RETRY_S): a process that really needs more memory pays one trim a minute."""
 
     def __init__(self, step_bytes: int = TRIM_STEP_BYTES) -> None:
         self.step_bytes = step_bytes
@@ -71,10 +81,21 @@ class MemoryReturner:
     async def run(self) -> None:
         if _LIBC is None:
             return
-        base = resident_bytes()
+        base = low = resident_bytes()  # after the last trim; the least after any trim
+        retry_s = due_s = CHECK_EVERY_S
+        misses = 0  # trims in a row that returned less than a step
         while True:
             await asyncio.sleep(CHECK_EVERY_S)
-            if resident_bytes() > base + self.step_bytes:
-                await asyncio.to_thread(trim)
-                self.trims += 1
-                base = resident_bytes()
+            now = resident_bytes()
+            due_s -= CHECK_EVERY_S
+            if now <= base + self.step_bytes and (now <= low + self.step_bytes or due_s > 0):
+                continue
+            if now > base + self.step_bytes:
+                misses = 0  # it grew: a new burst, whose memory a second from now may be free
+            await asyncio.to_thread(trim)
+            self.trims += 1
+            base = resident_bytes()
+            low = min(low, base)
+            misses = 0 if now - base >= self.step_bytes else misses + 1
+            retry_s = CHECK_EVERY_S if misses < EAGER_TRIES else min(retry_s * 2, MAX_RETRY_S)
+            due_s = retry_s
