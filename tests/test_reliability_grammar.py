@@ -185,7 +185,8 @@ def test_sigterm_during_a_compile_exits_within_the_drain_time(
 
     t = threading.Thread(target=post)
     t.start()
-    time.sleep(1.0)  # the compile is running
+    time.sleep(1.0)
+    assert not reply, reply  # unanswered: the compile is still running
     sent = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     code = srv.wait_exit(timeout=drain + 15)
@@ -194,5 +195,8 @@ def test_sigterm_during_a_compile_exits_within_the_drain_time(
     print(f"exited {took:.1f} s after SIGTERM (drain {drain} s)")
     assert code == 0, srv.log()
     assert took < drain + 10, (took, srv.log())
-    if "r" in reply:  # answered before the process went: the shutdown's 503
-        assert reply["r"].status_code == 503, reply["r"].text
+    if "r" in reply:  # answered before the process went: the shutdown's 503, or the 400 of
+        # the compile's own memory bound where a fast machine reaches it inside the drain
+        r = reply["r"]
+        assert r.status_code == 503 or (
+            r.status_code == 400 and r.json()["error"]["param"] == SCHEMA_PARAM), r.text
