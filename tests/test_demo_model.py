@@ -3,7 +3,6 @@ serves it when started with no model argument."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
@@ -15,15 +14,8 @@ PROMPTS = ["ROMEO.\n", "KING HENRY.\nNow, lords, "]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    old = os.environ.get("COLIBRI_CACHE_DIR")
-    path = tmp_path_factory.mktemp("demo-cache")
-    os.environ["COLIBRI_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("COLIBRI_CACHE_DIR", None)
-    else:
-        os.environ["COLIBRI_CACHE_DIR"] = old
+def cache_dir(own_cache_dir: Path) -> Path:
+    return own_cache_dir
 
 
 def test_bundled_model_is_package_data() -> None:
