@@ -135,8 +135,8 @@ def test_health_generate_fails_when_the_engine_cannot_generate(
     llm.release(10_000)
     llm.fail_next = True  # the next step's forward pass raises: the probe's request fails
     r = httpx.get(srv.url + "/health_generate", headers=AUTH, timeout=60)
-    assert r.status_code == 503 and r.json() == {"status": "error"}
-    assert "Retry-After" in r.headers
+    assert r.status_code == 503 and "Retry-After" in r.headers
+    assert r.json()["error"]["code"] == "generation_failed"  # OpenAI's error shape
     r = httpx.get(srv.url + "/health_generate", headers=AUTH, timeout=60)
     assert r.status_code == 200  # one failed step fails that request only
 

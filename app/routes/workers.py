@@ -3,19 +3,20 @@ the load, a generation probe, cache flushing and a summary of the model and the 
 
 Every answer is the engine's own state: /get_load counts the scheduler's running and waiting
 sequences (the numbers /metrics exports as vllm:num_requests_*), /flush_cache empties the
-prefix cache on the engine thread, /health_generate generates one token. No router-specific
-behaviour lives here: a router that is not in front still gets the same answers.
+prefix cache on the engine thread, /health_generate generates one token. Nothing here
+depends on which router asks, or whether one does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
+from colibri.app.errors import APIError
 from colibri.app.schemas import (
     FlushCacheStatus,
     HealthStatus,
@@ -24,10 +25,11 @@ from colibri.app.schemas import (
     ServerSummary,
     error_responses,
 )
-from colibri.app.state import ServerState, get_state, unavailable
+from colibri.app.state import get_state, unavailable
 from colibri.engine import EngineUnavailableError, SamplingParams, __version__
 
 router = APIRouter()
+log = logging.getLogger("colibri.app")
 # a probe waits this long for its one token: a busy server still answers within it
 _PROBE_TIMEOUT_S = 30.0
 
@@ -45,40 +47,38 @@ async def get_load(request: Request) -> dict[str, Any]:
             "kv_cache_usage": float(stats.get("kv_usage", 0.0))}
 
 
-@router.get("/health_generate", response_model=None, responses={
-    200: {"model": HealthStatus},
-    503: {"model": HealthStatus, "description": "Not ready, busy or unable to generate."}})
-async def health_generate(request: Request) -> JSONResponse:
+@router.get("/health_generate", response_model=None,
+            responses={200: {"model": HealthStatus}, **error_responses(503)})
+async def health_generate(request: Request) -> dict[str, Any]:
     """Deep health: 200 once the engine has generated one token for a one-token prompt (it
     queues behind the requests already there); 503 when it cannot."""
     state = get_state(request)
     if state.draining or state.engine.health() != "ready":
-        return _probe_failed(state)
+        raise unavailable(state)
     engine = state.engine
     rid = engine.new_request_id("health")
     prompt = [min(engine.info.eos_token_ids, default=0)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
+    why = "no token came"
     try:
         async with asyncio.timeout(_PROBE_TIMEOUT_S), \
                 aclosing(engine.generate(rid, prompt, params)) as outputs:
             async for out in outputs:
                 if out.token_id >= 0:
-                    return JSONResponse({"status": "ok"})
-    except Exception:  # not ready, queue full, timed out, or the step failed: what is probed
-        pass
-    return _probe_failed(state)
-
-
-def _probe_failed(state: ServerState) -> JSONResponse:
-    return JSONResponse({"status": "error"}, 503,
-                        {"Retry-After": str(state.settings.retry_after_s)})
+                    return {"status": "ok"}
+    except Exception as exc:  # not ready, queue full, timed out, the step failed: all probed
+        why = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
+        log.warning("the generation probe failed: %s", why)
+    raise APIError(503, f"Service unavailable: the engine could not generate ({why}).",
+                   code="generation_failed",
+                   headers={"Retry-After": str(state.settings.retry_after_s)})
 
 
 @router.post("/flush_cache", response_model=None,
              responses={200: {"model": FlushCacheStatus}, **error_responses(503)})
 async def flush_cache(request: Request) -> dict[str, Any]:
-    """Empty the prefix cache (sglang's name; vLLM's /reset_prefix_cache): prompts after
-    this compute every token again. Running requests keep their blocks."""
+    """Empty the prefix cache: prompts after this compute every token again. Running
+    requests keep their blocks."""
     state = get_state(request)
     try:
         n = await state.engine.reset_prefix_cache()
