@@ -22,8 +22,6 @@ import pytest
 
 from tests.server_helpers import SubprocessServer, free_port, wait_for
 
-pytest.importorskip("vllm_router", reason="the router is a test dependency (pip install "
-                    "-e '.[test]')")
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-routed"
@@ -32,7 +30,8 @@ CHAT = '/v1/chat/completions'
 
 
 class Router:
-    """`python -m vllm_router.launch_router` in front of worker_urls, on a free port."""
+    """`python -m vllm_router.launch_router` in front of worker_urls, on a free port (the
+    router comes with the test extras)."""
 
     def __init__(self, worker_urls: list[str], workdir: Path) -> None:
         self.port = free_port()
