@@ -159,6 +159,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (between steps); the cached blocks forgotten."""
+        return self.blocks.reset_prefix_cache()
+
     def snapshot(self) -> dict[str, float]:
         """Counters for /metrics (safe to read from another thread: plain reads)."""
         b = self.blocks

@@ -248,9 +248,11 @@ OPTIONS: tuple[Option, ...] = (
            note="127.0.0.1 keeps the server local; 0.0.0.0 exposes it (set an API key)."),
     Option("port", int, 8000, "port to listen on", _NET, ge=0, le=65535),
     Option("api_key", str, None, "require 'Authorization: Bearer KEY' on the API", _NET,
-           unset="no key", note="Covers /v1/*, /tokenize, /detokenize, /docs and "
-                                "/openapi.json; /health, /ready, /metrics and the chat page "
-                                "stay open.", example="sk-local", metavar="KEY"),
+           unset="no key", note="Covers /v1/*, /tokenize, /detokenize, /docs, "
+                                "/openapi.json and the routers' /health_generate, "
+                                "/flush_cache and /get_*_info; /health, /ready, /metrics, "
+                                "/get_load and the chat page stay open.", example="sk-local",
+           metavar="KEY"),
     Option("cors_origins", list, [], "origins allowed to call the API from a browser (CORS)",
            _NET, note='As a variable, a JSON list such as ["http://localhost:3000"]. Empty: '
                       "CORS off. Credentials are never allowed.", metavar="ORIGIN"),
