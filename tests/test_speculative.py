@@ -542,7 +542,7 @@ def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
     conts = [[o.token_id for o in want[f"r{i}"]] for i in range(len(prompts))]
     for cost, drafts in ((StepCost(1e-3, 0.0, 0.0), True), (StepCost(1e-4, 0.0, 1e-3), False)):
         _spec(llm, 4, "auto")
-        llm.core.planner.meter = StepCostMeter(cost, prior_weight=1e12)  # pinned
+        llm.core.planner.meter = StepCostMeter(cost, prior_weight=float("inf"))  # pinned
         steps0 = llm.core.stats.n_steps
         got = _run(llm, prompts, _params(),
                    [ScriptedDrafter(p, c) for p, c in zip(prompts, conts, strict=True)])

@@ -33,6 +33,7 @@ from colibri.engine.sample.sampler import GREEDY_TEMPERATURE, SamplingParams
 from colibri.engine.sample.verify import sample_with_draft
 
 log = logging.getLogger("colibri.engine")
+_EXPERT_PHASES = ("experts gate+up", "experts down")  # the product phases of routed experts
 
 
 class ContextLengthError(ValueError):
@@ -94,7 +95,8 @@ class EngineCore:
         self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_seq_slots)
         self.planner = DraftPlanner(moe_shape(getattr(model, "config", None)))
         self._expert_bytes = int(getattr(getattr(model, "core", None), "expert_bytes", 0) or 0)
-        self._experts_read = 0.0  # experts the products have read so far (auto's cost meter)
+        # expert bytes, expert seconds and attention seconds of every step so far (auto's meter)
+        self._products = self._product_totals() if self._expert_bytes else (0.0, 0.0, 0.0)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.requests: dict[str, list[Request]] = {}
         self.stats = StepStats()
@@ -291,21 +293,22 @@ class EngineCore:
             self.expert_cache.on_step(n_seq, n_tok)
         return outputs
 
+    def _product_totals(self) -> tuple[float, float, float]:
+        """Expert weight bytes read, expert product seconds and attention seconds so far."""
+        st = self.model.product_stats()
+        phases = st["phases"]
+        return (sum(phases[p]["weight_bytes"] for p in _EXPERT_PHASES if p in phases),
+                sum(phases[p]["s"] for p in _EXPERT_PHASES if p in phases),
+                float(st.get("attention_s", 0.0)))
+
     def _measure_step(self, n_tok: int, seconds: float) -> None:
-        """Feed auto's cost model: the step's tokens, the experts it read, its seconds."""
-        experts = 0.0
-        if self._expert_bytes > 0:
-            phases = self.model.product_stats()["phases"]
-            total = sum(phases[p]["weight_bytes"] for p in ("experts gate+up", "experts down")
-                        if p in phases) / self._expert_bytes
-            experts, self._experts_read = total - self._experts_read, total
-        self.planner.observe_step(n_tok, experts, seconds)
-        if self.expert_cache is not None and self.stats.n_steps % 64 == 0:
-            t = self.expert_cache.totals()
-            if t:
-                misses = t.get("misses", 0.0)
-                self.planner.resident = t["hit_rate"] if t["hits"] + misses else 1.0
-                self.planner.miss_s = t.get("stall_ns", 0.0) / 1e9 / misses if misses else 0.0
+        """Feed auto's cost model: the step's tokens, the experts it read, its seconds and of
+        those the expert products' and attention's (timed in C; with an expert budget the
+        expert products' time holds the loads of the experts the cache lacked)."""
+        now = self._product_totals()
+        last, self._products = self._products, now
+        experts = (now[0] - last[0]) / self._expert_bytes if self._expert_bytes else 0.0
+        self.planner.observe_step(n_tok, experts, seconds, now[1] - last[1], now[2] - last[2])
 
     def _save_states(self, items: list[tuple[Request, int]]) -> dict[int, int]:
         """Copy the recurrent state of each sequence that carries drafts into a spare slot:

@@ -108,8 +108,6 @@ class DraftPlanner:
     def __init__(self, shape: MoEShape, meter: StepCostMeter | None = None) -> None:
         self.shape = shape
         self.meter = meter or StepCostMeter()
-        self.resident = 1.0  # share of the experts the expert cache holds (1: no budget)
-        self.miss_s = 0.0  # seconds loading one expert the cache lacks
         self.last_ks: list[int] = []  # the k chosen for each drafting sequence, last step
 
     def plan(self, running: list[Request], config: SpeculativeConfig) -> None:
@@ -126,15 +124,15 @@ class DraftPlanner:
             if cost is None:  # nothing measured yet: the first steps measure one token
                 k = 0
             else:
-                k = choose_k(cost, self.shape, req.acceptance.rate, len(req.drafts), batch,
-                             self.resident, self.miss_s)
+                k = choose_k(cost, self.shape, req.acceptance.rate, len(req.drafts), batch)
             if k == 0:
                 req.acceptance.idle()
             del req.drafts[k:]
             self.last_ks.append(k)
 
-    def observe_step(self, n_tokens: int, n_experts: float, seconds: float) -> None:
-        self.meter.observe(n_tokens, n_experts, seconds)
+    def observe_step(self, n_tokens: int, n_experts: float, seconds: float,
+                     expert_seconds: float = 0.0, attention_seconds: float = 0.0) -> None:
+        self.meter.observe(n_tokens, n_experts, seconds, expert_seconds, attention_seconds)
 
     @staticmethod
     def observe_verify(req: Request, n_drafts: int, n_accepted: int) -> None:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class MoEShape:
@@ -134,57 +132,65 @@ class Acceptance:
 
 
 class StepCostMeter:
-    """Fits StepCost to observed steps: seconds = step_s + expert_s * experts + token_s *
-    tokens, by least squares weighted toward recent steps (a forgetting factor), pulled toward
-    a prior so that it answers before the data can tell the three parts apart. The prior is
-    set from the first step seen that reads experts (a third each to the step, its experts
-    and its tokens) unless given."""
+    """Measures StepCost on the engine's own steps. The C core times the expert products and
+    attention over the KV cache in place, so two parts are ratios of measured sums: expert_s
+    = expert seconds / experts read, and attention's share of token_s = attention seconds /
+    tokens. What remains of a step's seconds (other weights, norms, Python, sampling) is
+    fitted as step_s + rest_s * tokens by least squares, pulled gently toward rest_s = 0 so
+    that it answers while every step has one token. Sums are weighted toward recent steps
+    (a forgetting factor), so the costs follow the context growing and the machine's load.
+    Steps of more than `max_tokens` tokens (prompt chunks) are not what drafts change and
+    are left out. A prior, when given, counts as `prior_weight` steps of its own; an infinite
+    weight pins the cost to it (a profile measured elsewhere)."""
 
-    def __init__(self, prior: StepCost | None = None, forget: float = 0.98,
-                 prior_weight: float = 2.0) -> None:
+    def __init__(self, prior: StepCost | None = None, forget: float = 0.97,
+                 prior_weight: float = 0.0, max_tokens: int = 64) -> None:
         self.forget = forget
-        self.prior_weight = prior_weight
-        self._a = np.zeros((3, 3))  # sum of w x x^T
-        self._b = np.zeros(3)  # sum of w x y
-        self._prior: np.ndarray | None = None
-        self._scale = np.ones(3)
+        self.max_tokens = max_tokens
         self.n_obs = 0
-        if prior is not None:
-            self._set_prior(prior, 1.0, 1.0)
+        # forgetting sums: experts, expert seconds, tokens, attention seconds, and for the
+        # rest's fit: steps, sum n, sum n^2, sum r, sum n r
+        self._e = self._te = self._n = self._ta = 0.0
+        self._w = self._sn = self._snn = self._sr = self._snr = 0.0
+        self._prior = prior
+        self._pinned = prior is not None and prior_weight == float("inf")
+        if prior is not None and 0 < prior_weight < float("inf"):
+            w = prior_weight
+            self._e, self._te = w, w * prior.expert_s
+            self._n, self._ta = w, w * prior.token_s
+            self._w, self._sn, self._snn, self._sr, self._snr = w, w, w, w * prior.step_s, \
+                w * prior.step_s
 
-    def _set_prior(self, prior: StepCost, experts: float, tokens: float) -> None:
-        # features are scaled to a typical step so the ridge weighs the parts alike
-        self._scale = np.array([1.0, max(experts, 1.0), max(tokens, 1.0)])
-        self._prior = np.array([prior.step_s, prior.expert_s, prior.token_s]) * self._scale
-
-    def observe(self, n_tokens: int, n_experts: float, seconds: float) -> None:
-        """One step: its tokens, the distinct experts its products read, its seconds."""
-        if n_tokens <= 0 or seconds <= 0 or not np.isfinite(seconds):
+    def observe(self, n_tokens: int, n_experts: float, seconds: float,
+                expert_seconds: float = 0.0, attention_seconds: float = 0.0) -> None:
+        """One step: its tokens, the distinct experts its products read, its seconds, and of
+        those the expert products' and attention's seconds (as the C core timed them)."""
+        if not 0 < n_tokens <= self.max_tokens or not 0 < seconds < float("inf"):
             return
-        if self._prior is None:
-            third = seconds / 3.0
-            self._set_prior(StepCost(third, third / n_experts if n_experts > 0 else 0.0,
-                                     third / n_tokens), n_experts, n_tokens)
-        x = np.array([1.0, n_experts, float(n_tokens)]) / self._scale
-        self._a = self.forget * self._a + np.outer(x, x)
-        self._b = self.forget * self._b + x * seconds
+        f = self.forget
+        n = float(n_tokens)
+        r = seconds - expert_seconds - attention_seconds
+        self._e = f * self._e + n_experts
+        self._te = f * self._te + expert_seconds
+        self._n = f * self._n + n
+        self._ta = f * self._ta + attention_seconds
+        self._w = f * self._w + 1.0
+        self._sn = f * self._sn + n
+        self._snn = f * self._snn + n * n
+        self._sr = f * self._sr + r
+        self._snr = f * self._snr + n * r
         self.n_obs += 1
 
     def cost(self) -> StepCost | None:
-        """The fitted cost (each part at least 0); None before any observation or prior."""
-        if self._prior is None:
-            return None
-        lam = self.prior_weight
-        c = self._prior.copy()
-        # non-negative least squares by active set: a part fitted below 0 is held at 0
-        free = np.ones(3, dtype=bool)
-        for _ in range(3):
-            a = self._a[np.ix_(free, free)] + lam * np.eye(int(free.sum()))
-            rhs = self._b[free] + lam * self._prior[free]  # held parts are 0: no term
-            c = np.zeros(3)
-            c[free] = np.linalg.solve(a, rhs)
-            if (c >= 0).all():
-                break
-            free &= c > 0
-        c = np.maximum(c, 0.0) / self._scale
-        return StepCost(float(c[0]), float(c[1]), float(c[2]))
+        """The measured cost (each part at least 0); None before any step or prior."""
+        if self._w <= 0 or self._pinned:
+            return self._prior
+        expert_s = self._te / self._e if self._e > 0 else 0.0
+        attention_s = self._ta / self._n if self._n > 0 else 0.0
+        # least squares of r = step_s + rest_s n, with a ridge of one step's weight on rest_s
+        mean_n, mean_r = self._sn / self._w, self._sr / self._w
+        var_n = self._snn / self._w - mean_n * mean_n
+        cov = self._snr / self._w - mean_n * mean_r
+        rest_s = max(cov / (var_n + 1.0 / self._w), 0.0) if var_n > 0 else 0.0
+        step_s = max(mean_r - rest_s * mean_n, 0.0)
+        return StepCost(step_s, max(expert_s, 0.0), attention_s + rest_s)
