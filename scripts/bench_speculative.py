@@ -10,10 +10,11 @@ variant (another identifier to rename, another subject). For each workload and s
 runs alternate between the modes (off, ngram: always num_speculative_tokens drafts, auto: the
 cost model's k) on one loaded model, through the step engine (scheduler, batched sampler,
 detokenizer), prefix cache off. Reports decode tok/s of all streams together (from the step
-where the last stream got its first token to the end), the mean accepted length, the drafts
-per verify, and the expert weight bytes a decode step reads (counted by the C products) with
-drafts against the bytes of a step without: on a MoE model a verify step reads the union of
-its tokens' experts. The greedy tokens must be the same in every mode (it stops if not). A
+where the last stream got its first token to the end), the steps and how many verified
+drafts, the mean accepted length of the drafts per verify, the expert weight bytes (counted by
+the C products) of a step that verified drafts against a step of the baseline (on a MoE model
+a verify step reads the union of its tokens' experts), and the expert bytes per decoded
+token against the baseline's. The greedy tokens must be the same in every mode (it stops if not). A
 benchmark, not a test; it prints the CPU model with the figures.
 """
 
@@ -98,21 +99,34 @@ def decode_run(llm: Any, prompts: list[list[int]], n_gen: int) -> dict[str, Any]
     t0 = 0.0
     steps0 = bytes0 = n0 = 0
     started = False
+    # expert bytes of the decode steps that verified drafts and of those that did not
+    verify_bytes, plain_bytes = [], []
     while core.has_work():
+        b, drafts = _expert_bytes(llm.model), core.spec_stats.n_drafts
         outs = core.step()
         for o in outs:
             if o.error is not None:
                 raise o.error
             tokens[o.request_id].append(o.token_id)
+        if started:
+            (verify_bytes if core.spec_stats.n_drafts > drafts else plain_bytes).append(
+                _expert_bytes(llm.model) - b)
         if not started and all(tokens.values()):
             started = True
             t0, steps0, bytes0 = time.perf_counter(), core.stats.n_steps, \
                 _expert_bytes(llm.model)
             n0 = sum(len(t) for t in tokens.values())
     steps = core.stats.n_steps - steps0
+    n_decoded = sum(len(t) for t in tokens.values()) - n0
+    spent = _expert_bytes(llm.model) - bytes0
     return {"s": time.perf_counter() - t0, "tokens": [tokens[k] for k in sorted(tokens)],
-            "n_decoded": sum(len(t) for t in tokens.values()) - n0, "steps": steps,
-            "expert_bytes_per_step": (_expert_bytes(llm.model) - bytes0) / max(steps, 1)}
+            "n_decoded": n_decoded, "steps": steps,
+            "expert_bytes_per_step": spent / max(steps, 1),
+            "expert_bytes_per_token": spent / max(n_decoded, 1),
+            "verify_steps": len(verify_bytes),
+            "expert_bytes_per_verify": statistics.fmean(verify_bytes) if verify_bytes else 0.0,
+            "expert_bytes_per_plain_step": statistics.fmean(plain_bytes) if plain_bytes
+            else 0.0}
 
 
 def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> dict[str, Any]:
@@ -140,15 +154,24 @@ def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> d
                    "steps": rs[0]["steps"],
                    "expert_bytes_per_step": statistics.median(
                        r["expert_bytes_per_step"] for r in rs),
+                   "expert_bytes_per_token": statistics.median(
+                       r["expert_bytes_per_token"] for r in rs),
+                   "verify_steps": rs[0]["verify_steps"],
+                   "expert_bytes_per_verify": statistics.median(
+                       r["expert_bytes_per_verify"] for r in rs),
                    "mean_accepted": st.mean_accepted,
                    "drafts_per_verify": st.n_draft_tokens / st.n_drafts if st.n_drafts else 0.0,
                    "acceptance_rate": (st.n_accepted / st.n_draft_tokens
                                        if st.n_draft_tokens else 0.0)}
-    one = w[modes[0]]["expert_bytes_per_step"]
+    # a step of the baseline (one token per stream) against a step that verified drafts
+    one = statistics.median(r["expert_bytes_per_plain_step"] for r in runs[modes[0]])
+    per_token = w[modes[0]]["expert_bytes_per_token"]
     for mode in modes:
         w[mode]["speedup"] = w[mode]["decode_tok_s"] / w[modes[0]]["decode_tok_s"]
-        w[mode]["expert_bytes_vs_off"] = (w[mode]["expert_bytes_per_step"] / one
-                                          if one else 0.0)
+        w[mode]["verify_expert_bytes_vs_one_step"] = (w[mode]["expert_bytes_per_verify"] / one
+                                                      if one else 0.0)
+        w[mode]["expert_bytes_per_token_vs_off"] = (w[mode]["expert_bytes_per_token"]
+                                                    / per_token if per_token else 0.0)
     return w
 
 
@@ -197,10 +220,11 @@ def main(argv: list[str] | None = None) -> int:
             m = w[mode]
             line.append(f"{mode} {m['decode_tok_s']:.1f} tok/s (x{m['speedup']:.2f}, "
                         f"{m['steps']} steps" + (
-                            f", accepted {m['mean_accepted']:.2f} of "
-                            f"{m['drafts_per_verify']:.2f} per verify, expert bytes per step "
-                            f"x{m['expert_bytes_vs_off']:.2f}" if mode != modes[0] else "")
-                        + ")")
+                            f", {m['verify_steps']} verifying: accepted "
+                            f"{m['mean_accepted']:.2f} of {m['drafts_per_verify']:.2f} drafts, "
+                            f"expert bytes x{m['verify_expert_bytes_vs_one_step']:.2f} of a "
+                            f"step without; per token x{m['expert_bytes_per_token_vs_off']:.2f}"
+                            if mode != modes[0] else "") + ")")
         print(" ".join(line[:1]) + "\n    " + "\n    ".join(line[1:]))
     return 0
 
