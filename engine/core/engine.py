@@ -95,8 +95,6 @@ class EngineCore:
         self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_seq_slots)
         self.planner = DraftPlanner(moe_shape(getattr(model, "config", None)))
         self._expert_bytes = int(getattr(getattr(model, "core", None), "expert_bytes", 0) or 0)
-        # expert bytes, expert seconds and attention seconds of every step so far (auto's meter)
-        self._products = self._product_totals() if self._expert_bytes else (0.0, 0.0, 0.0)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.requests: dict[str, list[Request]] = {}
         self.stats = StepStats()
@@ -204,6 +202,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        measure = self.speculates and self.speculative.adaptive
+        products = self._product_totals() if measure else None
         if self.speculates:
             self.planner.plan(self.scheduler.running, self.speculative)
         sched = self.scheduler.schedule()
@@ -285,8 +285,8 @@ class EngineCore:
         self.stats.n_step_tokens += n_tok
         dt = time.perf_counter() - t0
         self.stats.step_time_s += dt
-        if self.speculates and self.speculative.adaptive:
-            self._measure_step(n_tok, dt)
+        if products is not None:
+            self._measure_step(n_tok, dt, products)
         if self.on_step is not None:
             self.on_step(n_seq, n_tok)
         if self.expert_cache is not None:
@@ -301,12 +301,13 @@ class EngineCore:
                 sum(phases[p]["s"] for p in _EXPERT_PHASES if p in phases),
                 float(st.get("attention_s", 0.0)))
 
-    def _measure_step(self, n_tok: int, seconds: float) -> None:
+    def _measure_step(self, n_tok: int, seconds: float,
+                      last: tuple[float, float, float]) -> None:
         """Feed auto's cost model: the step's tokens, the experts it read, its seconds and of
         those the expert products' and attention's (timed in C; with an expert budget the
-        expert products' time holds the loads of the experts the cache lacked)."""
+        expert products' time holds the loads of the experts the cache lacked); last: the
+        products' totals before the step."""
         now = self._product_totals()
-        last, self._products = self._products, now
         experts = (now[0] - last[0]) / self._expert_bytes if self._expert_bytes else 0.0
         self.planner.observe_step(n_tok, experts, seconds, now[1] - last[1], now[2] - last[2])
 
