@@ -490,7 +490,8 @@ def test_drafts_use_only_spare_budget_and_blocks_and_never_preempt(
 def test_hybrid_models_speculate_with_the_same_greedy_output(tmp_path: Path, arch: str) -> None:
     """A model with linear-attention layers keeps a recurrent state per sequence that a
     verify step advances past rejected drafts: the state saved before the step comes back and
-    the kept tokens run again. Greedy output with ngram drafts at k = 1, 2, 4 (some drafts
+    the kept tokens run again; as many sequences draft per step as there are spare state
+    slots to save them in. Greedy output with ngram drafts at k = 1, 2, 4 (some drafts
     kept, some rejected), with drafts all kept and with drafts all rejected, is token for
     token and logprob for logprob the output without speculation."""
     hf = make_checkpoint(arch, tmp_path / arch, seed=7)
@@ -499,6 +500,8 @@ def test_hybrid_models_speculate_with_the_same_greedy_output(tmp_path: Path, arc
     want = _run(base, prompts, _params())
     llm = _llm(hf, prefix_cache=False, speculative="ngram")
     assert llm.core.speculates
+    # two spare state slots for eight sequences: of the four, at most two draft per step
+    assert len(llm.core.snapshot_slots) == 2 < len(prompts)
     partly = 0
     for k in (1, 2, 4):
         _spec(llm, k)

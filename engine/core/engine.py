@@ -84,14 +84,14 @@ class EngineCore:
             enable_prefix_cache = False
         n_slots = int(model.kv.n_state_slots) if self.hybrid else 0
         # a hybrid model's verify step advances the recurrent state past rejected drafts: each
-        # drafting sequence saves its state first, in a slot past the sequences' own ones
+        # drafting sequence saves its state first, in a slot past the sequences' own ones (as
+        # many sequences draft in a step as there are such slots)
         n_seq_slots = min(n_slots, scheduler_config.max_num_seqs + 1)
         self.snapshot_slots = list(range(n_seq_slots, n_slots))
-        if (self.hybrid and self.speculative.enabled
-                and len(self.snapshot_slots) < scheduler_config.max_num_seqs):
-            log.info("speculative decoding is off: this model's linear-attention layers need a "
-                     "spare recurrent-state slot per sequence to undo rejected drafts, and the "
-                     "cache was made without them")
+        if self.hybrid and self.speculative.enabled and not self.snapshot_slots:
+            log.info("speculative decoding is off: this model's linear-attention layers need "
+                     "spare recurrent-state slots to undo rejected drafts, and the cache was "
+                     "made without them")
         self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_seq_slots)
         self.planner = DraftPlanner(moe_shape(getattr(model, "config", None)))
         self._expert_bytes = int(getattr(getattr(model, "core", None), "expert_bytes", 0) or 0)
@@ -194,18 +194,17 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     @property
     def speculates(self) -> bool:
-        """Whether steps carry drafts: speculation on, and (hybrid models) a spare state slot
-        for each sequence that may draft."""
-        return self.speculative.enabled and (
-            not self.hybrid
-            or len(self.snapshot_slots) >= self.scheduler.config.max_num_seqs)
+        """Whether steps carry drafts: speculation on, and (hybrid models) spare state slots
+        to save the drafting sequences' states in."""
+        return self.speculative.enabled and (not self.hybrid or bool(self.snapshot_slots))
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         measure = self.speculates and self.speculative.adaptive
         products = self._product_totals() if measure else None
         if self.speculates:
-            self.planner.plan(self.scheduler.running, self.speculative)
+            self.planner.plan(self.scheduler.running, self.speculative,
+                              len(self.snapshot_slots) if self.hybrid else None)
         sched = self.scheduler.schedule()
         if self.blocks.pending_copies:  # hybrid forks: blocks and states they start from
             self._copy_forks()

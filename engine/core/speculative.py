@@ -91,6 +91,14 @@ def propose(req: Request, config: SpeculativeConfig) -> list[int]:
     return drafts
 
 
+def spare_state_slots(max_num_seqs: int) -> int:
+    """Recurrent-state slots a model with linear-attention layers keeps to undo rejected
+    drafts: one per sequence that may draft in a step. A quarter of the batch (at least one):
+    a slot is a whole recurrent state (tens of MB on a large model), and in a full batch
+    drafts rarely pay."""
+    return max(1, max_num_seqs // 4)
+
+
 def moe_shape(model_config: Any) -> MoEShape:
     """The MoEShape of a ModelConfig (engine.models.config)."""
     n_expert = int(getattr(model_config, "n_expert", 0) or 0)
@@ -110,13 +118,20 @@ class DraftPlanner:
         self.meter = meter or StepCostMeter()
         self.last_ks: list[int] = []  # the k chosen for each drafting sequence, last step
 
-    def plan(self, running: list[Request], config: SpeculativeConfig) -> None:
-        """Set req.drafts of every running request (empty where it does not draft)."""
+    def plan(self, running: list[Request], config: SpeculativeConfig,
+             max_drafting: int | None = None) -> None:
+        """Set req.drafts of every running request (empty where it does not draft); at most
+        max_drafting of them draft (None: any number)."""
         cost = self.meter.cost() if config.adaptive else None
         batch = BatchPlan(float(len(running)), float(len(running)))
         self.last_ks = []
+        n_drafting = 0
         for req in running:
+            if max_drafting is not None and n_drafting >= max_drafting:
+                req.drafts = []
+                continue
             req.drafts = propose(req, config)
+            n_drafting += bool(req.drafts)
             if not config.adaptive or not req.drafts:
                 continue
             if req.acceptance is None:
@@ -128,6 +143,7 @@ class DraftPlanner:
             if k == 0:
                 req.acceptance.idle()
             del req.drafts[k:]
+            n_drafting -= k == 0
             self.last_ks.append(k)
 
     def observe_step(self, n_tokens: int, n_experts: float, seconds: float,
