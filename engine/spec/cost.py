@@ -7,10 +7,12 @@ experts: E(1 - (1 - top_k/E)^T) per MoE layer for T tokens) plus token_s per tok
 attention over its context, products, sampling its row). Drafting k tokens for a sequence
 yields alpha + alpha^2 + ... + alpha^k more tokens on average (alpha: that request's smoothed
 acceptance rate). k is the one maximising (tokens the step yields) / (its cost), 0 when none
-beats decoding one token. The cost's three parts are fitted to the engine's own steps
-(exponentially weighted least squares), so the model follows what this machine and this
-context length actually cost. Guarantees: never more drafts than offered; k = 0 whenever
-drafts do not pay by the model. Refuses nothing; it only decides speed, never tokens.
+beats decoding one token. StepCostMeter measures the three parts on the engine's own steps
+(the expert products and attention as the C core times them, the rest fitted), weighted
+toward recent ones, so the model follows what this machine, this context length and this
+expert cache (its loads fall in the expert products' time) actually cost. Guarantees: never
+more drafts than offered; k = 0 whenever drafts do not pay by the model. Refuses nothing; it
+only decides speed, never tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class StepCost:
     def seconds(self, shape: MoEShape, n_tokens: float, resident: float = 1.0,
                 miss_s: float = 0.0) -> float:
         """Expected seconds of a step of n_tokens. resident: the share of experts the cache
-        holds (1 without an expert budget); each one it lacks costs miss_s more to load."""
+        holds (1 without an expert budget); each one it lacks costs miss_s more to load (for
+        a profile made by hand: a measured expert_s already holds the loads)."""
         per_expert = self.expert_s + (1.0 - resident) * miss_s
         return (self.step_s + per_expert * shape.experts_read(n_tokens)
                 + self.token_s * n_tokens)
