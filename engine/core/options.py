@@ -231,7 +231,9 @@ OPTIONS: tuple[Option, ...] = (
     # -- speculative decoding -------------------------------------------------------------
     Option("speculative", str, "off", "draft tokens and verify them together in one step: "
            "ngram drafts by prompt lookup (what followed the sequence's last tokens earlier in "
-           "its prompt and output); off decodes one token per step", _SPEC,
+           "its prompt and output); auto drafts the same way but lets a cost model choose, per "
+           "sequence and step, how many drafts to verify (none where they would not pay); off "
+           "decodes one token per step", _SPEC,
            commands=("serve", "generate", "bench"), choices=SPECULATIVE_METHODS,
            note="Greedy requests (temperature 0) keep a draft only where it is the model's "
                 "own choice, so their output is the same token for token; sampled ones keep it "
@@ -240,7 +242,9 @@ OPTIONS: tuple[Option, ...] = (
                 "response format drafts only what its grammar accepts. It pays where the "
                 "output repeats its input (code edits, quoting); each verify step runs every "
                 "draft through every layer, and on a MoE model through the union of their "
-                "experts."),
+                "experts. auto weighs that cost, measured on this machine's own steps, against "
+                "each request's acceptance so far and the batch's size: on free text and in "
+                "large batches it drafts little or nothing."),
     Option("num_speculative_tokens", int, 4, "tokens drafted per sequence and step at most",
            _SPEC, commands=("serve", "generate", "bench"), ge=1, le=16),
     # -- network ------------------------------------------------------------------------

@@ -1,4 +1,6 @@
 """Speculative decoding: drafting tokens that the step engine verifies in one forward pass."""
 
-# off: one token per sequence and step; ngram: prompt lookup (engine.spec.ngram)
-SPECULATIVE_METHODS = ("off", "ngram")
+# off: one token per sequence and step; ngram: prompt lookup (engine.spec.ngram), always
+# num_speculative_tokens drafts; auto: prompt lookup with k per sequence and step chosen by the
+# cost model (engine.spec.cost), 0 where drafts do not pay
+SPECULATIVE_METHODS = ("off", "auto", "ngram")
