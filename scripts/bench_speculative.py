@@ -5,17 +5,20 @@
         [--modes off,ngram,auto] [--json]
 
 Two workloads: an edit (the prompt holds a block of code the answer largely repeats) and free
-text (the answer repeats nothing it was given); with several streams each gets its own
-variant (another identifier to rename, another subject). For each workload and stream count,
-runs alternate between the modes (off, ngram: always num_speculative_tokens drafts, auto: the
-cost model's k) on one loaded model, through the step engine (scheduler, batched sampler,
-detokenizer), prefix cache off. Reports decode tok/s of all streams together (from the step
-where the last stream got its first token to the end), the steps and how many verified
-drafts, the mean accepted length of the drafts per verify, the expert weight bytes (counted by
-the C products) of a step that verified drafts against a step of the baseline (on a MoE model
-a verify step reads the union of its tokens' experts), and the expert bytes per decoded
-token against the baseline's. The greedy tokens must be the same in every mode (it stops if not). A
-benchmark, not a test; it prints the CPU model with the figures.
+text (the answer repeats nothing it was given); with several streams each gets its own variant
+(another identifier to rename, another subject). For each workload and stream count, runs
+alternate between the modes (off, ngram: always num_speculative_tokens drafts, auto: the cost
+model's k, oracle: num_speculative_tokens drafts that are the tokens the baseline run gave, so
+every draft is accepted; the ceiling of an edit the model copies perfectly, which neither the
+demo model nor a random-weight model does) on one loaded model, through the step engine
+(scheduler, batched sampler, detokenizer), prefix cache off. Reports decode tok/s of all
+streams together (from the step where the last stream got its first token to the end), the
+steps and how many verified drafts, the mean accepted length of the drafts per verify, the
+expert weight bytes (counted by the C products) of a step that verified drafts against a step
+of the baseline (on a MoE model a verify step reads the union of its tokens' experts), and the
+expert bytes per decoded token against the baseline's. The greedy tokens must be the same in
+every mode (it stops if not). A benchmark, not a test; it prints the CPU model with the
+figures.
 """
 
 from __future__ import annotations
@@ -86,15 +89,31 @@ def _expert_bytes(model: Any) -> int:
     return int(sum(st[p]["weight_bytes"] for p in EXPERT_PHASES if p in st))
 
 
-def decode_run(llm: Any, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
+class OracleDrafter:
+    """Drafts the tokens a baseline run gave after the same prompt (every one is accepted)."""
+
+    def __init__(self, prompt_len: int, answer: list[int]) -> None:
+        self.prompt_len, self.answer = prompt_len, answer
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        at = len(tokens) - self.prompt_len
+        return list(self.answer[at:at + k])
+
+
+def decode_run(llm: Any, prompts: list[list[int]], n_gen: int,
+               answers: list[list[int]] | None = None) -> dict[str, Any]:
     """Greedy requests run together: decode seconds and tokens from the step in which the
-    last of them got its first token, steps and expert bytes of those steps."""
+    last of them got its first token, steps and expert bytes of those steps. With answers,
+    each request drafts from its answer (OracleDrafter)."""
     from colibri.engine import SamplingParams
 
     core = llm.core
     for i, prompt in enumerate(prompts):
         core.add_request(f"bench{i}", prompt, SamplingParams(max_tokens=n_gen,
                                                              temperature=0.0, ignore_eos=True))
+        if answers is not None:
+            for req in core.requests[f"bench{i}"]:
+                req.drafter = OracleDrafter(len(prompt), answers[i])
     tokens: dict[str, list[int]] = {f"bench{i}": [] for i in range(len(prompts))}
     t0 = 0.0
     steps0 = bytes0 = n0 = 0
@@ -138,9 +157,12 @@ def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> d
     stats = {m: SpecStats() for m in modes}
     for _ in range(args.repeat):
         for mode in modes:
-            llm.core.speculative = SpeculativeConfig(mode, args.num_speculative_tokens)
+            oracle = mode == "oracle"
+            llm.core.speculative = SpeculativeConfig("ngram" if oracle else mode,
+                                                     args.num_speculative_tokens)
             llm.core.spec_stats = SpecStats()
-            runs[mode].append(decode_run(llm, prompts, args.gen_tokens))
+            answers = runs[modes[0]][-1]["tokens"] if oracle else None
+            runs[mode].append(decode_run(llm, prompts, args.gen_tokens, answers))
             if runs[mode][-1]["tokens"] != runs[modes[0]][-1]["tokens"]:
                 raise SystemExit(f"speculative decoding ({mode}) changed the greedy tokens")
             for f in ("n_drafts", "n_draft_tokens", "n_accepted"):
@@ -185,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--streams", default="1,8", help="stream counts, comma-separated")
     p.add_argument("--modes", default="off,ngram,auto",
-                   help="modes to alternate, comma-separated; the first is the baseline")
+                   help="modes to alternate, comma-separated (off, ngram, auto, oracle); the "
+                   "first is the baseline and must not be oracle")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     streams = [int(x) for x in args.streams.split(",")]
     modes = args.modes.split(",")
+    if modes[0] == "oracle" or not set(modes) <= {"off", "ngram", "auto", "oracle"}:
+        p.error("--modes: off, ngram, auto or oracle, comma-separated, oracle not first")
 
     from colibri.engine import LLM, EngineConfig
     from colibri.engine.tools.bench import cpu_model
