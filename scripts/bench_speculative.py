@@ -2,7 +2,7 @@
 
     python scripts/bench_speculative.py [--model DIR] [--quant q8] [--threads N]
         [--gen-tokens 128] [--num-speculative-tokens 4] [--repeat 3] [--streams 1,8]
-        [--modes off,ngram,auto] [--json]
+        [--modes off,ngram,auto] [--json] [--out results/bench_speculative/DATE-NAME.json]
 
 Two workloads: an edit (the prompt holds a block of code the answer largely repeats) and free
 text (the answer repeats nothing it was given); with several streams each gets its own variant
@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="off,ngram,auto",
                    help="modes to alternate, comma-separated (off, ngram, auto, oracle); the "
                    "first is the baseline and must not be oracle")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", help="also write the JSON result here (a measurement for "
+                   "docs/performance.md goes to results/bench_speculative/DATE-NAME.json)")
     args = p.parse_args(argv)
     streams = [int(x) for x in args.streams.split(",")]
     modes = args.modes.split(",")
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--modes: off, ngram, auto or oracle, comma-separated, oracle not first")
 
     from colibri.engine import LLM, EngineConfig
-    from colibri.engine.tools.bench import cpu_model
+    from colibri.engine.tools.bench import measured_on
 
     # loaded with speculation on, so a model with linear-attention layers keeps the spare
     # state slots drafts need; each run sets its own mode
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
               config=EngineConfig(max_num_seqs=max(streams), prefix_cache=False,
                                   speculative="ngram",
                                   num_speculative_tokens=args.num_speculative_tokens))
-    result: dict[str, Any] = {"cpu": cpu_model(), "model": str(llm.path),
+    result: dict[str, Any] = {**measured_on(argv), "model": str(llm.path),
                               "threads": llm.model.n_threads, "gen_tokens": args.gen_tokens,
                               "num_speculative_tokens": args.num_speculative_tokens,
                               "repeat": args.repeat, "runs": []}
@@ -233,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in streams:
         for name in WORKLOADS:
             result["runs"].append({"workload": name, **bench(llm, name, n, modes, args)})
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
