@@ -277,3 +277,47 @@ def test_batches_preemption_forks_and_prefix_hits_give_the_tokens_alone(case: Ca
     for i, p in enumerate(choices):
         assert got[i] == probe.generate_batch([prompts[0]], p)[0]
     _all_free(core)
+
+
+def test_preemption_when_the_windowed_pool_runs_short(case: Case) -> None:
+    """A windowed pool of 6 blocks, room for two decoding requests' windows at most: the
+    others are preempted though the full pool has room, and recomputed with their own
+    tokens."""
+    from colibri.engine.core.engine import EngineCore
+    from colibri.engine.core.scheduler import SchedulerConfig
+
+    probe = _llm(case, max_num_seqs=1, kv_window_pool=False)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB_SIZE, n)] for n in (70, 40, 100, 55)]
+    params = [_params(max_tokens=30, temperature=0.9, seed=21 + i) for i in range(4)]
+    alone = [probe.generate_batch([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    m = Model.load(probe.core.model_path, threads=2, n_ctx=N_CTX, n_seq=0, kv_blocks=64,
+                   kv_win_blocks=6)
+    core = EngineCore(m, probe.tokenizer, SchedulerConfig(max_num_seqs=4,
+                                                          max_num_batched_tokens=32), 64)
+    _watch(core)
+    for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(f"r{i}", p, q)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
+    while core.has_work():
+        for o in core.step():
+            got[o.request_id].append(o.token_id)
+            assert core.blocks.n_free > 0  # the full pool never ran short
+    assert core.scheduler.n_preemptions > 0
+    assert [got[f"r{i}"] for i in range(4)] == alone
+    _all_free(core)
+
+
+def test_speculative_decoding_rolls_back_windowed_blocks(case: Case) -> None:
+    """n-gram drafts on a repetitive prompt: rejected drafts' blocks go back in both pools and
+    the tokens are those of plain decoding on one pool."""
+    prompt = [int(t) for t in np.tile(case.prompt[:12], 9)]
+    off = _llm(case, kv_window_pool=False)
+    spec = _llm(case, speculative="ngram", num_speculative_tokens=4,
+                max_num_batched_tokens=32)
+    want = off.generate_batch([prompt], _params(max_tokens=48))[0]
+    _watch(spec.core)
+    assert spec.generate_batch([prompt], _params(max_tokens=48))[0] == want
+    stats = spec.core.spec_stats.as_dict()
+    assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"] > 0  # some rolled back
+    _all_free(spec.core)

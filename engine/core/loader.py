@@ -135,6 +135,8 @@ def kv_pools(cfg: ModelConfig, kv_type: str, n_ctx: int, config: EngineConfig) -
         return KVPools(n_all, all_bytes)
     full_b, win_b = split
     window, chunk = cfg.sliding_window or 0, cfg.attn_chunk or 0
+    if max(window, chunk) >= n_ctx:  # no window ends inside the context: nothing goes back
+        return KVPools(n_all, all_bytes)
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens)
     span_blocks = -(-max(window, chunk) // BLOCK_SIZE)
