@@ -171,6 +171,35 @@ def test_windowed_blocks_outside_every_window_are_refused_when_read(case: Case) 
                         nxt)
 
 
+def test_two_sequences_in_one_call_give_what_each_gives_alone(case: Case) -> None:
+    """Batch invariance through both pools: two sequences' chunks interleaved in one call,
+    each past its window already, give bit for bit their logits alone."""
+    m = Model.load(case.f32, threads=2, n_ctx=N_CTX, n_seq=0, kv_blocks=40, kv_win_blocks=30)
+    other = np.random.default_rng(9).integers(0, VOCAB_SIZE, 120).astype(np.int32)
+    alone = [_run(m, case.prompt, [0, 64, 120], 0)[0], _run(m, other, [0, 64, 120], 0)[0]]
+    bm = _manager(m)
+    for s in ("a", "b"):
+        assert bm.allocate_prompt(s, []) == 0
+    for lo, hi in ((0, 64), (64, 120)):
+        toks, seqs, poss = [], [], []
+        for i in range(lo, hi):  # a, b, a, b, ...
+            for k, p in enumerate((case.prompt, other)):
+                toks.append(p[i])
+                seqs.append(k)
+                poss.append(i)
+        for s in ("a", "b"):
+            bm.release_window(s, lo)
+            assert bm.grow(s, hi)
+        table = np.asarray([bm.table("a"), bm.table("b")], np.int32)
+        win = np.asarray([bm.win_table("a"), bm.win_table("b")], np.int32)
+        assert (win[:, :lo // BLOCK_SIZE] < 0).any() or lo == 0
+        out = m.forward_paged(np.asarray(toks, np.int32), np.asarray(seqs, np.int32),
+                              np.asarray(poss, np.int32), table, win_tables=win)
+        seqs_a = np.asarray(seqs)
+        np.testing.assert_array_equal(out[seqs_a == 0], alone[0][lo:hi])
+        np.testing.assert_array_equal(out[seqs_a == 1], alone[1][lo:hi])
+
+
 # -- the step engine ----------------------------------------------------------------------
 
 def _llm(case: Case, **cfg: Any) -> Any:
