@@ -32,6 +32,7 @@ class BlockTable:
     hashes: list[int] = field(default_factory=list)  # one per committed full block
     # windowed-pool blocks at the same indices as `blocks` (-1: given back, or never held)
     win: list[int] = field(default_factory=list)
+    win_from: int = 0  # every win entry below this one is -1 (where release_window resumes)
 
 
 class _Pool:
@@ -318,11 +319,13 @@ class BlockManager:
             return 0
         t = self.tables[rid]
         n = 0
-        for i in range(min(self.win_first(n_computed), len(t.win))):
+        end = min(self.win_first(n_computed), len(t.win))
+        for i in range(t.win_from, end):
             if t.win[i] >= 0:
                 self._win.release(t.win[i], first=True)
                 t.win[i] = -1
                 n += 1
+        t.win_from = max(t.win_from, end)
         return n
 
     def commit(self, rid: str, tokens: list[int], n_computed: int) -> None:
