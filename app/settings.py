@@ -50,6 +50,7 @@ class Settings(BaseSettings):
     kv_cache_mb: float | None = _option("kv_cache_mb")
     kv_cache_type: Literal["auto", "f32", "f16", "q8"] = _option("kv_cache_type")
     prefix_cache: bool = _option("prefix_cache")
+    kv_window_pool: bool = _option("kv_window_pool")
 
     # -- expert cache -----------------------------------------------------------------
     expert_cache_mb: float | None = _option("expert_cache_mb")

@@ -1,6 +1,7 @@
 /* Colibri attention over the paged KV cache, and the GQA attention block (q/k/v projections,
  * norms, biases, RoPE, the output projection) that most families use.
- * Guarantees: a query attends to its own sequence's keys only, through its block table; a
+ * Guarantees: a query attends to its own sequence's keys only, through its block table (the
+ * windowed pool's for a sliding-window or chunked layer of a cache that has one); a
  * token's output does not depend on the other tokens of the call or the split over workers.
  * Refuses: nothing; clb_forward validated the batch before any block runs. */
 #include <math.h>
@@ -15,7 +16,7 @@ typedef struct {
     const clb_kv *kv;
     int64_t il, T;
     const int32_t *seq, *pos;
-    const int32_t *tables; /* [n_seq, max_blocks] */
+    const int32_t *tables; /* [n_seq, max_blocks]: the pool layer il caches in */
     int64_t max_blocks;
     int64_t nh;            /* query heads per work item: a kv head's group, or 1 */
     clb_att_io io;
@@ -184,7 +185,7 @@ clb_status clb_attend(clb_model *m, const clb_kv *kv, const clb_batch *b, int64_
         do nh--;
         while (group % nh);
     }
-    att_task task = {m, kv, il, T, seq, pos, b->block_tables, b->max_blocks, nh, *io};
+    att_task task = {m, kv, il, T, seq, pos, clb_kv_tables(kv, b, il), b->max_blocks, nh, *io};
     const int64_t t0 = clb_now_ns();
     clb_status st = clb_threadpool_run(m->tp, att_worker, &task);
     m->prod.attention_ns += clb_now_ns() - t0;
@@ -258,7 +259,8 @@ clb_status clb_attention_gqa(clb_model *m, clb_kv *kv, const clb_batch *b, int64
             for (int64_t h = 0; h < Hkv; h++) clb_rope_half(k + h * hd, cs, rd);
         }
         if (fl & (CLB_LAYER_QK_L2 | CLB_LAYER_TEMP)) llama4_qk(hp, fl, pos[t], q, qh, k);
-        int64_t blk = b->block_tables[(int64_t)seq[t] * b->max_blocks + pos[t] / CLB_KV_BLOCK];
+        int64_t blk = clb_kv_tables(kv, b, il)[(int64_t)seq[t] * b->max_blocks +
+                                               pos[t] / CLB_KV_BLOCK];
         clb_kv_store(kv, blk, il, 0, pos[t] % CLB_KV_BLOCK, k);
         clb_kv_store(kv, blk, il, 1, pos[t] % CLB_KV_BLOCK, v);
     }

@@ -178,8 +178,24 @@ size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type);
 /* n_blocks in 1..INT32_MAX; the storage comes from a pool (mmap'd when large, so blocks never
  * written cost no RAM). CLB_E_ARG for bad arguments, CLB_E_RANGE if the size overflows. */
 clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out);
+/* The same with the layers whose queries see only a sliding window or their own chunk
+ * (sliding_window / attn_chunk) in a second pool of n_win_blocks blocks, addressed through
+ * clb_batch.win_tables: a sequence needs only the blocks of that pool its window still covers,
+ * so their count stays bounded however long it grows. n_win_blocks 0 is clb_kv_init.
+ * CLB_E_ARG when n_win_blocks > 0 and the model has no windowed layer or no other attention
+ * layer, or is not GQA. */
+clb_status clb_kv_init_windowed(const clb_model *m, int64_t n_blocks, int64_t n_win_blocks,
+                                clb_kv_type type, clb_kv **out);
+/* Bytes of one block of the full pool (*full: the layers every query sees whole) and of the
+ * windowed pool (*win) when the windowed layers are split off; CLB_E_ARG when hp has no such
+ * split (see clb_kv_init_windowed) or the type is invalid. */
+clb_status clb_kv_split_block_bytes(const clb_hparams *hp, clb_kv_type type, size_t *full,
+                                    size_t *win);
 void clb_kv_free(clb_kv *kv);
 int64_t clb_kv_n_blocks(const clb_kv *kv);
+/* Blocks of the windowed pool (0: none) and the bytes one block of each pool holds. */
+int64_t clb_kv_n_win_blocks(const clb_kv *kv);
+size_t clb_kv_pool_block_bytes(const clb_kv *kv, int windowed);
 clb_kv_type clb_kv_get_type(const clb_kv *kv);
 
 /* Recurrent-state slots of a model with linear-attention layers: per slot and linear layer
@@ -215,6 +231,10 @@ typedef struct {
                                     experts each token chose in each layer, in rank order */
     const int32_t *state_slots;  /* [n_seq] each sequence's recurrent-state slot: needed by a
                                     model with linear-attention layers, ignored otherwise */
+    const int32_t *win_tables;   /* [n_seq, max_blocks] windowed-pool block of positions
+                                    [16j, 16j+16) of sequence s, -1 = none (a block that left
+                                    every window was given back): needed by a cache with a
+                                    windowed pool (clb_kv_init_windowed), ignored otherwise */
 } clb_batch;
 
 /* One forward step over a batch of tokens. Token i (sequence s = seq_ids[i], position

@@ -139,10 +139,24 @@ struct clb_kv {
     const clb_model *model; /* the model this cache was made for */
     clb_kv_type type;
     int64_t n_blocks;
-    int64_t n_layer, n_head_kv, head_dim; /* cached layers (attention ones), cached heads per
+    int64_t n_layer, n_head_kv, head_dim; /* cached layers of the full pool (the attention ones
+                                             outside the windowed pool), cached heads per
                                              position and their row width */
-    const int32_t *kv_layer; /* [model n_layer] a layer's index among the cached ones (-1:
-                                a linear-attention layer, which caches nothing per position) */
+    const int32_t *kv_layer; /* [model n_layer] a layer's index among the cached ones of its
+                                pool (-1: a linear-attention layer, which caches nothing per
+                                position) */
+    /* the windowed pool (n_win_blocks > 0): layers whose queries see a sliding window or their
+     * own chunk keep their rows here, in blocks of their own addressed by clb_batch.win_tables,
+     * so blocks that left every window can go back while the full layers' blocks stay */
+    int64_t n_win_blocks;
+    const uint8_t *win_layer; /* [model n_layer] 1: the layer caches in the windowed pool; NULL
+                                 when there is no such pool */
+    int64_t win_window, win_chunk; /* largest window / chunk among the windowed layers (0: none) */
+    size_t win_block_bytes;   /* one windowed-pool block: the windowed layers' rows */
+    unsigned char *win_data;  /* [L_win, n_kinds, n_head_kv, n_win_blocks, CLB_KV_BLOCK, head_bytes] */
+    int32_t *win_writer;      /* [n_win_blocks] forward's validation scratch: -1 between calls */
+    int32_t *seq_lo;          /* [n_blocks] forward's validation scratch: a sequence's first
+                                 windowed-pool entry read in the call */
     int64_t n_kinds;        /* 2: K and V rows; 1: one latent row (MLA), values its first v_dim */
     int64_t v_dim;          /* value width read by attention */
     size_t head_bytes;      /* one position's K (or V) values of one kv head, q8 scale included */
@@ -184,10 +198,27 @@ static inline size_t clb_kv_elem_bytes(clb_kv_type t) {
  * head_bytes apart, then block blk + 1's. */
 static inline unsigned char *clb_kv_head(const clb_kv *kv, int64_t blk, int64_t il, int kind,
                                          int64_t kvh, int64_t slot) {
+    const int win = kv->win_layer && kv->win_layer[il];
+    const int64_t nb = win ? kv->n_win_blocks : kv->n_blocks;
     il = kv->kv_layer[il];
-    size_t r = (size_t)((((il * kv->n_kinds + kind) * kv->n_head_kv + kvh) * kv->n_blocks + blk) *
-                            CLB_KV_BLOCK + slot); /* < n_blocks * block_bytes / head_bytes */
-    return kv->data + r * kv->head_bytes;
+    size_t r = (size_t)((((il * kv->n_kinds + kind) * kv->n_head_kv + kvh) * nb + blk) *
+                            CLB_KV_BLOCK + slot); /* < nb * its pool's block bytes / head_bytes */
+    return (win ? kv->win_data : kv->data) + r * kv->head_bytes;
+}
+
+/* The block tables layer il reads and writes through: the windowed pool's for a layer cached
+ * there, else the full pool's ([n_seq, max_blocks] either way). */
+static inline const int32_t *clb_kv_tables(const clb_kv *kv, const clb_batch *b, int64_t il) {
+    return kv->win_layer && kv->win_layer[il] ? b->win_tables : b->block_tables;
+}
+
+/* Lowest position a query at p reads in any windowed layer of kv (its windowed-pool blocks
+ * below this one's are never read again by later positions either). */
+static inline int64_t clb_kv_win_lo(const clb_kv *kv, int64_t p) {
+    int64_t lo = p;
+    if (kv->win_window > 0) lo = p - kv->win_window + 1 > 0 ? p - kv->win_window + 1 : 0;
+    if (kv->win_chunk > 0 && p - p % kv->win_chunk < lo) lo = p - p % kv->win_chunk;
+    return lo;
 }
 
 /* Stores one position's f32 values (n_head_kv heads of head_dim) as K (kind 0) or V (kind 1)

@@ -497,6 +497,58 @@ static clb_status validate(const clb_model *m, clb_kv *kv, const clb_batch *b, c
     return st;
 }
 
+/* The windowed pool's tables (a cache with one), after validate() passed: every entry a token
+ * reads in a windowed layer (from the block of the lowest position any windowed layer lets its
+ * first token in the call see, to the block it writes) is a windowed-pool block, none twice in
+ * that range of one table, and no block written by two sequences. Entries below that range
+ * are never read and may be -1. kv->seq_lo[s]: the first entry s reads (-1: not seen yet). */
+static clb_status validate_win(clb_kv *kv, const clb_batch *b, char *err) {
+    const int64_t n = b->n_tokens, nb = b->max_blocks, nw = kv->n_win_blocks;
+    const int32_t *seq = b->seq_ids, *pos = b->positions;
+    clb_status st = CLB_OK;
+    int64_t i = 0;
+    for (int32_t s = 0; s < b->n_seq; s++) kv->seq_lo[s] = -1;
+    for (; i < n; i++) {
+        const int32_t s = seq[i];
+        const int64_t p = pos[i], jb = p / CLB_KV_BLOCK;
+        const int32_t *row = b->win_tables + (int64_t)s * nb;
+        const int first = kv->seq_lo[s] < 0;
+        if (!first && p % CLB_KV_BLOCK != 0) continue;
+        if (first) kv->seq_lo[s] = (int32_t)(clb_kv_win_lo(kv, p) / CLB_KV_BLOCK);
+        for (int64_t j = first ? kv->seq_lo[s] : jb; j <= jb && st == CLB_OK; j++) {
+            if (row[j] < 0 || row[j] >= nw) {
+                clb_set_err(err,
+                            "sequence %d: windowed block table entry %lld (positions "
+                            "%lld..%lld) is %d, not a block in 0..%lld", s, (long long)j,
+                            (long long)(j * CLB_KV_BLOCK), (long long)(j * CLB_KV_BLOCK + 15),
+                            row[j], (long long)(nw - 1));
+                st = CLB_E_ARG;
+            }
+        }
+        if (st != CLB_OK) break;
+        for (int64_t j = kv->seq_lo[s]; j < jb; j++) {
+            if (row[j] == row[jb]) {
+                clb_set_err(err, "sequence %d: windowed block %d is at table entries %lld and "
+                            "%lld", s, row[jb], (long long)j, (long long)jb);
+                st = CLB_E_ARG;
+                break;
+            }
+        }
+        if (st != CLB_OK) break;
+        if (kv->win_writer[row[jb]] >= 0) {
+            clb_set_err(err, "windowed block %d is written by sequences %d and %d in one call",
+                        row[jb], kv->win_writer[row[jb]], s);
+            st = CLB_E_ARG;
+            break;
+        }
+        kv->win_writer[row[jb]] = s;
+    }
+    /* tokens [0, i) passed every check, so their write blocks are valid ids */
+    for (int64_t t = 0; t < i; t++)
+        kv->win_writer[b->win_tables[(int64_t)seq[t] * nb + pos[t] / CLB_KV_BLOCK]] = -1;
+    return st;
+}
+
 int clb_all_finite(const float *x, int64_t n) {
     uint32_t bad = 0; /* or-reduced in integers, which the compiler vectorizes */
     for (int64_t i = 0; i < n; i++) {
@@ -528,7 +580,14 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
                     (long long)kv->n_blocks);
         return CLB_E_ARG;
     }
+    if (kv->n_win_blocks > 0 && (!b->win_tables || b->n_seq > kv->n_win_blocks)) {
+        clb_set_err(err, "clb_forward: this cache keeps its windowed layers in a pool of their "
+                    "own: win_tables is needed, and n_seq (%d) must be in 1..%lld (that pool's "
+                    "block count)", b->n_seq, (long long)kv->n_win_blocks);
+        return CLB_E_ARG;
+    }
     clb_status st = validate(m, kv, b, err);
+    if (st == CLB_OK && kv->n_win_blocks > 0) st = validate_win(kv, b, err);
     if (st == CLB_OK) st = clb_linear_check(m, kv, b, err);
     if (st != CLB_OK) return st;
     if ((st = clb_xc_failed(m->xc, err)) != CLB_OK) return st; /* a weight file changed */

@@ -1,6 +1,7 @@
 /* Colibri paged KV cache: one pool of fixed-size blocks (CLB_KV_BLOCK positions, K and V of
  * every layer, or MLA's one latent row) shared by all sequences, in f32, f16 or q8 (int8 + one
- * f32 scale per position and kv head). The storage is laid out by layer, K or V, and kv head, then block, so one
+ * f32 scale per position and kv head); optionally a second pool for the sliding-window and
+ * chunked layers, whose blocks the caller gives back once they leave every window. The storage is laid out by layer, K or V, and kv head, then block, so one
  * head's blocks in order are one stream (clb_model_internal.h). Which block holds which
  * positions is decided by the caller's block tables.
  * Guarantees: every size is overflow-checked; storage comes from a memory pool (large blocks
@@ -57,11 +58,24 @@ int64_t clb_lin_state_floats(const clb_hparams *hp) {
     return hp->lin_n_v_heads * hp->lin_k_dim * hp->lin_v_dim;
 }
 
-size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
-    /* limits well inside what clb_model_load accepts, so the products below cannot overflow */
-    if (!hp || hp->n_layer <= 0 || hp->n_layer > (1 << 16)) return 0;
-    const int64_t n_attn = clb_hp_n_attn_layers(hp);
-    if (n_attn <= 0) return 0;
+/* Whether layer il of hp attends over a sliding window or its own chunk only (and so, with a
+ * windowed pool, caches there). Without layer_attn every layer is sliding, as at load. */
+static int hp_layer_windowed(const clb_hparams *hp, int64_t il) {
+    if (hp->layer_mixer && hp->layer_mixer[il] == CLB_MIX_LINEAR) return 0;
+    const int32_t f = hp->layer_attn ? hp->layer_attn[il] : CLB_LAYER_SLIDING;
+    return ((f & CLB_LAYER_SLIDING) && hp->sliding_window > 0) ||
+           ((f & CLB_LAYER_CHUNKED) && hp->attn_chunk > 0);
+}
+
+static int64_t hp_n_windowed(const clb_hparams *hp) {
+    int64_t n = 0;
+    for (int64_t il = 0; il < hp->n_layer; il++) n += hp_layer_windowed(hp, il);
+    return n;
+}
+
+/* Bytes of a block holding n_layers cached layers (0 if hp or type is invalid). */
+static size_t block_bytes_of(const clb_hparams *hp, clb_kv_type type, int64_t n_layers) {
+    if (n_layers <= 0) return 0;
     if (hp->attn != CLB_ATTN_GQA && hp->attn != CLB_ATTN_MLA) return 0;
     const kv_shape sh = shape_of(hp);
     if (sh.n_heads <= 0 || sh.n_heads > (1 << 16) || sh.row_dim <= 0 || sh.row_dim > (1 << 16) ||
@@ -71,7 +85,24 @@ size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
     size_t off;
     size_t head = head_layout(hp, type, &off);
     /* head <= 2^19, n_heads <= 2^16 and 2 * 16 * n_layer <= 2^21: fits a 64-bit size_t */
-    return head * (size_t)sh.n_heads * (size_t)(sh.n_kinds * CLB_KV_BLOCK) * (size_t)n_attn;
+    return head * (size_t)sh.n_heads * (size_t)(sh.n_kinds * CLB_KV_BLOCK) * (size_t)n_layers;
+}
+
+clb_status clb_kv_split_block_bytes(const clb_hparams *hp, clb_kv_type type, size_t *full,
+                                    size_t *win) {
+    if (!hp || !full || !win || hp->n_layer <= 0 || hp->n_layer > (1 << 16) ||
+        hp->attn != CLB_ATTN_GQA)
+        return CLB_E_ARG;
+    const int64_t n_win = hp_n_windowed(hp);
+    *full = block_bytes_of(hp, type, clb_hp_n_attn_layers(hp) - n_win);
+    *win = block_bytes_of(hp, type, n_win);
+    return *full && *win ? CLB_OK : CLB_E_ARG;
+}
+
+size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type) {
+    /* limits well inside what clb_model_load accepts, so the products below cannot overflow */
+    if (!hp || hp->n_layer <= 0 || hp->n_layer > (1 << 16)) return 0;
+    return block_bytes_of(hp, type, clb_hp_n_attn_layers(hp));
 }
 
 /* the model's hparams were checked at load (dimensions capped far below overflow) */
@@ -110,7 +141,8 @@ clb_status clb_kv_block_copy(clb_kv *kv, int64_t dst, int64_t src) {
     if (!kv || dst < 0 || dst >= kv->n_blocks || src < 0 || src >= kv->n_blocks)
         return CLB_E_ARG;
     if (dst == src) return CLB_OK;
-    /* one (cached layer, kind, kv head)'s part of a block is CLB_KV_BLOCK rows in a run */
+    /* one (cached layer, kind, kv head)'s part of a block is CLB_KV_BLOCK rows in a run; the
+     * full pool's layers only (a cache with a windowed pool is never forked this way) */
     const size_t run = (size_t)CLB_KV_BLOCK * kv->head_bytes;
     for (int64_t p = 0; p < kv->n_layer * kv->n_kinds * kv->n_head_kv; p++) {
         const size_t base = (size_t)p * (size_t)kv->n_blocks;
@@ -134,14 +166,45 @@ int64_t clb_kv_state_len(const clb_kv *kv, int64_t slot) {
     return kv->state_len[slot];
 }
 
+/* The windowed pool's layer map of kv (pool storage from kv->pool): kv_layer becomes each
+ * layer's index within its own pool. */
+static clb_status split_layers(clb_kv *kv, const clb_model *m) {
+    const clb_hparams *hp = &m->hp;
+    int32_t *idx = clb_pool_alloc(kv->pool, (size_t)hp->n_layer * sizeof(int32_t));
+    uint8_t *win = clb_pool_alloc(kv->pool, (size_t)hp->n_layer);
+    if (!idx || !win) return CLB_E_NOMEM;
+    int32_t n_full = 0, n_win = 0;
+    for (int64_t il = 0; il < hp->n_layer; il++) {
+        win[il] = (uint8_t)hp_layer_windowed(hp, il);
+        idx[il] = m->kv_layer[il] < 0 ? -1 : win[il] ? n_win++ : n_full++;
+        const clb_layer_w *l = &m->layers[il];
+        if (win[il] && l->window > kv->win_window) kv->win_window = l->window;
+        if (win[il] && l->chunk > kv->win_chunk) kv->win_chunk = l->chunk;
+    }
+    kv->kv_layer = idx;
+    kv->win_layer = win;
+    kv->n_layer = n_full; /* the full pool's cached layers */
+    return CLB_OK;
+}
+
 clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out) {
+    return clb_kv_init_windowed(m, n_blocks, 0, type, out);
+}
+
+clb_status clb_kv_init_windowed(const clb_model *m, int64_t n_blocks, int64_t n_win_blocks,
+                                clb_kv_type type, clb_kv **out) {
     if (!out) return CLB_E_ARG;
     *out = NULL;
-    if (!m || n_blocks <= 0 || n_blocks > INT32_MAX) return CLB_E_ARG;
+    if (!m || n_blocks <= 0 || n_blocks > INT32_MAX || n_win_blocks < 0 ||
+        n_win_blocks > INT32_MAX)
+        return CLB_E_ARG;
     const clb_hparams *hp = &m->hp;
-    size_t block_bytes = clb_kv_block_bytes(hp, type);
+    size_t block_bytes = clb_kv_block_bytes(hp, type), win_bytes = 0;
     if (block_bytes == 0) return CLB_E_ARG;
+    if (n_win_blocks > 0 && clb_kv_split_block_bytes(hp, type, &block_bytes, &win_bytes) != CLB_OK)
+        return CLB_E_ARG;
     if ((size_t)n_blocks > SIZE_MAX / block_bytes) return CLB_E_RANGE;
+    if (win_bytes && (size_t)n_win_blocks > SIZE_MAX / win_bytes) return CLB_E_RANGE;
     clb_kv *kv = calloc(1, sizeof(*kv));
     if (!kv) return CLB_E_NOMEM;
     kv->pool = clb_pool_init();
@@ -171,6 +234,18 @@ clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, c
         return CLB_E_NOMEM;
     }
     for (int64_t i = 0; i < n_blocks; i++) kv->writer[i] = -1;
+    if (n_win_blocks > 0) {
+        kv->n_win_blocks = n_win_blocks;
+        kv->win_block_bytes = win_bytes;
+        kv->win_data = clb_pool_alloc(kv->pool, (size_t)n_win_blocks * win_bytes);
+        kv->win_writer = clb_pool_alloc(kv->pool, (size_t)n_win_blocks * sizeof(int32_t));
+        kv->seq_lo = clb_pool_alloc(kv->pool, (size_t)n_blocks * sizeof(int32_t));
+        if (!kv->win_data || !kv->win_writer || !kv->seq_lo || split_layers(kv, m) != CLB_OK) {
+            clb_kv_free(kv);
+            return CLB_E_NOMEM;
+        }
+        for (int64_t i = 0; i < n_win_blocks; i++) kv->win_writer[i] = -1;
+    }
     *out = kv;
     return CLB_OK;
 }
@@ -182,6 +257,13 @@ void clb_kv_free(clb_kv *kv) {
 }
 
 int64_t clb_kv_n_blocks(const clb_kv *kv) { return kv ? kv->n_blocks : 0; }
+
+int64_t clb_kv_n_win_blocks(const clb_kv *kv) { return kv ? kv->n_win_blocks : 0; }
+
+size_t clb_kv_pool_block_bytes(const clb_kv *kv, int windowed) {
+    if (!kv) return 0;
+    return windowed ? kv->win_block_bytes : kv->block_bytes;
+}
 
 clb_kv_type clb_kv_get_type(const clb_kv *kv) { return kv ? kv->type : CLB_KV_F32; }
 

@@ -102,6 +102,12 @@ cdef extern from "clb_model.h" nogil:
         CLB_KV_Q8
     size_t clb_kv_block_bytes(const clb_hparams *hp, clb_kv_type type)
     clb_status clb_kv_init(const clb_model *m, int64_t n_blocks, clb_kv_type type, clb_kv **out)
+    clb_status clb_kv_init_windowed(const clb_model *m, int64_t n_blocks, int64_t n_win_blocks,
+                                    clb_kv_type type, clb_kv **out)
+    clb_status clb_kv_split_block_bytes(const clb_hparams *hp, clb_kv_type type, size_t *full,
+                                        size_t *win)
+    int64_t clb_kv_n_win_blocks(const clb_kv *kv)
+    size_t clb_kv_pool_block_bytes(const clb_kv *kv, int windowed)
     void clb_kv_free(clb_kv *kv)
     int64_t clb_kv_n_blocks(const clb_kv *kv)
     clb_kv_type clb_kv_get_type(const clb_kv *kv)
@@ -123,6 +129,7 @@ cdef extern from "clb_model.h" nogil:
         const int32_t *block_tables
         int32_t *routes
         const int32_t *state_slots
+        const int32_t *win_tables
 
     ctypedef struct clb_xc_config:
         int64_t per_layer
@@ -299,6 +306,18 @@ def kv_block_bytes(dict hparams, str kv_type="f32") -> int:
     return n
 
 
+def kv_split_block_bytes(dict hparams, str kv_type="f32"):
+    """(full, windowed): bytes of one block of each pool when the layers that see only a
+    sliding window or their own chunk keep a pool of their own (KVCache n_win_blocks > 0);
+    None when the model has no such split (no windowed layer, no other one, or not GQA)."""
+    cdef clb_hparams hp
+    keep = _fill_hparams(hparams, &hp)  # noqa: F841 (C reads its arrays)
+    cdef size_t full = 0, win = 0
+    if clb_kv_split_block_bytes(&hp, _kv_type(kv_type), &full, &win) != CLB_OK:
+        return None
+    return int(full), int(win)
+
+
 def all_finite(const float[:, ::1] x) -> bool:
     """True when every value of the float32 array x (2-D, C-contiguous) is finite."""
     if x.shape[0] == 0 or x.shape[1] == 0:
@@ -306,21 +325,21 @@ def all_finite(const float[:, ::1] x) -> bool:
     return clb_all_finite(&x[0, 0], x.shape[0] * x.shape[1]) != 0
 
 
-def _as_tables(x):
+def _as_tables(x, str what="block_tables"):
     """block_tables as a C-contiguous int32 [n_seq, max_blocks] array, checked, never copied
     from another dtype silently."""
     if not isinstance(x, np.ndarray):
-        raise InputError(f"block_tables must be a numpy int32 array, got {type(x).__name__}")
+        raise InputError(f"{what} must be a numpy int32 array, got {type(x).__name__}")
     if x.dtype != np.int32:
-        raise InputError(f"block_tables must have dtype int32, got {x.dtype}")
+        raise InputError(f"{what} must have dtype int32, got {x.dtype}")
     if x.ndim != 2:
-        raise InputError(f"block_tables must be 2-D [n_seq, max_blocks], got shape {x.shape}")
+        raise InputError(f"{what} must be 2-D [n_seq, max_blocks], got shape {x.shape}")
     if x.shape[0] < 1 or x.shape[1] < 1:
-        raise InputError(f"block_tables must have at least one row and column, got {x.shape}")
+        raise InputError(f"{what} must have at least one row and column, got {x.shape}")
     if x.shape[0] >= 2**31 or x.shape[1] >= 2**31:
-        raise InputError(f"block_tables shape {x.shape} is too large")
+        raise InputError(f"{what} shape {x.shape} is too large")
     if not x.flags.c_contiguous:
-        raise InputError("block_tables must be C-contiguous (np.ascontiguousarray)")
+        raise InputError(f"{what} must be C-contiguous (np.ascontiguousarray)")
     return x
 
 
@@ -366,7 +385,9 @@ def inspect_weight_file(path) -> list:
 cdef class KVCache:
     """Paged KV cache: n_blocks blocks of 16 positions (K and V, every layer) shared by all
     sequences, element type "f32", "f16" or "q8". Which block holds which positions is given
-    by the block tables passed to CoreModel.forward; the cache keeps no sequence state."""
+    by the block tables passed to CoreModel.forward; the cache keeps no sequence state.
+    n_win_blocks > 0 keeps the layers that see only a sliding window or their own chunk in a
+    second pool of that many blocks, addressed by forward's win_tables."""
 
     cdef clb_kv *kv
     cdef readonly CoreModel model
@@ -374,13 +395,22 @@ cdef class KVCache:
     def __cinit__(self):
         self.kv = NULL
 
-    def __init__(self, CoreModel model not None, n_blocks, str kv_type="f32", n_state_slots=0):
+    def __init__(self, CoreModel model not None, n_blocks, str kv_type="f32", n_state_slots=0,
+                 n_win_blocks=0):
         cdef clb_kv_type ty = _kv_type(kv_type)
         n = operator.index(n_blocks)
         if n <= 0 or n > 2**31 - 1:
             raise ValueError(f"n_blocks must be in 1..{2**31 - 1}, got {n}")
+        nw = operator.index(n_win_blocks)
+        if nw < 0 or nw > 2**31 - 1:
+            raise ValueError(f"n_win_blocks must be in 0..{2**31 - 1}, got {nw}")
+        cdef size_t fb = 0, wb = 0
+        if nw > 0 and clb_kv_split_block_bytes(clb_model_hparams(model.m), ty, &fb,
+                                                &wb) != CLB_OK:
+            raise ValueError("this model has no sliding-window or chunked layers beside full "
+                             "ones to keep in a pool of their own (n_win_blocks must be 0)")
         cdef clb_kv *kv = NULL
-        cdef clb_status st = clb_kv_init(model.m, n, ty, &kv)
+        cdef clb_status st = clb_kv_init_windowed(model.m, n, nw, ty, &kv)
         if st != CLB_OK:
             raise _status_error(st, f"a KV cache of {n} blocks does not fit the address space"
                                 if st == CLB_E_RANGE
@@ -407,12 +437,24 @@ cdef class KVCache:
         return clb_kv_n_blocks(self.kv)
 
     @property
+    def n_win_blocks(self) -> int:
+        """Blocks of the windowed pool (0: every layer caches in the one pool)."""
+        return clb_kv_n_win_blocks(self.kv)
+
+    @property
+    def win_block_bytes(self) -> int:
+        """Bytes of one windowed-pool block as allocated (0 without that pool)."""
+        return clb_kv_pool_block_bytes(self.kv, 1)
+
+    @property
     def kv_type(self) -> str:
         return KV_TYPES[<int>clb_kv_get_type(self.kv)]
 
     @property
     def block_bytes(self) -> int:
-        return clb_kv_block_bytes(clb_model_hparams(self.model.m), clb_kv_get_type(self.kv))
+        """Bytes of one block of the (full) pool as allocated: every cached layer's, or the
+        full layers' only when a windowed pool holds the others."""
+        return clb_kv_pool_block_bytes(self.kv, 0)
 
     @property
     def n_state_slots(self) -> int:
@@ -610,7 +652,7 @@ cdef class CoreModel:
         return out
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
-                block_tables, routes=None, state_slots=None):
+                block_tables, routes=None, state_slots=None, win_tables=None):
         """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
 
         tokens, seq_ids, positions: int32 [T] (other integer arrays are converted when their
@@ -622,6 +664,9 @@ cdef class CoreModel:
         routes: None, or an int32 array [T, n_layer, n_expert_used] (C-contiguous) that
         receives the experts each token chose in each layer. state_slots: None, or int32
         [n_seq]: each sequence's recurrent-state slot (models with linear attention).
+        win_tables: None, or (a cache with a windowed pool, where it is needed) int32 tables
+        shaped like block_tables into that pool; entries the call's windows do not reach may
+        be -1.
         """
         if kv.model is not self:
             raise ValueError("this KV cache belongs to another model")
@@ -661,6 +706,14 @@ cdef class CoreModel:
         b.block_tables = &tb[0, 0]
         b.routes = NULL
         b.state_slots = NULL
+        b.win_tables = NULL
+        cdef const int32_t[:, ::1] wt
+        if win_tables is not None:
+            wt = _as_tables(win_tables, "win_tables")
+            if wt.shape[0] != tb.shape[0] or wt.shape[1] != tb.shape[1]:
+                raise InputError(f"win_tables shape ({wt.shape[0]}, {wt.shape[1]}) differs from "
+                                 f"block_tables' ({tb.shape[0]}, {tb.shape[1]})")
+            b.win_tables = &wt[0, 0]
         cdef int32_t[::1] sl
         if state_slots is not None:
             sl = _as_i32(state_slots, "state_slots")

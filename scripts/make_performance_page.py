@@ -2,7 +2,8 @@
 """Writes the current results in docs/performance.md from the benchmark results in results/.
 
 Every results/<script>/<YYYY-MM-DD>-<name>.json is one measurement, written by a benchmark
-script's --json (scripts/compare_llamacpp.py, scripts/ab_bench.py, scripts/bench_server.py).
+script's --json (scripts/compare_llamacpp.py, scripts/ab_bench.py, scripts/bench_server.py,
+scripts/bench_kv_pools.py).
 Files of one script whose names differ only in the date are one series; the page shows the
 newest file of each series, in one table per CPU, and each row names its command, commit and
 date and links its file. Everything between the two markers below is made here; the rest of
@@ -221,8 +222,32 @@ def bench_speculative_rows(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def kv_bytes_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/bench_kv_pools.py: the KV bytes a sequence holds per token with the windowed
+    layers in a pool of their own, beside one pool for every layer and llama.cpp's figure,
+    one row per sequence length."""
+    m, ll = d["model"], d["llama_cpp"]
+    rows = []
+    for r in d["rows"]:
+        one, win = r["one_pool"], r["windowed_pool"]
+        rows.append([
+            "KV bytes per token",
+            f"random {m['arch']}, its KV shape: {m['layers']} layers ({m['layer_types']}, "
+            f"window {m['sliding_window']}), {m['kv_heads']} KV heads of {m['head_dim']}; "
+            f"{d['kv_cache_type']} KV, one sequence at {win['tokens']} tokens",
+            "windowed pool", f"{win['bytes_per_token'] / 1000:.2f} kB a token",
+            f"one pool for every layer; llama.cpp ({ll['kv_cache_type']}, from its load log "
+            f"in {Path(ll['file']).name})",
+            f"{one['bytes_per_token'] / 1000:.2f} kB a token; llama.cpp "
+            f"{ll['kv_bytes_per_token'] / 1000:.2f} kB a token",
+            f"x{one['bytes'] / win['bytes']:.2f} fewer bytes than one pool", "–",
+            f"{win['full_blocks']} full + {win['win_blocks']} windowed blocks held"])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
     "bench_speculative": bench_speculative_rows,
+    "kv_bytes": kv_bytes_rows,
     "bench_long_context": bench_long_context_rows,
     "bench_server": bench_server_rows,
     "compare_llamacpp": compare_llamacpp_rows,

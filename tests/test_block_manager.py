@@ -173,3 +173,68 @@ def test_reset_prefix_cache_forgets_cached_blocks_and_running_tables_index_again
     for r in "bcde":
         bm.free(r)
     assert bm.n_free == 16 and bm.reset_prefix_cache() == 2
+
+
+# -- the windowed pool --------------------------------------------------------------------
+
+def test_windowed_blocks_go_back_once_every_window_has_left_them() -> None:
+    """Window 40: a query at p reads [p - 39, p]; a table's windowed blocks below the one
+    holding the next query's first key go back, the full blocks stay."""
+    bm = BlockManager(20, n_win_blocks=6, window=40)
+    assert bm.win_first(0) == 0 and bm.win_first(40) == 0 and bm.win_first(56) == 1
+    assert bm.allocate_prompt("a", []) == 0 and bm.grow("a", 48)
+    assert bm.win_table("a") == [0, 1, 2] and bm.n_win_free == 3
+    assert bm.release_window("a", 48) == 0  # position 48 reads from 9: block 0
+    assert bm.release_window("a", 56) == 1  # from 17: block 1
+    assert bm.win_table("a") == [-1, 1, 2] and bm.win_held("a") == 2
+    assert bm.grow("a", 100)  # up to block 6: four new windowed blocks, from the pool
+    assert bm.n_win_free == 0 and bm.win_held("a") == 6
+    assert not bm.fits("a", 113)  # a windowed block short, though full ones are free
+    assert not bm.grow("a", 113) and len(bm.table("a")) == 7 == len(bm.win_table("a"))
+    assert bm.release_window("a", 100) == 2  # from 61 (block 3): blocks 1 and 2
+    assert bm.grow("a", 113) and bm.win_held("a") == 5
+    assert len(bm.table("a")) == 8  # every full block kept
+    bm.free("a")
+    assert bm.n_free == 20 and bm.n_win_free == 6
+
+
+def test_chunked_layers_give_back_whole_past_chunks() -> None:
+    bm = BlockManager(20, n_win_blocks=8, chunk=32)
+    assert [bm.win_first(p) for p in (0, 31, 32, 63, 64, 95)] == [0, 0, 2, 2, 4, 4]
+    assert bm.allocate_prompt("a", []) == 0 and bm.grow("a", 70)
+    assert bm.release_window("a", 70) == 4 and bm.win_table("a")[:4] == [-1] * 4
+
+
+def test_a_prefix_hit_needs_its_windowed_blocks() -> None:
+    """Full blocks are found by hash in both pools; a hit is cut to where the windowed blocks
+    its next query reads are still there (here held, then reused by another request)."""
+    prompt = list(range(100))
+    bm = BlockManager(30, n_win_blocks=8, window=20)
+    assert bm.allocate_prompt("a", prompt) == 0 and bm.grow("a", 100)
+    bm.commit("a", prompt, 100)
+    bm.release_window("a", 100)  # keeps blocks 5 and 6 (from position 81)
+    assert bm.win_table("a")[:5] == [-1] * 5
+    # six full blocks cached; resuming at 96 reads from 77: block 4, given back but findable
+    assert bm.allocate_prompt("b", prompt) == 96
+    assert bm.win_table("b") == [-1, -1, -1, -1, 4, 5]  # 4 taken back from the free list
+    bm.free("b")
+    # another request takes every free windowed block: block 4's contents are gone
+    assert bm.allocate_prompt("c", []) == 0 and bm.grow("c", 16 * 6)
+    bm.free("c")
+    assert bm.allocate_prompt("d", prompt) == 0  # blocks 5 and 6 alone do not do
+    bm.free("d")
+    bm.free("a")
+    assert bm.n_free == 30 and bm.n_win_free == 8
+
+
+def test_a_fork_shares_the_windowed_blocks_its_parent_still_holds() -> None:
+    bm = BlockManager(30, n_win_blocks=10, window=20)
+    assert bm.allocate_prompt("p", []) == 0 and bm.grow("p", 70)
+    assert bm.fork("p", "c1", 70) == 64  # blocks 0..3; reads from 45: blocks 2, 3
+    assert bm.win_table("c1") == [-1, -1, *bm.win_table("p")[2:4]]
+    bm.free("c1")
+    bm.release_window("p", 100)  # the parent decoded on: blocks below 5 went back
+    assert bm.fork("p", "c2", 70) == 0  # nothing it needs is held: computed alone
+    bm.free("c2")
+    bm.free("p")
+    assert bm.n_free == 30 and bm.n_win_free == 10

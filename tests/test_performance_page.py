@@ -196,3 +196,20 @@ def test_a_long_context_run_gives_one_row_per_model(page: ModuleType) -> None:
                              "32 experts top-8; 8192-token prompt")
     assert row[3] == "100.0 / 19.0" and row[5] == "200.0 / 20.0"
     assert row[6] == "x0.95" and row[7] == "x0.50"
+
+
+def test_a_kv_bytes_run_gives_one_row_per_length(page: ModuleType) -> None:
+    """scripts/bench_kv_pools.py's file: per sequence length, the windowed pool's bytes a token
+    beside one pool's and llama.cpp's, as the file records them."""
+    d = json.loads((ROOT / "results" / "kv_bytes"
+                    / "2026-12-06-gpt-oss-20b-shape-12-layers.json").read_text())
+    rows = page.kv_bytes_rows(d)
+    assert len(rows) == len(d["rows"]) >= 2
+    for row, r in zip(rows, d["rows"], strict=True):
+        win, one = r["windowed_pool"], r["one_pool"]
+        assert f"one sequence at {win['tokens']} tokens" in row[1]
+        assert row[3] == f"{win['bytes_per_token'] / 1000:.2f} kB a token"
+        assert row[5].startswith(f"{one['bytes_per_token'] / 1000:.2f} kB a token; llama.cpp ")
+        assert win["bytes"] < one["bytes"]
+    # held blocks times the C cache's block sizes: the windowed pool's share stays the window's
+    assert {r["windowed_pool"]["win_blocks"] for r in d["rows"]} == {128 // 16}

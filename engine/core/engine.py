@@ -63,6 +63,13 @@ def _drain(req: Request) -> tuple[str, bool]:
     return emit + req.stops.flush(), False
 
 
+def win_pool_need(window: int, chunk: int, config: SchedulerConfig) -> int:
+    """Windowed-pool blocks one request may hold during a step: what its first query's window
+    or chunk reaches back to, and the step's tokens after it."""
+    span = max(window, chunk)
+    return -(-(span + config.max_num_batched_tokens) // BLOCK_SIZE) + 1
+
+
 class EngineCore:
     """Requests in, outputs out, one step at a time."""
 
@@ -92,8 +99,19 @@ class EngineCore:
             log.info("speculative decoding is off: this model's linear-attention layers need "
                      "spare recurrent-state slots to undo rejected drafts, and the cache was "
                      "made without them")
-        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_seq_slots)
-        self.planner = DraftPlanner(moe_shape(getattr(model, "config", None)))
+        # sliding-window and chunked layers in a pool of their own: their blocks go back once
+        # every window has left them
+        n_win = int(getattr(model.kv, "n_win_blocks", 0))
+        cfg = getattr(model, "config", None)
+        window = int(getattr(cfg, "sliding_window", None) or 0) if n_win else 0
+        chunk = int(getattr(cfg, "attn_chunk", None) or 0) if n_win else 0
+        if n_win and n_win < win_pool_need(window, chunk, scheduler_config):
+            raise ValueError(f"the windowed KV pool has {n_win} blocks; one request may need "
+                             f"{win_pool_need(window, chunk, scheduler_config)}")
+        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_seq_slots, n_win,
+                                   window, chunk)
+        self.step_tokens = scheduler_config.max_num_batched_tokens
+        self.planner = DraftPlanner(moe_shape(cfg))
         self._expert_bytes = int(getattr(getattr(model, "core", None), "expert_bytes", 0) or 0)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.requests: dict[str, list[Request]] = {}
@@ -222,6 +240,8 @@ class EngineCore:
         want = np.zeros(n_tok, dtype=np.uint8)
         max_blocks = max(len(self.blocks.table(r.rid)) for r, _ in sched.items)
         tables = np.full((n_seq, max_blocks), -1, dtype=np.int32)
+        win_tables = (np.full((n_seq, max_blocks), -1, dtype=np.int32)
+                      if self.blocks.n_win_blocks else None)
         slots = (np.array([self.blocks.state_slot(r.rid) for r, _ in sched.items], np.int32)
                  if self.hybrid else None)
         at = 0
@@ -241,11 +261,13 @@ class EngineCore:
                 want[at + n - 1] = 1  # the last known token: its logits give the next token
             table = self.blocks.table(req.rid)
             tables[i, :len(table)] = table
+            if win_tables is not None:
+                win_tables[i, :len(table)] = self.blocks.win_table(req.rid)
             at += n
         saved = self._save_states(sched.items) if self.hybrid and self.speculates else {}
         tf = time.perf_counter()
         try:
-            logits = self._forward(tokens, seq_ids, positions, tables, want, slots)
+            logits = self._forward(tokens, seq_ids, positions, tables, want, slots, win_tables)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             log.error("forward pass failed for %d requests: %s", n_seq, exc)
             return [self._fail(req, exc) for req, _ in sched.items]
@@ -413,7 +435,10 @@ class EngineCore:
 
     def _forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                  tables: np.ndarray, want: np.ndarray | None,
-                 slots: np.ndarray | None) -> np.ndarray:
+                 slots: np.ndarray | None, win_tables: np.ndarray | None = None) -> np.ndarray:
+        if win_tables is not None:
+            return self.model.forward_paged(tokens, seq_ids, positions, tables, want,
+                                            win_tables=win_tables)
         if slots is None:
             return self.model.forward_paged(tokens, seq_ids, positions, tables, want)
         return self.model.forward_paged(tokens, seq_ids, positions, tables, want,
@@ -506,16 +531,29 @@ class EngineCore:
             raise ContextLengthError(f"{n} tokens exceed the context of {self.n_ctx}", n,
                                      self.n_ctx)
         rid = f"__score_{id(tokens)}"
-        if self.blocks.allocate_prompt(rid, [], [], []) is None or not self.blocks.grow(rid, n):
-            self.blocks.free(rid)
+        if self.blocks.allocate_prompt(rid, [], [], []) is None:
             raise ContextLengthError(f"{n} tokens do not fit the free KV cache", n, self.n_ctx)
+        # with a windowed pool, in steps' worth of tokens: the blocks every window has left go
+        # back between them (the same logits as one call)
+        step = self.step_tokens if self.blocks.n_win_blocks else n
+        ids = np.asarray(tokens, dtype=np.int32)
+        out: list[np.ndarray] = []
         try:
-            table = np.asarray([self.blocks.table(rid)], dtype=np.int32)
-            ids = np.asarray(tokens, dtype=np.int32)
-            slots = (np.array([self.blocks.state_slot(rid)], np.int32) if self.hybrid
-                     else None)
-            return self._forward(ids, np.zeros(n, dtype=np.int32),
-                                 np.arange(n, dtype=np.int32), table, None, slots)
+            for c in range(0, n, step):
+                e = min(n, c + step)
+                self.blocks.release_window(rid, c)
+                if not self.blocks.grow(rid, e):
+                    raise ContextLengthError(f"{n} tokens do not fit the free KV cache", n,
+                                             self.n_ctx)
+                table = np.asarray([self.blocks.table(rid)], dtype=np.int32)
+                win = (np.asarray([self.blocks.win_table(rid)], dtype=np.int32)
+                       if self.blocks.n_win_blocks else None)
+                slots = (np.array([self.blocks.state_slot(rid)], np.int32) if self.hybrid
+                         else None)
+                out.append(self._forward(ids[c:e], np.zeros(e - c, dtype=np.int32),
+                                         np.arange(c, e, dtype=np.int32), table, None, slots,
+                                         win))
+            return out[0] if len(out) == 1 else np.concatenate(out)
         finally:
             self.blocks.free(rid)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from colibri.engine.core.block_manager import BLOCK_SIZE
-from colibri.engine.core.engine import EngineCore
+from colibri.engine.core.engine import EngineCore, win_pool_need
 from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
 from colibri.engine.core.options import ExpertCacheConfig, default
 from colibri.engine.core.scheduler import SchedulerConfig
@@ -29,7 +29,7 @@ from colibri.engine.executor.expert_cache import (
     plan_cache,
     resolve_load,
 )
-from colibri.engine.executor.model import Model, kv_block_bytes
+from colibri.engine.executor.model import Model, kv_block_bytes, kv_split_block_bytes
 from colibri.engine.format.convert import ensure_converted
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.text.tokenizer import Tokenizer
@@ -58,6 +58,7 @@ class EngineConfig:
     kv_cache_mb: float | None = None  # None: sized from max_num_seqs and available memory
     kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
     prefix_cache: bool = default("prefix_cache")
+    kv_window_pool: bool = default("kv_window_pool")
     speculative: str = default("speculative")  # off | ngram
     num_speculative_tokens: int = default("num_speculative_tokens")
     progress: bool = True  # show the conversion progress bar
@@ -104,6 +105,56 @@ def kv_pool_blocks(block_bytes: int, n_ctx: int, config: EngineConfig) -> int:
     return max(n, per_ctx)
 
 
+@dataclass(frozen=True)
+class KVPools:
+    """Blocks and bytes per block of the KV pools: the full one (every cached layer, or the
+    full-attention ones when the windowed layers keep a pool of their own) and the windowed
+    one (n_win 0: none)."""
+
+    n_blocks: int
+    block_bytes: int
+    n_win: int = 0
+    win_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.n_blocks * self.block_bytes + self.n_win * self.win_bytes
+
+
+def kv_pools(cfg: ModelConfig, kv_type: str, n_ctx: int, config: EngineConfig) -> KVPools:
+    """The KV pools for a model. A model whose sliding-window or chunked layers sit beside full
+    ones keeps those layers in a windowed pool sized for what running requests' windows and
+    one step's tokens reach (a request gives its blocks back as its windows move on): the
+    default size then holds as many tokens as one pool would, in less memory, and an explicit
+    --kv-cache-mb holds more tokens."""
+    all_bytes = kv_block_bytes(cfg, kv_type)
+    n_all = kv_pool_blocks(all_bytes, n_ctx, config)
+    split = (None if cfg.hybrid or not config.kv_window_pool
+             else kv_split_block_bytes(cfg, kv_type))
+    if split is None:
+        return KVPools(n_all, all_bytes)
+    full_b, win_b = split
+    window, chunk = cfg.sliding_window or 0, cfg.attn_chunk or 0
+    if max(window, chunk) >= n_ctx:  # no window ends inside the context: nothing goes back
+        return KVPools(n_all, all_bytes)
+    sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens)
+    span_blocks = -(-max(window, chunk) // BLOCK_SIZE)
+    n_win = (config.max_num_seqs * (span_blocks + 3)
+             + -(-config.max_num_batched_tokens // BLOCK_SIZE))
+    if config.kv_cache_mb is None:
+        n_full = n_all
+    else:
+        budget = int(config.kv_cache_mb * 1024 * 1024)
+        n_full = (budget - n_win * win_b) // full_b
+        if n_full < n_win:  # a small budget: as many blocks in each pool
+            n_full = budget // (full_b + win_b)
+    n_win = min(n_win, n_full)
+    if n_win < win_pool_need(window, chunk, sched):
+        return KVPools(n_all, all_bytes)  # too small to split: one pool
+    return KVPools(n_full, full_b, n_win, win_b)
+
+
 def resolve_model(model: str | Path | None) -> tuple[Path, str]:
     """(folder, name) of what a user named: a Hugging Face repo id (downloaded once into the
     Hugging Face cache), a folder, or None for the bundled demo model. FileNotFoundError when
@@ -137,20 +188,26 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     cfg = ModelConfig.from_dir(folder)
     n_ctx = cfg.default_n_ctx() if config.n_ctx is None else config.n_ctx
     kv_type = resolve_kv_type(config.kv_cache_type, cfg.quant)
-    block_bytes = kv_block_bytes(cfg, kv_type)
-    n_blocks = kv_pool_blocks(block_bytes, n_ctx, config)
+    pools = kv_pools(cfg, kv_type, n_ctx, config)
+    n_blocks = pools.n_blocks
     # a recurrent-state slot per running sequence (models with linear attention), one for
     # scoring between steps, and with speculation spare ones to undo rejected drafts
     n_states = config.max_num_seqs + 1 + (spare_state_slots(config.max_num_seqs)
                                           if config.speculative != "off" else 0)
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
-                       kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states)
-    monitor = start_expert_cache(model, folder, config.expert_cache, n_blocks * block_bytes)
+                       kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states,
+                       kv_win_blocks=pools.n_win)
+    monitor = start_expert_cache(model, folder, config.expert_cache, pools.total_bytes)
     tokenizer = Tokenizer.from_dir(folder)
-    mb = n_blocks * block_bytes / 1024 / 1024
+    mb = pools.total_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
              "of %d)", n_blocks, BLOCK_SIZE, kv_type, mb, n_blocks * BLOCK_SIZE,
              n_blocks * BLOCK_SIZE // model.n_ctx, model.n_ctx)
+    if pools.n_win:
+        log.info("KV cache: the sliding-window and chunked layers keep a pool of their own, "
+                 "%d blocks (%.1f MB): a request holds only the blocks its windows still "
+                 "reach, and gives the others back as it grows", pools.n_win,
+                 pools.n_win * pools.win_bytes / 1024 / 1024)
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             prefill_tokens_while_decoding=config.prefill_tokens_while_decoding)

@@ -195,6 +195,11 @@ OPTIONS: tuple[Option, ...] = (
            choices=KV_CACHE_TYPES),
     Option("prefix_cache", bool, True, "reuse the KV blocks of prompt prefixes shared between "
            "requests (system prompts, chat turns)", _BATCH),
+    Option("kv_window_pool", bool, True, "keep the KV of sliding-window and chunked-attention "
+           "layers in a pool of its own, whose blocks go back once they leave every window",
+           _BATCH, note="Models with such layers beside full ones (gpt-oss, Llama 4): a "
+           "request then holds about a window of KV for those layers however long it grows "
+           "(gpt-oss-20b: half the KV per token). Tokens do not change."),
     # -- expert cache -------------------------------------------------------------------
     Option("expert_cache_mb", float, None, "memory for the routed experts of all layers, in MB",
            _XC, commands=_SERVE_ENGINE, engine_env=True, gt=0,

@@ -3,7 +3,8 @@
 Every step takes each running request's next tokens (one for a decode, plus the tokens drafted
 for it when it speculates; a chunk for a prompt still being computed) and then admits waiting
 requests first come first served, under a token budget (`max_num_batched_tokens`) and a cap on
-running sequences (`max_num_seqs`). When KV blocks run out, the newest running request is
+running sequences (`max_num_seqs`). When KV blocks run out (of either pool, for a model whose
+windowed layers keep a pool of their own), the newest running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 later (never dropped); drafts never cause that, they only take what is spare.
 Guarantees: a request is running or waiting, never both; a scheduled request's block table
@@ -90,12 +91,10 @@ class Scheduler:
         never preempt anything: what does not fit is dropped."""
         n = max(0, min(len(req.drafts), spare))
         c = req.num_computed
-        extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))
         reserve = len(self.running) - 1  # a block for each other running request's token
-        while n > 0 and (extra > self.blocks.n_free - reserve
+        while n > 0 and (not self.blocks.fits(req.rid, c + 1 + n, reserve)
                          or not self.blocks.grow(req.rid, c + 1 + n)):
             n -= 1
-            extra = self.blocks.blocks_for(c + 1 + n) - len(self.blocks.table(req.rid))
         del req.drafts[n:]
         return n
 
@@ -118,6 +117,11 @@ class Scheduler:
         items: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         scheduled: set[int] = set()
+
+        # blocks of the windowed pool that every running request's windows have left go back
+        # first, so that what follows counts them free
+        for req in self.running:
+            self.blocks.release_window(req.rid, req.num_computed)
 
         # running requests first, oldest first: a newer one is preempted before an older one
         i = 0

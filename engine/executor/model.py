@@ -96,6 +96,17 @@ def kv_block_bytes(config: ModelConfig, kv_type: str = "f32") -> int:
     return int(_core.kv_block_bytes(config.to_hparams(1), kv_type))
 
 
+def kv_split_block_bytes(config: ModelConfig, kv_type: str = "f32") -> tuple[int, int] | None:
+    """(full, windowed) bytes of one block of each KV pool when the model's sliding-window or
+    chunked layers keep a pool of their own (Model.load's kv_win_blocks), before loading it;
+    None when the model has no such layers beside full ones."""
+    if kv_type not in _core.KV_TYPES:
+        raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
+                         f"{', '.join(_core.KV_TYPES)}")
+    split = _core.kv_split_block_bytes(config.to_hparams(1), kv_type)
+    return None if split is None else (int(split[0]), int(split[1]))
+
+
 class Model:
     """A loaded model plus one paged KV cache, with n_seq fixed sequence slots on top."""
 
@@ -116,15 +127,21 @@ class Model:
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
              n_seq: int = 1, kv_type: str = "f32", kv_blocks: int | None = None,
-             state_slots: int | None = None) -> Model:
+             state_slots: int | None = None, kv_win_blocks: int = 0) -> Model:
         """Load a Colibri folder. threads None: physical cores; n_ctx None:
         min(max_position_embeddings, 4096) (the most positions one sequence may hold);
         kv_type: "f32", "f16" or "q8"; kv_blocks None: enough for n_seq slots of n_ctx
         positions. n_seq = 0 keeps no slots (only forward_paged is usable); otherwise
         kv_blocks must cover the n_seq slots. state_slots (models with linear-attention
-        layers): recurrent-state slots for forward_paged's sequences; None: n_seq."""
+        layers): recurrent-state slots for forward_paged's sequences; None: n_seq.
+        kv_win_blocks > 0 (n_seq 0; models with sliding-window or chunked layers beside full
+        ones): those layers cache in a pool of their own of that many blocks, addressed by
+        forward_paged's win_tables, so a caller can give back the blocks that left every
+        window (kv_split_block_bytes gives both pools' block sizes)."""
         if n_seq < 0:
             raise ValueError(f"n_seq must be >= 0, got {n_seq}")
+        if kv_win_blocks and n_seq:
+            raise ValueError("a windowed KV pool is for forward_paged's callers: n_seq must be 0")
         if kv_type not in _core.KV_TYPES:
             raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
                              f"{', '.join(_core.KV_TYPES)}")
@@ -140,7 +157,8 @@ class Model:
             raise ValueError(f"kv_blocks {blocks} cannot hold {n_seq} sequence slots of "
                              f"{core.n_ctx} positions ({need} blocks)")
         n_state = n_seq if state_slots is None else state_slots
-        kv = _core.KVCache(core, blocks, kv_type, n_state_slots=n_state if cfg.hybrid else 0)
+        kv = _core.KVCache(core, blocks, kv_type, n_state_slots=n_state if cfg.hybrid else 0,
+                           n_win_blocks=kv_win_blocks)
         return cls(p, cfg, core, kv, n_seq)
 
     @property
@@ -150,6 +168,11 @@ class Model:
     @property
     def n_kv_blocks(self) -> int:
         return int(self.kv.n_blocks)
+
+    @property
+    def n_kv_win_blocks(self) -> int:
+        """Blocks of the windowed KV pool (0: every layer caches in the one pool)."""
+        return int(self.kv.n_win_blocks)
 
     def kv_block_bytes(self, kv_type: str | None = None) -> int:
         """Bytes of one KV block (16 positions, K and V, every layer) of kv_type (None: this
@@ -246,7 +269,8 @@ class Model:
     def forward_paged(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                       block_tables: np.ndarray, want_logits: np.ndarray | None = None,
                       routes: np.ndarray | None = None,
-                      state_slots: np.ndarray | None = None) -> np.ndarray:
+                      state_slots: np.ndarray | None = None,
+                      win_tables: np.ndarray | None = None) -> np.ndarray:
         """The raw paged step for a scheduler that owns block allocation and lengths.
 
         Token i of sequence seq_ids[i] (a row of block_tables, int32 [n_seq, max_blocks],
@@ -259,11 +283,15 @@ class Model:
         routes: as in `forward`. state_slots (models with linear-attention layers): int32
         [n_seq], each sequence's recurrent-state slot; a sequence starting at position 0
         starts a fresh state, any other start must continue its slot's state exactly.
+        win_tables (a cache with a windowed pool: needed): int32 like block_tables, into that
+        pool; entries below the lowest position a windowed layer lets the call's first token
+        of a sequence see may be -1.
         """
         tok = _i32(tokens, "tokens")
         self._check_tokens(tok)
         return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables,
-                                  routes=routes, state_slots=state_slots)
+                                  routes=routes, state_slots=state_slots,
+                                  win_tables=win_tables)
 
     @property
     def _slot_states(self) -> np.ndarray | None:
@@ -271,12 +299,14 @@ class Model:
         return np.arange(max(self.n_seq, 1), dtype=np.int32) if self.config.hybrid else None
 
     def _core_forward(self, *args: Any, routes: np.ndarray | None = None,
-                      state_slots: np.ndarray | None = None) -> np.ndarray:
+                      state_slots: np.ndarray | None = None,
+                      win_tables: np.ndarray | None = None) -> np.ndarray:
         """core.forward, refusing a faulty model and marking one that turns faulty."""
         if self.fault is not None:
             raise ModelFaultError(self.fault)
         try:
-            out = self.core.forward(*args, routes=routes, state_slots=state_slots)
+            out = self.core.forward(*args, routes=routes, state_slots=state_slots,
+                                    win_tables=win_tables)
         except (WeightFileChangedError, StorageStalledError) as e:
             self._mark_faulty(str(e))
             raise
