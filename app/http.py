@@ -8,13 +8,16 @@
   a head too large for the parser a 431, both in OpenAI's JSON error shape, not plain text.
 The body deadline (`body_timeout_s`, 408) is enforced by the guard middleware that reads it.
 A response may also end its connection on purpose (a streaming client that stopped reading):
-`drop_connection(scope)` closes it, and the server logs nothing more about it.
+`drop_connection(scope)` closes it, and the server logs nothing more about it. A streamed
+response may write its next body chunk at once with `body_writer(scope)` (no await through
+the middleware's send wrappers, which act on the response's start only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -31,6 +34,7 @@ PARSER_HEAD_SLACK = 64 << 10
 DRAIN_GRACE_S = 5.0
 
 _DROP = "colibri.drop_connection"
+_WRITE = "colibri.write_body"
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
             503: b"Service Unavailable"}
 
@@ -80,6 +84,7 @@ class GuardedH11Protocol(H11Protocol):
             extensions = cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
             if _DROP not in extensions:
                 extensions[_DROP] = functools.partial(self._drop, cycle)
+                extensions[_WRITE] = functools.partial(_write_body, cycle)
 
     def _drop(self, cycle: Any) -> None:
         """End the connection of cycle's response on purpose: marked as gone, uvicorn does not
@@ -145,6 +150,24 @@ def drop_connection(scope: Any) -> bool:
         return False
     drop()
     return True
+
+
+def _write_body(cycle: Any, body: bytes) -> bool:
+    """Write body as the next chunk of cycle's started response, exactly as its ASGI send
+    would for a message with more_body, without awaiting anything; False where that send
+    would do something else (wait for a paused transport, report a gone client, refuse a
+    response not started or already complete, drop a HEAD response's body)."""
+    if (cycle.disconnected or cycle.flow.write_paused or not cycle.response_started
+            or cycle.response_complete or cycle.scope["method"] == "HEAD"):
+        return False
+    cycle.transport.write(cycle.conn.send(event=h11.Data(data=body)))
+    return True
+
+
+def body_writer(scope: Any) -> Callable[[bytes], bool] | None:
+    """The immediate writer of the response body chunks of scope's request (see
+    `_write_body`), where it is served by GuardedH11Protocol; None elsewhere."""
+    return scope.get("extensions", {}).get(_WRITE)  # type: ignore[no-any-return]
 
 
 def protocol_for(settings: Settings) -> type[GuardedH11Protocol]:

@@ -6,6 +6,8 @@ Label sets are bounded (endpoints are route templates, never raw URLs).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections import defaultdict
 
@@ -17,23 +19,29 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
 
 
 class Histogram:
-    """A cumulative-bucket histogram (Prometheus semantics)."""
+    """A cumulative-bucket histogram (Prometheus semantics). An observation is counted once,
+    in the first bucket that holds it (beyond the last: in the total only), and the buckets
+    are cumulated when rendered: one bisection per observation, not a pass over them."""
 
     def __init__(self, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> None:
         self.buckets = buckets
-        self.counts = [0] * len(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bucket
         self.total = 0
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
         self.total += 1
         self.sum += value
-        for i, upper in enumerate(self.buckets):
-            if value <= upper:
-                self.counts[i] += 1
+        # NaN holds in no bucket (bisect would put it in the first)
+        i = bisect.bisect_left(self.buckets, value) if value == value else len(self.buckets)
+        self.counts[i] += 1
+
+    def cumulative(self) -> list[int]:
+        """Observations <= each bucket's upper bound."""
+        return list(itertools.accumulate(self.counts[:-1]))
 
     def render(self, name: str) -> list[str]:
-        pairs = zip(self.buckets, self.counts, strict=True)
+        pairs = zip(self.buckets, self.cumulative(), strict=True)
         lines = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in pairs]
         lines.append(f'{name}_bucket{{le="+Inf"}} {self.total}')
         lines.append(f"{name}_sum {self.sum}")

@@ -4,6 +4,7 @@ and timestamps, usage, and the two logprobs formats (chat and legacy completions
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -56,6 +57,22 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False)
+
+
+class ChunkJSON:
+    """`json.dumps({**base, key: value}, ensure_ascii=False)` for a stream's fixed base (id,
+    created, model...): the base is encoded once, not again in every chunk."""
+
+    def __init__(self, base: dict[str, Any], key: str) -> None:
+        assert key not in base
+        head = _encode(base)[:-1]
+        self._head = f"{head}{', ' if base else ''}{_encode(key)}: "
+
+    def __call__(self, value: Any) -> str:
+        return f"{self._head}{_encode(value)}}}"
 
 
 def new_id(prefix: str) -> str:

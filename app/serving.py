@@ -25,6 +25,7 @@ from fastapi import Request
 
 from colibri.app.chat_plan import request_constraints
 from colibri.app.errors import APIError
+from colibri.app.mailbox import Mailbox
 from colibri.app.replies import Choice, Output, PromptToken, add_output
 from colibri.app.state import DrainExpiredError, ServerState, shutting_down, unavailable
 from colibri.engine import (
@@ -63,7 +64,7 @@ class Job:
     offsets: dict[str, int] = field(default_factory=dict)  # engine request id -> first index
     prompts: dict[str, list[int]] = field(default_factory=dict)  # engine request id -> prompt
     want_token_text: bool = False
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    queue: Mailbox[tuple[Any, Any]] = field(default_factory=Mailbox)
     arrival: float = field(default_factory=time.perf_counter)
     last: dict[int, float] = field(default_factory=dict)  # index -> time of its last token
     ended: bool = False

@@ -49,7 +49,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_reliability_grammar.py", "test_reliability_soak.py",
                "test_server_clients.py", "test_server_browser.py",
                "test_server_messages.py", "test_server_agent_requests.py",
-               "test_messages_reasoning.py",
+               "test_messages_reasoning.py", "test_stream_path.py",
                "test_expert_page_browser.py", "test_lm_eval.py", "test_speculative_serving.py",
                "test_worker_endpoints.py", "test_server_router.py"),
     # command-line tools, scripts, packaging, docs

@@ -12,6 +12,7 @@ from colibri.app.chat_serving import ChoiceStream, call_dict, parsed_reply, prep
 from colibri.app.protocol import ChatCompletionRequest
 from colibri.app.replies import (
     Choice,
+    ChunkJSON,
     Output,
     add_output,
     chat_logprob_entries,
@@ -77,12 +78,13 @@ async def _stream(eos_ids: frozenset[int], body: ChatCompletionRequest, plan: Ch
     base = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None}
     if include_usage:
         base["usage"] = None
+    with_choices = ChunkJSON(base, "choices")
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None,
               logprobs: Any = None) -> str:
-        return json.dumps({**base, "choices": [{
+        return with_choices([{
             "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-        }]}, ensure_ascii=False)
+        }])
 
     choices = [Choice(i) for i in range(body.n)]
     streams = [ChoiceStream(plan) for _ in range(body.n)]

@@ -12,6 +12,7 @@ from colibri.app.errors import APIError
 from colibri.app.protocol import CompletionRequest
 from colibri.app.replies import (
     Choice,
+    ChunkJSON,
     Output,
     add_output,
     completion_logprobs,
@@ -101,11 +102,12 @@ async def _stream(eos_ids: frozenset[int], body: CompletionRequest, meta: dict[s
     base = {**meta, "object": "text_completion", "system_fingerprint": None}
     if body.include_usage:
         base["usage"] = None
+    with_choices = ChunkJSON(base, "choices")
 
     def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
-        return json.dumps({**base, "choices": [{
+        return with_choices([{
             "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-        }]}, ensure_ascii=False)
+        }])
 
     choices = [Choice(i) for i in range(n_choices)]
     offsets = [len(e) for e in echoes] if echoes else [0] * n_choices

@@ -4,9 +4,9 @@
 
 One engine thread owns the EngineCore: it loads the model, applies queued commands (add,
 abort) between steps, runs steps while there is work and sleeps when there is none. Outputs
-reach the event loop through `loop.call_soon_threadsafe`, one batch per request per step; the
-loop never waits on the engine. Admission is bounded: beyond `max_num_seqs + max_queue` live
-requests, `submit` raises QueueFullError at once.
+reach the event loop through one `loop.call_soon_threadsafe` per step, which hands each
+request its batch; the loop never waits on the engine. Admission is bounded: beyond
+`max_num_seqs + max_queue` live requests, `submit` raises QueueFullError at once.
 Guarantees: an aborted request (client gone, generator closed) leaves the batch at the next
 step boundary and its KV blocks return to the pool; an exception inside one request fails that
 request only; an exception in the loop itself marks the engine failed (`error`) and calls
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from colibri.engine.core.client import Health, ModelInfo
+from colibri.engine.core.client import Health, ModelInfo, OutputSink
 from colibri.engine.core.engine import EngineCore
 from colibri.engine.core.options import default
 from colibri.engine.core.request import RequestOutput
@@ -64,13 +64,14 @@ class Stream:
     """One request's outputs on the event loop side."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, n_choices: int,
-                 want_token_text: bool, sink: asyncio.Queue[Any] | None) -> None:
+                 want_token_text: bool, sink: OutputSink | None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.n_choices = n_choices
         self.want_token_text = want_token_text
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Any] = sink if sink is not None else asyncio.Queue()
+        self.own_queue: asyncio.Queue[Any] | None = None if sink is not None else asyncio.Queue()
+        self.queue: OutputSink = sink if sink is not None else self.own_queue
         self.arrival = time.perf_counter()
         self.finished = 0  # engine thread: choices that ended
         self.closed = False  # loop side: the consumer saw the end, or gave up
@@ -95,9 +96,10 @@ class Stream:
         self.engine.release(self, ended=True)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        assert self.own_queue is not None, "the outputs go to the sink given at submit"
         try:
             while True:
-                _, item = await self.queue.get()
+                _, item = await self.own_queue.get()
                 if item is _END:
                     self.finish()
                     return
@@ -215,7 +217,7 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt_ids: list[int],
                params: SamplingParams | list[SamplingParams], want_token_text: bool = False,
-               sink: asyncio.Queue[Any] | None = None) -> Stream:
+               sink: OutputSink | None = None) -> Stream:
         """Validate and queue a request (one SamplingParams per choice); raises
         EngineUnavailableError, QueueFullError, SamplingParamError, ContextLengthError or
         ValueError before anything is queued. Outputs arrive on the returned Stream (or, as
@@ -319,6 +321,8 @@ class AsyncEngine:
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; False when told to stop."""
         assert self.core is not None
+        if not block and self._cmds.empty():  # between steps, most often: nothing to do
+            return True
         while True:
             try:
                 cmd = self._cmds.get(block=block)
@@ -360,6 +364,7 @@ class AsyncEngine:
         for out in outputs:
             if out.request_id in self._streams:
                 by_stream.setdefault(out.request_id, []).append(out)
+        posts: list[tuple[Stream, Any]] = []
         for rid, outs in by_stream.items():
             stream = self._streams[rid]
             failed = next((o.error for o in outs if o.error is not None), None)
@@ -367,17 +372,36 @@ class AsyncEngine:
                 assert self.core is not None
                 self.core.abort(rid)
                 del self._streams[rid]
-                stream.post(failed)
+                posts.append((stream, failed))
                 continue
             if stream.want_token_text:
                 self._attach_token_text(outs)
             if self._on_outputs is not None:
                 self._on_outputs(stream, outs)
             stream.finished += sum(1 for o in outs if o.finish_reason is not None)
-            stream.post(outs)
+            posts.append((stream, outs))
             if stream.finished >= stream.n_choices:
                 del self._streams[rid]
-                stream.post(_END)
+                posts.append((stream, _END))
+        if posts:
+            self._deliver_step(posts)
+
+    def _deliver_step(self, posts: list[tuple[Stream, Any]]) -> None:
+        """Hand a step's items to their streams with one wake-up of each event loop (not one
+        per request, nor one per item)."""
+        loop = posts[0][0].loop
+        if all(stream.loop is loop for stream, _ in posts):
+            by_loop = {loop: posts}
+        else:
+            by_loop = {}
+            for post in posts:
+                by_loop.setdefault(post[0].loop, []).append(post)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for stream, _ in items:
+                    self.abort(stream.request_id)
 
     def _attach_token_text(self, outs: list[RequestOutput]) -> None:
         tt = self.token_text
@@ -387,3 +411,9 @@ class AsyncEngine:
                 o.token = tt(o.token_id)
             if o.top_logprobs is not None:
                 o.top = [(tt(t), lp) for t, lp in o.top_logprobs]
+
+
+def _deliver(posts: list[tuple[Stream, Any]]) -> None:
+    """On the event loop: each (stream, item) onto its stream's queue, in order."""
+    for post in posts:
+        post[0].queue.put_nowait(post)

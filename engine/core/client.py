@@ -12,7 +12,6 @@ OpenAI's 400 `context_length_exceeded`).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,13 @@ class EngineStream(Protocol):
 
     def finish(self) -> None:
         """The consumer saw the request's end (or its error): forget it without aborting."""
+
+
+class OutputSink(Protocol):
+    """Where several streams' outputs may arrive together, as (stream, item) pairs, put on
+    the event loop (an asyncio.Queue, or anything with its put_nowait)."""
+
+    def put_nowait(self, item: tuple[EngineStream, Any]) -> None: ...
 
 
 @runtime_checkable
@@ -92,7 +98,7 @@ class EngineClient(Protocol):
 
     def submit(self, request_id: str, prompt_ids: list[int],
                params: SamplingParams | list[SamplingParams], want_token_text: bool = False,
-               sink: asyncio.Queue[Any] | None = None) -> EngineStream:
+               sink: OutputSink | None = None) -> EngineStream:
         """Validate and queue one prompt (one SamplingParams per choice). Outputs arrive as
         (stream, item) pairs on sink: item is a list of RequestOutput, an exception, or
         anything else for the end. Raises before queueing anything."""
