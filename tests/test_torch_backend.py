@@ -6,6 +6,9 @@ against the C core and transformers, for every family it runs, on tiny random ch
 - q8: relative L2 of the logits <= 5e-2 against transformers float32 with transformers' routers
   made to pick the experts the torch backend picked (the q8 tolerance and method of
   tests/test_parity_families.py: near-ties of tiny random routers are not what is measured);
+- split placements (some layers on the torch backend, the rest on the C core, in one step):
+  greedy tokens equal the all-C tokens, logits within 1e-4; the C core's layer spans
+  (clb_forward_span) called in order give clb_forward's logits bit for bit;
 - two sequences in one paged call give what each gives alone; a refused call names the input.
 """
 
@@ -22,6 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from colibri.engine.errors import FormatError, InputError  # noqa: E402
+from colibri.engine.executor.backend import LayerOp, Placement, step_ops  # noqa: E402
 from colibri.engine.executor.model import Model  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
 from tests.parity_helpers import hf_model, prefill, rel_l2, rel_max  # noqa: E402
@@ -108,6 +112,57 @@ def test_q8_logits_within_the_q8_tolerance(case: Case) -> None:
     ours = t.forward(case.prompt, np.zeros(case.prompt.size, np.int32),
                      np.arange(case.prompt.size, dtype=np.int32), routes=routes)
     assert rel_l2(ours, case.reference(routes)) <= 5e-2
+
+
+def _on_torch(path: Path, layers: set[int]) -> Placement:
+    """Layers `layers` on the torch backend, the rest (with their experts) on the C core."""
+    from colibri.engine.models.config import ModelConfig
+
+    ops = step_ops(ModelConfig.from_dir(path))
+    return Placement(default="c", ops={o: "torch" for o in ops if o.layer in layers})
+
+
+def test_split_placement_tokens_equal_all_cpu(case: Case) -> None:
+    path = case.converted("f32")
+    c = Model.load(path, threads=2, n_ctx=N_CTX)
+    want_tokens = _greedy(c, case.prompt, N_GEN)
+    c.reset(0)
+    want = prefill(c, case.prompt)
+    n = c.config.n_layer
+    for layers in ({0}, {n - 1}, set(range(1, n, 2))):
+        s = Model.load(path, threads=2, n_ctx=N_CTX, device=TORCH,
+                       placement=_on_torch(path, layers))
+        assert type(s.core).__name__ == "SplitCore" and "torch" in s.core.backends
+        assert rel_max(prefill(s, case.prompt), want) <= 1e-4, layers
+        s.reset(0)
+        assert _greedy(s, case.prompt, N_GEN) == want_tokens, layers
+
+
+def test_c_layer_spans_equal_the_whole_step_bit_for_bit(case: Case) -> None:
+    m = Model.load(case.converted("q8"), threads=2, n_ctx=N_CTX, n_seq=0, kv_blocks=4)
+    parts = Model.load(case.converted("q8"), threads=2, n_ctx=N_CTX, n_seq=0, kv_blocks=4)
+    n, L = case.prompt.size, m.config.n_layer
+    args = (case.prompt, np.zeros(n, np.int32), np.arange(n, dtype=np.int32), None,
+            np.array([[0, 1, -1, -1]], np.int32))
+    whole = m.core.forward(m.kv, *args)
+    h = np.full((n, m.config.n_embd), np.nan, np.float32)
+    cuts = [0, *range(1, L), L]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        out = parts.core.forward(parts.kv, *args, span=(a, b), hidden=h)
+        assert out.shape[0] == (n if b == L else 0)
+    assert np.array_equal(out, whole)
+    with pytest.raises(ValueError, match="span"):
+        parts.core.forward(parts.kv, *args, span=(1, L + 1), hidden=h)
+
+
+def test_a_placement_that_splits_a_layer_is_refused(tmp_path: Path) -> None:
+    hf = make_checkpoint("mixtral", tmp_path / "hf", seed=3)
+    path = convert(hf, tmp_path / "f32", quant="f32", progress=False)
+    from colibri.engine.executor.backend import Op
+
+    bad = Placement(default="c", ops={LayerOp(0, Op.EXPERTS): "torch"})
+    with pytest.raises(ValueError, match="layer 0"):
+        Model.load(path, n_ctx=N_CTX, device=TORCH, placement=bad)
 
 
 def test_paged_calls_are_batch_invariant(tmp_path: Path) -> None:

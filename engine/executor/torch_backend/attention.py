@@ -39,10 +39,11 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 class TorchKV:
     """Paged K/V per attention layer: rows [n_blocks * 16, n_kv_heads, width], slot
     block * 16 + pos % 16 (the C cache's addressing through the same block tables).
-    MLA keeps one latent row per position (values are its first kv_lora_rank elements)."""
+    MLA keeps one latent row per position (values are its first kv_lora_rank elements).
+    layers: the attention layers it holds (None: all; a split placement keeps its own)."""
 
     def __init__(self, cfg: ModelConfig, n_blocks: int, kv_type: str, device: torch.device,
-                 n_state_slots: int = 0) -> None:
+                 n_state_slots: int = 0, layers: list[int] | None = None) -> None:
         if kv_type not in KV_TYPES:
             raise ValueError(f"the torch backend keeps its KV cache as {' or '.join(KV_TYPES)}, "
                              f"not {kv_type!r}")
@@ -55,7 +56,7 @@ class TorchKV:
         rows = n_blocks * KV_BLOCK
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        for il in cfg.attention_layers:
+        for il in cfg.attention_layers if layers is None else layers:
             if self.mla:
                 self.k[il] = torch.zeros(rows, 1, cfg.kv_lora_rank + rd, dtype=dt, device=device)
             else:

@@ -85,13 +85,14 @@ class TorchCore:
 
     @classmethod
     def load(cls, path: str | Path, cfg: ModelConfig, n_ctx: int,
-             device: str | torch.device = "cpu") -> TorchCore:
+             device: str | torch.device = "cpu", layers: set[int] | None = None) -> TorchCore:
+        """The folder's weights on device: all, or only those of `layers` (a split)."""
         why = unsupported(cfg)
         if why:
             raise FormatError(f"{path}: the torch backend does not run {', '.join(why)} yet; "
                               "use --device cpu")
         dev = torch.device(device)
-        return cls(cfg, load_weights(path, cfg, dev), dev, n_ctx)
+        return cls(cfg, load_weights(path, cfg, dev, layers=layers), dev, n_ctx)
 
     @property
     def n_ctx(self) -> int:
@@ -107,12 +108,13 @@ class TorchCore:
     def product_stats(self) -> dict[str, float]:
         return {"forward_calls": float(self.n_forward), "forward_s": self.forward_ns / 1e9}
 
-    def new_kv(self, n_blocks: int, kv_type: str, n_state_slots: int = 0) -> att.TorchKV:
-        return att.TorchKV(self.cfg, n_blocks, kv_type, self.device, n_state_slots)
+    def new_kv(self, n_blocks: int, kv_type: str, n_state_slots: int = 0,
+               layers: list[int] | None = None) -> att.TorchKV:
+        return att.TorchKV(self.cfg, n_blocks, kv_type, self.device, n_state_slots, layers)
 
     # ---- the step -----------------------------------------------------------------------
 
-    def _check(self, kv: att.TorchKV, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray,
+    def check(self, kv: att.TorchKV, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray,
                tables: np.ndarray) -> None:
         if tok.size and (tok.min() < 0 or tok.max() >= self.cfg.n_vocab):
             raise InputError(f"token ids must be in 0..{self.cfg.n_vocab - 1}")
@@ -149,10 +151,10 @@ class TorchCore:
         n_out = tok.size if want is None else int(want.sum())
         if tok.size == 0:
             return np.empty((0, self.cfg.n_vocab), np.float32)
-        self._check(kv, tok, seq, pos, tables)
+        self.check(kv, tok, seq, pos, tables)
         t0 = time.perf_counter_ns()
         with torch.inference_mode():
-            st = self._start(tok, seq, pos, tables, routes, want)
+            st = self.start(tok, seq, pos, tables, routes, want)
             for lop in self.ops:
                 self.run_op(lop, st, kv)
             out = (st.logits.cpu().numpy() if st.logits is not None
@@ -162,7 +164,7 @@ class TorchCore:
         assert out.shape[0] == n_out
         return np.ascontiguousarray(out, dtype=np.float32)
 
-    def _start(self, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray, tables: np.ndarray,
+    def start(self, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray, tables: np.ndarray,
                routes: np.ndarray | None, want: np.ndarray | None) -> StepState:
         dev = self.device
         p = torch.from_numpy(pos).to(dev)
@@ -180,6 +182,7 @@ class TorchCore:
             self.bound[lop.op](st, lop.layer)
 
     def _embed(self, st: StepState, _il: int) -> None:
+        assert self.w.tok_embd is not None
         st.x = self.w.tok_embd.gather(st.tokens)
 
     def _attention(self, st: StepState, il: int, kv: att.TorchKV | None = None) -> None:
@@ -224,5 +227,6 @@ class TorchCore:
         x = st.x if st.want is None else st.x[torch.from_numpy(st.want).to(self.device)]
         if x.shape[0] == 0:
             return
+        assert self.w.output is not None and self.w.output_norm is not None
         xn = att.rmsnorm(x, self.w.output_norm, self.cfg.rms_eps)
         st.logits = xn @ self.w.output.dense().T

@@ -131,9 +131,11 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    tok_embd: TorchWeight
-    output_norm: torch.Tensor
-    output: TorchWeight
+    """None / empty for what another backend runs (a split placement's other layers)."""
+
+    tok_embd: TorchWeight | None
+    output_norm: torch.Tensor | None
+    output: TorchWeight | None
     layers: list[LayerWeights]
 
 
@@ -189,11 +191,20 @@ def load_layer(folder: Path, cfg: ModelConfig, il: int, device: torch.device,
 
 
 def load_weights(folder: str | Path, cfg: ModelConfig, device: torch.device,
-                 expert_device: torch.device | None = None) -> ModelWeights:
-    """Every weight of the folder on device (routed experts on expert_device, None: device)."""
+                 expert_device: torch.device | None = None,
+                 layers: set[int] | None = None) -> ModelWeights:
+    """The folder's weights on device (routed experts on expert_device, None: device): every
+    layer's, or those of `layers` only, with the embeddings when layer 0 is among them and
+    the final norm and lm_head when the last layer is."""
     p = Path(folder)
+    mine = set(range(cfg.n_layer)) if layers is None else layers
     emb = read_wfile(p / "embeddings.bin")
-    tok = TorchWeight.from_file(emb, "tok_embd", device)
-    out = tok if cfg.tie_embeddings else TorchWeight.from_file(emb, "output", device)
-    layers = [load_layer(p, cfg, il, device, expert_device) for il in range(cfg.n_layer)]
-    return ModelWeights(tok, _vector(emb, "output_norm", device), out, layers)
+    tok = out = norm = None
+    if 0 in mine or (cfg.tie_embeddings and cfg.n_layer - 1 in mine):
+        tok = TorchWeight.from_file(emb, "tok_embd", device)
+    if cfg.n_layer - 1 in mine:
+        out = tok if cfg.tie_embeddings else TorchWeight.from_file(emb, "output", device)
+        norm = _vector(emb, "output_norm", device)
+    lw = [load_layer(p, cfg, il, device, expert_device) if il in mine else LayerWeights()
+          for il in range(cfg.n_layer)]
+    return ModelWeights(tok, norm, out, lw)
