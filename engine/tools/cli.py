@@ -160,6 +160,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
+    p.add_argument("--gpu-memory-mb", type=float, default=None, metavar="MB",
+                   help="GPU memory the plan may use (default: the GPU's whole memory)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="plan for the machine this device profile describes (a JSON file, or "
+                        "h200, kept with Colibri) instead of measuring this one")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@command("plan", "where a model's work would run beside a GPU, and the predicted step times",
+         _plan_args)
+def _plan(args: argparse.Namespace) -> int:
+    from colibri.engine.format.convert import ensure_converted
+    from colibri.engine.tools.plan import plan_main
+
+    if args.gpu_memory_mb is not None and args.gpu_memory_mb < 0:
+        raise ValueError("--gpu-memory-mb must be >= 0")
+    source = check_model(args.model)
+    print(plan_main(ensure_converted(source, args.quant, progress=True), args.profile,
+                    args.gpu_memory_mb, args.json))
+    return 0
+
+
 def _eval_args(p: argparse.ArgumentParser) -> None:
     from colibri.engine.tools.evaluate import configure_eval_parser
 
