@@ -21,6 +21,7 @@ from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
 from colibri.engine.core.options import ExpertCacheConfig, default
 from colibri.engine.core.scheduler import SchedulerConfig
 from colibri.engine.core.speculative import SpeculativeConfig
+from colibri.engine.executor.backend import Placement, resolve_device, torch_unsupported
 from colibri.engine.executor.expert_cache import (
     CachePlan,
     ExpertCacheMonitor,
@@ -49,6 +50,8 @@ class EngineConfig:
     """How to load and run a model."""
 
     threads: int | None = None  # None: physical cores
+    device: str = default("device")  # auto | cpu | cuda | cuda:N | torch-cpu
+    gpu_memory_mb: float | None = None  # None: everything on a torch device
     n_ctx: int | None = None  # None: the model's own, capped at 4096
     quant: str = default("quant")  # precision a Hugging Face folder is converted to
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -141,9 +144,12 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     n_blocks = kv_pool_blocks(block_bytes, n_ctx, config)
     # a recurrent-state slot per running sequence (models with linear attention), and one
     # for scoring between steps
+    device, placement = choose_placement(folder, cfg, config, n_ctx)
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
-                       kv_type=kv_type, kv_blocks=n_blocks, state_slots=config.max_num_seqs + 1)
-    monitor = start_expert_cache(model, folder, config.expert_cache, n_blocks * block_bytes)
+                       kv_type=kv_type, kv_blocks=n_blocks, state_slots=config.max_num_seqs + 1,
+                       device=device, placement=placement)
+    monitor = (start_expert_cache(model, folder, config.expert_cache, n_blocks * block_bytes)
+               if device == "cpu" else None)
     tokenizer = Tokenizer.from_dir(folder)
     mb = n_blocks * block_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
@@ -158,6 +164,27 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     core.model_name = Path(path).name
     core.expert_cache = monitor
     return core
+
+
+def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
+                     n_ctx: int) -> tuple[str, Placement | None]:
+    """The device the step runs on and, under --gpu-memory-mb, the layers the cost model
+    puts on it (the others run on the C core). auto keeps models the torch backend does not
+    run on the C core."""
+    device = resolve_device(config.device)
+    if device != "cpu" and config.device == "auto" and torch_unsupported(cfg):
+        log.info("device: cpu (auto; the GPU path does not run %s)",
+                 ", ".join(torch_unsupported(cfg)))
+        return "cpu", None
+    if device == "cpu" or config.gpu_memory_mb is None:
+        log.info("device: %s", device)
+        return device, None
+    from colibri.engine.executor.placement import layer_placement, measure_profile
+
+    placement, text = layer_placement(folder, cfg, measure_profile(config.threads or 0, device),
+                                      config.gpu_memory_mb, n_ctx)
+    log.info("device: %s, placement under %.0f MB: %s", device, config.gpu_memory_mb, text)
+    return (device, placement) if placement is not None else ("cpu", None)
 
 
 def repack_enabled() -> bool:

@@ -140,4 +140,6 @@ def render(d: dict[str, Any]) -> str:
         "experts/layer " + " ".join(str(n) for n in d["experts_per_layer"]),
         f"tokenizer     {'tokenizer.json' if d['tokenizer'] else 'missing'}",
     ]
+    if d.get("placement"):
+        lines.append(f"placement     {d['placement']}")
     return "\n".join(lines)

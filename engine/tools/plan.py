@@ -10,52 +10,12 @@ and, when torch sees a CUDA device, that device (engine/executor/torch_backend/p
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from colibri.engine.executor.backend import torch_cuda_count
-from colibri.engine.executor.costmodel import (
-    CpuProfile,
-    DeviceProfile,
-    Plan,
-    make_plan,
-    model_costs,
-)
-from colibri.engine.format import quant
+from colibri.engine.executor.costmodel import DeviceProfile, Plan, make_plan, model_costs
+from colibri.engine.executor.placement import layer_placement, measure_profile
 from colibri.engine.models.config import ModelConfig
-
-BENCH_TYPES = ("f32", "f16", "q8", "q4")
-PROBE_MIB = 128
-
-
-def measure_cpu(threads: int = 0) -> CpuProfile:
-    """This CPU's read GB/s and GMAC/s per weight type, measured with the C core's probes."""
-    from colibri.engine import _core
-
-    n = threads or os.cpu_count() or 1
-    gbs = _core.bandwidth_probe(PROBE_MIB << 20, n, 3)
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((1024, 1024)).astype(np.float32)
-    x = rng.standard_normal((64, 1024)).astype(np.float32)
-    gmacs = {}
-    for t in BENCH_TYPES:
-        secs = _core.matmul_bench(t, quant.encode(w, t), 1024, 1024, x, n, 5)
-        gmacs[t] = 1024 * 1024 * 64 / min(secs[1:]) / 1e9
-    return CpuProfile(float(gbs), gmacs)
-
-
-def measure_profile(threads: int = 0) -> DeviceProfile:
-    """This machine's profile: its CPU, and its first CUDA device when torch sees one."""
-    cpu = measure_cpu(threads)
-    gpu = None
-    if torch_cuda_count() > 0:
-        from colibri.engine.executor.torch_backend.profile import measure_gpu
-
-        gpu = measure_gpu("cuda:0")
-    return DeviceProfile("this machine", "measured", cpu, gpu)
 
 
 def plan_for(model_dir: Path, profile: DeviceProfile, budget_mb: float | None,
@@ -71,6 +31,30 @@ def plan_for(model_dir: Path, profile: DeviceProfile, budget_mb: float | None,
             "n_experts": cfg.n_expert * len(cfg.moe_layers), "gpu_experts": n_exp,
             "context": context}
     return plan, info
+
+
+def placement_summary(model_dir: Path, device: str, gpu_memory_mb: float | None) -> str:
+    """What a run with these options would place where (`colibri info`): a device without
+    torch's figures is not measured; a budget is planned with this machine's measured
+    profile."""
+    from colibri.engine.executor.backend import resolve_device, torch_unsupported
+
+    cfg = ModelConfig.from_dir(model_dir)
+    try:
+        dev = resolve_device(device)
+    except ValueError as e:
+        return f"cannot run here: {e}"
+    missing = torch_unsupported(cfg)
+    if dev != "cpu" and missing:
+        return (f"{device}: the GPU path does not run {', '.join(missing)}; "
+                + ("everything on the CPU (the C core)" if device == "auto" else "refused"))
+    if dev == "cpu":
+        return "everything on the CPU (the C core)"
+    if gpu_memory_mb is None:
+        return f"everything on {dev} (the torch backend)"
+    _p, text = layer_placement(model_dir, cfg, measure_profile(0, dev), gpu_memory_mb,
+                               cfg.default_n_ctx())
+    return f"{dev} under {gpu_memory_mb:.0f} MB: {text}"
 
 
 def render(plan: Plan, info: dict[str, Any]) -> str:

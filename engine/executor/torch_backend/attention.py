@@ -74,6 +74,11 @@ class TorchKV:
                  else 2 * cfg.n_head_kv * cfg.head_dim)
         return KV_BLOCK * len(cfg.attention_layers) * width * per
 
+    def copy_block(self, dst: int, src: int) -> None:
+        """Block src's rows into block dst, every layer (a forked prefix's last block)."""
+        for rows in (*self.k.values(), *self.v.values()):
+            rows[dst * KV_BLOCK:(dst + 1) * KV_BLOCK] = rows[src * KV_BLOCK:(src + 1) * KV_BLOCK]
+
     def store(self, il: int, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None) -> None:
         self.k[il][slots] = k.to(self.k[il].dtype)

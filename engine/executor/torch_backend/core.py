@@ -20,22 +20,12 @@ import numpy as np
 import torch
 
 from colibri.engine.errors import ContextOverflowError, FormatError, InputError
-from colibri.engine.executor.backend import LayerOp, Op, step_ops
+from colibri.engine.executor.backend import LayerOp, Op, step_ops, torch_unsupported
 from colibri.engine.executor.torch_backend import attention as att
 from colibri.engine.executor.torch_backend import ffn
 from colibri.engine.executor.torch_backend.weights import ModelWeights, load_weights
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.models.rope import rope_frequencies
-
-
-def unsupported(cfg: ModelConfig, kv_type: str = "f32") -> list[str]:
-    """What of cfg (and a KV cache of kv_type) the torch backend does not run yet."""
-    out = []
-    if cfg.hybrid:
-        out.append("linear-attention layers (gated DeltaNet)")
-    if kv_type not in att.KV_TYPES:
-        out.append(f"a {kv_type} KV cache (f32 and f16 only)")
-    return out
 
 
 @dataclass
@@ -87,7 +77,7 @@ class TorchCore:
     def load(cls, path: str | Path, cfg: ModelConfig, n_ctx: int,
              device: str | torch.device = "cpu", layers: set[int] | None = None) -> TorchCore:
         """The folder's weights on device: all, or only those of `layers` (a split)."""
-        why = unsupported(cfg)
+        why = torch_unsupported(cfg)
         if why:
             raise FormatError(f"{path}: the torch backend does not run {', '.join(why)} yet; "
                               "use --device cpu")

@@ -69,6 +69,10 @@ class SplitKV:
     def n_state_slots(self) -> int:
         return 0
 
+    def copy_block(self, dst: int, src: int) -> None:
+        self.c.copy_block(dst, src)
+        self.t.copy_block(dst, src)
+
 
 class SplitCore:
     """A step over the C core and a TorchCore, by layer runs (see the module's docstring)."""
