@@ -14,6 +14,7 @@ against the C core and transformers, for every family it runs, on tiny random ch
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,8 @@ from tests.tiny_models import ARCHS, VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 N_CTX = 64
 N_GEN = 16
-TORCH = "torch-cpu"
+# scripts/device_check.sh runs these on a GPU with COLIBRI_TEST_TORCH_DEVICE=cuda:0
+TORCH = os.environ.get("COLIBRI_TEST_TORCH_DEVICE", "torch-cpu")
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     **{a: (a, {}) for a in ARCHS},
