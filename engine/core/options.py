@@ -29,7 +29,7 @@ ENV_PREFIX = "COLIBRI_"
 DEVICE_PATTERN = r"auto|cpu|cuda|cuda:[0-9]+|torch-cpu"
 # every command with flags from this table; "serve" is the server (its settings), the others
 # are engine commands
-COMMANDS = ("serve", "generate", "bench", "eval", "info", "convert", "replay")
+COMMANDS = ("serve", "generate", "bench", "eval", "info", "convert", "replay", "plan")
 _ENGINE = ("generate", "bench", "eval")  # the commands that load and run a model
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -163,7 +163,7 @@ _SERVE_ENGINE = ("serve", *_ENGINE)
 OPTIONS: tuple[Option, ...] = (
     # -- model --------------------------------------------------------------------------
     Option("model", str, None, "model folder (Colibri or Hugging Face) or Hugging Face repo id",
-           _MODEL, commands=(*_SERVE_ENGINE, "info"), unset="the bundled demo model",
+           _MODEL, commands=(*_SERVE_ENGINE, "info", "plan"), unset="the bundled demo model",
            note="A Hugging Face folder is converted once into a cache (see COLIBRI_CACHE_DIR); "
                 "a repo id (owner/name) is downloaded once, then converted.",
            example="/models/my-moe", metavar="PATH"),
@@ -174,7 +174,7 @@ OPTIONS: tuple[Option, ...] = (
                         "Ollama-style front ends. Off: an unknown name is a 404, as with OpenAI."),
     Option("quant", str, DEFAULT_QUANT, "weight precision when a Hugging Face folder is "
            "converted (q4: embeddings and lm_head q6, the rest q4)", _MODEL,
-           commands=(*_SERVE_ENGINE, "info", "convert"), choices=PRESETS),
+           commands=(*_SERVE_ENGINE, "info", "convert", "plan"), choices=PRESETS),
     Option("threads", int, None, "compute threads", _MODEL, commands=_SERVE_ENGINE, ge=1,
            unset="the machine's physical cores", example="8"),
     Option("device", str, "auto", "where the forward pass runs: cpu (the C core), cuda or "
@@ -186,7 +186,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu_memory_mb", float, None, "GPU memory the placement may use, in MB: the cost "
            "model puts what every token needs first, then whole layers (with their experts) "
            "while they fit; the rest runs on the C core", _MODEL,
-           commands=(*_SERVE_ENGINE, "info"), engine_env=True, ge=0,
+           commands=(*_SERVE_ENGINE, "info", "plan"), engine_env=True, ge=0,
            unset="everything on the device", example="24000"),
     Option("n_ctx", int, None, "context length in tokens (prompt and completion)", _MODEL,
            ge=16, unset="the model's own", example="8192"),

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from colibri.engine import __version__
-from colibri.engine.core.options import GENERATION_OPTIONS, OPTION, add_option_args, check_flag
+from colibri.engine.core.options import (
+    GENERATION_OPTIONS,
+    OPTION,
+    add_option_args,
+    check_flag,
+    option_values,
+)
 from colibri.engine.format.modelcheck import ModelError, check_model
 from colibri.engine.tools.cache_args import (
     add_device_args,
@@ -174,8 +180,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
-    p.add_argument("--gpu-memory-mb", type=float, default=None, metavar="MB",
-                   help="GPU memory the plan may use (default: the GPU's whole memory)")
+    add_option_args(p, ("gpu_memory_mb",))
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="plan for the machine this device profile describes (a JSON file, or "
                         "h200, kept with Colibri) instead of measuring this one")
@@ -188,11 +193,10 @@ def _plan(args: argparse.Namespace) -> int:
     from colibri.engine.format.convert import ensure_converted
     from colibri.engine.tools.plan import plan_main
 
-    if args.gpu_memory_mb is not None and args.gpu_memory_mb < 0:
-        raise ValueError("--gpu-memory-mb must be >= 0")
+    budget = option_values(args, ("gpu_memory_mb",))["gpu_memory_mb"]
     source = check_model(args.model)
     print(plan_main(ensure_converted(source, args.quant, progress=True), args.profile,
-                    args.gpu_memory_mb, args.json))
+                    budget, args.json))  # type: ignore[arg-type]
     return 0
 
 
