@@ -90,15 +90,13 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 def _info(args: argparse.Namespace) -> int:
     from colibri.engine.format.convert import ensure_converted
     from colibri.engine.tools.info import describe, render
-    from colibri.engine.tools.plan import placement_summary
 
     if args.model_dir is not None and args.model is not None:
         raise ValueError("give the model folder once: DIR or --model")
     given = args.model_dir if args.model_dir is not None else args.model
     source = check_model(given, flag="--model" if args.model_dir is None else "DIR")
     folder = ensure_converted(source, args.quant, progress=True)
-    d = describe(folder)
-    d["placement"] = placement_summary(folder, **device_from_args(args))  # type: ignore[arg-type]
+    d = describe(folder, **device_from_args(args))  # type: ignore[arg-type]
     print(json.dumps(d, indent=2) if args.json else render(d))
     return 0
 
