@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     accept_any_model: bool = _option("accept_any_model")
     quant: str = _option("quant")
     threads: int | None = _option("threads")
+    device: str = _option("device")
+    gpu_memory_mb: float | None = _option("gpu_memory_mb")
     n_ctx: int | None = _option("n_ctx")
 
     # -- batching and KV cache --------------------------------------------------------

@@ -257,6 +257,16 @@ typedef struct {
  * starting "weight file changed: " that names the file; so do all later calls. */
 clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err);
 
+/* Layers [il0, il1) of one step, so that another backend can run the layers between: x holds
+ * the hidden states [n_tokens, n_embd] (f32, row-major). il0 == 0 starts from the tokens'
+ * embeddings (x not read), else from x; x receives the states after layer il1 - 1; il1 ==
+ * n_layer ends as clb_forward does (final norm, lm_head into logits). Spans [0, a), [a, b), ...,
+ * [z, n_layer) called in order give clb_forward's logits bit for bit. The batch is validated
+ * at each call, as clb_forward's. CLB_E_ARG for a span outside the model, and for models with
+ * linear-attention layers (their recurrent state advances once per whole step). */
+clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                            int64_t il1, float *x, float *logits, char *err);
+
 int64_t clb_forward_max_batch(void);
 
 /* 1 when each of the n floats is finite (no NaN, no infinity), else 0: the check of a step's

@@ -367,15 +367,22 @@ static clb_status dense_ffn(clb_model *m, int64_t il, int64_t T, int32_t *routes
 
 /* ---- one chunk ------------------------------------------------------------------------- */
 
+/* Layers [il0, il1) of one chunk: from the embeddings when il0 == 0, else from the hidden
+ * states x_io [T, D]; the states after layer il1 - 1 go back to x_io (when given); the final
+ * norm and lm_head run when il1 == n_layer. */
 static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t T,
                                 const int32_t *tokens,
                                 const int32_t *seq, const int32_t *pos, const uint8_t *want,
-                                int32_t *routes, float *logits, int64_t *n_out) {
+                                int32_t *routes, float *logits, int64_t *n_out, int64_t il0,
+                                int64_t il1, float *x_io) {
     const clb_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, rd = hp->rotary_dim, half = rd / 2;
 
-    for (int64_t t = 0; t < T; t++)
-        clb_get_row(m->tok_embd->type, m->tok_embd->data, D, tokens[t], m->x + t * D);
+    if (il0 == 0)
+        for (int64_t t = 0; t < T; t++)
+            clb_get_row(m->tok_embd->type, m->tok_embd->data, D, tokens[t], m->x + t * D);
+    else
+        memcpy(m->x, x_io, (size_t)(T * D) * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
         float *cs = m->rope + t * rd;
         for (int64_t i = 0; i < half; i++) {
@@ -384,7 +391,7 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
             cs[half + i] = sinf(ang) * hp->rope_scale;
         }
     }
-    for (int64_t il = 0; il < hp->n_layer; il++) {
+    for (int64_t il = il0; il < il1; il++) {
         if (m->layers[il].mixer == CLB_MIX_LINEAR)
             TRY(clb_linear_attn(m, kv, b, il, T, seq, pos));
         else
@@ -393,6 +400,9 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
         TRY(m->layers[il].ffn == CLB_FFN_DENSE ? dense_ffn(m, il, T, routes)
                                                : moe(m, il, T, routes));
     }
+    if (x_io) memcpy(x_io, m->x, (size_t)(T * D) * sizeof(float));
+    *n_out = 0;
+    if (il1 < hp->n_layer) return CLB_OK;
 
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++)
@@ -559,7 +569,8 @@ int clb_all_finite(const float *x, int64_t n) {
     return bad == 0;
 }
 
-clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err) {
+static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                              int64_t il1, float *x_io, float *logits, char *err) {
     if (err) err[0] = '\0';
     if (!m || !kv || kv->model != m) {
         clb_set_err(err, "clb_forward: model missing or the KV cache belongs to another model");
@@ -592,8 +603,9 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
     if (st != CLB_OK) return st;
     if ((st = clb_xc_failed(m->xc, err)) != CLB_OK) return st; /* a weight file changed */
     const uint8_t *want_logits = b->want_logits;
-    int any_out = !want_logits;
-    for (int64_t i = 0; i < b->n_tokens && !any_out; i++) any_out = want_logits[i] != 0;
+    int any_out = il1 == m->hp.n_layer && !want_logits;
+    for (int64_t i = 0; i < b->n_tokens && !any_out && want_logits && il1 == m->hp.n_layer; i++)
+        any_out = want_logits[i] != 0;
     if (any_out && !logits) {
         clb_set_err(err, "clb_forward: logits requested but no output buffer given");
         return CLB_E_ARG;
@@ -607,7 +619,8 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
                                     : NULL;
         const int64_t c0 = clb_now_ns();
         st = forward_chunk(m, kv, b, T, b->tokens + t0, b->seq_ids + t0, b->positions + t0,
-                           want_logits ? want_logits + t0 : NULL, routes, logits, &n_out);
+                           want_logits ? want_logits + t0 : NULL, routes, logits, &n_out, il0,
+                           il1, x_io ? x_io + t0 * m->hp.n_embd : NULL);
         m->prod.forward_ns += clb_now_ns() - c0;
         if (st != CLB_OK) {
             clb_linear_end(m, kv, b, 0);
@@ -624,4 +637,26 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
     }
     clb_linear_end(m, kv, b, 1);
     return CLB_OK;
+}
+
+clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err) {
+    return forward_run(m, kv, b, 0, m ? m->hp.n_layer : 0, NULL, logits, err);
+}
+
+clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                            int64_t il1, float *x, float *logits, char *err) {
+    if (err) err[0] = '\0';
+    if (!m || !x || il0 < 0 || il1 <= il0 || il1 > m->hp.n_layer) {
+        clb_set_err(err, "clb_forward_span: layers [%lld, %lld) are not a span of the model's "
+                    "%lld, or no hidden-state buffer", (long long)il0, (long long)il1,
+                    m ? (long long)m->hp.n_layer : 0LL);
+        return CLB_E_ARG;
+    }
+    for (int64_t il = 0; il < m->hp.n_layer; il++)
+        if (m->layers[il].mixer == CLB_MIX_LINEAR) {
+            clb_set_err(err, "clb_forward_span: a model with linear-attention layers runs its "
+                        "steps whole");
+            return CLB_E_ARG;
+        }
+    return forward_run(m, kv, b, il0, il1, x, logits, err);
 }

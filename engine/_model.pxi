@@ -152,6 +152,8 @@ cdef extern from "clb_model.h" nogil:
                          int64_t *selections)
 
     clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
+    clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                                int64_t il1, float *x, float *logits, char *err)
 
 XC_LOADS = ("pread", "direct", "mmap")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
@@ -652,7 +654,8 @@ cdef class CoreModel:
         return out
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
-                block_tables, routes=None, state_slots=None, win_tables=None):
+                block_tables, routes=None, state_slots=None, win_tables=None, span=None,
+                hidden=None):
         """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
 
         tokens, seq_ids, positions: int32 [T] (other integer arrays are converted when their
@@ -667,6 +670,9 @@ cdef class CoreModel:
         win_tables: None, or (a cache with a windowed pool, where it is needed) int32 tables
         shaped like block_tables into that pool; entries the call's windows do not reach may
         be -1.
+        span (il0, il1) with hidden, float32 [T, n_embd] C-contiguous: only layers [il0, il1)
+        (clb_forward_span), from hidden's states unless il0 is 0, leaving the states after
+        them in hidden; the logits come only from a span that ends at the last layer.
         """
         if kv.model is not self:
             raise ValueError("this KV cache belongs to another model")
@@ -693,6 +699,20 @@ cdef class CoreModel:
             if n > 0:
                 wp = &wl[0]
         cdef int64_t V = clb_model_hparams(self.m).n_vocab
+        cdef int64_t il0 = 0, il1 = clb_model_hparams(self.m).n_layer
+        cdef float[:, ::1] hv
+        cdef float *hp_x = NULL
+        if span is not None:
+            il0, il1 = int(span[0]), int(span[1])
+            if (not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32
+                    or hidden.shape != (n, clb_model_hparams(self.m).n_embd)):
+                raise InputError(f"hidden must be a float32 array of shape ({n}, "
+                                 f"{clb_model_hparams(self.m).n_embd})")
+            hv = hidden
+            if n > 0:
+                hp_x = &hv[0, 0]
+            if il1 != clb_model_hparams(self.m).n_layer:
+                n_out = 0
         out = np.empty((n_out, V), dtype=np.float32)
         cdef float[:, ::1] lo = out
         cdef clb_batch b
@@ -737,7 +757,10 @@ cdef class CoreModel:
         err[0] = 0
         with self._lock:
             with nogil:
-                st = clb_forward(self.m, kv.kv, &b, lp, err)
+                if span is None:
+                    st = clb_forward(self.m, kv.kv, &b, lp, err)
+                else:
+                    st = clb_forward_span(self.m, kv.kv, &b, il0, il1, hp_x, lp, err)
         if st != CLB_OK:
             raise _status_error(st, err)
         return out

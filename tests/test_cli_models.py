@@ -160,7 +160,7 @@ def test_one_default_quant_everywhere() -> None:
         assert default == DEFAULT_QUANT == "q8", name
         assert f"default {DEFAULT_QUANT}" in (quant[0].help or ""), name
         seen.append(name)
-    assert set(seen) == {"convert", "info", "generate", "eval", "bench", "serve"}
+    assert set(seen) == {"convert", "info", "generate", "eval", "bench", "serve", "plan"}
     import inspect
 
     for fn in (convert_fn, ensure_converted, LLM.__init__):

@@ -51,6 +51,9 @@ def _other_value(o: Option) -> Any:
     """A valid value of o that is not its default."""
     if o.choices:
         return next(c for c in o.choices if c != o.default)
+    if o.pattern:  # an alternative of the pattern that is a plain word
+        return next(c for c in o.pattern.split("|")
+                    if c != o.default and re.fullmatch(o.pattern, c))
     if o.type is bool:
         return not o.default
     if o.type is list:

@@ -21,6 +21,7 @@ from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
 from colibri.engine.core.options import ExpertCacheConfig, default
 from colibri.engine.core.scheduler import SchedulerConfig
 from colibri.engine.core.speculative import SpeculativeConfig, spare_state_slots
+from colibri.engine.executor.backend import Placement, resolve_device, torch_unsupported
 from colibri.engine.executor.expert_cache import (
     CachePlan,
     ExpertCacheMonitor,
@@ -49,6 +50,8 @@ class EngineConfig:
     """How to load and run a model."""
 
     threads: int | None = None  # None: physical cores
+    device: str = default("device")  # auto | cpu | cuda | cuda:N | torch-cpu
+    gpu_memory_mb: float | None = None  # None: everything on a torch device
     n_ctx: int | None = None  # None: the model's own, capped at 4096
     quant: str = default("quant")  # precision a Hugging Face folder is converted to
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -121,14 +124,20 @@ class KVPools:
         return self.n_blocks * self.block_bytes + self.n_win * self.win_bytes
 
 
+def one_kv_pool(cfg: ModelConfig, kv_type: str, n_ctx: int, config: EngineConfig) -> KVPools:
+    """One KV pool for every cached layer."""
+    block_bytes = kv_block_bytes(cfg, kv_type)
+    return KVPools(kv_pool_blocks(block_bytes, n_ctx, config), block_bytes)
+
+
 def kv_pools(cfg: ModelConfig, kv_type: str, n_ctx: int, config: EngineConfig) -> KVPools:
     """The KV pools for a model. A model whose sliding-window or chunked layers sit beside full
     ones keeps those layers in a windowed pool sized for what running requests' windows and
     one step's tokens reach (a request gives its blocks back as its windows move on): the
     default size then holds as many tokens as one pool would, in less memory, and an explicit
     --kv-cache-mb holds more tokens."""
-    all_bytes = kv_block_bytes(cfg, kv_type)
-    n_all = kv_pool_blocks(all_bytes, n_ctx, config)
+    one = one_kv_pool(cfg, kv_type, n_ctx, config)
+    all_bytes, n_all = one.block_bytes, one.n_blocks
     split = (None if cfg.hybrid or not config.kv_window_pool
              else kv_split_block_bytes(cfg, kv_type))
     if split is None:
@@ -188,7 +197,10 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     cfg = ModelConfig.from_dir(folder)
     n_ctx = cfg.default_n_ctx() if config.n_ctx is None else config.n_ctx
     kv_type = resolve_kv_type(config.kv_cache_type, cfg.quant)
-    pools = kv_pools(cfg, kv_type, n_ctx, config)
+    device, placement = choose_placement(folder, cfg, config, n_ctx)
+    # the windowed KV pool is the C core's: a torch device keeps one pool
+    pools = (kv_pools(cfg, kv_type, n_ctx, config) if device == "cpu"
+             else one_kv_pool(cfg, kv_type, n_ctx, config))
     n_blocks = pools.n_blocks
     # a recurrent-state slot per running sequence (models with linear attention), one for
     # scoring between steps, and with speculation spare ones to undo rejected drafts
@@ -196,8 +208,9 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
                                           if config.speculative != "off" else 0)
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
                        kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states,
-                       kv_win_blocks=pools.n_win)
-    monitor = start_expert_cache(model, folder, config.expert_cache, pools.total_bytes)
+                       kv_win_blocks=pools.n_win, device=device, placement=placement)
+    monitor = (start_expert_cache(model, folder, config.expert_cache, pools.total_bytes)
+               if device == "cpu" else None)
     tokenizer = Tokenizer.from_dir(folder)
     mb = pools.total_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
@@ -217,6 +230,27 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     core.model_name = Path(path).name
     core.expert_cache = monitor
     return core
+
+
+def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
+                     n_ctx: int) -> tuple[str, Placement | None]:
+    """The device the step runs on and, under --gpu-memory-mb, the layers the cost model
+    puts on it (the others run on the C core). auto keeps models the torch backend does not
+    run on the C core."""
+    device = resolve_device(config.device)
+    if device != "cpu" and config.device == "auto" and torch_unsupported(cfg):
+        log.info("device: cpu (auto; the GPU path does not run %s)",
+                 ", ".join(torch_unsupported(cfg)))
+        return "cpu", None
+    if device == "cpu" or config.gpu_memory_mb is None:
+        log.info("device: %s", device)
+        return device, None
+    from colibri.engine.executor.placement import layer_placement, measure_profile
+
+    placement, text = layer_placement(folder, cfg, measure_profile(config.threads or 0, device),
+                                      config.gpu_memory_mb, n_ctx)
+    log.info("device: %s, placement under %.0f MB: %s", device, config.gpu_memory_mb, text)
+    return (device, placement) if placement is not None else ("cpu", None)
 
 
 def repack_enabled() -> bool:

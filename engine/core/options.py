@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import textwrap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ from colibri.engine.format.convert import DEFAULT_QUANT, PRESETS
 from colibri.engine.spec import SPECULATIVE_METHODS
 
 ENV_PREFIX = "COLIBRI_"
+DEVICE_PATTERN = r"auto|cpu|cuda|cuda:[0-9]+|torch-cpu"
 # every command with flags from this table; "serve" is the server (its settings), the others
 # are engine commands
-COMMANDS = ("serve", "generate", "bench", "eval", "info", "convert", "replay")
+COMMANDS = ("serve", "generate", "bench", "eval", "info", "convert", "replay", "plan")
 _ENGINE = ("generate", "bench", "eval")  # the commands that load and run a model
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -49,6 +51,7 @@ class Option:
     setting: bool = True
     engine_env: bool = False
     choices: tuple[str, ...] = ()
+    pattern: str = ""  # a regular expression the whole value must match (str options)
     ge: float | None = None  # at least
     gt: float | None = None  # more than
     le: float | None = None  # at most
@@ -78,6 +81,8 @@ class Option:
             return value
         if self.choices and value not in self.choices:
             raise ValueError(f"must be one of {', '.join(self.choices)}")
+        if self.pattern and not re.fullmatch(self.pattern, str(value)):
+            raise ValueError(f"must match {self.pattern}")
         if self.type in (int, float) and not isinstance(value, bool):
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError("must be a finite number")
@@ -158,7 +163,7 @@ _SERVE_ENGINE = ("serve", *_ENGINE)
 OPTIONS: tuple[Option, ...] = (
     # -- model --------------------------------------------------------------------------
     Option("model", str, None, "model folder (Colibri or Hugging Face) or Hugging Face repo id",
-           _MODEL, commands=(*_SERVE_ENGINE, "info"), unset="the bundled demo model",
+           _MODEL, commands=(*_SERVE_ENGINE, "info", "plan"), unset="the bundled demo model",
            note="A Hugging Face folder is converted once into a cache (see COLIBRI_CACHE_DIR); "
                 "a repo id (owner/name) is downloaded once, then converted.",
            example="/models/my-moe", metavar="PATH"),
@@ -169,9 +174,20 @@ OPTIONS: tuple[Option, ...] = (
                         "Ollama-style front ends. Off: an unknown name is a 404, as with OpenAI."),
     Option("quant", str, DEFAULT_QUANT, "weight precision when a Hugging Face folder is "
            "converted (q4: embeddings and lm_head q6, the rest q4)", _MODEL,
-           commands=(*_SERVE_ENGINE, "info", "convert"), choices=PRESETS),
+           commands=(*_SERVE_ENGINE, "info", "convert", "plan"), choices=PRESETS),
     Option("threads", int, None, "compute threads", _MODEL, commands=_SERVE_ENGINE, ge=1,
            unset="the machine's physical cores", example="8"),
+    Option("device", str, "auto", "where the forward pass runs: cpu (the C core), cuda or "
+           "cuda:N (a GPU through PyTorch), torch-cpu (the PyTorch path on the CPU), auto",
+           _MODEL, commands=(*_SERVE_ENGINE, "info"), engine_env=True, pattern=DEVICE_PATTERN,
+           note="auto is cuda:0 when PyTorch sees a CUDA device (install colibri[cuda]), else "
+                "cpu. torch-cpu runs the GPU code on the CPU: slow, for checking a placement on "
+                "a machine without a GPU. Models with linear-attention layers run on cpu."),
+    Option("gpu_memory_mb", float, None, "GPU memory the placement may use, in MB: the cost "
+           "model puts what every token needs first, then whole layers (with their experts) "
+           "while they fit; the rest runs on the C core", _MODEL,
+           commands=(*_SERVE_ENGINE, "info", "plan"), engine_env=True, ge=0,
+           unset="everything on the device", example="24000"),
     Option("n_ctx", int, None, "context length in tokens (prompt and completion)", _MODEL,
            ge=16, unset="the model's own", example="8192"),
     # -- batching and KV cache ----------------------------------------------------------
@@ -546,6 +562,8 @@ def _limits(o: Option) -> str:
     parts = []
     if o.choices:
         parts.append("one of " + ", ".join(f"`{c}`" for c in o.choices))
+    if o.pattern:
+        parts.append("one of " + ", ".join(f"`{c}`" for c in o.pattern.split("|")))
     if o.ge is not None:
         parts.append(f"at least {_num(o.ge)}")
     if o.gt is not None:

@@ -25,6 +25,12 @@ from colibri.engine.errors import (
     StorageStalledError,
     WeightFileChangedError,
 )
+from colibri.engine.executor.backend import (
+    Placement,
+    resolve_device,
+    step_ops,
+    torch_device_name,
+)
 from colibri.engine.format.verify import check_tensor_types
 from colibri.engine.models.config import ModelConfig
 
@@ -123,15 +129,21 @@ class Model:
         # slot s owns blocks [s * nb, (s + 1) * nb): row s of this table
         self.slot_tables = np.arange(max(n_seq, 1) * nb, dtype=np.int32).reshape(-1, nb)[:n_seq]
         self._len = np.zeros(n_seq, np.int64)
+        # "cpu": the C core; "torch-cpu" or "cuda:N": the torch backend (TorchCore)
+        self.device = "cpu"
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, n_ctx: int | None = None,
              n_seq: int = 1, kv_type: str = "f32", kv_blocks: int | None = None,
-             state_slots: int | None = None, kv_win_blocks: int = 0) -> Model:
+             state_slots: int | None = None, kv_win_blocks: int = 0, device: str = "cpu",
+             placement: Placement | None = None) -> Model:
         """Load a Colibri folder. threads None: physical cores; n_ctx None:
         min(max_position_embeddings, 4096) (the most positions one sequence may hold);
         kv_type: "f32", "f16" or "q8"; kv_blocks None: enough for n_seq slots of n_ctx
-        positions. n_seq = 0 keeps no slots (only forward_paged is usable); otherwise
+        positions. device: "cpu" (the C core), "torch-cpu", "cuda", "cuda:N" or "auto"
+        (engine.executor.backend.resolve_device); placement (a torch device only): which
+        operations run on "torch" and which on "c" (a split by whole layers).
+        n_seq = 0 keeps no slots (only forward_paged is usable); otherwise
         kv_blocks must cover the n_seq slots. state_slots (models with linear-attention
         layers): recurrent-state slots for forward_paged's sequences; None: n_seq.
         kv_win_blocks > 0 (n_seq 0; models with sliding-window or chunked layers beside full
@@ -145,10 +157,14 @@ class Model:
         if kv_type not in _core.KV_TYPES:
             raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
                              f"{', '.join(_core.KV_TYPES)}")
-        kernels_from_env()
         p = Path(path)
         cfg = ModelConfig.from_dir(p)
         ctx = cfg.default_n_ctx() if n_ctx is None else n_ctx
+        dev = resolve_device(device)
+        if dev != "cpu":
+            return cls._load_torch(p, cfg, ctx, n_seq, kv_type, kv_blocks, state_slots, dev,
+                                   placement, threads or 0)
+        kernels_from_env()
         core = _core.CoreModel.load(str(p), cfg.to_hparams(ctx), threads or 0)
         check_tensor_types(p, cfg.tensor_types)
         need = n_seq * -(-int(core.n_ctx) // _core.KV_BLOCK)
@@ -160,6 +176,34 @@ class Model:
         kv = _core.KVCache(core, blocks, kv_type, n_state_slots=n_state if cfg.hybrid else 0,
                            n_win_blocks=kv_win_blocks)
         return cls(p, cfg, core, kv, n_seq)
+
+    @classmethod
+    def _load_torch(cls, p: Path, cfg: ModelConfig, ctx: int, n_seq: int, kv_type: str,
+                    kv_blocks: int | None, state_slots: int | None, device: str,
+                    placement: Placement | None, threads: int) -> Model:
+        """The model on the torch backend (engine/executor/torch_backend) on device, or split
+        by layer between it and the C core when placement names both."""
+        from colibri.engine.executor.torch_backend.core import TorchCore
+        from colibri.engine.executor.torch_backend.split import SplitCore
+
+        check_tensor_types(p, cfg.tensor_types)
+        need = n_seq * -(-ctx // _core.KV_BLOCK)
+        blocks = max(need, 1) if kv_blocks is None else int(kv_blocks)
+        if blocks < need:
+            raise ValueError(f"kv_blocks {blocks} cannot hold {n_seq} sequence slots of "
+                             f"{ctx} positions ({need} blocks)")
+        n_state = n_seq if state_slots is None else state_slots
+        core: Any
+        if placement is not None and "c" in placement.backends(step_ops(cfg)):
+            kernels_from_env()
+            core = SplitCore.load(p, cfg, ctx, threads, torch_device_name(device), placement)
+            kv = core.new_kv(blocks, kv_type)
+        else:
+            core = TorchCore.load(p, cfg, ctx, torch_device_name(device))
+            kv = core.new_kv(blocks, kv_type, n_state if cfg.hybrid else 0)
+        model = cls(p, cfg, core, kv, n_seq)  # type: ignore[arg-type]
+        model.device = device
+        return model
 
     @property
     def kv_type(self) -> str:
@@ -305,8 +349,9 @@ class Model:
         if self.fault is not None:
             raise ModelFaultError(self.fault)
         try:
-            out = self.core.forward(*args, routes=routes, state_slots=state_slots,
-                                    win_tables=win_tables)
+            # only the C core keeps a windowed pool (the torch backend takes no win_tables)
+            more = {} if win_tables is None else {"win_tables": win_tables}
+            out = self.core.forward(*args, routes=routes, state_slots=state_slots, **more)
         except (WeightFileChangedError, StorageStalledError) as e:
             self._mark_faulty(str(e))
             raise

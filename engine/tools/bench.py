@@ -37,6 +37,7 @@ from colibri.engine.core.options import (
     default,
 )
 from colibri.engine.core.speculative import SpeculativeConfig
+from colibri.engine.executor.backend import resolve_device
 from colibri.engine.executor.expert_cache import ExpertCacheMonitor
 from colibri.engine.format.convert import DEFAULT_QUANT
 from colibri.engine.format.modelcheck import check_model
@@ -45,8 +46,10 @@ from colibri.engine.tools.bench_profile import decode_profile, render_profile
 from colibri.engine.tools.bench_spec import render_speculative, speculative_report
 from colibri.engine.tools.cache_args import (
     DEFAULT_KV_CACHE_TYPE,
+    add_device_args,
     add_expert_cache_args,
     add_kv_cache_type_arg,
+    device_from_args,
     expert_cache_from_args,
 )
 from colibri.engine.tools.routing_trace import add_trace_args, check_trace_args, record_bench_trace
@@ -512,6 +515,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-tokens", type=int, default=128,
                    help="greedy tokens decoded per repeat (default 128)")
     add_option_args(p, ("threads",))
+    add_device_args(p)
     p.add_argument("--repeat", type=int, default=3, help="timed repeats (default 3)")
     add_option_args(p, ("quant",))
     p.add_argument("--probe-mib", type=int, default=DEFAULT_PROBE_MIB,
@@ -537,6 +541,10 @@ def bench_main(args: argparse.Namespace) -> int:
         kv_cache_type=args.kv_cache_type, progress=not args.no_progress,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     settings.check()  # before anything is read, timed or converted
+    dev = device_from_args(args)
+    if resolve_device(str(dev["device"])) != "cpu":
+        raise ValueError(f"--device {dev['device']}: colibri bench times the C core on the CPU; "
+                         "time a GPU with scripts/device_check.sh, or plan with colibri plan")
     check_model(args.model)
     check_trace_args(args)
     result = run_bench(settings)

@@ -13,8 +13,11 @@ from colibri.engine.core.options import (
     option_values,
 )
 
-__all__ = ["DEFAULT_KV_CACHE_TYPE", "KV_CACHE_TYPES", "add_expert_cache_args",
-           "add_kv_cache_type_arg", "expert_cache_from_args"]
+__all__ = ["DEFAULT_KV_CACHE_TYPE", "KV_CACHE_TYPES", "DEVICE_OPTIONS", "add_device_args",
+           "add_expert_cache_args", "add_kv_cache_type_arg", "device_from_args",
+           "expert_cache_from_args"]
+
+DEVICE_OPTIONS = ("device", "gpu_memory_mb")
 
 
 def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:
@@ -31,3 +34,14 @@ def add_kv_cache_type_arg(p: argparse.ArgumentParser) -> None:
 def expert_cache_from_args(args: argparse.Namespace) -> ExpertCacheConfig:
     """The ExpertCacheConfig of parsed options: flags over COLIBRI_* variables over defaults."""
     return ExpertCacheConfig(**option_values(args, EXPERT_CACHE_OPTIONS))
+
+
+def add_device_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:
+    """Adds --device and --gpu-memory-mb (also read from COLIBRI_DEVICE and
+    COLIBRI_GPU_MEMORY_MB, see device_from_args)."""
+    add_option_args(p, DEVICE_OPTIONS, suppress=suppress)
+
+
+def device_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """{"device": ..., "gpu_memory_mb": ...}: flags over COLIBRI_* variables over defaults."""
+    return option_values(args, DEVICE_OPTIONS)

@@ -16,9 +16,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from colibri.engine import __version__
-from colibri.engine.core.options import GENERATION_OPTIONS, OPTION, add_option_args, check_flag
+from colibri.engine.core.options import (
+    GENERATION_OPTIONS,
+    OPTION,
+    add_option_args,
+    check_flag,
+    option_values,
+)
 from colibri.engine.format.modelcheck import ModelError, check_model
-from colibri.engine.tools.cache_args import add_expert_cache_args, expert_cache_from_args
+from colibri.engine.tools.cache_args import (
+    add_device_args,
+    add_expert_cache_args,
+    device_from_args,
+    expert_cache_from_args,
+)
 
 if TYPE_CHECKING:
     from colibri.engine.sample.sampler import SamplingParams
@@ -71,6 +82,7 @@ def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", metavar="DIR", nargs="?", default=None,
                    help="model folder, the same as --model")
     _model_args(p)
+    add_device_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -83,7 +95,8 @@ def _info(args: argparse.Namespace) -> int:
         raise ValueError("give the model folder once: DIR or --model")
     given = args.model_dir if args.model_dir is not None else args.model
     source = check_model(given, flag="--model" if args.model_dir is None else "DIR")
-    d = describe(ensure_converted(source, args.quant, progress=True))
+    folder = ensure_converted(source, args.quant, progress=True)
+    d = describe(folder, **device_from_args(args))  # type: ignore[arg-type]
     print(json.dumps(d, indent=2) if args.json else render(d))
     return 0
 
@@ -111,6 +124,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     add_option_args(p, GENERATION_OPTIONS)  # max_tokens, temperature, top_p, top_k, seed
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_option_args(p, ("threads",))
+    add_device_args(p)
     add_expert_cache_args(p)
     add_option_args(p, ("speculative", "num_speculative_tokens"))
 
@@ -131,6 +145,7 @@ def _generate_params(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"{flag}{e.message}, got {getattr(params, e.param)!r}") from None
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    device_from_args(args)
     check_flag(OPTION["num_speculative_tokens"], args.num_speculative_tokens)
     return params
 
@@ -144,6 +159,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = _generate_params(args)
     check_model(args.model)
     config = EngineConfig(expert_cache=expert_cache_from_args(args),
+                          **device_from_args(args),  # type: ignore[arg-type]
                           speculative=args.speculative,
                           num_speculative_tokens=args.num_speculative_tokens)
     llm = LLM(args.model, threads=args.threads, quant=args.quant, config=config)
@@ -157,6 +173,28 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     llm.core.close()
+    return 0
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
+    add_option_args(p, ("gpu_memory_mb",))
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="plan for the machine this device profile describes (a JSON file, or "
+                        "h200, kept with Colibri) instead of measuring this one")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@command("plan", "where a model's work would run beside a GPU, and the predicted step times",
+         _plan_args)
+def _plan(args: argparse.Namespace) -> int:
+    from colibri.engine.format.convert import ensure_converted
+    from colibri.engine.tools.plan import plan_main
+
+    budget = option_values(args, ("gpu_memory_mb",))["gpu_memory_mb"]
+    source = check_model(args.model)
+    print(plan_main(ensure_converted(source, args.quant, progress=True), args.profile,
+                    budget, args.json))  # type: ignore[arg-type]
     return 0
 
 

@@ -21,8 +21,10 @@ from colibri.engine.core.options import add_option_args
 from colibri.engine.demo import default_model_path
 from colibri.engine.format.modelcheck import check_model
 from colibri.engine.tools.cache_args import (
+    add_device_args,
     add_expert_cache_args,
     add_kv_cache_type_arg,
+    device_from_args,
     expert_cache_from_args,
 )
 
@@ -154,6 +156,7 @@ def configure_eval_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--score-tokens", type=int, default=None, metavar="N",
                    help="score only the first N tokens of the text")
     add_option_args(p, ("threads",))
+    add_device_args(p)
     add_kv_cache_type_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_expert_cache_args(p)
@@ -216,7 +219,8 @@ def eval_main(args: argparse.Namespace) -> int:
     if not text.strip():
         raise ValueError("the text to score is empty")
     config = EngineConfig(kv_cache_type=args.kv_cache_type, max_num_seqs=1,
-                          expert_cache=expert_cache_from_args(args))
+                          expert_cache=expert_cache_from_args(args),
+                          **device_from_args(args))  # type: ignore[arg-type]
     llm = LLM(args.model, threads=args.threads, n_ctx=args.window, quant=args.quant, config=config)
     window = min(args.window, llm.n_ctx)
     ids = llm.tokenizer.encode(text)

@@ -23,8 +23,12 @@ _FEATURES = ("router", "n_group", "topk_group", "routed_scale", "norm_topk_prob"
              "bos_token_id", "eos_token_ids")
 
 
-def describe(model_dir: str | Path) -> dict[str, Any]:
-    """Architecture, dimensions, parameter counts (total, active per token), bytes by type."""
+def describe(model_dir: str | Path, device: str = "auto",
+             gpu_memory_mb: float | None = None) -> dict[str, Any]:
+    """Architecture, dimensions, parameter counts (total, active per token), bytes by type,
+    and where a run on `device` (under gpu_memory_mb) would place its work."""
+    from colibri.engine.tools.plan import placement_summary
+
     model_dir = Path(model_dir)
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
@@ -73,6 +77,7 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
         "experts_per_layer": [experts_per_layer.get(i, 0) for i in range(int(cfg["n_layer"]))],
         "n_files": len(files),
         "tokenizer": (model_dir / "tokenizer.json").is_file(),
+        "placement": placement_summary(model_dir, device, gpu_memory_mb),
     }
 
 
@@ -140,4 +145,6 @@ def render(d: dict[str, Any]) -> str:
         "experts/layer " + " ".join(str(n) for n in d["experts_per_layer"]),
         f"tokenizer     {'tokenizer.json' if d['tokenizer'] else 'missing'}",
     ]
+    if d.get("placement"):
+        lines.append(f"placement     {d['placement']}")
     return "\n".join(lines)

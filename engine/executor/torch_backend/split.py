@@ -1,0 +1,160 @@
+"""SplitCore: one step with some layers on the torch backend and the rest on the C core.
+
+The layers run in order in runs of one backend: a C run is one clb_forward_span call over the
+hidden states, a torch run is TorchCore's operations for its layers; the hidden states move
+between them as float32 [T, n_embd]. The embeddings run where layer 0 runs, the final norm
+and lm_head where the last layer runs. Each backend keeps the KV rows of its own layers. On
+torch's CPU device this gives the all-C tokens (the same math; float32 rounding aside); on a
+GPU the hidden states cross PCIe once per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from colibri.engine import _core
+from colibri.engine.executor.backend import LayerOp, Op, Placement, step_ops
+from colibri.engine.executor.torch_backend.attention import TorchKV
+from colibri.engine.executor.torch_backend.core import TorchCore
+from colibri.engine.models.config import ModelConfig
+
+
+def layer_backends(cfg: ModelConfig, placement: Placement) -> list[str]:
+    """Per layer the backend running all of it; ValueError when a placement splits a layer
+    (this step runs whole layers on one backend) or places an expert apart from its layer."""
+    out: list[str] = []
+    ops = step_ops(cfg)
+    for il in range(cfg.n_layer):
+        used = {placement.of(o) for o in ops if o.layer == il}
+        used |= {b for (l_, _e), b in placement.experts.items() if l_ == il}
+        if len(used) != 1:
+            raise ValueError(f"layer {il} is placed on {sorted(used)}: a split step runs each "
+                             "layer whole on one backend")
+        out.append(used.pop())
+    return out
+
+
+def runs(backends: list[str]) -> list[tuple[str, int, int]]:
+    """(backend, first layer, one past the last) of each run of one backend, in order."""
+    out: list[tuple[str, int, int]] = []
+    for il, b in enumerate(backends):
+        if out and out[-1][0] == b:
+            out[-1] = (b, out[-1][1], il + 1)
+        else:
+            out.append((b, il, il + 1))
+    return out
+
+
+@dataclass
+class SplitKV:
+    """The C core's KV cache and the torch backend's, each used for its own layers."""
+
+    c: Any  # engine._core.KVCache
+    t: TorchKV
+
+    @property
+    def kv_type(self) -> str:
+        return str(self.c.kv_type)
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.c.n_blocks)
+
+    @property
+    def n_state_slots(self) -> int:
+        return 0
+
+    def copy_block(self, dst: int, src: int) -> None:
+        self.c.copy_block(dst, src)
+        self.t.copy_block(dst, src)
+
+
+class SplitCore:
+    """A step over the C core and a TorchCore, by layer runs (see the module's docstring)."""
+
+    def __init__(self, c: Any, t: TorchCore, cfg: ModelConfig, backends: list[str]) -> None:
+        self.c = c
+        self.t = t
+        self.cfg = cfg
+        self.backends = backends
+        self.runs = runs(backends)
+        self.ops = step_ops(cfg)
+
+    @classmethod
+    def load(cls, path: Path, cfg: ModelConfig, n_ctx: int, threads: int, device: str,
+             placement: Placement) -> SplitCore:
+        if cfg.hybrid:
+            raise ValueError("a model with linear-attention layers runs on one backend")
+        backends = layer_backends(cfg, placement)
+        c = _core.CoreModel.load(str(path), cfg.to_hparams(n_ctx), threads)
+        mine = {il for il, b in enumerate(backends) if b == "torch"}
+        t = TorchCore.load(path, cfg, n_ctx, device, layers=mine)
+        return cls(c, t, cfg, backends)
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.c.n_ctx)
+
+    @property
+    def n_threads(self) -> int:
+        return int(self.c.n_threads)
+
+    def kv_block_bytes(self, kv_type: str) -> int:
+        return int(self.c.kv_block_bytes(kv_type))
+
+    def product_stats(self) -> dict[str, float]:
+        return dict(self.c.product_stats())
+
+    def new_kv(self, n_blocks: int, kv_type: str) -> SplitKV:
+        mine = [il for il in self.cfg.attention_layers if self.backends[il] == "torch"]
+        return SplitKV(_core.KVCache(self.c, n_blocks, kv_type, n_state_slots=0),
+                       self.t.new_kv(n_blocks, kv_type, layers=mine))
+
+    def forward(self, kv: SplitKV, tokens: Any, seq_ids: Any, positions: Any, want_logits: Any,
+                block_tables: Any, *, routes: np.ndarray | None = None,
+                state_slots: np.ndarray | None = None) -> np.ndarray:
+        tok = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        seq = np.ascontiguousarray(seq_ids, dtype=np.int32).reshape(-1)
+        pos = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        n, L = tok.size, self.cfg.n_layer
+        want = None if want_logits is None else np.asarray(want_logits).reshape(-1).astype(bool)
+        if n == 0:
+            return np.empty((0, self.cfg.n_vocab), np.float32)
+        self.t.check(kv.t, tok.astype(np.int64), seq.astype(np.int64), pos.astype(np.int64),
+                     tables.astype(np.int64))
+        h = np.zeros((n, self.cfg.n_embd), np.float32)
+        logits = np.empty((0, self.cfg.n_vocab), np.float32)
+        for backend, a, b in self.runs:
+            if backend == "c":
+                out = self.c.forward(kv.c, tok, seq, pos, want_logits, tables, routes=routes,
+                                     span=(a, b), hidden=h)
+            else:
+                out = self._torch_run(kv.t, tok, seq, pos, tables, routes, want, a, b, h)
+            if b == L:
+                logits = out
+        return logits
+
+    def _torch_run(self, kv: TorchKV, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray,
+                   tables: np.ndarray, routes: np.ndarray | None, want: np.ndarray | None,
+                   a: int, b: int, h: np.ndarray) -> np.ndarray:
+        t = self.t
+        with torch.inference_mode():
+            st = t.start(tok.astype(np.int64), seq.astype(np.int64), pos.astype(np.int64),
+                         tables.astype(np.int64), routes, want)
+            if a > 0:
+                st.x = torch.from_numpy(h).to(t.device)
+            for lop in self.ops:
+                if a <= lop.layer < b or (lop.op == Op.EMBED and a == 0):
+                    t.run_op(lop, st, kv)
+            if b == self.cfg.n_layer:
+                t.run_op(LayerOp(-1, Op.LM_HEAD), st, kv)
+                return (st.logits.cpu().numpy() if st.logits is not None
+                        else np.empty((0, self.cfg.n_vocab), np.float32))
+            h[:] = st.x.cpu().numpy()
+        return np.empty((0, self.cfg.n_vocab), np.float32)
