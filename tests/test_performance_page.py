@@ -196,3 +196,16 @@ def test_a_long_context_run_gives_one_row_per_model(page: ModuleType) -> None:
                              "32 experts top-8; 8192-token prompt")
     assert row[3] == "100.0 / 19.0" and row[5] == "200.0 / 20.0"
     assert row[6] == "x0.95" and row[7] == "x0.50"
+
+
+def test_a_replicas_run_gives_a_routing_row_and_a_scaling_row(page: ModuleType) -> None:
+    routing = {"prefix_cache_hit_rate": 0.75, "ttft_p50_ms": 40.0, "ttft_p99_ms": 90.0}
+    d = {"model": "demo_model", "conversations": 8, "turns": 4, "max_tokens": 32,
+         "routing": {"prefix": routing,
+                     "round_robin": {**routing, "prefix_cache_hit_rate": 0.5,
+                                     "ttft_p50_ms": 60.0}},
+         "two_replicas_one_thread": {"tok_s": 50.0}, "one_replica_two_threads": {"tok_s": 48.0},
+         "scale": {"requests": 32, "tokens": 64, "concurrency": 8, "ratio": 50.0 / 48.0}}
+    route, scale = page.bench_replicas_rows(d)
+    assert "x1.50" in route[6] and "75.0%" in route[8] and "50.0%" in route[8]
+    assert scale[3] == "– / 50.0" and scale[5] == "– / 48.0" and scale[6] == "x1.04"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from colibri.app.replicas.prefix import (
     PrefixTable,
     RoutingConfig,
@@ -110,8 +112,6 @@ def test_the_table_is_bounded_and_forgets_gone_replicas() -> None:
 
 
 def test_replica_counts_are_checked_before_ray_starts() -> None:
-    import pytest
-
     from colibri.app.replicas.launch import check_replica_counts, wants_replicas
     from colibri.app.settings import Settings
 
@@ -128,3 +128,29 @@ def test_replica_counts_are_checked_before_ray_starts() -> None:
         check_replica_counts(settings(replicas=3, max_replicas=2))
     with pytest.raises(ValueError, match="replica_routing"):
         settings(replica_routing="random")
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_the_application_declares_resources_scaling_and_the_router() -> None:
+    """What `colibri serve --replicas` and `serve run ...deployments:build` hand Ray Serve
+    (building the application needs no cluster)."""
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.build_app import build_app
+
+    from colibri.app.replicas.deployments import build
+
+    fixed = {d.name: d for d in build_app(build({"replicas": "3", "threads": "2",
+                                                  "replica_gpus": "1"}), name="c").deployments}
+    replica = fixed["ColibriReplica"]
+    assert replica._deployment_config.num_replicas == 3
+    assert replica.ray_actor_options["num_cpus"] == 2
+    assert replica.ray_actor_options["num_gpus"] == 1
+    router = replica._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"policy": "prefix"}
+    assert fixed["ColibriIngress"].ray_actor_options["num_cpus"] == 0
+    scaled = {d.name: d for d in build_app(build({"replicas": "2", "min_replicas": "1",
+                                                   "max_replicas": "4", "threads": "1"}),
+                                           name="c").deployments}
+    auto = scaled["ColibriReplica"]._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
+    assert auto.target_ongoing_requests == 16  # a full batch (--max-num-seqs) on each

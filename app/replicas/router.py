@@ -67,16 +67,13 @@ class ColibriRouter(RequestRouter):
         self._inflight[replica_id.unique_id] = max(0, n - 1)
 
     def _loads(self, candidates: list[RunningReplica]) -> dict[str, int]:
-        """Requests running and queued on each replica: what this router sent and has not
-        seen finish (counted at once, so requests arriving together spread out), or the
-        queue length Ray Serve last learned from the replica when that is more (requests
-        from other routers, such as a second ingress)."""
-        loads = {}
-        for r in candidates:
-            rid = r.replica_id.unique_id
-            loads[rid] = max(self._inflight.get(rid, 0),
-                             self.replica_queue_len_cache.get(r.replica_id) or 0)
-        return loads
+        """Requests running and queued on each replica: what this router sent there and has
+        not seen finish, counted at once so requests arriving together spread out. (Ray
+        Serve's own queue-length cache lags by up to its timeout: a replica that has just
+        finished a burst would look busy.) The one ingress sends every request, so this is
+        each replica's whole load."""
+        return {r.replica_id.unique_id: self._inflight.get(r.replica_id.unique_id, 0)
+                for r in candidates}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
