@@ -29,6 +29,8 @@ from tests.server_helpers import ROOT, free_port
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
+KEY = "sk-replicas"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["ROMEO.\n", "JULIET.\nO Romeo", "HAMLET.\nTo be", "KING LEAR.\nNothing"]
 
 
@@ -45,7 +47,7 @@ class ReplicaServer:
         self.log_path = workdir / "server.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "colibri.app", "serve", "--replicas", "2", "--threads",
-               "1", "--port", str(self.port)]
+               "1", "--port", str(self.port), "--api-key", KEY]
         self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -66,7 +68,7 @@ class ReplicaServer:
         raise AssertionError(f"replicas not ready after {timeout}s:\n{self.log()}")
 
     def replicas(self) -> list[dict[str, Any]]:
-        r = httpx.get(self.url + "/v1/replicas", timeout=30.0)
+        r = httpx.get(self.url + "/v1/replicas", headers=AUTH, timeout=30.0)
         r.raise_for_status()
         return list(r.json()["data"])
 
@@ -119,7 +121,8 @@ def _stream(url: str, body: dict[str, Any], on_header: Any = None,
             timeout: float = 120.0) -> dict[str, Any]:
     """One streamed completion: its replica, text, finish reason and any error event."""
     out: dict[str, Any] = {"text": "", "finish": None, "error": None}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=timeout) as r:
         out["status"] = r.status_code
         out["replica"] = r.headers.get("x-colibri-replica")
         if on_header is not None:
@@ -162,7 +165,7 @@ def test_sixteen_streams_over_two_replicas_equal_one_replica(server: ReplicaServ
     reference = {}
     for prompt in PROMPTS:  # each prompt, greedy, served by one replica alone
         r = httpx.post(server.url + "/v1/completions", json=_body(prompt, 24, False),
-                       headers={"x-colibri-replica": one}, timeout=60)
+                       headers={**AUTH, "x-colibri-replica": one}, timeout=60)
         assert r.status_code == 200 and r.headers["x-colibri-replica"] == one
         reference[prompt] = r.json()["choices"][0]["text"]
     jobs = [(server.url, _body(PROMPTS[i % len(PROMPTS)], 24, True)) for i in range(16)]
@@ -174,16 +177,20 @@ def test_sixteen_streams_over_two_replicas_equal_one_replica(server: ReplicaServ
         assert res["finish"] in ("length", "stop")
     assert {res["replica"] for res in results} == {r["id"] for r in replicas}
     # the other routes answer through the endpoint too, naming their replica
-    msg = httpx.post(server.url + "/v1/messages", timeout=60, json={
+    msg = httpx.post(server.url + "/v1/messages", headers=AUTH, timeout=60, json={
         "model": "demo_model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert msg.status_code == 200 and msg.json()["type"] == "message"
     assert msg.headers["x-colibri-replica"] in {r["id"] for r in replicas}
     bad = httpx.post(server.url + "/v1/chat/completions", json={"model": "demo_model"},
-                     timeout=30)
+                     headers=AUTH, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
     gone = httpx.get(server.url + "/metrics", headers={"x-colibri-replica": "nosuchone"},
                      timeout=30)
     assert gone.status_code == 404
+    # the key guards the endpoint's own route as it guards the replicas' routes
+    assert httpx.get(server.url + "/v1/replicas", timeout=30).status_code == 401
+    assert httpx.post(server.url + "/v1/completions", json=_body("x", 1, False),
+                      timeout=30).status_code == 401
 
 
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: ReplicaServer) -> None:
@@ -217,7 +224,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: Replica
     # every request after the kill is served (by the survivor, or by the new replica)
     for prompt in PROMPTS * 2:
         r = httpx.post(server.url + "/v1/completions", json=_body(prompt, 4, False),
-                       timeout=60)
+                       headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
     end = time.monotonic() + 60
     while time.monotonic() < end:

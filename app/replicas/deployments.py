@@ -30,6 +30,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import Message, Receive, Scope, Send
 
 from colibri.app.errors import anthropic_error_body, anthropic_path, error_body, error_bytes
+from colibri.app.metrics import Metrics
+from colibri.app.middleware import GuardMiddleware
 from colibri.app.replicas.prefix import RoutingConfig, chunk_hashes, prompt_text
 from colibri.app.replicas.router import RouteInfo
 from colibri.app.server import create_app
@@ -183,6 +185,9 @@ class ColibriIngress:
         self.stream = replicas.options(stream=True)
         self.chunk_chars = chunk_chars
         self.draining = False
+        # the replicas' list sits behind the same guard as every route (API key, Host, limits)
+        self._listing = GuardMiddleware(self._replicas, settings=self.settings,
+                                        metrics=Metrics(), known_paths=lambda: {REPLICAS_PATH})
 
     def __serve_build_asgi_app__(self) -> Any:
         return _Asgi(self)
@@ -205,7 +210,7 @@ class ColibriIngress:
                          self.settings.retry_after_s, "server_shutting_down")
             return
         if path == REPLICAS_PATH and scope["method"] == "GET":
-            await self._replicas(scope, send)
+            await self._listing(scope, receive, send)
             return
         body = await _read_body(receive, self.settings.max_body_bytes)
         route = self._route(scope, body)
@@ -261,7 +266,7 @@ class ColibriIngress:
         await _error(send, 503, "Service unavailable: no replica could serve the request.",
                      path, self.settings.retry_after_s)
 
-    async def _replicas(self, scope: Scope, send: Send) -> None:
+    async def _replicas(self, scope: Scope, receive: Receive, send: Send) -> None:
         app = serve.get_replica_context().app_name
         listed = await asyncio.to_thread(running_replicas, app)
 
