@@ -56,11 +56,20 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _free_port() -> int:
+    """A free port between 20000 and 30000: above Ray's worker ports and below the range the
+    kernel hands out, where a starting Ray cluster takes its own ports."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 30000")
 
 
 @contextmanager
