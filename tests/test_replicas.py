@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_helpers import ROOT, free_port
+from tests.server_helpers import ROOT
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
@@ -34,11 +36,26 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["ROMEO.\n", "JULIET.\nO Romeo", "HAMLET.\nTo be", "KING LEAR.\nNothing"]
 
 
+def quiet_port() -> int:
+    """A free port below the range the kernel hands out for port 0 and above Ray's worker
+    ports (10002-19999): the local Ray cluster takes ports from the kernel as it starts, after
+    this one was found free, and must not take the server's."""
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port between 20000 and 30000")
+
+
 class ReplicaServer:
     """`python -m colibri.app serve --replicas 2` in a new session with its own Ray folder."""
 
     def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
+        self.port = quiet_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # short: Ray puts Unix sockets under it
         self.ray_dir = tempfile.mkdtemp(prefix="clbray", dir="/tmp")
@@ -239,6 +256,12 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: Replica
 
 
 def test_sigterm_drains_both_replicas_and_exits_0(server: ReplicaServer) -> None:
+    # both idle first (the router counts a finished request once Ray reports it done)
+    end = time.monotonic() + 60
+    while any(x["running"] != 0 for x in server.replicas()):
+        assert time.monotonic() < end, "the replicas did not go idle"
+        time.sleep(0.5)
+    time.sleep(3)
     started: list[str | None] = []
     body = _body("HAMLET.\n", 1500, True, ignore_eos=True)
     results: list[Any] = []
