@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from colibri.app.http import uvicorn_options
 from colibri.app.memory import limit_arenas
 from colibri.app.middleware import exposure_warning
+from colibri.app.replicas.launch import wants_replicas
 from colibri.app.server import create_app
 from colibri.app.settings import Settings
 from colibri.app.state import ServerState
@@ -129,6 +130,10 @@ def serve_main(args: argparse.Namespace) -> int:
     warning = exposure_warning(settings)
     if warning:
         log.warning("%s", warning)
+    if wants_replicas(settings):
+        from colibri.app.replicas.launch import serve_replicas  # imports Ray
+
+        return serve_replicas(settings)
     app = create_app(settings)
     state: ServerState = app.state.colibri
     config = uvicorn.Config(

@@ -99,6 +99,14 @@ class Settings(BaseSettings):
     client_template_timeout_s: float = _option("client_template_timeout_s")
     model_template_timeout_s: float = _option("model_template_timeout_s")
 
+    # -- replicas (Ray Serve) ---------------------------------------------------------
+    replicas: int = _option("replicas")
+    min_replicas: int | None = _option("min_replicas")
+    max_replicas: int | None = _option("max_replicas")
+    replica_routing: Literal["prefix", "round_robin"] = _option("replica_routing")
+    replica_gpus: float = _option("replica_gpus")
+    ray_address: str | None = _option("ray_address")
+
     @field_validator("*")
     @classmethod
     def _within_limits(cls, v: Any, info: ValidationInfo) -> Any:

@@ -245,9 +245,34 @@ def kv_bytes_rows(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def bench_replicas_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/bench_replicas.py: prefix-aware routing beside round-robin over 2 replicas
+    (hit rate and TTFT), then 2 replicas of 1 thread beside 1 replica of 2 threads."""
+    p, rr = d["routing"]["prefix"], d["routing"]["round_robin"]
+    chat = (f"{Path(d['model']).name}; {d['conversations']} conversations of {d['turns']} "
+            f"turns over 2 shared system prompts, {d['max_tokens']} tokens a reply, 2 "
+            f"replicas of 1 thread")
+
+    def routing(r: dict[str, Any]) -> str:
+        return (f"prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}, TTFT p50 "
+                f"{r['ttft_p50_ms']:.0f} ms, p99 {r['ttft_p99_ms']:.0f} ms")
+
+    sc, two, one = d["scale"], d["two_replicas_one_thread"], d["one_replica_two_threads"]
+    scale = (f"{Path(d['model']).name}; {sc['requests']} greedy requests of {sc['tokens']} "
+             f"tokens, {sc['concurrency']} at a time")
+    return [
+        ["replica routing", chat, "prefix-aware routing", "–", "round-robin", "–",
+         f"TTFT p50 x{rr['ttft_p50_ms'] / p['ttft_p50_ms']:.2f}", "–",
+         f"prefix-aware: {routing(p)}; round-robin: {routing(rr)}"],
+        ["replicas", scale, "2 replicas x 1 thread", f"– / {two['tok_s']:.1f}",
+         "1 replica x 2 threads", f"– / {one['tok_s']:.1f}", _ratio(sc["ratio"]), "–", "–"],
+    ]
+
+
 ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
     "bench_speculative": bench_speculative_rows,
     "kv_bytes": kv_bytes_rows,
+    "bench_replicas": bench_replicas_rows,
     "bench_long_context": bench_long_context_rows,
     "bench_server": bench_server_rows,
     "compare_llamacpp": compare_llamacpp_rows,

@@ -52,7 +52,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_server_messages.py", "test_server_agent_requests.py",
                "test_messages_reasoning.py", "test_stream_path.py",
                "test_expert_page_browser.py", "test_lm_eval.py", "test_speculative_serving.py",
-               "test_worker_endpoints.py", "test_server_router.py"),
+               "test_worker_endpoints.py", "test_server_router.py", "test_replica_routing.py",
+               "test_replicas.py"),
     # command-line tools, scripts, packaging, docs
     "tools": ("test_bench.py", "test_cli_models.py", "test_cli_args.py", "test_evaluate.py",
               "test_replay.py", "test_options.py",

@@ -213,3 +213,16 @@ def test_a_kv_bytes_run_gives_one_row_per_length(page: ModuleType) -> None:
         assert win["bytes"] < one["bytes"]
     # held blocks times the C cache's block sizes: the windowed pool's share stays the window's
     assert {r["windowed_pool"]["win_blocks"] for r in d["rows"]} == {128 // 16}
+
+
+def test_a_replicas_run_gives_a_routing_row_and_a_scaling_row(page: ModuleType) -> None:
+    routing = {"prefix_cache_hit_rate": 0.75, "ttft_p50_ms": 40.0, "ttft_p99_ms": 90.0}
+    d = {"model": "demo_model", "conversations": 8, "turns": 4, "max_tokens": 32,
+         "routing": {"prefix": routing,
+                     "round_robin": {**routing, "prefix_cache_hit_rate": 0.5,
+                                     "ttft_p50_ms": 60.0}},
+         "two_replicas_one_thread": {"tok_s": 50.0}, "one_replica_two_threads": {"tok_s": 48.0},
+         "scale": {"requests": 32, "tokens": 64, "concurrency": 8, "ratio": 50.0 / 48.0}}
+    route, scale = page.bench_replicas_rows(d)
+    assert "x1.50" in route[6] and "75.0%" in route[8] and "50.0%" in route[8]
+    assert scale[3] == "– / 50.0" and scale[5] == "– / 48.0" and scale[6] == "x1.04"

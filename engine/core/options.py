@@ -157,6 +157,7 @@ _NET = "network"
 _LIMITS = "limits"
 _TEMPLATES = "chat templates"
 _KERNELS = "kernels and folders (read by the engine, so every command follows them)"
+_REPLICAS = "replicas (Ray Serve)"
 _GEN = "generation (`colibri generate` and the Python API's LLM.generate / LLM.stream)"
 _SERVE_ENGINE = ("serve", *_ENGINE)
 
@@ -336,6 +337,27 @@ OPTIONS: tuple[Option, ...] = (
            "take to render", _TEMPLATES, gt=0,
            note="Rendered the same way; one that runs past the time, its memory limit or its "
                 "output cap is a 500 naming the model's template, and the server goes on."),
+    # -- replicas on Ray Serve ------------------------------------------------------------
+    Option("replicas", int, 1, "servers behind the one endpoint, each a whole engine with its "
+           "own threads, KV cache and expert cache", _REPLICAS, ge=1,
+           note="More than one runs them as a Ray Serve application on a local Ray cluster "
+                "(or the one --ray-address names), each replica taking --threads CPUs "
+                "(unset: an equal share of this machine's cores); needs the replicas extra "
+                "(pip install 'colibri[replicas]'). docs/replicas.md has the details."),
+    Option("min_replicas", int, None, "fewest replicas when scaling on queue depth", _REPLICAS,
+           ge=1, unset="1 when --max-replicas is set", example="1"),
+    Option("max_replicas", int, None, "most replicas when scaling on queue depth", _REPLICAS,
+           ge=1, unset="no scaling: --replicas replicas",
+           note="Ray Serve adds a replica while requests wait beyond a full batch "
+                "(--max-num-seqs) on each, and removes one when they do not.", example="4"),
+    Option("replica_routing", str, "prefix", "which replica a request goes to: prefix (the "
+           "one that recently served a prompt starting like it, unless it is much busier; "
+           "else the least loaded) or round_robin", _REPLICAS,
+           choices=("prefix", "round_robin")),
+    Option("replica_gpus", float, 0.0, "GPUs each replica asks Ray for", _REPLICAS, ge=0),
+    Option("ray_address", str, None, "the Ray cluster to run the replicas on (ray://HOST:10001 "
+           "or HOST:6379)", _REPLICAS, unset="a local Ray cluster, stopped with the server",
+           example="auto", metavar="ADDRESS"),
     # -- kernels and folders: read by the engine from the environment ---------------------
     Option("cache_dir", str, None, "where converted models are kept",
            _KERNELS, commands=(), setting=False, engine_env=True,

@@ -1,0 +1,156 @@
+"""The replicas' routing decision (app/replicas/prefix.py) without Ray: prompt texts in
+rendering order, chained chunk hashes, and which replica a request goes to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colibri.app.replicas.prefix import (
+    PrefixTable,
+    RoutingConfig,
+    choose,
+    chunk_hashes,
+    prompt_text,
+)
+
+SYSTEM = "You are a careful assistant who answers in the voice of a Shakespearean actor. " * 4
+
+
+def _chat(*turns: str) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"model": "m", "messages": messages, "max_tokens": 16}
+
+
+def test_a_next_turn_starts_with_the_previous_turn() -> None:
+    first = prompt_text(_chat("Good morrow!"))
+    second = prompt_text(_chat("Good morrow!", "And to you, sir.", "What news?"))
+    assert second.startswith(first)
+    # sampling fields and the model name are not part of the prompt
+    other = {**_chat("Good morrow!"), "temperature": 0.3, "model": "x"}
+    assert prompt_text(other) == first
+
+
+def test_prompt_text_of_each_api() -> None:
+    assert prompt_text({"prompt": "ROMEO.\n"}) == "ROMEO.\n\x1e"
+    assert prompt_text({"prompt": ["a", "b"]}) == "a\x1eb\x1e"
+    responses = prompt_text({"instructions": "Be brief.", "input": "hi"})
+    assert responses.index("Be brief.") < responses.index("hi")
+    anthropic = prompt_text({"system": "sys", "messages": [{"role": "user", "content": "hi"}]})
+    assert anthropic.startswith("sys\x1e")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with_tools = prompt_text({"tools": tools, "messages": [{"role": "user", "content": "x"}]})
+    assert with_tools.startswith(json.dumps(tools, sort_keys=True))
+    assert prompt_text({"max_tokens": 3}) == ""
+
+
+def test_chunk_hashes_are_equal_exactly_over_a_shared_start() -> None:
+    a = chunk_hashes("x" * 64 + "y" * 64 + "z" * 10, 64)
+    b = chunk_hashes("x" * 64 + "q" * 64, 64)
+    assert len(a) == 2 and len(b) == 2  # partial chunks are left out
+    assert a[0] == b[0] and a[1] != b[1]
+    # chained: the same second chunk after a different first one hashes differently
+    c = chunk_hashes("w" * 64 + "y" * 64, 64)
+    assert c[1] != a[1]
+    assert chunk_hashes("short", 64) == []
+
+
+def _table(**kw: int) -> PrefixTable:
+    return PrefixTable(RoutingConfig(**kw))
+
+
+def test_the_next_turn_goes_where_the_conversation_was() -> None:
+    table = _table()
+    first = chunk_hashes(prompt_text(_chat("Good morrow!")), 64)
+    order = choose(first, {"a": 0, "b": 0}, table)
+    table.record(order[0], first)
+    nxt = chunk_hashes(prompt_text(_chat("Good morrow!", "Hail.", "What news?")), 64)
+    # even when the other replica is a little less loaded
+    loads = {"a": 1, "b": 0} if order[0] == "a" else {"a": 0, "b": 1}
+    assert choose(nxt, loads, table)[0] == order[0]
+
+
+def test_a_much_busier_replica_loses_its_prefix() -> None:
+    table = _table(max_imbalance=4)
+    h = chunk_hashes(SYSTEM, 64)
+    table.record("a", h)
+    assert choose(h, {"a": 4, "b": 0}, table) == ["a", "b"]
+    assert choose(h, {"a": 5, "b": 0}, table) == ["b", "a"]
+
+
+def test_without_a_long_enough_match_the_least_loaded_goes_first() -> None:
+    table = _table(min_match_chunks=2)
+    h = chunk_hashes(SYSTEM, 64)
+    table.record("a", h[:1])  # one shared chunk: too short to count
+    assert choose(h, {"a": 0, "b": 0, "c": 2}, table)[0] == "a"  # ties keep the given order
+    assert choose(h, {"b": 0, "a": 0, "c": 2}, table) == ["b", "a", "c"]
+    assert choose(h, {"a": 3, "b": 1, "c": 2}, table) == ["b", "c", "a"]
+    assert choose([], {"a": 3, "b": 1}, table) == ["b", "a"]
+    assert choose(h, {}, table) == []
+
+
+def test_the_longest_match_wins() -> None:
+    table = _table()
+    h = chunk_hashes(SYSTEM + "tail" * 40, 64)
+    table.record("a", h[:3])
+    table.record("b", h[:6])
+    assert choose(h, {"a": 0, "b": 2}, table)[0] == "b"
+
+
+def test_the_table_is_bounded_and_forgets_gone_replicas() -> None:
+    table = _table(max_entries=8)
+    old = chunk_hashes("o" * 64 * 8, 64)
+    new = chunk_hashes("n" * 64 * 8, 64)
+    table.record("a", old)
+    table.record("a", new)  # evicts the least recently used: all of old
+    assert table.match("a", old) == 0 and table.match("a", new) == 8
+    table.keep_only(["b"])
+    assert table.match("a", new) == 0
+
+
+def test_replica_counts_are_checked_before_ray_starts() -> None:
+    from colibri.app.replicas.launch import check_replica_counts, wants_replicas
+    from colibri.app.settings import Settings
+
+    def settings(**kw: object) -> Settings:
+        return Settings(_env_file=None, **kw)  # type: ignore[call-arg, arg-type]
+
+    assert not wants_replicas(settings())
+    assert wants_replicas(settings(replicas=2))
+    assert wants_replicas(settings(max_replicas=3))
+    check_replica_counts(settings(replicas=2, min_replicas=1, max_replicas=4))
+    with pytest.raises(ValueError, match="--min-replicas needs --max-replicas"):
+        check_replica_counts(settings(replicas=2, min_replicas=2))
+    with pytest.raises(ValueError, match="between --min-replicas 1 and --max-replicas 2"):
+        check_replica_counts(settings(replicas=3, max_replicas=2))
+    with pytest.raises(ValueError, match="replica_routing"):
+        settings(replica_routing="random")
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_the_application_declares_resources_scaling_and_the_router() -> None:
+    """What `colibri serve --replicas` and `serve run ...deployments:build` hand Ray Serve
+    (building the application needs no cluster)."""
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.build_app import build_app
+
+    from colibri.app.replicas.deployments import build
+
+    fixed = {d.name: d for d in build_app(build({"replicas": "3", "threads": "2",
+                                                  "replica_gpus": "1"}), name="c").deployments}
+    replica = fixed["ColibriReplica"]
+    assert replica._deployment_config.num_replicas == 3
+    assert replica.ray_actor_options["num_cpus"] == 2
+    assert replica.ray_actor_options["num_gpus"] == 1
+    router = replica._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"policy": "prefix"}
+    assert fixed["ColibriIngress"].ray_actor_options["num_cpus"] == 0
+    scaled = {d.name: d for d in build_app(build({"replicas": "2", "min_replicas": "1",
+                                                   "max_replicas": "4", "threads": "1"}),
+                                           name="c").deployments}
+    auto = scaled["ColibriReplica"]._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
+    assert auto.target_ongoing_requests == 16  # a full batch (--max-num-seqs) on each

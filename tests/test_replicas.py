@@ -1,0 +1,290 @@
+"""`colibri serve --replicas 2` on Ray Serve, on loopback with the bundled demo model: many
+streams over both replicas give what one replica gives alone, a replica killed under load
+fails only its own requests and comes back, SIGTERM drains and exits 0.
+
+One server (a local Ray cluster) serves the module, in its own session and Ray folder, so
+whatever happens its processes are ended afterwards. The tests run in file order: the last
+one stops the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_helpers import ROOT
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.slow
+
+KEY = "sk-replicas"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = ["ROMEO.\n", "JULIET.\nO Romeo", "HAMLET.\nTo be", "KING LEAR.\nNothing"]
+
+
+def quiet_port() -> int:
+    """A free port below the range the kernel hands out for port 0 and above Ray's worker
+    ports (10002-19999): the local Ray cluster takes ports from the kernel as it starts, after
+    this one was found free, and must not take the server's."""
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port between 20000 and 30000")
+
+
+class ReplicaServer:
+    """`python -m colibri.app serve --replicas 2` in a new session with its own Ray folder."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = quiet_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # short: Ray puts Unix sockets under it
+        self.ray_dir = tempfile.mkdtemp(prefix="clbray", dir="/tmp")
+        env = dict(os.environ, RAY_TMPDIR=self.ray_dir, RAY_DEDUP_LOGS="0",
+                   PYTHONPATH=str(ROOT))
+        self.log_path = workdir / "server.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "colibri.app", "serve", "--replicas", "2", "--threads",
+               "1", "--port", str(self.port), "--api-key", KEY]
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if len(self.replicas()) == 2:
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"replicas not ready after {timeout}s:\n{self.log()}")
+
+    def replicas(self) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/v1/replicas", headers=AUTH, timeout=30.0)
+        r.raise_for_status()
+        return list(r.json()["data"])
+
+    def leftovers(self) -> list[int]:
+        """Processes still running that this server started (Ray's included)."""
+        out = []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit():
+                continue
+            try:
+                cmd = (p / "cmdline").read_bytes()
+                env_ok = self.ray_dir.encode() in cmd
+                if not env_ok:
+                    env_ok = os.getpgid(int(p.name)) == self.proc.pid
+            except (OSError, ProcessLookupError):
+                continue
+            if env_ok and int(p.name) != os.getpid():
+                out.append(int(p.name))
+        return out
+
+    def kill_all(self) -> None:
+        for pid in [self.proc.pid, *self.leftovers()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaServer]:
+    s = ReplicaServer(tmp_path_factory.mktemp("replicas"))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.kill_all()
+
+
+def _body(prompt: str, max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
+    return {"model": "demo_model", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream, **extra}
+
+
+def _stream(url: str, body: dict[str, Any], on_header: Any = None,
+            timeout: float = 120.0) -> dict[str, Any]:
+    """One streamed completion: its replica, text, finish reason and any error event."""
+    out: dict[str, Any] = {"text": "", "finish": None, "error": None}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=timeout) as r:
+        out["status"] = r.status_code
+        out["replica"] = r.headers.get("x-colibri-replica")
+        if on_header is not None:
+            on_header(out["replica"])
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"]
+                continue
+            for choice in event["choices"]:
+                out["text"] += choice["text"]
+                out["finish"] = choice["finish_reason"] or out["finish"]
+    return out
+
+
+def _run_all(fn: Any, args: list[tuple[Any, ...]]) -> list[Any]:
+    results: list[Any] = [None] * len(args)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(*args[i])
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    return results
+
+
+def test_sixteen_streams_over_two_replicas_equal_one_replica(server: ReplicaServer) -> None:
+    replicas = server.replicas()
+    assert len({r["id"] for r in replicas}) == 2 and len({r["pid"] for r in replicas}) == 2
+    one = replicas[0]["id"]
+    reference = {}
+    for prompt in PROMPTS:  # each prompt, greedy, served by one replica alone
+        r = httpx.post(server.url + "/v1/completions", json=_body(prompt, 24, False),
+                       headers={**AUTH, "x-colibri-replica": one}, timeout=60)
+        assert r.status_code == 200 and r.headers["x-colibri-replica"] == one
+        reference[prompt] = r.json()["choices"][0]["text"]
+    jobs = [(server.url, _body(PROMPTS[i % len(PROMPTS)], 24, True)) for i in range(16)]
+    results = _run_all(_stream, jobs)
+    for (_, body), res in zip(jobs, results, strict=True):
+        assert not isinstance(res, Exception), res
+        assert res["status"] == 200 and res["error"] is None
+        assert res["text"] == reference[body["prompt"]]
+        assert res["finish"] in ("length", "stop")
+    assert {res["replica"] for res in results} == {r["id"] for r in replicas}
+    # the other routes answer through the endpoint too, naming their replica
+    msg = httpx.post(server.url + "/v1/messages", headers=AUTH, timeout=60, json={
+        "model": "demo_model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert msg.status_code == 200 and msg.json()["type"] == "message"
+    assert msg.headers["x-colibri-replica"] in {r["id"] for r in replicas}
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"model": "demo_model"},
+                     headers=AUTH, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    gone = httpx.get(server.url + "/metrics", headers={"x-colibri-replica": "nosuchone"},
+                     timeout=30)
+    assert gone.status_code == 404
+    # the key guards the endpoint's own route as it guards the replicas' routes
+    assert httpx.get(server.url + "/v1/replicas", timeout=30).status_code == 401
+    assert httpx.post(server.url + "/v1/completions", json=_body("x", 1, False),
+                      timeout=30).status_code == 401
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: ReplicaServer) -> None:
+    before = {r["id"]: r["pid"] for r in server.replicas()}
+    victim_id, victim_pid = sorted(before.items())[0]
+    on_victim = threading.Event()
+
+    def header(replica: str | None) -> None:
+        if replica == victim_id:
+            on_victim.set()
+
+    long_body = _body("ROMEO.\n", 1500, True, ignore_eos=True)
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(
+        _run_all(_stream, [(server.url, long_body, header)] * 16)))
+    runner.start()
+    assert on_victim.wait(60), "no stream reached the replica to kill"
+    time.sleep(0.2)
+    os.kill(victim_pid, signal.SIGKILL)
+    runner.join(200)
+    assert not runner.is_alive() and len(results) == 16, "streams hung after the kill"
+    for res in results:
+        assert not isinstance(res, Exception), res
+        assert res["status"] == 200
+        if res["replica"] == victim_id and res["finish"] != "length":
+            # cut by the kill: a clean error event in OpenAI's shape, then the end
+            assert res["error"]["type"] == "service_unavailable", res
+        else:
+            assert res["error"] is None and res["finish"] == "length", res
+    assert any(r["replica"] == victim_id and r["error"] for r in results)
+    # every request after the kill is served (by the survivor, or by the new replica)
+    for prompt in PROMPTS * 2:
+        r = httpx.post(server.url + "/v1/completions", json=_body(prompt, 4, False),
+                       headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        now = {r["id"]: r["pid"] for r in server.replicas()}
+        if len(now) == 2 and victim_id not in now:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"the killed replica was not replaced within 60 s:\n"
+                             f"{server.log()}")
+    assert victim_pid not in now.values()
+
+
+def test_sigterm_drains_both_replicas_and_exits_0(server: ReplicaServer) -> None:
+    # both idle first (the router counts a finished request once Ray reports it done; a
+    # replica too busy to answer within 5 s reports null)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        running = [x["running"] for x in server.replicas()]
+        if running == [0, 0]:
+            break
+        time.sleep(0.5)
+    print("running before the drain test:", running)
+    time.sleep(3)
+    started: list[str | None] = []
+    body = _body("HAMLET.\n", 1500, True, ignore_eos=True)
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(
+        _run_all(_stream, [(server.url, body, started.append)] * 4)))
+    runner.start()
+    end = time.monotonic() + 120
+    while len(started) < 4 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert len(set(started)) == 2, \
+        f"the streams did not reach both replicas: {started}\n{server.log()}"
+    server.proc.send_signal(signal.SIGTERM)
+    runner.join(200)
+    for res in results:  # each finished in full: drained, not cut
+        assert not isinstance(res, Exception), res
+        assert res["error"] is None and res["finish"] == "length", res
+        assert len(res["text"]) > 1000
+    assert server.proc.wait(120) == 0, server.log()
+    end = time.monotonic() + 30
+    while server.leftovers() and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not server.leftovers(), "Ray processes outlived the server"
