@@ -209,7 +209,7 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
 }
 
 /* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
- * il+1 will route to; the prefetch thread reads those ahead while il computes. Uses probs as
+ * il+1 will route to; the cache's readers read those ahead while il computes. Uses probs as
  * scratch (its routing is already in top_id). */
 static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     const clb_hparams *hp = &m->hp;

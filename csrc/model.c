@@ -660,7 +660,7 @@ clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads,
 
 void clb_model_free(clb_model *m) {
     if (!m) return;
-    clb_xc_free(m->xc); /* joins the prefetch thread before the files it reads are closed */
+    clb_xc_free(m->xc); /* joins its readers before the files they read are closed */
     if (m->tp) clb_threadpool_free(m->tp);
     if (m->files)
         for (int i = 0; i < m->n_files; i++) clb_wfile_close(m->files[i]);
