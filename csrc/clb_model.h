@@ -291,6 +291,8 @@ typedef enum {
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */
     CLB_XC_MMAP = 2,   /* the mappings themselves: madvise(WILLNEED) + touch to load,
                           madvise(DONTNEED) + fadvise(DONTNEED) to evict */
+    CLB_XC_URING = 3,  /* as direct, each reader's read split into chunks all in flight at
+                          once through its own io_uring */
 } clb_xc_load;
 
 typedef struct {

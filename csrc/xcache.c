@@ -32,11 +32,16 @@
 #include <unistd.h>
 
 #include "clb_model_internal.h"
+#include "clb_uring.h"
 #include "clb_xcache.h"
 #include "clb_util.h"
 
 #define PAGE 4096u
 #define HUGE_PAGE (2u << 20)
+/* uring mode: each reader splits an expert's read into chunks of this size, up to URING_DEPTH
+ * of them in flight (4 MiB a reader) */
+#define URING_CHUNK (512u << 10)
+#define URING_DEPTH 8u
 
 enum { S_EMPTY = 0, S_LOADING = 1, S_READY = 2 };
 
@@ -75,6 +80,7 @@ struct clb_xcache {
     /* 8-row scratch of the in-slot repack, one per loader (0: the forward's own thread, 1..:
      * the readers), sized at enable; entries NULL when no slot is repacked */
     void **scratch;     /* [1 + n_readers] */
+    clb_uring **rings;  /* [1 + n_readers] uring mode: each reader's ring (none for loader 0) */
     xslot *slots;       /* [L * N] */
     int32_t *slot_of;   /* [L * E] slot within its layer, -1: not resident */
     uint8_t *pinned;    /* [L * E] */
@@ -125,6 +131,11 @@ struct clb_xcache {
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 /* ---- reading ----------------------------------------------------------------------------- */
+
+/* O_DIRECT reads (direct and uring) into the slots. */
+static int is_direct(const clb_xcache *xc) {
+    return xc->cfg.load == CLB_XC_DIRECT || xc->cfg.load == CLB_XC_URING;
+}
 
 /* O_DIRECT reads start at the page holding the span's first byte. */
 static size_t direct_start(const xspan *sp) { return sp->lo / PAGE * PAGE; }
@@ -236,7 +247,7 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, int loader, int
     const char *path = clb_wfile_path(xc->m->expert_files[idx]);
     size_t len = sp->hi - sp->lo;
     *blocked = 0;
-    if (nowait && (xc->cfg.load == CLB_XC_DIRECT ||
+    if (nowait && (is_direct(xc) ||
                    (xc->cfg.load == CLB_XC_MMAP &&
                     !span_resident((uintptr_t)sp->mapped[0] - sp->rel[0], len)))) {
         *blocked = 1;
@@ -252,7 +263,7 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, int loader, int
         (void)sum;
         return len; /* a file cut short reads as zeros and is reported after the step */
     }
-    int direct = xc->cfg.load == CLB_XC_DIRECT;
+    int direct = is_direct(xc);
     int fd = expert_fd(xc, idx, nowait, direct ? O_DIRECT : 0, msg);
     if (fd < 0) {
         *blocked = nowait;
@@ -261,7 +272,17 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, int loader, int
     size_t off = direct ? direct_start(sp) : sp->lo;
     size_t need = sp->hi - off, want = direct ? round_up(need, PAGE) : need, got = 0;
     int again = 0;
-    while (got < want) {
+    clb_uring *ring = xc->rings ? xc->rings[loader] : NULL;
+    if (ring && !nowait) { /* the whole span in chunks, all in flight */
+        int64_t r = clb_uring_read(ring, fd, s->mem, want, (off_t)off, URING_CHUNK);
+        if (r < 0) {
+            clb_set_err(msg, "%s: read failed: %s", path, strerror((int)-r));
+            fd_put(xc, idx);
+            return 0;
+        }
+        got = (size_t)r;
+    }
+    while (!ring && got < want) {
         struct iovec iov = {.iov_base = s->mem + got, .iov_len = want - got};
         ssize_t r = nowait ? preadv2(fd, &iov, 1, (off_t)(off + got), RWF_NOWAIT)
                            : pread(fd, iov.iov_base, iov.iov_len, (off_t)(off + got));
@@ -398,7 +419,7 @@ static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char 
         }
     } else {
         if (xc->cfg.load != CLB_XC_MMAP) {
-            size_t base = xc->cfg.load == CLB_XC_DIRECT ? xc->span[idx].lo -
+            size_t base = is_direct(xc) ? xc->span[idx].lo -
                                                               direct_start(&xc->span[idx])
                                                         : 0;
             for (int j = 0; j < 3; j++)
@@ -768,6 +789,8 @@ void clb_xc_free(clb_xcache *xc) {
     pthread_mutex_destroy(&xc->mu);
     if (xc->region) munmap(xc->region, xc->region_len);
     for (int k = 0; xc->scratch && k <= xc->n_readers; k++) free(xc->scratch[k]);
+    for (int k = 0; xc->rings && k <= xc->n_readers; k++) clb_uring_free(xc->rings[k]);
+    free(xc->rings);
     free(xc->scratch);
     free(xc->readers);
     free(xc->rargs);
@@ -817,7 +840,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         return CLB_E_ARG;
     }
     if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
-        cfg->load > CLB_XC_MMAP || cfg->prefetch_window < 1 || cfg->read_timeout_ms < 0 ||
+        cfg->load > CLB_XC_URING || cfg->prefetch_window < 1 || cfg->read_timeout_ms < 0 ||
         cfg->read_timeout_ms > 86400000 || cfg->readers < 0 || cfg->readers > 64) {
         clb_set_err(err,
                     "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, "
@@ -926,7 +949,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     for (int64_t i = 0; i < L * N; i++) xc->slots[i].owner = -1;
     if (cfg->load != CLB_XC_MMAP) {
         /* O_DIRECT reads whole pages around the span */
-        size_t need = cfg->load == CLB_XC_DIRECT ? span_max + 2 * PAGE : span_max;
+        size_t need = is_direct(xc) ? span_max + 2 * PAGE : span_max;
         /* slots are packed at page granularity; huge pages back the whole region, so a slot
          * need not start on one (rounding each slot up to 2 MiB would cost up to 2 MiB a slot
          * beyond the budget) */
@@ -974,6 +997,17 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
             clb_xc_free(xc);
             clb_set_err(err, "out of memory for the expert cache's repack scratch");
             return CLB_E_NOMEM;
+        }
+    }
+    if (cfg->load == CLB_XC_URING) {
+        xc->rings = calloc((size_t)R + 1, sizeof(clb_uring *));
+        char why[CLB_ERR_LEN] = "out of memory";
+        for (int k = 1; xc->rings && k <= R; k++)
+            if (!(xc->rings[k] = clb_uring_init(URING_DEPTH, why, sizeof why))) break;
+        if (!xc->rings || !xc->rings[R]) {
+            clb_xc_free(xc);
+            clb_set_err(err, "expert load mode uring: %s; use direct", why);
+            return CLB_E_ARG;
         }
     }
     for (size_t idx = 0; idx < LE; idx++) {

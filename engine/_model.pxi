@@ -147,7 +147,7 @@ cdef extern from "clb_model.h" nogil:
 
     clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
 
-XC_LOADS = ("pread", "direct", "mmap")
+XC_LOADS = ("pread", "direct", "mmap", "uring")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns",
                "reader_loads", "prefetch_cancelled")
@@ -547,7 +547,8 @@ cdef class CoreModel:
                             double read_timeout_s=30.0, int readers=4) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
-        load: "pread", "direct" (O_DIRECT) or "mmap" (madvise on the mappings); pinned: bool
+        load: "pread", "direct" (O_DIRECT), "mmap" (madvise on the mappings) or "uring"
+        (O_DIRECT, each read in chunks all in flight through the reader's io_uring); pinned: bool
         [n_layer, n_expert] experts loaded now and never evicted, or None; read_timeout_s:
         one read that takes longer fails the model (a forward raises, naming the file) instead
         of blocking; readers: threads that load experts in parallel (1..64), the prefetches

@@ -124,12 +124,12 @@ def _evict_page_cache(path: Path) -> None:
 
 # any number of reads in flight, in any order of arrival, gives the same bits
 @pytest.mark.parametrize("readers", [1, 2, 4])
-@pytest.mark.parametrize("load", ["pread", "direct", "mmap"])
+@pytest.mark.parametrize("load", ["pread", "direct", "uring", "mmap"])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_reader_pool_sizes_give_the_resident_output(demo_dir: Path, demo_ref: tuple,
                                                     readers: int, load: str,
                                                     prefetch: bool) -> None:
-    if load == "direct" and not _direct_ok(demo_dir):
+    if load in ("direct", "uring") and not _direct_ok(demo_dir):
         pytest.skip("this file system refuses O_DIRECT (tmpfs); pread and mmap still run")
     cfg = Model.load(demo_dir).config
     k, e = cfg.n_expert_used, cfg.n_expert
@@ -147,7 +147,7 @@ def test_reader_pool_sizes_give_the_resident_output(demo_dir: Path, demo_ref: tu
         assert (st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]).all()
         if not prefetch:
             assert st["prefetch_issued"].sum() == 0 and st["prefetch_cancelled"].sum() == 0
-        if load == "direct":  # O_DIRECT misses always need the storage: all on the readers
+        if load in ("direct", "uring"):  # O_DIRECT misses need the storage: all on readers
             assert st["reader_loads"].sum() == st["misses"].sum() - st["prefetch_late"].sum()
 
 
@@ -340,14 +340,15 @@ def test_misses_memory_holds_are_copied_without_the_reader(demo_dir: Path) -> No
         assert by_reader == (0 if load == "pread" else misses), load
 
 
-@pytest.mark.parametrize("load, readers", [("pread", 4), ("pread", 1), ("direct", 2)])
+@pytest.mark.parametrize("load, readers", [("pread", 4), ("pread", 1), ("direct", 2),
+                                           ("uring", 2)])
 def test_truncated_expert_file_fails_the_call_and_names_it(demo_dir: Path, tmp_path: Path,
                                                            load: str, readers: int) -> None:
     """A read error on a reader fails the forward call that waits for it, names the file, and
     every later call fails the same way."""
     copy = tmp_path / "m"
     shutil.copytree(demo_dir, copy)
-    if load == "direct" and not _direct_ok(copy):
+    if load in ("direct", "uring") and not _direct_ok(copy):
         pytest.skip("this file system refuses O_DIRECT (tmpfs)")
     m = Model.load(copy, n_seq=1)
     m.core.enable_expert_cache(8, prefetch=True, load=load, readers=readers)

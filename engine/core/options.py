@@ -211,9 +211,11 @@ OPTIONS: tuple[Option, ...] = (
            metavar="TOKENS"),
     Option("expert_load", str, "auto", "how missing experts are read", _XC,
            commands=_SERVE_ENGINE, engine_env=True, choices=LOAD_MODES,
-           note="direct: O_DIRECT reads into the slots, past the page cache; pread: into the "
-                "slots, through the page cache; mmap: madvise on the mapped files; auto: "
-                "direct where the file system allows it, else pread."),
+           note="direct: O_DIRECT reads into the slots, past the page cache; uring: the same, "
+                "each reader splitting its read into chunks that are all in flight at once "
+                "through its own io_uring (Linux 5.6 or later); pread: into the slots, "
+                "through the page cache; mmap: madvise on the mapped files; auto: direct "
+                "where the file system allows it, else pread."),
     Option("expert_prefetch", bool, True, "the reader threads read ahead the experts the next "
            "layer's router predicts while a layer computes", _XC, commands=_SERVE_ENGINE,
            engine_env=True),
