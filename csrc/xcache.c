@@ -57,6 +57,8 @@ typedef struct {
 
 typedef struct {
     int64_t l, i, old; /* a claimed load: layer, slot, the evicted expert's index or -1 */
+    size_t got;        /* repack only: the bytes the forward's thread copied in */
+    int repack;        /* 1: the copy is done, only the repack into the slot's layout is left */
 } xjob;
 
 typedef struct {
@@ -242,7 +244,7 @@ static void fd_put(clb_xcache *xc, int64_t idx) {
  * pages mincore finds resident); where storage would have to answer it returns 0 with
  * *blocked set and no message, and the caller hands the load to the readers. */
 static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, int loader, int nowait,
-                          int *blocked, char *msg) {
+                          int repack, int *blocked, char *msg) {
     const xspan *sp = &xc->span[idx];
     const char *path = clb_wfile_path(xc->m->expert_files[idx]);
     size_t len = sp->hi - sp->lo;
@@ -314,8 +316,20 @@ static size_t read_expert(clb_xcache *xc, int64_t idx, xslot *s, int loader, int
                     "(truncated or overwritten); restart to load it again", path);
         return 0;
     }
-    repack_slot(xc, idx, s->mem + (sp->lo - off), xc->scratch[loader]);
+    if (repack) repack_slot(xc, idx, s->mem + (sp->lo - off), xc->scratch[loader]);
     return got;
+}
+
+/* Whether any of expert idx's tensors is repacked into the slot after its read. */
+static int expert_repacks(const clb_xcache *xc, int64_t idx) {
+    for (int j = 0; j < 3; j++)
+        if (clb_x8_base(xc->tens[idx * 3 + j].type) != xc->tens[idx * 3 + j].type) return 1;
+    return 0;
+}
+
+/* Where expert idx's span starts in its slot (O_DIRECT reads start on the page before). */
+static size_t slot_base(const clb_xcache *xc, int64_t idx) {
+    return is_direct(xc) ? xc->span[idx].lo - direct_start(&xc->span[idx]) : 0;
 }
 
 /* Drops an evicted expert's pages from memory (mmap mode; the other modes reuse the slot).
@@ -419,9 +433,7 @@ static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char 
         }
     } else {
         if (xc->cfg.load != CLB_XC_MMAP) {
-            size_t base = is_direct(xc) ? xc->span[idx].lo -
-                                                              direct_start(&xc->span[idx])
-                                                        : 0;
+            size_t base = slot_base(xc, idx);
             for (int j = 0; j < 3; j++)
                 xc->tens[idx * 3 + j].data = s->mem + base + xc->span[idx].rel[j];
         }
@@ -436,7 +448,10 @@ static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char 
  * exit, released while reading); loader 0 is the forward's own thread, 1..n_readers the
  * readers. nowait (the forward's thread): only from what memory holds, through files already
  * open; returns -1 when storage would have to answer (or a file be opened), the slot still
- * claimed, for a reader to load. Else 1 loaded, 0 failed. */
+ * claimed, for a reader to load. Else 1 loaded (on the forward's thread: copied, and maybe
+ * still loading while a reader repacks it), 0 failed. */
+static void push_job(clb_xcache *xc, int64_t l, int64_t i, int64_t old, size_t repack_got);
+
 static int load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
                         int nowait) {
     xslot *s = &xc->slots[l * xc->N + i];
@@ -447,10 +462,18 @@ static int load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int l
     pthread_mutex_unlock(&xc->mu);
     size_t got = 0;
     blocked = old >= 0 && xc->cfg.load == CLB_XC_MMAP && !drop_mapped(xc, old, nowait);
-    if (!blocked) got = read_expert(xc, idx, s, loader, nowait, &blocked, msg);
+    /* a copy on the forward's thread leaves the repack to a reader (when there is one): the
+     * forward goes on copying (or computing) while the readers repack */
+    int defer = nowait && loader == 0 && xc->n_started > 0 && xc->cfg.load != CLB_XC_MMAP &&
+                expert_repacks(xc, idx);
+    if (!blocked) got = read_expert(xc, idx, s, loader, nowait, !defer, &blocked, msg);
     pthread_mutex_lock(&xc->mu);
     xc->busy[loader] = 0;
     if (blocked) return -1;
+    if (defer && got > 0) {
+        push_job(xc, l, i, -1, got);
+        return 1;
+    }
     finish(xc, l, i, got, msg);
     return got > 0;
 }
@@ -492,8 +515,9 @@ static int wave_empty(const clb_xcache *xc, int64_t l) {
 
 /* ---- forward-pass side ------------------------------------------------------------------ */
 
-/* Hands a claimed load to the readers, ahead of every prefetch (lock held). */
-static void push_job(clb_xcache *xc, int64_t l, int64_t i, int64_t old) {
+/* Hands a claimed load to the readers, ahead of every prefetch (lock held); repack_got > 0:
+ * its bytes are in the slot already, only the repack is left. */
+static void push_job(clb_xcache *xc, int64_t l, int64_t i, int64_t old, size_t repack_got) {
     const int64_t cap = xc->L * xc->N;
     /* each job holds a slot in state loading, claimed once: the ring never overflows */
     if (xc->j_len >= cap) abort();
@@ -501,8 +525,10 @@ static void push_job(clb_xcache *xc, int64_t l, int64_t i, int64_t old) {
     j->l = l;
     j->i = i;
     j->old = old;
+    j->got = repack_got;
+    j->repack = repack_got > 0;
     xc->j_len++;
-    xc->st[l].reader_loads++;
+    if (!j->repack) xc->st[l].reader_loads++;
     pthread_cond_signal(&xc->work);
 }
 
@@ -538,7 +564,7 @@ static void plan_wave(clb_xcache *xc, int64_t l, int64_t e0) {
     }
     for (int64_t k = 0; k < n && !xc->failed; k++)
         if (load_claimed(xc, l, xc->plan_i[k], xc->plan_old[k], 0, 1) < 0)
-            push_job(xc, l, xc->plan_i[k], xc->plan_old[k]);
+            push_job(xc, l, xc->plan_i[k], xc->plan_old[k], 0);
     if (n > 0) xc->st[l].stall_ns += clb_now_ns() - t0;
 }
 
@@ -614,12 +640,8 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
         xc->wave_of[idx] = xc->wave;
         int done = load_claimed(xc, l, i, old, 0, 1);
         if (done == 0) break;
-        if (done > 0) {
-            xc->st[l].stall_ns += clb_now_ns() - t0;
-            pthread_mutex_unlock(&xc->mu);
-            return 1;
-        }
-        push_job(xc, l, i, old);
+        if (done > 0) continue; /* copied: ready, or a reader repacks it, waited for above */
+        push_job(xc, l, i, old, 0);
         deadline = 0; /* its own timeout from now */
     }
     pthread_mutex_unlock(&xc->mu);
@@ -718,7 +740,16 @@ static void *reader_main(void *arg) {
             xjob j = xc->jobs[xc->j_head];
             xc->j_head = (xc->j_head + 1) % jcap;
             xc->j_len--;
-            load_claimed(xc, j.l, j.i, j.old, rd->loader, 0);
+            if (j.repack) {
+                xslot *s = &xc->slots[j.l * xc->N + j.i];
+                int64_t idx = j.l * xc->E + s->owner;
+                pthread_mutex_unlock(&xc->mu);
+                repack_slot(xc, idx, s->mem + slot_base(xc, idx), xc->scratch[rd->loader]);
+                pthread_mutex_lock(&xc->mu);
+                finish(xc, j.l, j.i, j.got, "");
+            } else {
+                load_claimed(xc, j.l, j.i, j.old, rd->loader, 0);
+            }
             continue;
         }
         int32_t idx = xc->queue[xc->q_head];
