@@ -320,9 +320,10 @@ def test_counters_of_one_chunk(demo_dir: Path) -> None:
 
 def test_misses_memory_holds_are_copied_without_the_reader(demo_dir: Path) -> None:
     """A miss whose expert the page cache holds, in a file already open, is copied on the
-    forward's own thread (no hand-off, so no thread switch per miss); only reads that need the
-    storage, or a file's first open, go to the reader threads, whose wait is bounded. O_DIRECT
-    bypasses the page cache: every miss goes to the reader there."""
+    forward's own thread (no read waits on a reader; only the repack into the slot's layout is
+    left to one); only reads that need the storage, or a file's first open, go to the reader
+    threads, whose wait is bounded. O_DIRECT bypasses the page cache: every miss goes to the
+    readers there."""
     for f in demo_dir.glob("experts/*.bin"):  # into the page cache
         f.read_bytes()
     cfg = Model.load(demo_dir).config
