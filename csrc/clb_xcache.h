@@ -24,6 +24,12 @@ void clb_xc_begin_layer(clb_xcache *xc, int64_t il, const int64_t *e_start);
  * wave's first expert), -1 on a load error (st set; clb_xc_failed gives the message). */
 int clb_xc_acquire(clb_xcache *xc, int64_t il, int64_t e, clb_status *st);
 
+/* clb_xc_acquire in two halves, so that a layer runs its resident experts while the others are
+ * read: 2 when expert e is the wave's but still loading (counted as a miss; clb_xc_wait gives
+ * it, 1, or -1 on a load error or past the read timeout), else as clb_xc_acquire. */
+int clb_xc_take(clb_xcache *xc, int64_t il, int64_t e, clb_status *st);
+int clb_xc_wait(clb_xcache *xc, int64_t il, int64_t e, clb_status *st);
+
 /* Ends the wave of layer il: every expert acquired in it may be evicted again. */
 void clb_xc_release(clb_xcache *xc, int64_t il);
 

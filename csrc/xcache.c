@@ -123,6 +123,7 @@ struct clb_xcache {
     int64_t wave;          /* current wave, counted up at each release */
     int64_t *wave_of;      /* [L * E] the wave that claimed the expert */
     uint8_t *plan_miss;    /* [L * E] claimed as a miss by the wave's plan, not acquired yet */
+    int64_t *take_t0;      /* [L * E] taken while loading: when its wait began (stall time) */
     int64_t *cur_start;    /* [E + 1] the running layer's rows per expert (e_start) */
     int64_t wave_s0;       /* the wave's first row, -1 before its first claim */
     int64_t *plan_i, *plan_old; /* [N] plan_wave's claims: slot, evicted expert */
@@ -568,7 +569,7 @@ static void plan_wave(clb_xcache *xc, int64_t l, int64_t e0) {
     if (n > 0) xc->st[l].stall_ns += clb_now_ns() - t0;
 }
 
-int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
+int clb_xc_take(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
     const int64_t idx = l * xc->E + e;
     pthread_mutex_lock(&xc->mu);
     if (!xc->failed && xc->wave_of[idx] != xc->wave) plan_wave(xc, l, e);
@@ -599,18 +600,15 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
                 return 1;
             }
             /* a load of this expert is in flight (a reader's, for this wave or a prefetch):
-             * wait for it, at most the timeout (a failure frees the slot) */
+             * it is the wave's, clb_xc_wait waits for it */
             if (!t0) {
                 t0 = clb_now_ns();
                 xc->st[l].misses++;
                 if (s->prefetched) xc->st[l].prefetch_late++;
             }
-            if (!deadline) deadline = clb_now_ns() + xc->cfg.read_timeout_ms * 1000000;
-            if (!wait_loaded(xc, deadline)) {
-                timed_out(xc, l, i);
-                break;
-            }
-            continue;
+            xc->take_t0[idx] = t0;
+            pthread_mutex_unlock(&xc->mu);
+            return 2;
         }
         i = pick_slot(xc, l);
         if (i < 0) {
@@ -634,19 +632,51 @@ int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
             xc->st[l].misses++;
         }
         /* what memory already holds is copied here; a read that needs the storage goes to
-         * the readers, and the loop above then waits for it like for any other load */
+         * the readers, and the loop above then hands it to clb_xc_wait like any other load */
         int64_t old = claim(xc, l, i, e, 0);
         xc->slots[l * xc->N + i].in_use = 1;
         xc->wave_of[idx] = xc->wave;
         int done = load_claimed(xc, l, i, old, 0, 1);
         if (done == 0) break;
-        if (done > 0) continue; /* copied: ready, or a reader repacks it, waited for above */
-        push_job(xc, l, i, old, 0);
-        deadline = 0; /* its own timeout from now */
+        if (done < 0) push_job(xc, l, i, old, 0);
     }
     pthread_mutex_unlock(&xc->mu);
     *st = CLB_E_IO;
     return -1;
+}
+
+int clb_xc_wait(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
+    const int64_t idx = l * xc->E + e;
+    pthread_mutex_lock(&xc->mu);
+    const int64_t deadline = clb_now_ns() + xc->cfg.read_timeout_ms * 1000000;
+    for (;;) {
+        int64_t i = xc->slot_of[idx];
+        if (xc->failed || i < 0) break; /* a failed load freed its slot */
+        xslot *s = &xc->slots[l * xc->N + i];
+        if (s->state == S_READY) {
+            xc->st[l].stall_ns += clb_now_ns() - xc->take_t0[idx];
+            if (s->prefetched) {
+                xc->st[l].prefetch_used++;
+                pf_outcome(xc, l, 1);
+            }
+            s->prefetched = 0;
+            s->last_use = ++xc->tick;
+            pthread_mutex_unlock(&xc->mu);
+            return 1;
+        }
+        if (!wait_loaded(xc, deadline)) {
+            timed_out(xc, l, i);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&xc->mu);
+    *st = CLB_E_IO;
+    return -1;
+}
+
+int clb_xc_acquire(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
+    int r = clb_xc_take(xc, l, e, st);
+    return r == 2 ? clb_xc_wait(xc, l, e, st) : r;
 }
 
 void clb_xc_release(clb_xcache *xc, int64_t l) {
@@ -829,6 +859,7 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->busy);
     free(xc->wave_of);
     free(xc->plan_miss);
+    free(xc->take_t0);
     free(xc->cur_start);
     free(xc->plan_i);
     free(xc->plan_old);
@@ -941,6 +972,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->busy = calloc((size_t)R + 1, 1);
     xc->wave_of = malloc(LE * sizeof(int64_t));
     xc->plan_miss = calloc(LE, 1);
+    xc->take_t0 = calloc(LE, sizeof(int64_t));
     xc->cur_start = calloc((size_t)E + 1, sizeof(int64_t));
     xc->plan_i = calloc((size_t)N, sizeof(int64_t));
     xc->plan_old = calloc((size_t)N, sizeof(int64_t));
@@ -964,7 +996,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span || !xc->tens ||
         !xc->st || !xc->queue || !xc->queued || !xc->fd_of || !xc->fd_use || !xc->fd_ref ||
         !xc->scratch || !xc->readers || !xc->rargs || !xc->jobs || !xc->busy || !xc->wave_of ||
-        !xc->plan_miss || !xc->cur_start || !xc->plan_i || !xc->plan_old) {
+        !xc->plan_miss || !xc->take_t0 || !xc->cur_start || !xc->plan_i || !xc->plan_old) {
         clb_xc_free(xc);
         clb_set_err(err, "out of memory for the expert cache tables");
         return CLB_E_NOMEM;
