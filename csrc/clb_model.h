@@ -282,7 +282,8 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * all-resident model whatever the budget. Victims: an empty slot, else the unpinned expert with
  * the least heat (selections over the last prefetch_window tokens, decayed), oldest use first on
  * ties. Loads run on a pool of reader threads, many at once: a layer claims the slots of
- * all the experts its wave needs before it waits for any. With prefetch, the pool also reads
+ * all the experts its wave needs before it waits for any, and runs the resident ones while
+ * the others are read. With prefetch, the pool also reads
  * ahead the experts that layer L+1's router picks for layer L's input while layer L computes
  * (queued behind the loads a layer waits for; those not started when L+1 begins are dropped); a layer whose prefetches are mostly evicted unused
  * prefetches only one step in eight until that changes. */
