@@ -229,14 +229,16 @@ _EXPERT_COUNTERS = (
     ("misses", "Expert uses that had to wait for a load."),
     ("loads", "Experts loaded (on demand and prefetched)."),
     ("evictions", "Experts evicted."),
-    ("prefetch_issued", "Experts the prefetch thread loaded."),
+    ("prefetch_issued", "Experts read ahead (prefetched)."),
     ("prefetch_used", "Prefetched experts used before eviction."),
     ("prefetch_wasted", "Prefetched experts evicted unused."),
     ("prefetch_late", "Expert uses that waited for a prefetch in flight."),
     ("bytes_read", "Bytes of experts read from the model files."),
     ("stall_seconds", "Forward-pass time spent waiting for expert loads."),
-    ("reader_loads", "Expert misses loaded by the reader thread (not in memory, or the file "
+    ("reader_loads", "Expert misses loaded by the reader threads (not in memory, or the file "
      "not open yet)."),
+    ("prefetch_cancelled", "Prefetches dropped before their read started (the layer began "
+     "first)."),
 )
 
 

@@ -58,10 +58,11 @@ class Settings(BaseSettings):
     expert_cache_mb: float | None = _option("expert_cache_mb")
     expert_cache_size: int | None = _option("expert_cache_size")
     prefetch_window: int = _option("prefetch_window")
-    expert_load: Literal["auto", "direct", "pread", "mmap"] = _option("expert_load")
+    expert_load: Literal["auto", "direct", "pread", "mmap", "uring"] = _option("expert_load")
     expert_prefetch: bool = _option("expert_prefetch")
     expert_pin: bool = _option("expert_pin")
     expert_huge_pages: bool = _option("expert_huge_pages")
+    expert_readers: int = _option("expert_readers")
     expert_read_timeout_s: float = _option("expert_read_timeout_s")
 
     # -- speculative decoding ---------------------------------------------------------

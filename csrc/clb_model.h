@@ -311,23 +311,29 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * layer than fit, the layer runs in waves, in expert order, so results are bit-identical to the
  * all-resident model whatever the budget. Victims: an empty slot, else the unpinned expert with
  * the least heat (selections over the last prefetch_window tokens, decayed), oldest use first on
- * ties. With prefetch, a thread reads ahead the experts that layer L+1's router picks for
- * layer L's input while layer L computes; a layer whose prefetches are mostly evicted unused
+ * ties. Loads run on a pool of reader threads, many at once: a layer claims the slots of
+ * all the experts its wave needs before it waits for any, and runs the resident ones while
+ * the others are read. With prefetch, the pool also reads
+ * ahead the experts that layer L+1's router picks for layer L's input while layer L computes
+ * (queued behind the loads a layer waits for; those not started when L+1 begins are dropped); a layer whose prefetches are mostly evicted unused
  * prefetches only one step in eight until that changes. */
 typedef enum {
     CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */
     CLB_XC_MMAP = 2,   /* the mappings themselves: madvise(WILLNEED) + touch to load,
                           madvise(DONTNEED) + fadvise(DONTNEED) to evict */
+    CLB_XC_URING = 3,  /* as direct, each reader's read split into chunks all in flight at
+                          once through its own io_uring */
 } clb_xc_load;
 
 typedef struct {
     int64_t per_layer;       /* slots per layer, 1..n_expert */
     int32_t load;            /* clb_xc_load */
-    int32_t prefetch;        /* 1: pre-gating prefetch thread */
+    int32_t prefetch;        /* 1: pre-gating prefetch, on the reader threads */
     int32_t huge_pages;      /* 1: ask for 2 MiB transparent huge pages on the slots */
     int64_t prefetch_window; /* tokens of routing history that make heat, >= 1 */
     int64_t read_timeout_ms; /* a load that takes longer fails the model; 0: 30 s */
+    int32_t readers;         /* reader threads that load in parallel, 1..64; 0: 4 */
 } clb_xc_config;
 
 typedef struct {
@@ -339,8 +345,10 @@ typedef struct {
     int64_t prefetch_late;        /* acquisitions that waited for a prefetch in flight */
     int64_t bytes_read;           /* bytes loaded from the files */
     int64_t stall_ns;             /* forward time spent waiting for loads */
-    int64_t reader_loads;         /* misses the reader thread loaded: not in memory, or the
+    int64_t reader_loads;         /* misses the reader threads loaded: not in memory, or the
                                    * expert's file not open yet */
+    int64_t prefetch_cancelled;   /* prefetches dropped before their read started: the layer
+                                   * began first and loads what it needs itself */
 } clb_xc_stats;
 
 /* Copies the q8/q4 matrices the forward pass multiplies into the interleaved layout the active

@@ -148,14 +148,15 @@ static void route_token(clb_model *m, const clb_layer_w *l, float *p, int32_t *i
  * x_r = src[idx[r]] (idx NULL: src[r]). At most CLB_MAX_BATCH rows; every w[g] has the same
  * tensor types (one group of the file layout). */
 static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t n_g,
-                             const clb_ffn_w *const *w, const int64_t *off, const float *src,
-                             const int32_t *idx, float *out) {
-    const int64_t D = m->hp.n_embd, F = w[0]->w1->shape[0], n = off[n_g] - off[0];
+                             const clb_ffn_w *const *w, const int64_t *off, const uint8_t *skip,
+                             const float *src, const int32_t *idx, float *out) {
+    const int64_t D = m->hp.n_embd, F = w[0]->w1->shape[0];
     const clb_tensor *w1 = w[0]->w1, *w2 = w[0]->w2;
     if (w[0]->w3->type != w1->type) { /* gate and up of different types: one at a time */
         for (int64_t g = 0; g < n_g; g++) {
             int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
-            if (c == 0) continue; /* an expert no row chose: it may not even be resident */
+            /* an expert no row chose may not even be resident; a skipped one is not yet */
+            if (c == 0 || (skip && skip[g])) continue;
             for (int64_t r = 0; r < c; r++)
                 memcpy(m->xg + r * D, src + (idx ? idx[off[g] + r] : off[g] + r) * D,
                        (size_t)D * sizeof(float));
@@ -169,21 +170,24 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
         }
         return CLB_OK;
     }
-    /* gather (and pack) the rows in group order */
+    /* gather (and pack) the rows in group order, each at its group's place (packing is per
+     * row, so the groups that run give the same bytes whichever others run with them) */
     size_t arow = clb_act_row_size(w1->type, D);
-    const void *a = m->xg;
-    for (int64_t r = 0; r < n; r++) {
-        const float *x = src + (idx ? idx[off[0] + r] : off[0] + r) * D;
-        if (arow)
-            clb_act_pack(w1->type, D, x, D, 1, (char *)m->act + (size_t)r * arow);
-        else
-            memcpy(m->xg + r * D, x, (size_t)D * sizeof(float));
+    const void *a = arow ? m->act : (const void *)m->xg;
+    for (int64_t g = 0; g < n_g; g++) {
+        if (skip && skip[g]) continue;
+        for (int64_t r = off[g] - off[0]; r < off[g + 1] - off[0]; r++) {
+            const float *x = src + (idx ? idx[off[0] + r] : off[0] + r) * D;
+            if (arow)
+                clb_act_pack(w1->type, D, x, D, 1, (char *)m->act + (size_t)r * arow);
+            else
+                memcpy(m->xg + r * D, x, (size_t)D * sizeof(float));
+        }
     }
-    if (arow) a = m->act;
     int64_t nj = 0;
     for (int64_t g = 0; g < n_g; g++) {
         int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
-        if (c == 0) continue;
+        if (c == 0 || (skip && skip[g])) continue;
         size_t a_off = arow ? (size_t)r0 * arow : (size_t)(r0 * D) * sizeof(float);
         clb_mm_job j = clb_fw_job(w[g]->w1, (const char *)a + a_off, c, m->h1 + r0 * F, F, NULL);
         j.w_up = w[g]->w3->data;
@@ -195,11 +199,16 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
     }
     TRY(clb_fw_run_jobs(m, up, (int)nj));
     size_t hrow = clb_act_row_size(w2->type, F);
-    const void *h = clb_fw_act_for(w2, m->h1, F, n, m->act);
+    const void *h = hrow ? m->act : (const void *)m->h1;
+    for (int64_t g = 0; hrow && g < n_g; g++) {
+        int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
+        if (c == 0 || (skip && skip[g])) continue;
+        clb_act_pack(w2->type, F, m->h1 + r0 * F, F, c, (char *)m->act + (size_t)r0 * hrow);
+    }
     nj = 0;
     for (int64_t g = 0; g < n_g; g++) {
         int64_t r0 = off[g] - off[0], c = off[g + 1] - off[g];
-        if (c == 0) continue;
+        if (c == 0 || (skip && skip[g])) continue;
         size_t h_off = hrow ? (size_t)r0 * hrow : (size_t)(r0 * F) * sizeof(float);
         const void *hg = (const char *)h + h_off;
         m->jobs[nj] = clb_fw_job(w[g]->w2, hg, c, out + r0 * D, D, NULL); /* [c, D] */
@@ -209,7 +218,7 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
 }
 
 /* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
- * il+1 will route to; the prefetch thread reads those ahead while il computes. Uses probs as
+ * il+1 will route to; the cache's readers read those ahead while il computes. Uses probs as
  * scratch (its routing is already in top_id). */
 static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     const clb_hparams *hp = &m->hp;
@@ -294,28 +303,51 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     if (xc) clb_xc_begin_layer(xc, il, m->e_start);
     memset(m->proj, 0, (size_t)(T * D) * sizeof(float));
     const clb_ffn_w **ws = m->ffn_list;
+    uint8_t *wait = m->xc_wait;
     for (int64_t e = 0; e < E;) {
-        int64_t e0 = e, s0 = m->e_start[e];
+        int64_t e0 = e, s0 = m->e_start[e], n_wait = 0, n_run = 0;
         /* an expert holds at most T <= CLB_MAX_BATCH rows, so each batch takes at least one;
          * the cache never refuses the first expert of a wave */
         while (e < E && m->e_start[e + 1] - s0 <= CLB_MAX_BATCH) {
+            wait[e - e0] = 0;
             if (xc && m->e_start[e + 1] > m->e_start[e]) {
                 clb_status st = CLB_OK;
-                int r = clb_xc_acquire(xc, il, e, &st);
+                int r = clb_xc_take(xc, il, e, &st);
                 if (r < 0) {
                     clb_xc_release(xc, il);
                     return st;
                 }
                 if (r == 0) break;
+                wait[e - e0] = r == 2;
+                n_wait += r == 2;
+                n_run++;
             }
             ws[e - e0] = &l->experts[e];
             e++;
         }
         int64_t s1 = m->e_start[e];
         if (s1 == s0) continue;
-        clb_status fst =
-            ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
-                       m->e_start + e0, src, idx, m->eo);
+        /* the wave's resident experts run while its others are read; then those. Each group's
+         * rows are its own and the combine below stays in expert order, so the bits are those
+         * of running the wave at once */
+        clb_status fst = CLB_OK;
+        if (n_wait > 0 && n_wait < n_run)
+            fst = ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
+                             m->e_start + e0, wait, src, idx, m->eo);
+        for (int64_t g = 0; n_wait > 0 && g < e - e0; g++) {
+            clb_status st = CLB_OK;
+            if (wait[g] && clb_xc_wait(xc, il, e0 + g, &st) < 0) {
+                clb_xc_release(xc, il);
+                return st;
+            }
+        }
+        if (fst == CLB_OK) {
+            for (int64_t g = 0; n_wait > 0 && n_wait < n_run && g < e - e0; g++)
+                wait[g] = !wait[g]; /* now the ones already run */
+            fst = ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
+                             m->e_start + e0, n_wait > 0 && n_wait < n_run ? wait : NULL, src,
+                             idx, m->eo);
+        }
         if (xc) clb_xc_release(xc, il);
         TRY(fst);
         for (int64_t r = s0; r < s1; r++) {
@@ -333,7 +365,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
     if (hp->n_ff_shared > 0) {
         const clb_ffn_w *sw = &l->shared;
         int64_t off[2] = {0, T};
-        TRY(ffn_groups(m, CLB_PHASE_SHARED, CLB_PHASE_SHARED, 1, &sw, off, m->xn, NULL,
+        TRY(ffn_groups(m, CLB_PHASE_SHARED, CLB_PHASE_SHARED, 1, &sw, off, NULL, m->xn, NULL,
                        m->eo)); /* [T, D] */
         if (l->shared_gate) {
             TRY(clb_fw_mm(m, CLB_PHASE_SHARED, l->shared_gate, m->xn, T, m->sgate, 1, NULL));
@@ -357,7 +389,7 @@ static clb_status dense_ffn(clb_model *m, int64_t il, int64_t T, int32_t *routes
         clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
     const clb_ffn_w *w = &l->dense;
     int64_t off[2] = {0, T};
-    TRY(ffn_groups(m, CLB_PHASE_DENSE, CLB_PHASE_DENSE, 1, &w, off, m->xn, NULL, m->proj));
+    TRY(ffn_groups(m, CLB_PHASE_DENSE, CLB_PHASE_DENSE, 1, &w, off, NULL, m->xn, NULL, m->proj));
     for (int64_t i = 0; i < T * D; i++) m->x[i] += m->proj[i];
     if (routes) /* no expert chosen in this layer */
         for (int64_t t = 0; t < T; t++)

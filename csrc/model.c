@@ -556,6 +556,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     if (n_jobs < 4) n_jobs = 4; /* a linear layer's four input projections */
     m->jobs = palloc(m, n_jobs * sizeof(clb_mm_job), &fail);
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
+    m->xc_wait = palloc(m, e, &fail);
     m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);
     if (fail) {
         clb_set_err(err, "out of memory allocating forward scratch");
@@ -660,7 +661,7 @@ clb_status clb_model_load(const char *dir, const clb_hparams *hp, int n_threads,
 
 void clb_model_free(clb_model *m) {
     if (!m) return;
-    clb_xc_free(m->xc); /* joins the prefetch thread before the files it reads are closed */
+    clb_xc_free(m->xc); /* joins its readers before the files they read are closed */
     if (m->tp) clb_threadpool_free(m->tp);
     if (m->files)
         for (int i = 0; i < m->n_files; i++) clb_wfile_close(m->files[i]);

@@ -138,11 +138,12 @@ cdef extern from "clb_model.h" nogil:
         int32_t huge_pages
         int64_t prefetch_window
         int64_t read_timeout_ms
+        int32_t readers
 
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
         int64_t prefetch_issued, prefetch_used, prefetch_wasted, prefetch_late
-        int64_t bytes_read, stall_ns, reader_loads
+        int64_t bytes_read, stall_ns, reader_loads, prefetch_cancelled
 
     size_t clb_expert_bytes(const clb_model *m)
     clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err)
@@ -155,10 +156,10 @@ cdef extern from "clb_model.h" nogil:
     clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
                                 int64_t il1, float *x, float *logits, char *err)
 
-XC_LOADS = ("pread", "direct", "mmap")
+XC_LOADS = ("pread", "direct", "mmap", "uring")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns",
-               "reader_loads")
+               "reader_loads", "prefetch_cancelled")
 
 # the types a weight file may hold, by the id it stores
 _TYPE_NAMES = {t: name for name, t in PRODUCT_TYPES.items() if clb_type_valid_for_file(t)}
@@ -587,13 +588,15 @@ cdef class CoreModel:
 
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
                             bint huge_pages=False, int prefetch_window=16, pinned=None,
-                            double read_timeout_s=30.0) -> None:
+                            double read_timeout_s=30.0, int readers=4) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
-        load: "pread", "direct" (O_DIRECT) or "mmap" (madvise on the mappings); pinned: bool
+        load: "pread", "direct" (O_DIRECT), "mmap" (madvise on the mappings) or "uring"
+        (O_DIRECT, each read in chunks all in flight through the reader's io_uring); pinned: bool
         [n_layer, n_expert] experts loaded now and never evicted, or None; read_timeout_s:
         one read that takes longer fails the model (a forward raises, naming the file) instead
-        of blocking. Call once, before the first forward. Outputs do not change; only speed
+        of blocking; readers: threads that load experts in parallel (1..64), the prefetches
+        included. Call once, before the first forward. Outputs do not change; only speed
         and memory do.
         """
         cdef clb_xc_config cfg
@@ -607,6 +610,9 @@ cdef class CoreModel:
         if not 0 < read_timeout_s <= 86400:
             raise ValueError(f"read_timeout_s must be in (0, 86400], got {read_timeout_s}")
         cfg.read_timeout_ms = max(1, <int64_t>(read_timeout_s * 1000))
+        if not 1 <= readers <= 64:
+            raise ValueError(f"readers must be in 1..64, got {readers}")
+        cfg.readers = readers
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef uint8_t[::1] pv
         cdef const uint8_t *pp = NULL
@@ -629,7 +635,7 @@ cdef class CoreModel:
     def expert_cache_stats(self):
         """None without an expert cache; else a dict of numpy arrays: per-layer counters
         (hits, misses, loads, evictions, prefetch_issued, prefetch_used, prefetch_wasted,
-        prefetch_late, bytes_read, stall_ns, reader_loads: int64 [n_layer]) and per expert ([n_layer,
+        prefetch_late, bytes_read, stall_ns, reader_loads, prefetch_cancelled: int64 [n_layer]) and per expert ([n_layer,
         n_expert]) state (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections."""
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef int64_t L = hp.n_layer, E = hp.n_expert

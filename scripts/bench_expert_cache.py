@@ -8,8 +8,9 @@ as root) caps every engine at the same limit, the page cache is dropped before e
 each engine runs in a fresh child process placed in the group:
 
 - colibri cache: its defaults under the limit (O_DIRECT into slots on 2 MiB pages, with
-                 prefetch), and the same budget with one thing changed: no prefetch, pread,
-                 mmap + madvise, slots on 4 KiB pages
+                 prefetch, 4 reader threads), and the same budget with one thing changed: no
+                 prefetch, io_uring (uring), 1 reader, 8 readers, pread, mmap + madvise,
+                 slots on 4 KiB pages
 - colibri mmap:  every expert mapped, the kernel decides what stays ("trust the OS")
 - llama.cpp:     mmap, the way llama-cpp-python loads a GGUF
 - resident:      Colibri with no limit and a warm page cache (the compute floor)
@@ -184,6 +185,8 @@ def child(args: argparse.Namespace) -> int:
         xc = ExpertCacheConfig(expert_cache_size=args.size, expert_load=args.load,
                                expert_prefetch=args.prefetch, expert_pin=False,
                                expert_huge_pages=args.huge)
+        if args.readers is not None:
+            xc.expert_readers = args.readers
         mon = start_expert_cache(m, Path(args.child_model), xc, 0)
         load_s = time.perf_counter() - t_load
         if args.warm:
@@ -209,7 +212,8 @@ def child(args: argparse.Namespace) -> int:
 
 def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | None,
           size: int | None = None, load: str = "auto", prefetch: bool = True,
-          warm: bool = False, huge: bool = True, repack: bool = True) -> dict[str, Any]:
+          warm: bool = False, huge: bool = True, repack: bool = True,
+          readers: int | None = None) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine,
            "--child-model", str(model), "--threads", str(args.threads), "--vocab",
            str(args.vocab), "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens",
@@ -222,6 +226,8 @@ def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | Non
         cmd.append("--warm")
     if not huge:
         cmd.append("--no-huge")
+    if readers is not None:
+        cmd += ["--readers", str(readers)]
     if cgroup is not None:
         cmd += ["--cgroup", str(cgroup)]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", COLIBRI_REPACK="1" if repack else "0")
@@ -262,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=argparse.SUPPRESS)
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-huge", dest="huge", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument("--readers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import compare_llamacpp as cl
 
@@ -346,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
             "colibri cache (defaults)": dict(engine="colibri", model=model),
             "colibri cache, no prefetch": dict(engine="colibri", model=model, size=per_layer,
                                                prefetch=False),
+            "colibri cache, uring": dict(engine="colibri", model=model, size=per_layer,
+                                         load="uring"),
+            "colibri cache, 1 reader": dict(engine="colibri", model=model, size=per_layer,
+                                            readers=1),
+            "colibri cache, 8 readers": dict(engine="colibri", model=model, size=per_layer,
+                                             readers=8),
             "colibri cache, pread": dict(engine="colibri", model=model, size=per_layer,
                                          load="pread"),
             "colibri cache, mmap+madvise": dict(engine="colibri", model=model,

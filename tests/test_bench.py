@@ -184,7 +184,7 @@ def test_bench_reports_the_expert_cache(tiny: dict[str, Path],
     off = json.loads(capsys.readouterr().out)
     assert off["expert_cache"]["enabled"] is False
     assert main([*args, "--json", "--expert-cache-size", "2", "--no-expert-prefetch",
-                 "--expert-load", "pread"]) == 0
+                 "--expert-load", "pread", "--expert-readers", "2"]) == 0
     r = json.loads(capsys.readouterr().out)
     xc = r["expert_cache"]
     assert xc["enabled"] is True and xc["slots_per_layer"] == 2
@@ -194,7 +194,7 @@ def test_bench_reports_the_expert_cache(tiny: dict[str, Path],
     assert len(xc["hit_rate_per_layer"]) == LAYERS
     assert xc["bytes_read"] == xc["loads"] * xc["expert_bytes"]  # pread reads just the span
     assert xc["resident_bytes"] <= xc["budget_bytes"] == 2 * LAYERS * xc["expert_bytes"]
-    assert xc["prefetch_issued"] == 0
+    assert xc["prefetch_issued"] == 0 and xc["prefetch_cancelled"] == 0
     assert main([*args, "--expert-cache-size", "2"]) == 0
     assert "expert cache   2 of" in capsys.readouterr().out
     assert main([*args, "--expert-cache-size", "1"]) == 2

@@ -3,13 +3,14 @@
 The reference is the same model with every expert resident (read through its mappings): at
 every budget, load mode and prefetch setting, logits must be bit-identical, for single
 decodes and for batches whose experts do not fit in one wave. Also: the budget holds after
-every step, pinned experts stay, counters add up, the prefetch thread stops cleanly, a file
-cut short under a running cache fails the call with the file's name, and the start-up plan
-refuses budgets below one layer's top-k.
+every step, pinned experts stay, counters add up, the reader pool stops cleanly (also with
+reads in flight), a file cut short under a running cache fails the call with the file's name,
+and the start-up plan refuses budgets below one layer's top-k.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -110,6 +111,93 @@ def test_every_budget_gives_the_resident_output(demo_dir: Path, demo_ref: tuple,
         assert st["evictions"].sum() > 0
 
 
+def _evict_page_cache(path: Path) -> None:
+    """Asks the kernel to drop the expert files' pages from the page cache (clean pages, no
+    root needed), so that buffered misses need the storage and go to the reader threads."""
+    for f in path.glob("experts/*.bin"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# any number of reads in flight, in any order of arrival, gives the same bits
+@pytest.mark.parametrize("readers", [1, 2, 4])
+@pytest.mark.parametrize("load", ["pread", "direct", "uring", "mmap"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_reader_pool_sizes_give_the_resident_output(demo_dir: Path, demo_ref: tuple,
+                                                    readers: int, load: str,
+                                                    prefetch: bool) -> None:
+    if load in ("direct", "uring") and not _direct_ok(demo_dir):
+        pytest.skip("this file system refuses O_DIRECT (tmpfs); pread and mmap still run")
+    cfg = Model.load(demo_dir).config
+    k, e = cfg.n_expert_used, cfg.n_expert
+    for per_layer in (k, e // 4):  # the minimum (a wave per token's experts), a quarter
+        _evict_page_cache(demo_dir)
+        m = _cached(demo_dir, per_layer, load=load, prefetch=prefetch, readers=readers,
+                    huge_pages=True)
+        tokens, logits = _decode(m)
+        assert tokens == demo_ref[0]
+        for a, b in zip(logits, demo_ref[1], strict=True):
+            assert np.array_equal(a, b)
+        st = m.core.expert_cache_stats()
+        assert st is not None
+        assert ((st["state"] >= 1).sum(axis=1) <= per_layer).all()
+        assert (st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]).all()
+        if not prefetch:
+            assert st["prefetch_issued"].sum() == 0 and st["prefetch_cancelled"].sum() == 0
+        if load in ("direct", "uring"):  # O_DIRECT misses need the storage: all on readers
+            assert st["reader_loads"].sum() == st["misses"].sum() - st["prefetch_late"].sum()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_freed_with_reads_in_flight_leaves_no_thread_or_file(demo_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """A read error ends the forward call while the rest of its wave is still being read (a
+    layer hands all its misses to the readers at once): freeing the model right then waits for
+    those reads, joins every reader and closes every expert file it opened; nothing hangs and
+    nothing is left behind. The same straight after a call that queued prefetches."""
+    copy = tmp_path / "m"
+    shutil.copytree(demo_dir, copy)
+    Model.load(copy, n_seq=1)  # what a first load starts for the whole process stays
+    gc.collect()
+    fds, threads = _open_fds(), _threads()
+    for readers in (1, 4):
+        _evict_page_cache(copy)
+        m = Model.load(copy, n_seq=1)
+        loaded = _threads()
+        m.core.enable_expert_cache(16, load="pread", prefetch=True, readers=readers)
+        assert _threads() == loaded + readers
+        _decode(m, 1)
+        del m
+        gc.collect()
+        assert (_open_fds(), _threads()) == (fds, threads)
+    # half the files cut short under the running cache: each wave's reads mix failures and
+    # good reads
+    for readers in (1, 4):
+        shutil.rmtree(copy)
+        shutil.copytree(demo_dir, copy)
+        m = _cached(copy, 16, load="pread", prefetch=True, readers=readers)
+        for f in sorted((copy / "experts").glob("*.bin"))[::2]:
+            os.truncate(f, 64)
+        _evict_page_cache(copy)
+        with pytest.raises(WeightFileChangedError, match=r"experts/layer_\d+_expert_\d+\.bin"):
+            _decode(m, 4)
+        with pytest.raises(ModelFaultError, match="is shorter than when the model was loaded"):
+            _decode(m, 1)  # the model marked itself unhealthy
+        del m
+        gc.collect()
+        assert (_open_fds(), _threads()) == (fds, threads)
+
+
 def _direct_ok(path: Path) -> bool:
     try:
         fd = os.open(next(path.glob("experts/*.bin")), os.O_RDONLY | os.O_DIRECT)
@@ -200,6 +288,9 @@ def test_too_many_pinned_and_bad_configs_are_refused(demo_dir: Path) -> None:
         m.core.enable_expert_cache(0)
     with pytest.raises(ValueError, match="load mode"):
         m.core.enable_expert_cache(8, load="tape")
+    for readers in (0, 65):
+        with pytest.raises(ValueError, match="readers must be in 1..64"):
+            m.core.enable_expert_cache(8, readers=readers)
     m.core.enable_expert_cache(8)
     with pytest.raises(ValueError, match="already enabled"):
         m.core.enable_expert_cache(8)
@@ -229,9 +320,10 @@ def test_counters_of_one_chunk(demo_dir: Path) -> None:
 
 def test_misses_memory_holds_are_copied_without_the_reader(demo_dir: Path) -> None:
     """A miss whose expert the page cache holds, in a file already open, is copied on the
-    forward's own thread (no hand-off, so no thread switch per miss); only reads that need the
-    storage, or a file's first open, go to the reader thread, whose wait is bounded. O_DIRECT
-    bypasses the page cache: every miss goes to the reader there."""
+    forward's own thread (no read waits on a reader; only the repack into the slot's layout is
+    left to one); only reads that need the storage, or a file's first open, go to the reader
+    threads, whose wait is bounded. O_DIRECT bypasses the page cache: every miss goes to the
+    readers there."""
     for f in demo_dir.glob("experts/*.bin"):  # into the page cache
         f.read_bytes()
     cfg = Model.load(demo_dir).config
@@ -249,20 +341,27 @@ def test_misses_memory_holds_are_copied_without_the_reader(demo_dir: Path) -> No
         assert by_reader == (0 if load == "pread" else misses), load
 
 
-def test_truncated_expert_file_fails_the_call_and_names_it(demo_dir: Path,
-                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize("load, readers", [("pread", 4), ("pread", 1), ("direct", 2),
+                                           ("uring", 2)])
+def test_truncated_expert_file_fails_the_call_and_names_it(demo_dir: Path, tmp_path: Path,
+                                                           load: str, readers: int) -> None:
+    """A read error on a reader fails the forward call that waits for it, names the file, and
+    every later call fails the same way."""
     copy = tmp_path / "m"
     shutil.copytree(demo_dir, copy)
+    if load in ("direct", "uring") and not _direct_ok(copy):
+        pytest.skip("this file system refuses O_DIRECT (tmpfs)")
     m = Model.load(copy, n_seq=1)
-    m.core.enable_expert_cache(8, prefetch=True)
+    m.core.enable_expert_cache(8, prefetch=True, load=load, readers=readers)
     _decode(m, 2)  # warm
+    _evict_page_cache(copy)
     for f in (copy / "experts").glob("*.bin"):
         os.truncate(f, 64)
     with pytest.raises(WeightFileChangedError, match=r"experts/layer_\d+_expert_\d+\.bin"):
         _decode(m, 8)
     with pytest.raises(ModelFaultError, match="is shorter than when the model was loaded"):
         _decode(m, 1)  # and every later call: the model marked itself unhealthy
-    del m  # joins the prefetch thread: must not hang or crash
+    del m  # joins the readers: must not hang or crash
 
 
 def test_truncated_expert_file_at_load_is_a_clean_error(demo_dir: Path,

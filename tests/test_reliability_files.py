@@ -210,8 +210,7 @@ def test_expert_files_swapped_after_they_were_opened_are_read_as_opened(model_co
                                                                          tmp_path: Path) -> None:
     """The expert cache keeps the files its demand loads opened: swapping them for FIFOs
     afterwards blocks nothing, and a request that needs only those experts answers the same
-    text. (The prefetch thread opens a file for each read: it is off so that the second request
-    reads only what the first one opened.)"""
+    text. (Prefetch is off so that the second request reads only what the first one opened.)"""
     n_expert = json.loads((model_copy / "config.json").read_text())["n_expert"]
     srv = SubprocessServer(model_copy, tmp_path / "run", "--expert-cache-size",
                            str(n_expert // 2), "--expert-load", "pread", "--no-expert-pin",

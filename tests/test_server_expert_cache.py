@@ -124,6 +124,16 @@ def test_shape_and_counters_with_12_slots(server: InProcessServer) -> None:
     later = httpx.get(server.url + "/v1/expert_cache", headers=_auth()).json()["totals"]
     assert later["hits"] + later["misses"] > t["hits"] + t["misses"]
     assert later["bytes_read"] >= t["bytes_read"]
+    # /metrics exports the same counters per layer, the prefetches' fate included
+    from colibri.app.metrics import parse_metrics
+
+    samples = parse_metrics(httpx.get(server.url + "/metrics", headers=_auth()).text)
+    for key in ("prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_cancelled",
+                "reader_loads", "misses"):
+        per_layer = [v for k, v in samples.items()
+                     if k.startswith(f"colibri_expert_cache_{key}_total{{layer=")]
+        assert len(per_layer) == 4 and sum(per_layer) == later[key], key
+    assert later["prefetch_used"] + later["prefetch_wasted"] <= later["prefetch_issued"]
 
 
 def test_in_openapi_schema(server: InProcessServer) -> None:

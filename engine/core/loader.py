@@ -302,12 +302,14 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
         model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.expert_prefetch,
                                        huge_pages=xc.expert_huge_pages,
                                        prefetch_window=xc.prefetch_window, pinned=pinned,
-                                       read_timeout_s=xc.expert_read_timeout_s)
+                                       read_timeout_s=xc.expert_read_timeout_s,
+                                       readers=xc.expert_readers)
         pages = "" if load == "mmap" else (", slots on 2 MiB pages where granted"
                                            if xc.expert_huge_pages else ", slots on 4 KiB pages")
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
-                 "load %s%s, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
+                 "load %s%s, %d readers, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
                  plan.budget_bytes / 1e6, n_moe * cfg.n_expert * plan.expert_bytes / 1e6,
-                 plan.reason, load, pages, "on" if xc.expert_prefetch else "off",
+                 plan.reason, load, pages, xc.expert_readers,
+                 "on" if xc.expert_prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
     return ExpertCacheMonitor(model.core, plan, folder)

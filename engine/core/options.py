@@ -233,11 +233,13 @@ OPTIONS: tuple[Option, ...] = (
            metavar="TOKENS"),
     Option("expert_load", str, "auto", "how missing experts are read", _XC,
            commands=_SERVE_ENGINE, engine_env=True, choices=LOAD_MODES,
-           note="direct: O_DIRECT reads into the slots, past the page cache; pread: into the "
-                "slots, through the page cache; mmap: madvise on the mapped files; auto: "
-                "direct where the file system allows it, else pread."),
-    Option("expert_prefetch", bool, True, "a thread reads ahead the experts the next layer's "
-           "router predicts while a layer computes", _XC, commands=_SERVE_ENGINE,
+           note="direct: O_DIRECT reads into the slots, past the page cache; uring: the same, "
+                "each reader splitting its read into chunks that are all in flight at once "
+                "through its own io_uring (Linux 5.6 or later); pread: into the slots, "
+                "through the page cache; mmap: madvise on the mapped files; auto: direct "
+                "where the file system allows it, else pread."),
+    Option("expert_prefetch", bool, True, "the reader threads read ahead the experts the next "
+           "layer's router predicts while a layer computes", _XC, commands=_SERVE_ENGINE,
            engine_env=True),
     Option("expert_pin", bool, True, "pin each layer's most used experts, learned from earlier "
            "runs (expert_routing.json next to the model)", _XC, commands=_SERVE_ENGINE,
@@ -245,6 +247,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("expert_huge_pages", bool, True, "2 MiB transparent huge pages on the expert slots, "
            "where the system grants them", _XC, commands=_SERVE_ENGINE, engine_env=True,
            note="O_DIRECT reads into 2 MiB pages run faster than into 4 KiB pages."),
+    Option("expert_readers", int, 4, "threads that read missing experts in parallel, the "
+           "prefetches included", _XC, commands=_SERVE_ENGINE, engine_env=True, ge=1, le=64,
+           note="A layer hands all the reads of its missing experts to them at once, so that "
+                "many are in flight: storage that answers several reads together (NVMe, most "
+                "virtual disks) reads faster with more; one reads one expert at a time.",
+           metavar="N"),
     Option("expert_read_timeout_s", float, 30.0, "seconds one expert read may take before the "
            "model is marked failed", _XC, commands=_SERVE_ENGINE, engine_env=True, gt=0,
            le=86400,
@@ -412,11 +420,12 @@ class ExpertCacheConfig:
     prefetch_window: int = default("prefetch_window")  # tokens of routing history: heat
     # auto (direct where the file system allows it, else pread) | direct | pread | mmap
     expert_load: str = default("expert_load")
-    expert_prefetch: bool = default("expert_prefetch")  # pre-gating prefetch thread
+    expert_prefetch: bool = default("expert_prefetch")  # pre-gating prefetch
     expert_pin: bool = default("expert_pin")  # pin the hot set learned from earlier runs
     expert_huge_pages: bool = default("expert_huge_pages")  # 2 MiB pages on the slots
     # one read past this fails the model instead of hanging the step
     expert_read_timeout_s: float = default("expert_read_timeout_s")
+    expert_readers: int = default("expert_readers")  # reader threads, reads in flight
 
     @classmethod
     def from_env(cls) -> ExpertCacheConfig:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the options live above the executor, in engine.core.options
 log = logging.getLogger("colibri.engine")
 
 ROUTING_FILE = "expert_routing.json"
-LOAD_MODES = ("auto", "direct", "pread", "mmap")
+LOAD_MODES = ("auto", "direct", "pread", "mmap", "uring")
 # left free when the budget comes from free memory: for Python, the server and the page cache
 MARGIN_BYTES = 256 << 20
 MIN_MARGIN_BYTES = 32 << 20
