@@ -120,6 +120,11 @@ typedef struct {
                                   sliding_window is 0) */
 
     const int32_t *layer_mixer; /* [n_layer] clb_mixer_kind; NULL: every layer CLB_MIX_ATTN */
+    int32_t mtp_input;     /* a multi-token-prediction layer (DeepSeek-V3, GLM-4.5): its input is
+                              mtp_eh_proj @ [rmsnorm(embed(token), mtp_enorm);
+                              rmsnorm(h, mtp_hnorm)], h being clb_batch.hidden_in (the main
+                              model's output after its final norm, or this layer's own before
+                              it); the embedding half is zero at position 0, as vLLM's */
 } clb_hparams;
 
 /* One weight file mapped read-only. */
@@ -215,6 +220,12 @@ typedef struct {
                                     experts each token chose in each layer, in rank order */
     const int32_t *state_slots;  /* [n_seq] each sequence's recurrent-state slot: needed by a
                                     model with linear-attention layers, ignored otherwise */
+    const float *hidden_in;      /* [n_tokens, n_embd]: needed by an mtp_input model (each
+                                    token's previous hidden state), ignored otherwise */
+    float *hidden_out;           /* [n_tokens, n_embd] or NULL: receives every token's hidden
+                                    state after the last layer, before the final norm, or after
+                                    it with hidden_out_normed */
+    int32_t hidden_out_normed;
 } clb_batch;
 
 /* One forward step over a batch of tokens. Token i (sequence s = seq_ids[i], position

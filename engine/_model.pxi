@@ -56,6 +56,7 @@ cdef extern from "clb_model.h" nogil:
         const int32_t *layer_ffn
         const int32_t *layer_attn
         const int32_t *layer_mixer
+        int32_t mtp_input
 
     ctypedef struct clb_tensor:
         const char name[64]
@@ -123,6 +124,9 @@ cdef extern from "clb_model.h" nogil:
         const int32_t *block_tables
         int32_t *routes
         const int32_t *state_slots
+        const float *hidden_in
+        float *hidden_out
+        int32_t hidden_out_normed
 
     ctypedef struct clb_xc_config:
         int64_t per_layer
@@ -253,6 +257,7 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.lin_k_dim = hparams["lin_k_dim"]
     hp.lin_v_dim = hparams["lin_v_dim"]
     hp.lin_conv = hparams["lin_conv"]
+    hp.mtp_input = 1 if hparams.get("mtp_input") else 0  # optional: only MTP layers set it
     cdef int32_t[::1] mixers
     cdef float[::1] freqs
     cdef int32_t[::1] kinds
@@ -610,7 +615,8 @@ cdef class CoreModel:
         return out
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
-                block_tables, routes=None, state_slots=None):
+                block_tables, routes=None, state_slots=None, hidden_in=None, hidden_out=None,
+                hidden_normed=False):
         """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
 
         tokens, seq_ids, positions: int32 [T] (other integer arrays are converted when their
@@ -622,6 +628,10 @@ cdef class CoreModel:
         routes: None, or an int32 array [T, n_layer, n_expert_used] (C-contiguous) that
         receives the experts each token chose in each layer. state_slots: None, or int32
         [n_seq]: each sequence's recurrent-state slot (models with linear attention).
+        hidden_in: float32 [T, n_embd] (C-contiguous), each token's previous hidden state: needed
+        by a multi-token-prediction layer (mtp_input), ignored otherwise. hidden_out: None, or
+        a float32 array [T, n_embd] that receives every token's hidden state after the last
+        layer: before the final norm, or after it with hidden_normed.
         """
         if kv.model is not self:
             raise ValueError("this KV cache belongs to another model")
@@ -661,6 +671,29 @@ cdef class CoreModel:
         b.block_tables = &tb[0, 0]
         b.routes = NULL
         b.state_slots = NULL
+        b.hidden_in = NULL
+        b.hidden_out = NULL
+        b.hidden_out_normed = 1 if hidden_normed else 0
+        cdef int64_t D = clb_model_hparams(self.m).n_embd
+        cdef const float[:, ::1] hiv
+        cdef float[:, ::1] hov
+        if hidden_in is not None:
+            if (not isinstance(hidden_in, np.ndarray) or hidden_in.dtype != np.float32
+                    or hidden_in.shape != (n, D)):
+                raise InputError(f"hidden_in must be a float32 array of shape ({n}, {D})")
+            hiv = np.ascontiguousarray(hidden_in)
+            if n > 0:
+                b.hidden_in = &hiv[0, 0]
+        elif clb_model_hparams(self.m).mtp_input:
+            raise InputError("a multi-token-prediction layer needs hidden_in")
+        if hidden_out is not None:
+            if (not isinstance(hidden_out, np.ndarray) or hidden_out.dtype != np.float32
+                    or hidden_out.shape != (n, D) or not hidden_out.flags.c_contiguous):
+                raise InputError(f"hidden_out must be a C-contiguous float32 array of shape "
+                                 f"({n}, {D})")
+            hov = hidden_out
+            if n > 0:
+                b.hidden_out = &hov[0, 0]
         cdef int32_t[::1] sl
         if state_slots is not None:
             sl = _as_i32(state_slots, "state_slots")

@@ -246,7 +246,10 @@ class Model:
     def forward_paged(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                       block_tables: np.ndarray, want_logits: np.ndarray | None = None,
                       routes: np.ndarray | None = None,
-                      state_slots: np.ndarray | None = None) -> np.ndarray:
+                      state_slots: np.ndarray | None = None,
+                      hidden_in: np.ndarray | None = None,
+                      hidden_out: np.ndarray | None = None,
+                      hidden_normed: bool = False) -> np.ndarray:
         """The raw paged step for a scheduler that owns block allocation and lengths.
 
         Token i of sequence seq_ids[i] (a row of block_tables, int32 [n_seq, max_blocks],
@@ -259,11 +262,16 @@ class Model:
         routes: as in `forward`. state_slots (models with linear-attention layers): int32
         [n_seq], each sequence's recurrent-state slot; a sequence starting at position 0
         starts a fresh state, any other start must continue its slot's state exactly.
+        hidden_in (a multi-token-prediction layer): float32 [T, n_embd], each token's previous
+        hidden state; hidden_out: None or float32 [T, n_embd] that receives every token's
+        hidden state after the last layer, before the final norm (after it with
+        hidden_normed: what the lm_head reads).
         """
         tok = _i32(tokens, "tokens")
         self._check_tokens(tok)
         return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables,
-                                  routes=routes, state_slots=state_slots)
+                                  routes=routes, state_slots=state_slots, hidden_in=hidden_in,
+                                  hidden_out=hidden_out, hidden_normed=hidden_normed)
 
     @property
     def _slot_states(self) -> np.ndarray | None:
@@ -271,12 +279,12 @@ class Model:
         return np.arange(max(self.n_seq, 1), dtype=np.int32) if self.config.hybrid else None
 
     def _core_forward(self, *args: Any, routes: np.ndarray | None = None,
-                      state_slots: np.ndarray | None = None) -> np.ndarray:
+                      state_slots: np.ndarray | None = None, **hidden: Any) -> np.ndarray:
         """core.forward, refusing a faulty model and marking one that turns faulty."""
         if self.fault is not None:
             raise ModelFaultError(self.fault)
         try:
-            out = self.core.forward(*args, routes=routes, state_slots=state_slots)
+            out = self.core.forward(*args, routes=routes, state_slots=state_slots, **hidden)
         except (WeightFileChangedError, StorageStalledError) as e:
             self._mark_faulty(str(e))
             raise
