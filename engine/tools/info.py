@@ -37,7 +37,11 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
     bytes_by_type: dict[str, int] = {}
     params_total = params_expert = params_shared = 0
     experts_per_layer: dict[int, int] = {}
+    mtp = cfg.get("mtp") or ""
+    params_mtp = 0
     for name in sorted(files):
+        if not name.endswith(".bin"):
+            continue
         wf = read_wfile(model_dir / name)
         n = 0
         for t in wf.tensors.values():
@@ -46,6 +50,9 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
                 numel *= d
             n += numel
             bytes_by_type[t.type_name] = bytes_by_type.get(t.type_name, 0) + t.nbytes
+        if mtp and name.startswith(f"{mtp}/"):  # drafts only: not part of a decode step
+            params_mtp += n
+            continue
         params_total += n
         if name.startswith("shared/"):
             params_shared += n
@@ -72,6 +79,7 @@ def describe(model_dir: str | Path) -> dict[str, Any]:
         "layer_mixer": list(cfg.get("layer_mixer") or ["attention"] * int(cfg["n_layer"])),
         "experts_per_layer": [experts_per_layer.get(i, 0) for i in range(int(cfg["n_layer"]))],
         "n_files": len(files),
+        "mtp": {"folder": mtp, "params": params_mtp} if mtp else None,
         "tokenizer": (model_dir / "tokenizer.json").is_file(),
     }
 
@@ -140,4 +148,8 @@ def render(d: dict[str, Any]) -> str:
         "experts/layer " + " ".join(str(n) for n in d["experts_per_layer"]),
         f"tokenizer     {'tokenizer.json' if d['tokenizer'] else 'missing'}",
     ]
+    if d.get("mtp"):
+        lines.append(f"MTP layers    1 multi-token-prediction layer in {d['mtp']['folder']}/ "
+                     f"({_count(d['mtp']['params'])} parameters): drafts for "
+                     f"--speculative mtp")
     return "\n".join(lines)
