@@ -231,7 +231,9 @@ OPTIONS: tuple[Option, ...] = (
     # -- speculative decoding -------------------------------------------------------------
     Option("speculative", str, "off", "draft tokens and verify them together in one step: "
            "ngram drafts by prompt lookup (what followed the sequence's last tokens earlier in "
-           "its prompt and output); off decodes one token per step", _SPEC,
+           "its prompt and output); mtp drafts with the model's own multi-token-prediction "
+           "layer (DeepSeek-V3, GLM-4.5 checkpoints that ship one); off decodes one token per "
+           "step", _SPEC,
            commands=("serve", "generate", "bench"), choices=SPECULATIVE_METHODS,
            note="Greedy requests (temperature 0) keep a draft only where it is the model's "
                 "own choice, so their output is the same token for token; sampled ones keep it "
