@@ -365,3 +365,19 @@ def test_converted_folder_keeps_the_mtp_layer(ckpts: dict[str, Path],
     (folder / "mtp" / "attention" / "layer_0.bin").write_bytes(b"broken")
     with pytest.raises(ValueError, match="mtp/attention/layer_0.bin"):
         verify(folder)
+
+
+def test_bench_speculative_mtp(converted: dict[str, Path],
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`colibri bench --speculative mtp` runs the step engine with and without MTP drafts
+    (the same greedy tokens both ways, else the bench fails) and reports the counters."""
+    from colibri.engine.tools.cli import main
+
+    args = ["bench", "--model", str(converted["glm4_moe"]), "--prompt-tokens", "12",
+            "--gen-tokens", "24", "--threads", "2", "--repeat", "2", "--probe-mib", "4",
+            "--speculative", "mtp", "--num-speculative-tokens", "3", "--json"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)["speculative"]
+    assert (r["method"], r["num_speculative_tokens"]) == ("mtp", 3)
+    assert r["drafts"] > 0 and r["drafts"] <= r["draft_tokens"] <= 3 * r["drafts"]
+    assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
