@@ -241,17 +241,61 @@ def _llm(hf: Path, **cfg: Any) -> Any:
     return LLM(hf, threads=2, quant="f32", n_ctx=N_CTX, config=EngineConfig(**cfg))
 
 
-def _watch_drafts(core: Any) -> list[tuple[list[int], int]]:
-    """Each step's MTP drafts with the token they follow, as the engine proposes them."""
-    seen: list[tuple[list[int], int]] = []
+def _watch_drafts(core: Any) -> list[tuple[list[int], list[int]]]:
+    """Each step's MTP drafts with the tokens they follow, as the engine proposes them."""
+    seen: list[tuple[list[int], list[int]]] = []
     propose = core._mtp_propose
 
     def watched(mtp: Any) -> None:
         propose(mtp)
-        seen.extend((list(r.drafts), r.tokens[-1]) for r in core.scheduler.running if r.drafts)
+        seen.extend((list(r.drafts), list(r.tokens)) for r in core.scheduler.running
+                    if r.drafts)
 
     core._mtp_propose = watched
     return seen
+
+
+@pytest.mark.parametrize("arch", MTP_ARCHS)
+def test_engine_drafts_are_the_reference_layers_chained_drafts(ckpts: dict[str, Path],
+                                                               arch: str) -> None:
+    """Four requests decoding together with k = 4: at every step each request's first draft
+    is what the torch reference layer gives over its tokens so far (every position from the
+    main model's outputs), and at its first steps the chained drafts are the reference's
+    chained on its own hidden state and drafts; each draft a largest reference logit within
+    1e-4: the catch-up, the chained positions and the scratch blocks hold the right rows."""
+    import torch
+
+    llm = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=4)
+    prompts = [_ids(llm, p) for p in PROMPTS]
+    seen = _watch_drafts(llm.core)
+    _run(llm, prompts, _params(max_tokens=12))
+    assert len(seen) >= 4 * 10
+    hf = hf_model(ckpts[arch])
+    captured: list[Any] = []
+    hf.model.norm.register_forward_hook(lambda _m, _a, out: captured.append(out))
+    ref = MtpReference(ckpts[arch], arch)
+
+    def is_top(logits: np.ndarray, d: int) -> bool:
+        return bool(logits[d] >= logits.max() - TOL * np.abs(logits).max())
+
+    for prompt in prompts:
+        mine = [(d, t) for d, t in seen if t[:len(prompt)] == prompt]
+        assert len(mine) >= 10
+        full = max((t for _, t in mine), key=len)
+        with torch.no_grad():  # causal: one pass gives every prefix's rows
+            hf(torch.tensor([full[:-1]]))
+        x_full = ref.inputs(full[1:], captured[-1][0], 0)
+        first, _ = ref.run(x_full)
+        for n_step, (drafts, tokens) in enumerate(mine):
+            c = len(tokens) - 1
+            assert is_top(first[c - 1], drafts[0]), (prompt, c)
+            if n_step >= 2:
+                continue
+            x = x_full[:c]
+            for d in drafts:
+                logits, h = ref.run(x)
+                assert is_top(logits[-1], d), (prompt, c, drafts)
+                x = torch.cat([x, ref.inputs([d], torch.from_numpy(h[-1:]), len(x))])
 
 
 @pytest.mark.parametrize("arch", [*MTP_ARCHS, *(f"{a}_rep" for a in MTP_ARCHS)])

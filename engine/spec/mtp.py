@@ -129,28 +129,33 @@ class MtpDrafter:
     def _chain(self, chains: list[tuple[Any, np.ndarray, list[int]]], budgets: dict[int, int],
                drafts: dict[int, list[int]]) -> None:
         """Draft j + 1 of each chain from draft j and the layer's own hidden state, at the
-        position after the last; scratch blocks stand in past a sequence's own."""
+        position after the last; scratch blocks stand in past a sequence's own. Chain c keeps
+        scratch set c % n_sets throughout (its earlier chained rows are read from there), and
+        the chains sharing a set take turns: one call per n_sets chains."""
+        hidden = {c: h for c, (_, h, _) in enumerate(chains)}
         j = 1
-        while chains:
-            going: list[tuple[Any, np.ndarray, list[int]]] = []
+        while hidden:
             for g in range(0, len(chains), self.n_sets):
-                group = chains[g:g + self.n_sets]
-                n = len(group)
-                tokens = np.array([drafts[id(r)][-1] for r, _, _ in group], np.int32)
-                positions = np.array([r.num_computed - 1 + j for r, _, _ in group], np.int32)
-                hidden_in = np.stack([h for _, h, _ in group]).astype(np.float32, copy=False)
-                tables = [self._with_scratch(t, int(p), i)
-                          for i, ((_, _, t), p) in enumerate(zip(group, positions, strict=True))]
+                group = [c for c in range(g, min(g + self.n_sets, len(chains))) if c in hidden]
+                if not group:
+                    continue
+                reqs = [chains[c][0] for c in group]
+                tokens = np.array([drafts[id(r)][-1] for r in reqs], np.int32)
+                positions = np.array([r.num_computed - 1 + j for r in reqs], np.int32)
+                hidden_in = np.stack([hidden[c] for c in group]).astype(np.float32, copy=False)
+                tables = [self._with_scratch(chains[c][2], int(p), c - g)
+                          for c, p in zip(group, positions, strict=True)]
                 hidden_out = np.empty_like(hidden_in)
-                logits = self.layer.forward_paged(tokens, np.arange(n, dtype=np.int32),
+                logits = self.layer.forward_paged(tokens, np.arange(len(group), dtype=np.int32),
                                                   positions, _table_rows(tables), None,
                                                   hidden_in=hidden_in, hidden_out=hidden_out)
-                for i, (req, _, table) in enumerate(group):
+                for i, (c, req) in enumerate(zip(group, reqs, strict=True)):
                     d = drafts[id(req)]
                     d.append(int(np.argmax(logits[i])))
                     if len(d) < budgets[id(req)]:
-                        going.append((req, hidden_out[i], table))
-            chains = going
+                        hidden[c] = hidden_out[i]
+                    else:
+                        del hidden[c]
             j += 1
 
     def _with_scratch(self, table: list[int], position: int, slot: int) -> list[int]:
