@@ -255,6 +255,7 @@ def _watch_drafts(core: Any) -> list[tuple[list[int], list[int]]]:
     return seen
 
 
+@pytest.mark.slow  # a torch reference run per checked draft
 @pytest.mark.parametrize("arch", MTP_ARCHS)
 def test_engine_drafts_are_the_reference_layers_chained_drafts(ckpts: dict[str, Path],
                                                                arch: str) -> None:
