@@ -24,9 +24,12 @@ from colibri.app.settings import Settings
 
 log = logging.getLogger("colibri.app")
 
-# Paths that need the API key when one is set; /health, /ready, /metrics and the page do not.
-# The API description is protected too: it tells a stranger what the server can be made to do.
-PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/openapi.json", "/docs")
+# Paths that need the API key when one is set; /health, /ready, /metrics, /get_load and the
+# page do not. The API description is protected too: it tells a stranger what the server can
+# be made to do; so are the routers' endpoints that generate, change state or describe it.
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/health_generate",
+             "/flush_cache", "/get_server_info", "/get_model_info", "/server_info",
+             "/model_info")
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 

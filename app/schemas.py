@@ -209,6 +209,45 @@ class ReadyStatus(BaseModel):
     model: str | None = None
 
 
+class LoadStatus(BaseModel):
+    """GET /get_load: the scheduler's sequences now (what routers balance on)."""
+
+    load: int = Field(description="running + waiting")
+    running: int = Field(description="sequences in the running batch")
+    waiting: int = Field(description="sequences waiting to be scheduled")
+    kv_cache_usage: float = Field(description="share of KV cache blocks in use (0-1)")
+
+
+class FlushCacheStatus(BaseModel):
+    status: Literal["flushed"]
+    blocks: int = Field(description="cached KV blocks forgotten")
+
+
+class ModelSummary(BaseModel):
+    """GET /get_model_info (sglang's fields, and the context length)."""
+
+    model_path: str = Field(description="the repo id or folder name the model was loaded as")
+    tokenizer_path: str
+    served_model_name: str
+    is_generation: bool
+    max_model_len: int
+    max_request_tokens: int
+    vocab_size: int
+
+
+class ServerSummary(BaseModel):
+    """GET /get_server_info: version, model and the limits a router may plan with."""
+
+    version: str
+    served_model_name: str
+    model_path: str
+    context_length: int
+    max_num_seqs: int
+    max_queue: int
+    max_num_batched_tokens: int
+    prefix_cache: bool
+
+
 class ExpertCachePoint(BaseModel):
     """One second of the recent history."""
 

@@ -28,6 +28,7 @@ from colibri.app.routes import (
     models,
     responses,
     tokenize,
+    workers,
 )
 from colibri.app.schemas import install_schema
 from colibri.app.serving import Serving
@@ -108,7 +109,8 @@ def create_app(settings: Settings, loader: Callable[[], EngineCore] | None = Non
     app.state.serving = Serving(state)
     install_error_handlers(app)
     paths: set[str] = set()
-    for module in (models, chat, completions, responses, messages, tokenize, experts, health):
+    for module in (models, chat, completions, responses, messages, tokenize, experts, health,
+                   workers):
         app.include_router(module.router)
         paths |= {getattr(r, "path", "") for r in module.router.routes}
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics,

@@ -1,55 +1,18 @@
 /* The gated DeltaNet state update (clb_linear.h) with 8-float AVX2 vectors over the value
- * dimension: each element gets the reference's multiply, then its add, in the same order
- * (no fused multiply-add), so results equal clb_delta_step_ref bit for bit; the last dv % 8
- * columns run the reference's scalar loop.
+ * dimension; the body is clb_delta_simd.h's, bit-equal to clb_delta_step_ref.
  * Refuses: nothing (the caller sized every array). */
 #include <immintrin.h>
 
 #include "clb_linear.h"
 
-void clb_delta_step_avx2(int64_t dk, int64_t dv, float *S, const float *q, const float *k,
-                         const float *v, float decay, float beta, float *out, float *tmp) {
-    const int64_t dv8 = dv - dv % 8;
-    const __m256 vdecay = _mm256_set1_ps(decay), vbeta = _mm256_set1_ps(beta);
-    for (int64_t j = 0; j < dv; j++) tmp[j] = 0.0f;
-    for (int64_t i = 0; i < dk; i++) {
-        float *row = S + i * dv;
-        const float ki = k[i];
-        const __m256 vk = _mm256_set1_ps(ki);
-        int64_t j = 0;
-        for (; j < dv8; j += 8) {
-            const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + j), vdecay);
-            _mm256_storeu_ps(row + j, r);
-            _mm256_storeu_ps(tmp + j, _mm256_add_ps(_mm256_loadu_ps(tmp + j), _mm256_mul_ps(r, vk)));
-        }
-        for (; j < dv; j++) {
-            row[j] = row[j] * decay;
-            tmp[j] = tmp[j] + row[j] * ki;
-        }
-    }
-    int64_t j = 0;
-    for (; j < dv8; j += 8) {
-        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(v + j), _mm256_loadu_ps(tmp + j));
-        _mm256_storeu_ps(tmp + j, _mm256_mul_ps(d, vbeta));
-        _mm256_storeu_ps(out + j, _mm256_setzero_ps());
-    }
-    for (; j < dv; j++) {
-        tmp[j] = (v[j] - tmp[j]) * beta;
-        out[j] = 0.0f;
-    }
-    for (int64_t i = 0; i < dk; i++) {
-        float *row = S + i * dv;
-        const float ki = k[i], qi = q[i];
-        const __m256 vk = _mm256_set1_ps(ki), vq = _mm256_set1_ps(qi);
-        int64_t c = 0;
-        for (; c < dv8; c += 8) {
-            const __m256 r = _mm256_add_ps(_mm256_loadu_ps(row + c), _mm256_mul_ps(vk, _mm256_loadu_ps(tmp + c)));
-            _mm256_storeu_ps(row + c, r);
-            _mm256_storeu_ps(out + c, _mm256_add_ps(_mm256_loadu_ps(out + c), _mm256_mul_ps(r, vq)));
-        }
-        for (; c < dv; c++) {
-            row[c] = row[c] + ki * tmp[c];
-            out[c] = out[c] + row[c] * qi;
-        }
-    }
-}
+#define CLB_DELTA_FN clb_delta_step_avx2
+#define CLB_DELTA_W 8
+#define CLB_DELTA_V __m256
+#define CLB_DELTA_SET1 _mm256_set1_ps
+#define CLB_DELTA_LOAD _mm256_loadu_ps
+#define CLB_DELTA_STORE _mm256_storeu_ps
+#define CLB_DELTA_MUL _mm256_mul_ps
+#define CLB_DELTA_ADD _mm256_add_ps
+#define CLB_DELTA_SUB _mm256_sub_ps
+#define CLB_DELTA_ZERO _mm256_setzero_ps
+#include "clb_delta_simd.h"

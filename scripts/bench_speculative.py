@@ -1,16 +1,24 @@
-"""Single-stream greedy decode with and without speculative decoding (prompt lookup).
+"""Greedy decode with and without speculative decoding (prompt lookup), one stream and eight.
 
     python scripts/bench_speculative.py [--model DIR] [--quant q8] [--threads N]
-        [--gen-tokens 128] [--num-speculative-tokens 4] [--repeat 3] [--json]
+        [--gen-tokens 128] [--num-speculative-tokens 4] [--repeat 3] [--streams 1,8]
+        [--modes off,ngram,auto] [--json] [--out results/bench_speculative/DATE-NAME.json]
 
 Two workloads: an edit (the prompt holds a block of code the answer largely repeats) and free
-text (the answer repeats nothing it was given). For each, runs alternate off / ngram on one
-loaded model, through the step engine (scheduler, batched sampler, detokenizer), one request
-at a time, prefix cache off. Reports decode tok/s (from the first token to the last), the mean
-accepted length, and the expert weight bytes a decode step reads (timed products in C) with
-drafts against one token's: on a MoE model a verify step reads the union of its tokens'
-experts. The greedy tokens must be the same both ways (it stops if not). A benchmark, not a
-test; it prints the CPU model with the figures.
+text (the answer repeats nothing it was given); with several streams each gets its own variant
+(another identifier to rename, another subject). For each workload and stream count, runs
+alternate between the modes (off, ngram: always num_speculative_tokens drafts, auto: the cost
+model's k, oracle: num_speculative_tokens drafts that are the tokens the baseline run gave, so
+every draft is accepted; the ceiling of an edit the model copies perfectly, which neither the
+demo model nor a random-weight model does) on one loaded model, through the step engine
+(scheduler, batched sampler, detokenizer), prefix cache off. Reports decode tok/s of all
+streams together (from the step where the last stream got its first token to the end), the
+steps and how many verified drafts, the mean accepted length of the drafts per verify, the
+expert weight bytes (counted by the C products) of a step that verified drafts against a step
+of the baseline (on a MoE model a verify step reads the union of its tokens' experts), and the
+expert bytes per decoded token against the baseline's. The greedy tokens must be the same in
+every mode (it stops if not). A benchmark, not a test; it prints the CPU model with the
+figures.
 """
 
 from __future__ import annotations
@@ -48,11 +56,24 @@ def normalise(values):
     return [(x - lo) / (hi - lo) for x in values]
 '''
 
-WORKLOADS = {
-    "edit": ("Here is a Python module:\n\n" + CODE + "\nRewrite the whole module with the "
-             "parameter `values` renamed to `xs`. Reply with the code only."),
-    "free": "Write a short story about a hummingbird who wants to see the sea.",
-}
+RENAMES = [("values", "xs"), ("window", "width"), ("total", "acc"), ("out", "result"),
+           ("normalise", "rescale"), ("moving_average", "rolling_mean"), ("lo", "low"),
+           ("hi", "high")]
+SUBJECTS = ["a hummingbird who wants to see the sea", "a lighthouse keeper's last night",
+            "a robot learning to bake bread", "two rivers that meet", "a clock that runs late",
+            "a fox in a city library", "the first snow of the year", "a ship in a bottle"]
+
+
+def workload(name: str, i: int) -> str:
+    """Prompt i of a workload (stream i gets variant i)."""
+    if name == "edit":
+        old, new = RENAMES[i % len(RENAMES)]
+        return (f"Here is a Python module:\n\n{CODE}\nRewrite the whole module with `{old}` "
+                f"renamed to `{new}`. Reply with the code only.")
+    return f"Write a short story about {SUBJECTS[i % len(SUBJECTS)]}."
+
+
+WORKLOADS = ("edit", "free")
 EXPERT_PHASES = ("experts gate+up", "experts down")
 
 
@@ -68,29 +89,112 @@ def _expert_bytes(model: Any) -> int:
     return int(sum(st[p]["weight_bytes"] for p in EXPERT_PHASES if p in st))
 
 
-def decode_run(llm: Any, prompt: list[int], n_gen: int) -> dict[str, Any]:
-    """One greedy request alone: decode seconds, tokens, steps and expert bytes after the
-    first token (the prefill step excluded)."""
+class OracleDrafter:
+    """Drafts the tokens a baseline run gave after the same prompt (every one is accepted)."""
+
+    def __init__(self, prompt_len: int, answer: list[int]) -> None:
+        self.prompt_len, self.answer = prompt_len, answer
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        at = len(tokens) - self.prompt_len
+        return list(self.answer[at:at + k])
+
+
+def decode_run(llm: Any, prompts: list[list[int]], n_gen: int,
+               answers: list[list[int]] | None = None) -> dict[str, Any]:
+    """Greedy requests run together: decode seconds and tokens from the step in which the
+    last of them got its first token, steps and expert bytes of those steps. With answers,
+    each request drafts from its answer (OracleDrafter)."""
     from colibri.engine import SamplingParams
 
     core = llm.core
-    core.add_request("bench", prompt, SamplingParams(max_tokens=n_gen, temperature=0.0,
-                                                     ignore_eos=True))
-    tokens: list[int] = []
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"bench{i}", prompt, SamplingParams(max_tokens=n_gen,
+                                                             temperature=0.0, ignore_eos=True))
+        if answers is not None:
+            for req in core.requests[f"bench{i}"]:
+                req.drafter = OracleDrafter(len(prompt), answers[i])
+    tokens: dict[str, list[int]] = {f"bench{i}": [] for i in range(len(prompts))}
     t0 = 0.0
-    steps0 = bytes0 = 0
+    steps0 = bytes0 = n0 = 0
+    started = False
+    # expert bytes of the decode steps that verified drafts and of those that did not
+    verify_bytes, plain_bytes = [], []
     while core.has_work():
+        b, drafts = _expert_bytes(llm.model), core.spec_stats.n_drafts
         outs = core.step()
         for o in outs:
             if o.error is not None:
                 raise o.error
-            if not tokens:
-                t0, steps0, bytes0 = time.perf_counter(), core.stats.n_steps, \
-                    _expert_bytes(llm.model)
-            tokens.append(o.token_id)
+            tokens[o.request_id].append(o.token_id)
+        if started:
+            (verify_bytes if core.spec_stats.n_drafts > drafts else plain_bytes).append(
+                _expert_bytes(llm.model) - b)
+        if not started and all(tokens.values()):
+            started = True
+            t0, steps0, bytes0 = time.perf_counter(), core.stats.n_steps, \
+                _expert_bytes(llm.model)
+            n0 = sum(len(t) for t in tokens.values())
     steps = core.stats.n_steps - steps0
-    return {"s": time.perf_counter() - t0, "tokens": tokens, "steps": steps,
-            "expert_bytes_per_step": (_expert_bytes(llm.model) - bytes0) / max(steps, 1)}
+    n_decoded = sum(len(t) for t in tokens.values()) - n0
+    spent = _expert_bytes(llm.model) - bytes0
+    return {"s": time.perf_counter() - t0, "tokens": [tokens[k] for k in sorted(tokens)],
+            "n_decoded": n_decoded, "steps": steps,
+            "expert_bytes_per_step": spent / max(steps, 1),
+            "expert_bytes_per_token": spent / max(n_decoded, 1),
+            "verify_steps": len(verify_bytes),
+            "expert_bytes_per_verify": statistics.fmean(verify_bytes) if verify_bytes else 0.0,
+            "expert_bytes_per_plain_step": statistics.fmean(plain_bytes) if plain_bytes
+            else 0.0}
+
+
+def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> dict[str, Any]:
+    """Alternating runs of every mode on one workload and stream count."""
+    from colibri.engine.core.speculative import SpecStats, SpeculativeConfig
+
+    prompts = [_prompt(llm, workload(name, i)) for i in range(n_streams)]
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    stats = {m: SpecStats() for m in modes}
+    for _ in range(args.repeat):
+        for mode in modes:
+            oracle = mode == "oracle"
+            llm.core.speculative = SpeculativeConfig("ngram" if oracle else mode,
+                                                     args.num_speculative_tokens)
+            llm.core.spec_stats = SpecStats()
+            answers = runs[modes[0]][-1]["tokens"] if oracle else None
+            runs[mode].append(decode_run(llm, prompts, args.gen_tokens, answers))
+            if runs[mode][-1]["tokens"] != runs[modes[0]][-1]["tokens"]:
+                raise SystemExit(f"speculative decoding ({mode}) changed the greedy tokens")
+            for f in ("n_drafts", "n_draft_tokens", "n_accepted"):
+                setattr(stats[mode], f, getattr(stats[mode], f)
+                        + getattr(llm.core.spec_stats, f))
+    w: dict[str, Any] = {"prompt_tokens": [len(p) for p in prompts], "streams": n_streams}
+    for mode, rs in runs.items():
+        st = stats[mode]
+        w[mode] = {"decode_tok_s": statistics.median(r["n_decoded"] / r["s"] for r in rs),
+                   "decode_tok_s_runs": [r["n_decoded"] / r["s"] for r in rs],
+                   "steps": rs[0]["steps"],
+                   "expert_bytes_per_step": statistics.median(
+                       r["expert_bytes_per_step"] for r in rs),
+                   "expert_bytes_per_token": statistics.median(
+                       r["expert_bytes_per_token"] for r in rs),
+                   "verify_steps": rs[0]["verify_steps"],
+                   "expert_bytes_per_verify": statistics.median(
+                       r["expert_bytes_per_verify"] for r in rs),
+                   "mean_accepted": st.mean_accepted,
+                   "drafts_per_verify": st.n_draft_tokens / st.n_drafts if st.n_drafts else 0.0,
+                   "acceptance_rate": (st.n_accepted / st.n_draft_tokens
+                                       if st.n_draft_tokens else 0.0)}
+    # a step of the baseline (one token per stream) against a step that verified drafts
+    one = statistics.median(r["expert_bytes_per_plain_step"] for r in runs[modes[0]])
+    per_token = w[modes[0]]["expert_bytes_per_token"]
+    for mode in modes:
+        w[mode]["speedup"] = w[mode]["decode_tok_s"] / w[modes[0]]["decode_tok_s"]
+        w[mode]["verify_expert_bytes_vs_one_step"] = (w[mode]["expert_bytes_per_verify"] / one
+                                                      if one else 0.0)
+        w[mode]["expert_bytes_per_token_vs_off"] = (w[mode]["expert_bytes_per_token"]
+                                                    / per_token if per_token else 0.0)
+    return w
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,65 +205,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--streams", default="1,8", help="stream counts, comma-separated")
+    p.add_argument("--modes", default="off,ngram,auto",
+                   help="modes to alternate, comma-separated (off, ngram, auto, oracle); the "
+                   "first is the baseline and must not be oracle")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", help="also write the JSON result here (a measurement for "
+                   "docs/performance.md goes to results/bench_speculative/DATE-NAME.json)")
     args = p.parse_args(argv)
+    streams = [int(x) for x in args.streams.split(",")]
+    modes = args.modes.split(",")
+    if modes[0] == "oracle" or not set(modes) <= {"off", "ngram", "auto", "oracle"}:
+        p.error("--modes: off, ngram, auto or oracle, comma-separated, oracle not first")
 
     from colibri.engine import LLM, EngineConfig
-    from colibri.engine.core.speculative import SpecStats, SpeculativeConfig
-    from colibri.engine.tools.bench import cpu_model
+    from colibri.engine.tools.bench import measured_on
 
+    # loaded with speculation on, so a model with linear-attention layers keeps the spare
+    # state slots drafts need; each run sets its own mode
     llm = LLM(args.model, threads=args.threads, quant=args.quant,
-              config=EngineConfig(max_num_seqs=1, prefix_cache=False))
-    on = SpeculativeConfig("ngram", args.num_speculative_tokens)
-    off = SpeculativeConfig("off", args.num_speculative_tokens)
-    result: dict[str, Any] = {"cpu": cpu_model(), "model": str(llm.path),
+              config=EngineConfig(max_num_seqs=max(streams), prefix_cache=False,
+                                  speculative="ngram",
+                                  num_speculative_tokens=args.num_speculative_tokens))
+    result: dict[str, Any] = {**measured_on(argv), "model": str(llm.path),
                               "threads": llm.model.n_threads, "gen_tokens": args.gen_tokens,
                               "num_speculative_tokens": args.num_speculative_tokens,
-                              "workloads": {}}
-    decode_run(llm, _prompt(llm, WORKLOADS["free"]), 8)  # warm-up
-    for name, text in WORKLOADS.items():
-        prompt = _prompt(llm, text)
-        runs: dict[str, list[dict[str, Any]]] = {"off": [], "ngram": []}
-        stats = SpecStats()
-        for _ in range(args.repeat):
-            llm.core.speculative = off
-            runs["off"].append(decode_run(llm, prompt, args.gen_tokens))
-            llm.core.speculative, llm.core.spec_stats = on, SpecStats()
-            runs["ngram"].append(decode_run(llm, prompt, args.gen_tokens))
-            if runs["ngram"][-1]["tokens"] != runs["off"][-1]["tokens"]:
-                print("speculative decoding changed the greedy tokens", file=sys.stderr)
-                return 1
-            for f in ("n_drafts", "n_draft_tokens", "n_accepted"):
-                setattr(stats, f, getattr(stats, f) + getattr(llm.core.spec_stats, f))
-        n = args.gen_tokens - 1
-        w: dict[str, Any] = {"prompt_tokens": len(prompt)}
-        for mode, rs in runs.items():
-            w[mode] = {"decode_tok_s": statistics.median(n / r["s"] for r in rs),
-                       "decode_tok_s_runs": [n / r["s"] for r in rs],
-                       "steps": rs[0]["steps"],
-                       "expert_bytes_per_step": statistics.median(
-                           r["expert_bytes_per_step"] for r in rs)}
-        w["mean_accepted"] = stats.mean_accepted
-        w["acceptance_rate"] = (stats.n_accepted / stats.n_draft_tokens
-                                if stats.n_draft_tokens else 0.0)
-        w["speedup"] = w["ngram"]["decode_tok_s"] / w["off"]["decode_tok_s"]
-        one = w["off"]["expert_bytes_per_step"]
-        w["verify_expert_bytes_vs_one_token"] = (w["ngram"]["expert_bytes_per_step"] / one
-                                                 if one else 0.0)
-        result["workloads"][name] = w
+                              "repeat": args.repeat, "runs": []}
+    decode_run(llm, [_prompt(llm, workload("free", 0))], 8)  # warm-up
+    for n in streams:
+        for name in WORKLOADS:
+            result["runs"].append({"workload": name, **bench(llm, name, n, modes, args)})
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{result['cpu']}, {result['threads']} threads, {result['model']}, "
-          f"{args.gen_tokens} greedy tokens, up to {args.num_speculative_tokens} drafts, "
-          f"{args.repeat} runs each way, alternating")
-    for name, w in result["workloads"].items():
-        print(f"{name:5} ({w['prompt_tokens']} prompt tokens): off "
-              f"{w['off']['decode_tok_s']:.1f} tok/s, ngram {w['ngram']['decode_tok_s']:.1f} "
-              f"tok/s (x{w['speedup']:.2f}); mean accepted {w['mean_accepted']:.2f}, "
-              f"acceptance {w['acceptance_rate']:.2f}; steps {w['off']['steps']} -> "
-              f"{w['ngram']['steps']}; expert bytes per step x"
-              f"{w['verify_expert_bytes_vs_one_token']:.2f} of one token's")
+          f"{args.gen_tokens} greedy tokens per stream, up to {args.num_speculative_tokens} "
+          f"drafts, {args.repeat} runs each way, alternating")
+    for w in result["runs"]:
+        line = [f"{w['workload']:5} x{w['streams']}:"]
+        for mode in modes:
+            m = w[mode]
+            line.append(f"{mode} {m['decode_tok_s']:.1f} tok/s (x{m['speedup']:.2f}, "
+                        f"{m['steps']} steps" + (
+                            f", {m['verify_steps']} verifying: accepted "
+                            f"{m['mean_accepted']:.2f} of {m['drafts_per_verify']:.2f} drafts, "
+                            f"expert bytes x{m['verify_expert_bytes_vs_one_step']:.2f} of a "
+                            f"step without; per token x{m['expert_bytes_per_token_vs_off']:.2f}"
+                            if mode != modes[0] else "") + ")")
+        print(" ".join(line[:1]) + "\n    " + "\n    ".join(line[1:]))
     return 0
 
 

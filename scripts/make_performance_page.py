@@ -195,7 +195,34 @@ def bench_long_context_rows(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def bench_speculative_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/bench_speculative.py: each workload, stream count and mode beside the first
+    mode (speculation off), decode only."""
+    rows = []
+    base = d["runs"][0]
+    modes = [m for m in base if isinstance(base[m], dict) and "speedup" in base[m]]
+    for w in d["runs"]:
+        off = w[modes[0]]
+        for mode in modes[1:]:
+            m = w[mode]
+            rows.append([
+                "speculative decoding",
+                f"{Path(d['model']).name}: {w['workload']}, {w['streams']} stream"
+                f"{'s' if w['streams'] != 1 else ''}, {d['gen_tokens']} greedy tokens each, "
+                f"{d['threads']} threads, {d['repeat']} repeats",
+                f"{mode}, up to {d['num_speculative_tokens']} drafts" + (
+                    " that are the tokens it will give (every draft accepted: the ceiling)"
+                    if mode == "oracle" else ""),
+                f"– / {m['decode_tok_s']:.1f}", f"{modes[0]} (one token a step)",
+                f"– / {off['decode_tok_s']:.1f}", _ratio(m["speedup"]), "–",
+                f"accepted {m['mean_accepted']:.2f} of {m['drafts_per_verify']:.2f} drafts a "
+                f"verify; a verify step reads x{m['verify_expert_bytes_vs_one_step']:.2f} the "
+                f"expert bytes of a step without"])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
+    "bench_speculative": bench_speculative_rows,
     "bench_long_context": bench_long_context_rows,
     "bench_server": bench_server_rows,
     "compare_llamacpp": compare_llamacpp_rows,

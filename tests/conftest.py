@@ -37,8 +37,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_detok.py", "test_toolcalls.py", "test_reasoning.py", "test_toolformats.py",
                "test_chat_template_files.py",
                "test_input_checks.py", "test_reliability_templates.py",
-               "test_gpt_oss_text.py", "test_hybrid_engine.py", "test_spec_ngram.py",
-               "test_speculative.py", "test_mtp.py"),
+               "test_gpt_oss_text.py", "test_hybrid_engine.py", "test_spec_cost.py",
+               "test_spec_ngram.py", "test_speculative.py", "test_mtp.py"),
     # the HTTP server and what clients see
     "server": ("test_server_openai.py", "test_server_errors.py", "test_server_lifecycle.py",
                "test_server_settings.py", "test_server_batching.py",
@@ -50,7 +50,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_server_clients.py", "test_server_browser.py",
                "test_server_messages.py", "test_server_agent_requests.py",
                "test_messages_reasoning.py",
-               "test_expert_page_browser.py", "test_lm_eval.py", "test_speculative_serving.py"),
+               "test_expert_page_browser.py", "test_lm_eval.py", "test_speculative_serving.py",
+               "test_worker_endpoints.py", "test_server_router.py"),
     # command-line tools, scripts, packaging, docs
     "tools": ("test_bench.py", "test_cli_models.py", "test_cli_args.py", "test_evaluate.py",
               "test_replay.py", "test_options.py",

@@ -152,3 +152,24 @@ def test_truncate_frees_the_rejected_tail_first_in_line_and_keeps_cached_prefixe
     bm.free("a")
     bm.free("b")
     assert bm.n_free == 8
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_and_running_tables_index_again() -> None:
+    bm = BlockManager(16)
+    prompt = list(range(200, 200 + 3 * BLOCK_SIZE))
+    assert bm.allocate_prompt("a", prompt) == 0 and bm.grow("a", len(prompt))
+    bm.commit("a", prompt, len(prompt))
+    bm.free("a")  # its three full blocks stay cached
+    other = list(range(500, 500 + 2 * BLOCK_SIZE))
+    assert bm.allocate_prompt("b", other) == 0 and bm.grow("b", len(other))
+    bm.commit("b", other, len(other))  # b is still running
+    assert bm.reset_prefix_cache() == 5
+    assert bm.allocate_prompt("c", prompt) == 0  # nothing of a's prompt is found any more
+    assert bm.allocate_prompt("d", other + [1]) == 0
+    # b keeps its blocks; its next commit indexes them again
+    bm.commit("b", other, len(other))
+    assert bm.allocate_prompt("e", other + [1]) == 2 * BLOCK_SIZE
+    assert bm.table("e") == bm.table("b")
+    for r in "bcde":
+        bm.free(r)
+    assert bm.n_free == 16 and bm.reset_prefix_cache() == 2

@@ -18,7 +18,7 @@ N_CTX = 256
 # every MoE family (softmax and grouped routers, MLA, sliding windows with sinks, partial
 # rotary) and a dense one
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
-            "glm4_moe", "gpt_oss", "minimax_m2", "llama")
+            "glm4_moe", "gpt_oss", "minimax_m2", "llama4", "llama")
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
     "One, two, three, four, five, six, seven, eight, nine, ten. One, two, three,",
@@ -486,20 +486,73 @@ def test_drafts_use_only_spare_budget_and_blocks_and_never_preempt(
     assert st.n_accepted == st.n_draft_tokens > 0
 
 
-def test_hybrid_models_do_not_speculate(tmp_path: Path,
-                                        caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_hybrid_models_speculate_with_the_same_greedy_output(tmp_path: Path, arch: str) -> None:
     """A model with linear-attention layers keeps a recurrent state per sequence that a
-    rejected draft would advance for good: with --speculative ngram it decodes one token per
-    step, says so once, and gives the tokens it gives without."""
-    import logging
-
-    hf = make_checkpoint("qwen3_next", tmp_path / "qwen3_next", seed=7)
+    verify step advances past rejected drafts: the state saved before the step comes back and
+    the kept tokens run again; as many sequences draft per step as there are spare state
+    slots to save them in. Greedy output with ngram drafts at k = 1, 2, 4 (some drafts
+    kept, some rejected), with drafts all kept and with drafts all rejected, is token for
+    token and logprob for logprob the output without speculation."""
+    hf = make_checkpoint(arch, tmp_path / arch, seed=7)
     base = _llm(hf, prefix_cache=False)
-    prompts = [_ids(base, p) for p in PROMPTS[:2]]
-    want = _run(base, prompts, _params(max_tokens=24))
-    with caplog.at_level(logging.INFO, logger="colibri.engine"):
-        llm = _llm(hf, prefix_cache=False, speculative="ngram")
-    assert "speculative decoding is off" in caplog.text
-    got = _run(llm, prompts, _params(max_tokens=24))
+    prompts = [_ids(base, p) for p in PROMPTS]
+    want = _run(base, prompts, _params())
+    llm = _llm(hf, prefix_cache=False, speculative="ngram")
+    assert llm.core.speculates
+    # two spare state slots for eight sequences: of the four, at most two draft per step
+    assert len(llm.core.snapshot_slots) == 2 < len(prompts)
+    partly = 0
+    for k in (1, 2, 4):
+        _spec(llm, k)
+        got = _run(llm, prompts, _params())
+        for rid in want:
+            assert _trace(got[rid]) == _trace(want[rid]), (arch, k, rid)
+        st = llm.core.spec_stats
+        assert 0 < st.n_accepted and st.n_draft_tokens > 0
+        partly += st.n_draft_tokens - st.n_accepted
+    assert partly > 0, "no draft was rejected: the test would not check the rollback"
+    conts = [[o.token_id for o in want[f"r{i}"]] for i in range(len(prompts))]
+    for wrong in (False, True):
+        _spec(llm, 3)
+        got = _run(llm, prompts, _params(),
+                   [ScriptedDrafter(p, c, wrong) for p, c in zip(prompts, conts, strict=True)])
+        assert all(_trace(got[r]) == _trace(want[r]) for r in want)
+        st = llm.core.spec_stats
+        assert st.n_accepted == (0 if wrong else st.n_draft_tokens) and st.n_draft_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen3_next"])
+def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
+        ckpts: dict[str, Path], tmp_path: Path, arch: str) -> None:
+    """--speculative auto: greedy output equals the output without speculation, token for
+    token, whatever k the cost model picks from the steps it measures (its choices vary with
+    this machine's timings, the tokens must not). With a cost pinned to free drafts and a
+    drafter that is always right, every decoding step drafts; with a cost where a drafted
+    token costs more than a whole step, none does."""
+    from colibri.engine.spec.cost import StepCost, StepCostMeter
+
+    hf = ckpts[arch] if arch in ckpts else make_checkpoint(arch, tmp_path / arch, seed=7)
+    base = _llm(hf, prefix_cache=False)
+    prompts = [_ids(base, p) for p in PROMPTS]
+    want = _run(base, prompts, _params())
+    llm = _llm(hf, prefix_cache=False, speculative="auto")
+    assert llm.core.speculates and llm.core.speculative.adaptive
+    got = _run(llm, prompts, _params())
     assert all(_trace(got[r]) == _trace(want[r]) for r in want)
-    assert llm.core.spec_stats.n_drafts == 0
+    assert llm.core.planner.meter.n_obs == llm.core.stats.n_steps
+
+    conts = [[o.token_id for o in want[f"r{i}"]] for i in range(len(prompts))]
+    for cost, drafts in ((StepCost(1e-3, 0.0, 0.0), True), (StepCost(1e-4, 0.0, 1e-3), False)):
+        _spec(llm, 4, "auto")
+        llm.core.planner.meter = StepCostMeter(cost, prior_weight=float("inf"))  # pinned
+        steps0 = llm.core.stats.n_steps
+        got = _run(llm, prompts, _params(),
+                   [ScriptedDrafter(p, c) for p, c in zip(prompts, conts, strict=True)])
+        assert all(_trace(got[r]) == _trace(want[r]) for r in want)
+        st = llm.core.spec_stats
+        if drafts:
+            assert st.n_draft_tokens > 0 and st.n_accepted == st.n_draft_tokens
+            assert llm.core.stats.n_steps - steps0 < base.core.stats.n_steps
+        else:
+            assert st.n_drafts == 0

@@ -16,6 +16,7 @@ request only; an exception in the loop itself marks the engine failed (`error`) 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -248,6 +249,15 @@ class AsyncEngine:
         """Drop request_id (any thread); its blocks are freed before the next step."""
         self._cmds.put(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix, on the engine thread between two steps; the
+        number of cached KV blocks forgotten. Running requests keep their blocks."""
+        if not self.ready:
+            raise EngineUnavailableError("the model is not ready")
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._cmds.put(("reset_prefix_cache", done))
+        return await asyncio.wrap_future(done)
+
     def release(self, stream: Stream, ended: bool = False) -> None:
         """The loop is done with stream: forget it, and abort it unless it ended."""
         with self._lock:
@@ -300,6 +310,7 @@ class AsyncEngine:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
         finally:
+            self._refuse_pending()
             try:
                 self.core.close()
             except Exception as exc:  # noqa: BLE001 - nothing to save is not worth a crash
@@ -331,6 +342,18 @@ class AsyncEngine:
                 rid = cmd[1]
                 if self._streams.pop(rid, None) is not None:
                     self.core.abort(rid)
+            elif cmd[0] == "reset_prefix_cache":
+                cmd[1].set_result(self.core.reset_prefix_cache())
+
+    def _refuse_pending(self) -> None:
+        """Answer the commands the loop will never apply that someone awaits."""
+        while True:
+            try:
+                cmd = self._cmds.get(block=False)
+            except queue.Empty:
+                return
+            if cmd is not None and cmd[0] == "reset_prefix_cache":
+                cmd[1].set_exception(EngineUnavailableError("the engine stopped"))
 
     def _post_outputs(self, outputs: list[RequestOutput]) -> None:
         by_stream: dict[str, list[RequestOutput]] = {}

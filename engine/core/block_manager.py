@@ -229,9 +229,12 @@ class BlockManager:
             if self._ref[b] == 0:
                 self._free[b] = None
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their contents)."""
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use keep their contents, and index them again
+        as they commit); the number of cached blocks forgotten."""
+        n = len(self._by_hash)
         self._by_hash.clear()
         self._hash_of = [None] * self.n_blocks
         for t in self.tables.values():
             t.hashes.clear()
+        return n

@@ -104,6 +104,10 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix; the number of cached KV blocks forgotten.
+        EngineUnavailableError when the model is not ready."""
+
     def token_texts(self, token_ids: list[int]) -> list[Any]:
         """TokenInfo (text and bytes) of each id."""
 

@@ -23,11 +23,12 @@ from colibri.engine.core.mtp_layer import load_mtp_drafter
 from colibri.engine.core.request import Request, RequestOutput, Status, new_request
 from colibri.engine.core.scheduler import Scheduler, SchedulerConfig
 from colibri.engine.core.speculative import (
+    DraftPlanner,
     SpecStats,
     SpeculativeConfig,
     allowed,
     draft_budget,
-    propose,
+    moe_shape,
 )
 from colibri.engine.errors import check_token_ids
 from colibri.engine.sample.batch import RowResult, prompt_logprobs, sample_rows
@@ -35,6 +36,7 @@ from colibri.engine.sample.sampler import GREEDY_TEMPERATURE, SamplingParams
 from colibri.engine.sample.verify import sample_with_draft
 
 log = logging.getLogger("colibri.engine")
+_EXPERT_PHASES = ("experts gate+up", "experts down")  # the product phases of routed experts
 
 
 class ContextLengthError(ValueError):
@@ -83,11 +85,19 @@ class EngineCore:
             log.info("prefix caching is off: this model's linear-attention layers keep a "
                      "recurrent state per sequence, which blocks of a prefix cannot restore")
             enable_prefix_cache = False
-        if self.hybrid and self.speculative.enabled:
-            log.info("speculative decoding is off: this model's linear-attention layers keep "
-                     "a recurrent state that rejected drafts would advance past recall")
         n_slots = int(model.kv.n_state_slots) if self.hybrid else 0
-        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_slots)
+        # a hybrid model's verify step advances the recurrent state past rejected drafts: each
+        # drafting sequence saves its state first, in a slot past the sequences' own ones (as
+        # many sequences draft in a step as there are such slots)
+        n_seq_slots = min(n_slots, scheduler_config.max_num_seqs + 1)
+        self.snapshot_slots = list(range(n_seq_slots, n_slots))
+        if self.hybrid and self.speculative.enabled and not self.snapshot_slots:
+            log.info("speculative decoding is off: this model's linear-attention layers need "
+                     "spare recurrent-state slots to undo rejected drafts, and the cache was "
+                     "made without them")
+        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, enable_prefix_cache, n_seq_slots)
+        self.planner = DraftPlanner(moe_shape(getattr(model, "config", None)))
+        self._expert_bytes = int(getattr(getattr(model, "core", None), "expert_bytes", 0) or 0)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.requests: dict[str, list[Request]] = {}
         self.stats = StepStats()
@@ -169,6 +179,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (between steps); the cached blocks forgotten."""
+        return self.blocks.reset_prefix_cache()
+
     def snapshot(self) -> dict[str, float]:
         """Counters for /metrics (safe to read from another thread: plain reads)."""
         b = self.blocks
@@ -188,14 +202,22 @@ class EngineCore:
         return len(self.scheduler.waiting)
 
     # -- the step --------------------------------------------------------------------------
+    @property
+    def speculates(self) -> bool:
+        """Whether steps carry drafts: speculation on, and (hybrid models) spare state slots
+        to save the drafting sequences' states in."""
+        return self.speculative.enabled and (not self.hybrid or bool(self.snapshot_slots))
+
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        measure = self.speculates and self.speculative.adaptive
+        products = self._product_totals() if measure else None
         mtp = self._mtp_drafter() if self.speculative.method == "mtp" else None
         if mtp is not None:
             self._mtp_propose(mtp)
-        elif self.speculative.enabled and not self.hybrid:
-            for req in self.scheduler.running:
-                req.drafts = propose(req, self.speculative)
+        elif self.speculates:
+            self.planner.plan(self.scheduler.running, self.speculative,
+                              len(self.snapshot_slots) if self.hybrid else None)
         sched = self.scheduler.schedule()
         if self.blocks.pending_copies:  # hybrid forks: blocks and states they start from
             self._copy_forks()
@@ -229,6 +251,7 @@ class EngineCore:
             table = self.blocks.table(req.rid)
             tables[i, :len(table)] = table
             at += n
+        saved = self._save_states(sched.items) if self.hybrid and self.speculates else {}
         tf = time.perf_counter()
         hidden = (np.empty((n_tok, mtp.n_embd), dtype=np.float32) if mtp is not None
                   else None)
@@ -275,35 +298,71 @@ class EngineCore:
                     continue
                 to_sample.append((req, row - 1))
         if to_sample:
-            outputs += self._sample_rounds(logits, to_sample)
+            outputs += self._sample_rounds(logits, to_sample, saved)
         outputs += failed
         self.stats.n_steps += 1
         self.stats.n_step_tokens += n_tok
-        self.stats.step_time_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.step_time_s += dt
+        if products is not None:
+            self._measure_step(n_tok, dt, products)
         if self.on_step is not None:
             self.on_step(n_seq, n_tok)
         if self.expert_cache is not None:
             self.expert_cache.on_step(n_seq, n_tok)
         return outputs
 
-    def _sample_rounds(self, logits: np.ndarray,
-                       to_sample: list[tuple[Request, int]]) -> list[RequestOutput]:
+    def _product_totals(self) -> tuple[float, float, float]:
+        """Expert weight bytes read, expert product seconds and attention seconds so far."""
+        st = self.model.product_stats()
+        phases = st["phases"]
+        return (sum(phases[p]["weight_bytes"] for p in _EXPERT_PHASES if p in phases),
+                sum(phases[p]["s"] for p in _EXPERT_PHASES if p in phases),
+                float(st.get("attention_s", 0.0)))
+
+    def _measure_step(self, n_tok: int, seconds: float,
+                      last: tuple[float, float, float]) -> None:
+        """Feed auto's cost model: the step's tokens, the experts it read, its seconds and of
+        those the expert products' and attention's (timed in C; with an expert budget the
+        expert products' time holds the loads of the experts the cache lacked); last: the
+        products' totals before the step."""
+        now = self._product_totals()
+        experts = (now[0] - last[0]) / self._expert_bytes if self._expert_bytes else 0.0
+        self.planner.observe_step(n_tok, experts, seconds, now[1] - last[1], now[2] - last[2])
+
+    def _save_states(self, items: list[tuple[Request, int]]) -> dict[int, int]:
+        """Copy the recurrent state of each sequence that carries drafts into a spare slot:
+        {id(req): that slot}."""
+        saved: dict[int, int] = {}
+        spare = iter(self.snapshot_slots)
+        for req, _ in items:
+            if req.drafts:
+                slot = next(spare)
+                self.model.kv.copy_state(slot, self.blocks.state_slot(req.rid))
+                saved[id(req)] = slot
+        return saved
+
+    def _sample_rounds(self, logits: np.ndarray, to_sample: list[tuple[Request, int]],
+                       saved: dict[int, int]) -> list[RequestOutput]:
         """Sample every request's next token from its row (see _sample_round). A request
         that carried drafts goes on while its token equals its next draft: the next round
         samples the rows of the drafts accepted so far, so each token is chosen from
         exactly the logits, history and sampler state that decoding one token at a time
         would have. Then its KV blocks past the accepted tokens are rolled back (their
         positions are rewritten before anything reads them) and only the accepted tokens'
-        full blocks enter the prefix cache."""
+        full blocks enter the prefix cache. A hybrid model's sequence that rejected a draft
+        gets back the recurrent state saved before the step, and its accepted tokens are
+        computed again in the next step (no state can be rewound part way)."""
         outputs: list[RequestOutput] = []
-        verified: list[Request] = []
+        verified: list[tuple[Request, int]] = []  # with num_computed before the step
+        accepted: dict[int, int] = {}
         rnd = 0
         while to_sample:
             results = self._sample_round(logits, to_sample, rnd)
             going_on: list[tuple[Request, int]] = []
             for (req, row), res in zip(to_sample, results, strict=True):
                 if rnd == 0 and req.drafts:
-                    verified.append(req)
+                    verified.append((req, req.num_computed - 1))
                 if res.error is not None:
                     outputs.append(self._fail(req, res.error))
                     continue
@@ -316,14 +375,20 @@ class EngineCore:
                 outputs.append(out)
                 if rnd < len(req.drafts) and out.token_id == req.drafts[rnd]:
                     self.spec_stats.n_accepted += 1
+                    accepted[id(req)] = accepted.get(id(req), 0) + 1
                     if out.finish_reason is None:
                         req.num_computed += 1  # the draft's KV is the accepted token's
                         going_on.append((req, row + 1))
             to_sample = going_on
             rnd += 1
-        for req in verified:
+        for req, before in verified:
+            n_acc = accepted.get(id(req), 0)
             self.spec_stats.n_drafts += 1
             self.spec_stats.n_draft_tokens += len(req.drafts)
+            self.planner.observe_verify(req, len(req.drafts), n_acc)
+            if req.status == Status.RUNNING and n_acc < len(req.drafts) and id(req) in saved:
+                self.model.kv.copy_state(self.blocks.state_slot(req.rid), saved[id(req)])
+                req.num_computed = before  # the next step computes the kept tokens again
             req.drafts = []
             if req.status == Status.RUNNING:
                 self.blocks.commit(req.rid, req.tokens, req.num_computed)

@@ -20,7 +20,7 @@ from colibri.engine.core.engine import EngineCore
 from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
 from colibri.engine.core.options import ExpertCacheConfig, default
 from colibri.engine.core.scheduler import SchedulerConfig
-from colibri.engine.core.speculative import SpeculativeConfig
+from colibri.engine.core.speculative import SpeculativeConfig, spare_state_slots
 from colibri.engine.executor.expert_cache import (
     CachePlan,
     ExpertCacheMonitor,
@@ -139,10 +139,12 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     kv_type = resolve_kv_type(config.kv_cache_type, cfg.quant)
     block_bytes = kv_block_bytes(cfg, kv_type)
     n_blocks = kv_pool_blocks(block_bytes, n_ctx, config)
-    # a recurrent-state slot per running sequence (models with linear attention), and one
-    # for scoring between steps
+    # a recurrent-state slot per running sequence (models with linear attention), one for
+    # scoring between steps, and with speculation spare ones to undo rejected drafts
+    n_states = config.max_num_seqs + 1 + (spare_state_slots(config.max_num_seqs)
+                                          if config.speculative != "off" else 0)
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
-                       kv_type=kv_type, kv_blocks=n_blocks, state_slots=config.max_num_seqs + 1)
+                       kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states)
     monitor = start_expert_cache(model, folder, config.expert_cache, n_blocks * block_bytes)
     tokenizer = Tokenizer.from_dir(folder)
     mb = n_blocks * block_bytes / 1024 / 1024

@@ -231,9 +231,10 @@ OPTIONS: tuple[Option, ...] = (
     # -- speculative decoding -------------------------------------------------------------
     Option("speculative", str, "off", "draft tokens and verify them together in one step: "
            "ngram drafts by prompt lookup (what followed the sequence's last tokens earlier in "
-           "its prompt and output); mtp drafts with the model's own multi-token-prediction "
-           "layer (DeepSeek-V3, GLM-4.5 checkpoints that ship one); off decodes one token per "
-           "step", _SPEC,
+           "its prompt and output); auto drafts the same way but lets a cost model choose, per "
+           "sequence and step, how many drafts to verify (none where they would not pay); mtp "
+           "drafts with the model's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5 "
+           "checkpoints that ship one); off decodes one token per step", _SPEC,
            commands=("serve", "generate", "bench"), choices=SPECULATIVE_METHODS,
            note="Greedy requests (temperature 0) keep a draft only where it is the model's "
                 "own choice, so their output is the same token for token; sampled ones keep it "
@@ -242,7 +243,9 @@ OPTIONS: tuple[Option, ...] = (
                 "response format drafts only what its grammar accepts. It pays where the "
                 "output repeats its input (code edits, quoting); each verify step runs every "
                 "draft through every layer, and on a MoE model through the union of their "
-                "experts."),
+                "experts. auto weighs that cost, measured on this machine's own steps, against "
+                "each request's acceptance so far and the batch's size: on free text and in "
+                "large batches it drafts little or nothing."),
     Option("num_speculative_tokens", int, 4, "tokens drafted per sequence and step at most",
            _SPEC, commands=("serve", "generate", "bench"), ge=1, le=16),
     # -- network ------------------------------------------------------------------------
@@ -250,9 +253,11 @@ OPTIONS: tuple[Option, ...] = (
            note="127.0.0.1 keeps the server local; 0.0.0.0 exposes it (set an API key)."),
     Option("port", int, 8000, "port to listen on", _NET, ge=0, le=65535),
     Option("api_key", str, None, "require 'Authorization: Bearer KEY' on the API", _NET,
-           unset="no key", note="Covers /v1/*, /tokenize, /detokenize, /docs and "
-                                "/openapi.json; /health, /ready, /metrics and the chat page "
-                                "stay open.", example="sk-local", metavar="KEY"),
+           unset="no key", note="Covers /v1/*, /tokenize, /detokenize, /docs, "
+                                "/openapi.json and the routers' /health_generate, "
+                                "/flush_cache and /get_*_info; /health, /ready, /metrics, "
+                                "/get_load and the chat page stay open.", example="sk-local",
+           metavar="KEY"),
     Option("cors_origins", list, [], "origins allowed to call the API from a browser (CORS)",
            _NET, note='As a variable, a JSON list such as ["http://localhost:3000"]. Empty: '
                       "CORS off. Credentials are never allowed.", metavar="ORIGIN"),

@@ -5,16 +5,23 @@ output is token for token what decoding one token at a time gives; sampled ones 
 speculative sampling rule (engine.sample.verify), so their output follows the same
 distribution. A sequence with a grammar drafts only the tokens the grammar would accept, and
 each token is chosen under the grammar's mask of the tokens before it. Drafts never run past
-the sequence's token budget, so a verify step never writes past its context.
+the sequence's token budget, so a verify step never writes past its context. With method auto,
+DraftPlanner cuts each sequence's drafts to the k the cost model (engine.spec.cost) expects to
+pay in this step, 0 included.
+
+A drafter is any object with `propose(tokens, k) -> list[int]`: up to k tokens to follow
+`tokens` (the sequence's prompt and accepted output, which only ever grows between calls).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from colibri.engine.core.options import default
 from colibri.engine.core.request import Request
 from colibri.engine.spec import SPECULATIVE_METHODS
+from colibri.engine.spec.cost import Acceptance, BatchPlan, MoEShape, StepCostMeter, choose_k
 from colibri.engine.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 
 
@@ -38,6 +45,11 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method != "off"
 
+    @property
+    def adaptive(self) -> bool:
+        """k per sequence and step from the cost model, rather than always num_tokens."""
+        return self.method == "auto"
+
 
 @dataclass
 class SpecStats:
@@ -57,6 +69,11 @@ class SpecStats:
                 "spec_accepted_tokens": self.n_accepted, "spec_mean_accepted": self.mean_accepted}
 
 
+def new_drafter(config: SpeculativeConfig) -> Any:
+    """The drafter a sequence gets under config (prompt lookup for ngram and auto)."""
+    return NgramDrafter(config.ngram_min, config.ngram_max)
+
+
 def draft_budget(req: Request, config: SpeculativeConfig) -> int:
     """How many tokens req may draft for its next step: 0 unless it decodes one token now; at
     most num_tokens, fewer than the tokens it may still generate."""
@@ -74,11 +91,76 @@ def allowed(req: Request, drafts: list[int]) -> list[int]:
 
 
 def propose(req: Request, config: SpeculativeConfig) -> list[int]:
-    """Prompt-lookup drafts for req's next step (draft_budget of them at most, none past what
-    its grammar accepts)."""
+    """Drafts for req's next step ([] unless it decodes one token now): draft_budget of them
+    at most, none past what its grammar accepts."""
     k = draft_budget(req, config)
     if k <= 0:
         return []
     if not hasattr(req.drafter, "propose"):  # none yet, or the MTP layer's progress
-        req.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+        req.drafter = new_drafter(config)
     return allowed(req, req.drafter.propose(req.tokens, k))
+
+
+def spare_state_slots(max_num_seqs: int) -> int:
+    """Recurrent-state slots a model with linear-attention layers keeps to undo rejected
+    drafts: one per sequence that may draft in a step. A quarter of the batch (at least one):
+    a slot is a whole recurrent state (tens of MB on a large model), and in a full batch
+    drafts rarely pay."""
+    return max(1, max_num_seqs // 4)
+
+
+def moe_shape(model_config: Any) -> MoEShape:
+    """The MoEShape of a ModelConfig (engine.models.config)."""
+    n_expert = int(getattr(model_config, "n_expert", 0) or 0)
+    layers = model_config.moe_layers if n_expert else []
+    return MoEShape(len(layers), n_expert, int(getattr(model_config, "n_expert_used", 0) or 0))
+
+
+class DraftPlanner:
+    """Drafts for every running sequence before a step: as many as config allows (ngram), or
+    (auto) as many as the cost model finds worth their verify cost, sequence after sequence in
+    scheduling order, each one's choice counting the tokens the step already carries. Learns
+    the step's cost from the steps the engine reports (observe_step) and each request's
+    acceptance from its verify steps (observe_verify)."""
+
+    def __init__(self, shape: MoEShape, meter: StepCostMeter | None = None) -> None:
+        self.shape = shape
+        self.meter = meter or StepCostMeter()
+        self.last_ks: list[int] = []  # the k chosen for each drafting sequence, last step
+
+    def plan(self, running: list[Request], config: SpeculativeConfig,
+             max_drafting: int | None = None) -> None:
+        """Set req.drafts of every running request (empty where it does not draft); at most
+        max_drafting of them draft (None: any number)."""
+        cost = self.meter.cost() if config.adaptive else None
+        batch = BatchPlan(float(len(running)), float(len(running)))
+        self.last_ks = []
+        n_drafting = 0
+        for req in running:
+            if max_drafting is not None and n_drafting >= max_drafting:
+                req.drafts = []
+                continue
+            req.drafts = propose(req, config)
+            n_drafting += bool(req.drafts)
+            if not config.adaptive or not req.drafts:
+                continue
+            if req.acceptance is None:
+                req.acceptance = Acceptance()
+            if cost is None:  # nothing measured yet: the first steps measure one token
+                k = 0
+            else:
+                k = choose_k(cost, self.shape, req.acceptance.rate, len(req.drafts), batch)
+            if k == 0:
+                req.acceptance.idle()
+            del req.drafts[k:]
+            n_drafting -= k == 0
+            self.last_ks.append(k)
+
+    def observe_step(self, n_tokens: int, n_experts: float, seconds: float,
+                     expert_seconds: float = 0.0, attention_seconds: float = 0.0) -> None:
+        self.meter.observe(n_tokens, n_experts, seconds, expert_seconds, attention_seconds)
+
+    @staticmethod
+    def observe_verify(req: Request, n_drafts: int, n_accepted: int) -> None:
+        if req.acceptance is not None:
+            req.acceptance.observe(n_drafts, n_accepted)
