@@ -96,7 +96,8 @@ def nextn_plan(cfg: dict[str, Any], names: set[str],
     None when the checkpoint does not ship it. layer(plan, 0, prefix) adds the decoder layer
     (attention and FFN). The layer's input is eh_proj @ [enorm(embed(next token));
     hnorm(hidden state)]; shared_head.norm and the lm_head make its logits. Its own copies of
-    the embeddings and lm_head are used where it ships them, the main model's otherwise."""
+    the embeddings and lm_head are used where it ships them, the main model's otherwise. A
+    layer that lacks any of its tensors gives None too."""
     L = cfg["n_layer"]
     p = f"model.layers.{L}."
     if p + "eh_proj.weight" not in names:
@@ -120,6 +121,8 @@ def nextn_plan(cfg: dict[str, Any], names: set[str],
     pl.add(emb, "mtp_hnorm", NORM, (D,), Source(p + "hnorm.weight"))
     pl.add(emb, "mtp_eh_proj", DENSE, (D, 2 * D), Source(p + "eh_proj.weight"))
     layer(pl, 0, p)
+    if any(t.source.hf_name not in names for t in pl.out):
+        return None  # an incomplete layer cannot draft: skipped like the others
     return mcfg, pl.done({n for n in names if n.startswith(p)}, cfg["architecture"])
 
 
