@@ -66,7 +66,7 @@ class Settings(BaseSettings):
     expert_read_timeout_s: float = _option("expert_read_timeout_s")
 
     # -- speculative decoding ---------------------------------------------------------
-    speculative: Literal["off", "auto", "ngram"] = _option("speculative")
+    speculative: Literal["off", "auto", "ngram", "mtp"] = _option("speculative")
     num_speculative_tokens: int = _option("num_speculative_tokens")
 
     # -- network ----------------------------------------------------------------------

@@ -120,6 +120,11 @@ typedef struct {
                                   sliding_window is 0) */
 
     const int32_t *layer_mixer; /* [n_layer] clb_mixer_kind; NULL: every layer CLB_MIX_ATTN */
+    int32_t mtp_input;     /* a multi-token-prediction layer (DeepSeek-V3, GLM-4.5): its input is
+                              mtp_eh_proj @ [rmsnorm(embed(token), mtp_enorm);
+                              rmsnorm(h, mtp_hnorm)], h being clb_batch.hidden_in (the main
+                              model's output after its final norm, or this layer's own before
+                              it); the embedding half is zero at position 0, as vLLM's */
 } clb_hparams;
 
 /* One weight file mapped read-only. */
@@ -235,6 +240,12 @@ typedef struct {
                                     [16j, 16j+16) of sequence s, -1 = none (a block that left
                                     every window was given back): needed by a cache with a
                                     windowed pool (clb_kv_init_windowed), ignored otherwise */
+    const float *hidden_in;      /* [n_tokens, n_embd]: needed by an mtp_input model (each
+                                    token's previous hidden state), ignored otherwise */
+    float *hidden_out;           /* [n_tokens, n_embd] or NULL: receives every token's hidden
+                                    state after the last layer, before the final norm, or after
+                                    it with hidden_out_normed */
+    int32_t hidden_out_normed;
 } clb_batch;
 
 /* One forward step over a batch of tokens. Token i (sequence s = seq_ids[i], position

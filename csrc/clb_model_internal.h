@@ -74,6 +74,8 @@ struct clb_model {
     const clb_tensor *tok_embd;    /* [V, D] */
     const clb_tensor *output_norm; /* [D] */
     const clb_tensor *output;      /* [V, D]; tok_embd when tied */
+    const clb_tensor *mtp_enorm, *mtp_hnorm; /* [D] each, mtp_input only */
+    const clb_tensor *mtp_eh_proj; /* [D, 2D], mtp_input only */
     clb_layer_w *layers;           /* [L] */
     clb_ffn_w *experts;            /* [L * E] */
     clb_wfile **expert_files;      /* [L * E] the file of each expert */
@@ -95,6 +97,7 @@ struct clb_model {
     void *head_act;  /* [H, S] per-head activation rows of one dispatch (packed or f32) */
     size_t head_act_row; /* bytes of one row in head_act */
     float *proj;     /* [B, D] o-projection / MoE output */
+    float *mtp_cat;  /* [B, 2D] an mtp_input layer's normed embedding and hidden state */
     float *rope;     /* [B, rotary_dim]: cos of the rotary_dim/2 frequencies, then sin */
     float *inv_freq; /* [rotary_dim/2] (hp.rope_freqs points here after load) */
     int32_t *layer_ffn; /* [n_layer] (hp.layer_ffn points here after load) */

@@ -399,22 +399,45 @@ static clb_status dense_ffn(clb_model *m, int64_t il, int64_t T, int32_t *routes
 
 /* ---- one chunk ------------------------------------------------------------------------- */
 
-/* Layers [il0, il1) of one chunk: from the embeddings when il0 == 0, else from the hidden
- * states x_io [T, D]; the states after layer il1 - 1 go back to x_io (when given); the final
- * norm and lm_head run when il1 == n_layer. */
+/* An MTP layer's input (mtp_input): x = eh_proj @ [rmsnorm(embed(token), enorm);
+ * rmsnorm(h, hnorm)] per token, h its row of hidden_in [T, D]; the embedding half is zero at
+ * position 0 (vLLM's and SGLang's DeepSeek MTP mask it there). */
+static clb_status mtp_input(clb_model *m, int64_t T, const int32_t *tokens, const int32_t *pos,
+                            const float *hidden_in) {
+    const clb_hparams *hp = &m->hp;
+    const int64_t D = hp->n_embd;
+    for (int64_t t = 0; t < T; t++) {
+        float *cat = m->mtp_cat + t * 2 * D;
+        if (pos[t] == 0) {
+            memset(cat, 0, (size_t)D * sizeof(float));
+        } else {
+            clb_get_row(m->tok_embd->type, m->tok_embd->data, D, tokens[t], m->xn + t * D);
+            clb_rmsnorm(m->xn + t * D, clb_f32_data(m->mtp_enorm), D, hp->rms_eps, cat);
+        }
+        clb_rmsnorm(hidden_in + t * D, clb_f32_data(m->mtp_hnorm), D, hp->rms_eps, cat + D);
+    }
+    return clb_fw_mm(m, CLB_PHASE_ATTN_PROJ, m->mtp_eh_proj, m->mtp_cat, T, m->x, D, NULL);
+}
+
+/* Layers [il0, il1) of one chunk: from the embeddings (an MTP layer: from mtp_input) when
+ * il0 == 0, else from the hidden states x_io [T, D]; the states after layer il1 - 1 go back to
+ * x_io (when given); hidden_out, the final norm and lm_head run when il1 == n_layer. */
 static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t T,
                                 const int32_t *tokens,
                                 const int32_t *seq, const int32_t *pos, const uint8_t *want,
-                                int32_t *routes, float *logits, int64_t *n_out, int64_t il0,
-                                int64_t il1, float *x_io) {
+                                int32_t *routes, const float *hidden_in, float *hidden_out,
+                                float *logits, int64_t *n_out, int64_t il0, int64_t il1,
+                                float *x_io) {
     const clb_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd, rd = hp->rotary_dim, half = rd / 2;
 
-    if (il0 == 0)
+    if (il0 > 0)
+        memcpy(m->x, x_io, (size_t)(T * D) * sizeof(float));
+    else if (hp->mtp_input)
+        TRY(mtp_input(m, T, tokens, pos, hidden_in));
+    else
         for (int64_t t = 0; t < T; t++)
             clb_get_row(m->tok_embd->type, m->tok_embd->data, D, tokens[t], m->x + t * D);
-    else
-        memcpy(m->x, x_io, (size_t)(T * D) * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
         float *cs = m->rope + t * rd;
         for (int64_t i = 0; i < half; i++) {
@@ -435,6 +458,12 @@ static clb_status forward_chunk(clb_model *m, clb_kv *kv, const clb_batch *b, in
     if (x_io) memcpy(x_io, m->x, (size_t)(T * D) * sizeof(float));
     *n_out = 0;
     if (il1 < hp->n_layer) return CLB_OK;
+    if (hidden_out && b->hidden_out_normed)
+        for (int64_t t = 0; t < T; t++)
+            clb_rmsnorm(m->x + t * D, clb_f32_data(m->output_norm), D, hp->rms_eps,
+                        hidden_out + t * D);
+    else if (hidden_out)
+        memcpy(hidden_out, m->x, (size_t)(T * D) * sizeof(float));
 
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++)
@@ -615,6 +644,10 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
         return CLB_E_ARG;
     }
     if (b->n_tokens == 0) return CLB_OK;
+    if (m->hp.mtp_input && !b->hidden_in) {
+        clb_set_err(err, "clb_forward: a multi-token-prediction layer needs hidden_in");
+        return CLB_E_ARG;
+    }
     /* every sequence of a call writes a block of its own, so n_seq <= n_blocks; that bound
      * lets the validation scratch be sized once at init */
     if (b->n_seq <= 0 || b->n_seq > kv->n_blocks || b->max_blocks <= 0 || !b->block_tables) {
@@ -650,9 +683,12 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
         int32_t *routes = b->routes ? b->routes + t0 * m->hp.n_layer * m->hp.n_expert_used
                                     : NULL;
         const int64_t c0 = clb_now_ns();
+        const int64_t D = m->hp.n_embd;
         st = forward_chunk(m, kv, b, T, b->tokens + t0, b->seq_ids + t0, b->positions + t0,
-                           want_logits ? want_logits + t0 : NULL, routes, logits, &n_out, il0,
-                           il1, x_io ? x_io + t0 * m->hp.n_embd : NULL);
+                           want_logits ? want_logits + t0 : NULL, routes,
+                           m->hp.mtp_input ? b->hidden_in + t0 * D : NULL,
+                           b->hidden_out ? b->hidden_out + t0 * D : NULL, logits, &n_out, il0,
+                           il1, x_io ? x_io + t0 * D : NULL);
         m->prod.forward_ns += clb_now_ns() - c0;
         if (st != CLB_OK) {
             clb_linear_end(m, kv, b, 0);

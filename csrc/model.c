@@ -120,6 +120,7 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
         NEED(isfinite(hp->rope_freqs[i]) && hp->rope_freqs[i] >= 0.0f,
              "rope_freqs[%lld] is not a finite non-negative number", (long long)i);
     NEED(isfinite(hp->rms_eps) && hp->rms_eps > 0.0f, "rms_eps must be positive");
+    NEED(hp->mtp_input == 0 || hp->mtp_input == 1, "mtp_input %d is not 0 or 1", hp->mtp_input);
     NEED(!isnan(hp->clip_qkv), "clip_qkv is NaN");
     NEED(hp->n_ctx > 0 && hp->n_ctx <= CLB_MAX_CTX, "n_ctx %lld out of range",
          (long long)hp->n_ctx);
@@ -451,7 +452,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     }
     m->glu_clamp = (clb_glu_clamp){hp->glu_alpha, hp->glu_limit};
 
-    size_t mm = mm_need(m->output, mm_need(m->tok_embd, 0));
+    size_t mm = mm_need(m->mtp_eh_proj, mm_need(m->output, mm_need(m->tok_embd, 0)));
     for (int64_t il = 0; il < hp->n_layer; il++) {
         const clb_layer_w *l = &m->layers[il];
         mm = mm_need(l->wq, mm);
@@ -527,6 +528,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     m->layer_mixer = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
     m->kv_layer = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
     m->proj = palloc(m, B * d * F, &fail);
+    m->mtp_cat = palloc(m, hp->mtp_input ? B * 2 * d * F : 1, &fail);
     m->rope = palloc(m, B * (size_t)hp->rotary_dim * F, &fail);
     m->inv_freq = palloc(m, (size_t)hp->rotary_dim / 2 * F, &fail);
     m->layer_ffn = palloc(m, (size_t)hp->n_layer * sizeof(int32_t), &fail);
@@ -612,6 +614,12 @@ static clb_status load_all(clb_model *m, const char *dir, char *err) {
     } else {
         TRY(want(&ld, f, rel, "output", KIND_MAT_ANY, hp->n_vocab, hp->n_embd, "n_vocab, n_embd",
                  &m->output));
+    }
+    if (hp->mtp_input) {
+        TRY(want(&ld, f, rel, "mtp_enorm", KIND_VEC_F32, 0, hp->n_embd, "n_embd", &m->mtp_enorm));
+        TRY(want(&ld, f, rel, "mtp_hnorm", KIND_VEC_F32, 0, hp->n_embd, "n_embd", &m->mtp_hnorm));
+        TRY(want(&ld, f, rel, "mtp_eh_proj", KIND_MAT_ANY, hp->n_embd, 2 * hp->n_embd,
+                 "n_embd, 2*n_embd", &m->mtp_eh_proj));
     }
     for (int64_t il = 0; il < hp->n_layer; il++) TRY(load_layer(&ld, dir, il));
     return alloc_scratch(m, err);

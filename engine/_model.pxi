@@ -56,6 +56,7 @@ cdef extern from "clb_model.h" nogil:
         const int32_t *layer_ffn
         const int32_t *layer_attn
         const int32_t *layer_mixer
+        int32_t mtp_input
 
     ctypedef struct clb_tensor:
         const char name[64]
@@ -130,6 +131,9 @@ cdef extern from "clb_model.h" nogil:
         int32_t *routes
         const int32_t *state_slots
         const int32_t *win_tables
+        const float *hidden_in
+        float *hidden_out
+        int32_t hidden_out_normed
 
     ctypedef struct clb_xc_config:
         int64_t per_layer
@@ -171,6 +175,7 @@ _HPARAM_INT_KEYS = (
     "rotary_dim", "sliding_window", "attn_sinks", "router_bias", "expert_bias", "glu", "n_ctx",
     "attn_chunk", "route_input",
     "attn_gate", "lin_n_k_heads", "lin_n_v_heads", "lin_k_dim", "lin_v_dim", "lin_conv",
+    "mtp_input",
 )
 _HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps",
                       "glu_alpha", "glu_limit", "attn_temp_floor", "attn_temp_scale")
@@ -263,6 +268,7 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.lin_k_dim = hparams["lin_k_dim"]
     hp.lin_v_dim = hparams["lin_v_dim"]
     hp.lin_conv = hparams["lin_conv"]
+    hp.mtp_input = hparams["mtp_input"]
     cdef int32_t[::1] mixers
     cdef float[::1] freqs
     cdef int32_t[::1] kinds
@@ -661,7 +667,7 @@ cdef class CoreModel:
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
                 block_tables, routes=None, state_slots=None, win_tables=None, span=None,
-                hidden=None):
+                hidden=None, hidden_in=None, hidden_out=None, hidden_normed=False):
         """Run one step; returns float32 logits [n_out, n_vocab] for the rows that want them.
 
         tokens, seq_ids, positions: int32 [T] (other integer arrays are converted when their
@@ -679,6 +685,10 @@ cdef class CoreModel:
         span (il0, il1) with hidden, float32 [T, n_embd] C-contiguous: only layers [il0, il1)
         (clb_forward_span), from hidden's states unless il0 is 0, leaving the states after
         them in hidden; the logits come only from a span that ends at the last layer.
+        hidden_in: float32 [T, n_embd] (C-contiguous), each token's previous hidden state: needed
+        by a multi-token-prediction layer (mtp_input), ignored otherwise. hidden_out: None, or
+        a float32 array [T, n_embd] that receives every token's hidden state after the last
+        layer: before the final norm, or after it with hidden_normed.
         """
         if kv.model is not self:
             raise ValueError("this KV cache belongs to another model")
@@ -740,6 +750,29 @@ cdef class CoreModel:
                 raise InputError(f"win_tables shape ({wt.shape[0]}, {wt.shape[1]}) differs from "
                                  f"block_tables' ({tb.shape[0]}, {tb.shape[1]})")
             b.win_tables = &wt[0, 0]
+        b.hidden_in = NULL
+        b.hidden_out = NULL
+        b.hidden_out_normed = 1 if hidden_normed else 0
+        cdef int64_t D = clb_model_hparams(self.m).n_embd
+        cdef const float[:, ::1] hiv
+        cdef float[:, ::1] hov
+        if hidden_in is not None:
+            if (not isinstance(hidden_in, np.ndarray) or hidden_in.dtype != np.float32
+                    or hidden_in.shape != (n, D)):
+                raise InputError(f"hidden_in must be a float32 array of shape ({n}, {D})")
+            hiv = np.ascontiguousarray(hidden_in)
+            if n > 0:
+                b.hidden_in = &hiv[0, 0]
+        elif clb_model_hparams(self.m).mtp_input:
+            raise InputError("a multi-token-prediction layer needs hidden_in")
+        if hidden_out is not None:
+            if (not isinstance(hidden_out, np.ndarray) or hidden_out.dtype != np.float32
+                    or hidden_out.shape != (n, D) or not hidden_out.flags.c_contiguous):
+                raise InputError(f"hidden_out must be a C-contiguous float32 array of shape "
+                                 f"({n}, {D})")
+            hov = hidden_out
+            if n > 0:
+                b.hidden_out = &hov[0, 0]
         cdef int32_t[::1] sl
         if state_slots is not None:
             sl = _as_i32(state_slots, "state_slots")

@@ -45,7 +45,8 @@ class _HParams(ctypes.Structure):
                 + [("n_ctx", ctypes.c_int64), ("rope_freqs", ctypes.POINTER(ctypes.c_float)),
                    ("layer_ffn", ctypes.POINTER(ctypes.c_int32)),
                    ("layer_attn", ctypes.POINTER(ctypes.c_int32)),
-                   ("layer_mixer", ctypes.POINTER(ctypes.c_int32))])
+                   ("layer_mixer", ctypes.POINTER(ctypes.c_int32)),
+                   ("mtp_input", ctypes.c_int32)])
 
 
 @pytest.fixture(scope="module")

@@ -337,6 +337,8 @@ def test_c_checks_hparams_too(tiny_model: Path) -> None:
                               ("layer_attn", [2, 0], "needs attn_chunk > 0"),
                               ("layer_attn", [16, 0], "positive attn_temp_floor"),
                               ("route_input", 2, "route_input 2"),
+                              ("mtp_input", 2, "mtp_input 2"),
+                              ("mtp_input", 1, "mtp_enorm"),
                               ("n_ctx", 0, "n_ctx")]:
         bad = dict(hp, **{key: value})
         with pytest.raises(FormatError, match=words):

@@ -19,12 +19,15 @@ from typing import Any
 import numpy as np
 
 from colibri.engine.core.block_manager import BLOCK_SIZE, BlockManager
+from colibri.engine.core.mtp_layer import load_mtp_drafter
 from colibri.engine.core.request import Request, RequestOutput, Status, new_request
 from colibri.engine.core.scheduler import Scheduler, SchedulerConfig
 from colibri.engine.core.speculative import (
     DraftPlanner,
     SpecStats,
     SpeculativeConfig,
+    allowed,
+    draft_budget,
     moe_shape,
 )
 from colibri.engine.errors import check_token_ids
@@ -121,6 +124,9 @@ class EngineCore:
         self.model_path: Any = None
         self.model_name = ""  # the repo id or folder name the loader was given
         self.expert_cache: Any = None  # ExpertCacheMonitor, set by the loader
+        self._mtp: Any = None  # MtpDrafter, loaded when speculation first asks for it
+        if self.speculative.method == "mtp":
+            self._mtp_drafter()  # a model without an MTP layer is refused at start
 
     # -- admission -------------------------------------------------------------------------
     @property
@@ -224,7 +230,10 @@ class EngineCore:
         t0 = time.perf_counter()
         measure = self.speculates and self.speculative.adaptive
         products = self._product_totals() if measure else None
-        if self.speculates:
+        mtp = self._mtp_drafter() if self.speculative.method == "mtp" else None
+        if mtp is not None:
+            self._mtp_propose(mtp)
+        elif self.speculates:
             self.planner.plan(self.scheduler.running, self.speculative,
                               len(self.snapshot_slots) if self.hybrid else None)
         sched = self.scheduler.schedule()
@@ -266,12 +275,20 @@ class EngineCore:
             at += n
         saved = self._save_states(sched.items) if self.hybrid and self.speculates else {}
         tf = time.perf_counter()
+        hidden = (np.empty((n_tok, mtp.n_embd), dtype=np.float32) if mtp is not None
+                  else None)
         try:
-            logits = self._forward(tokens, seq_ids, positions, tables, want, slots, win_tables)
+            logits = self._forward(tokens, seq_ids, positions, tables, want, slots, win_tables,
+                                   hidden)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             log.error("forward pass failed for %d requests: %s", n_seq, exc)
             return [self._fail(req, exc) for req, _ in sched.items]
         self.stats.forward_time_s += time.perf_counter() - tf
+        if mtp is not None and hidden is not None:
+            at = 0
+            for req, n in sched.items:  # the MTP layer's input at the next step
+                mtp.capture(req, req.num_computed, hidden[at:at + n])
+                at += n
 
         outputs: list[RequestOutput] = []
         failed: list[RequestOutput] = []
@@ -435,14 +452,39 @@ class EngineCore:
 
     def _forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                  tables: np.ndarray, want: np.ndarray | None,
-                 slots: np.ndarray | None, win_tables: np.ndarray | None = None) -> np.ndarray:
+                 slots: np.ndarray | None, win_tables: np.ndarray | None = None,
+                 hidden: np.ndarray | None = None) -> np.ndarray:
+        extra: dict[str, Any] = {}
+        if slots is not None:
+            extra["state_slots"] = slots
         if win_tables is not None:
-            return self.model.forward_paged(tokens, seq_ids, positions, tables, want,
-                                            win_tables=win_tables)
-        if slots is None:
-            return self.model.forward_paged(tokens, seq_ids, positions, tables, want)
-        return self.model.forward_paged(tokens, seq_ids, positions, tables, want,
-                                        state_slots=slots)
+            extra["win_tables"] = win_tables
+        if hidden is not None:  # the MTP layer reads what the lm_head reads
+            extra.update(hidden_out=hidden, hidden_normed=True)
+        return self.model.forward_paged(tokens, seq_ids, positions, tables, want, **extra)
+    def _mtp_drafter(self) -> Any:
+        """The MTP layer's drafter, loaded on first use (NoMtpLayer if the model has none)."""
+        if self._mtp is None:
+            self._mtp = load_mtp_drafter(self.model, self.blocks.n_blocks,
+                                         self.scheduler.config.max_num_seqs,
+                                         max(16, self.speculative.num_tokens))
+            log.info("speculative decoding drafts with the model's multi-token-prediction "
+                     "layer (up to %d tokens per step)", self.speculative.num_tokens)
+        return self._mtp
+
+    def _mtp_propose(self, mtp: Any) -> None:
+        """Every running request's drafts from the MTP layer (the catch-up over what the last
+        step verified runs for all of them). A failure there costs drafts, never output."""
+        running = list(self.scheduler.running)
+        budgets = {id(r): draft_budget(r, self.speculative) for r in running}
+        try:
+            drafted = mtp.propose(running, budgets, lambda r: self.blocks.table(r.rid))
+        except Exception as exc:  # noqa: BLE001 - drafting is optional: decode without drafts
+            log.warning("multi-token-prediction drafting failed, this step decodes without "
+                        "drafts: %s", exc)
+            drafted = {}
+        for req in running:
+            req.drafts = allowed(req, drafted.get(id(req), []))
 
     def close(self) -> None:
         """Saves what should outlive the process (the expert routing history)."""

@@ -262,8 +262,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("speculative", str, "off", "draft tokens and verify them together in one step: "
            "ngram drafts by prompt lookup (what followed the sequence's last tokens earlier in "
            "its prompt and output); auto drafts the same way but lets a cost model choose, per "
-           "sequence and step, how many drafts to verify (none where they would not pay); off "
-           "decodes one token per step", _SPEC,
+           "sequence and step, how many drafts to verify (none where they would not pay); mtp "
+           "drafts with the model's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5 "
+           "checkpoints that ship one); off decodes one token per step", _SPEC,
            commands=("serve", "generate", "bench"), choices=SPECULATIVE_METHODS,
            note="Greedy requests (temperature 0) keep a draft only where it is the model's "
                 "own choice, so their output is the same token for token; sampled ones keep it "

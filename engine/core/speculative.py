@@ -74,21 +74,31 @@ def new_drafter(config: SpeculativeConfig) -> Any:
     return NgramDrafter(config.ngram_min, config.ngram_max)
 
 
-def propose(req: Request, config: SpeculativeConfig) -> list[int]:
-    """Drafts for req's next step ([] unless it decodes one token now): at most num_tokens,
-    fewer than the tokens it may still generate, none past what its grammar accepts."""
+def draft_budget(req: Request, config: SpeculativeConfig) -> int:
+    """How many tokens req may draft for its next step: 0 unless it decodes one token now; at
+    most num_tokens, fewer than the tokens it may still generate."""
     if not req.prefill_done or req.num_tokens - req.num_computed != 1:
-        return []
-    k = min(config.num_tokens, req.max_new - len(req.output) - 1)
-    if k <= 0:
-        return []
-    if req.drafter is None:
-        req.drafter = new_drafter(config)
-    drafts = req.drafter.propose(req.tokens, k)
+        return 0
+    return max(0, min(config.num_tokens, req.max_new - len(req.output) - 1))
+
+
+def allowed(req: Request, drafts: list[int]) -> list[int]:
+    """drafts cut where req's grammar would refuse one (a draft it forbids is lost)."""
     constraint = getattr(req.params, "constraint", None)
     if drafts and constraint is not None:
-        del drafts[constraint.valid_prefix(drafts):]  # a draft the grammar forbids is lost
+        del drafts[constraint.valid_prefix(drafts):]
     return drafts
+
+
+def propose(req: Request, config: SpeculativeConfig) -> list[int]:
+    """Drafts for req's next step ([] unless it decodes one token now): draft_budget of them
+    at most, none past what its grammar accepts."""
+    k = draft_budget(req, config)
+    if k <= 0:
+        return []
+    if not hasattr(req.drafter, "propose"):  # none yet, or the MTP layer's progress
+        req.drafter = new_drafter(config)
+    return allowed(req, req.drafter.propose(req.tokens, k))
 
 
 def spare_state_slots(max_num_seqs: int) -> int:

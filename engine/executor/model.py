@@ -314,7 +314,10 @@ class Model:
                       block_tables: np.ndarray, want_logits: np.ndarray | None = None,
                       routes: np.ndarray | None = None,
                       state_slots: np.ndarray | None = None,
-                      win_tables: np.ndarray | None = None) -> np.ndarray:
+                      win_tables: np.ndarray | None = None,
+                      hidden_in: np.ndarray | None = None,
+                      hidden_out: np.ndarray | None = None,
+                      hidden_normed: bool = False) -> np.ndarray:
         """The raw paged step for a scheduler that owns block allocation and lengths.
 
         Token i of sequence seq_ids[i] (a row of block_tables, int32 [n_seq, max_blocks],
@@ -330,12 +333,17 @@ class Model:
         win_tables (a cache with a windowed pool: needed): int32 like block_tables, into that
         pool; entries below the lowest position a windowed layer lets the call's first token
         of a sequence see may be -1.
+        hidden_in (a multi-token-prediction layer): float32 [T, n_embd], each token's previous
+        hidden state; hidden_out: None or float32 [T, n_embd] that receives every token's
+        hidden state after the last layer, before the final norm (after it with
+        hidden_normed: what the lm_head reads).
         """
         tok = _i32(tokens, "tokens")
         self._check_tokens(tok)
         return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables,
                                   routes=routes, state_slots=state_slots,
-                                  win_tables=win_tables)
+                                  win_tables=win_tables, hidden_in=hidden_in,
+                                  hidden_out=hidden_out, hidden_normed=hidden_normed)
 
     @property
     def _slot_states(self) -> np.ndarray | None:
@@ -343,14 +351,14 @@ class Model:
         return np.arange(max(self.n_seq, 1), dtype=np.int32) if self.config.hybrid else None
 
     def _core_forward(self, *args: Any, routes: np.ndarray | None = None,
-                      state_slots: np.ndarray | None = None,
-                      win_tables: np.ndarray | None = None) -> np.ndarray:
+                      state_slots: np.ndarray | None = None, **more: Any) -> np.ndarray:
         """core.forward, refusing a faulty model and marking one that turns faulty."""
         if self.fault is not None:
             raise ModelFaultError(self.fault)
         try:
-            # only the C core keeps a windowed pool (the torch backend takes no win_tables)
-            more = {} if win_tables is None else {"win_tables": win_tables}
+            # only the C core takes win_tables and hidden states (the torch backend keeps no
+            # windowed pool and runs no multi-token-prediction layer)
+            more = {k: v for k, v in more.items() if v is not None and v is not False}
             out = self.core.forward(*args, routes=routes, state_slots=state_slots, **more)
         except (WeightFileChangedError, StorageStalledError) as e:
             self._mark_faulty(str(e))

@@ -44,6 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 CONFIG_MAX_BYTES = 16 * 1024 * 1024
+MTP_DIR = "mtp"  # the sub-folder holding a model's multi-token-prediction layer
 
 
 def choose_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
@@ -184,33 +185,24 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
         for t in targets:
             by_file.setdefault(t.file, []).append(t)
 
-        tensor_types: dict[str, str] = {}
-        for t in targets:
-            key = f"{t.group}.{t.name}"
-            ty = choose_type(t.kind, t.shape, preset)
-            if tensor_types.setdefault(key, ty) != ty:
-                raise AssertionError(f"{key}: types differ between layers")
+        tensor_types = _tensor_types(targets, preset)
+        mtp = archs.mtp_plan(cfg, set(ckpt.names()))
+        if mtp is not None:
+            _check_sources(ckpt, mtp[0], mtp[1])
 
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            files: dict[str, dict[str, Any]] = {}
             bar = _progress(len(by_file), f"converting ({preset})", progress)
             try:
-                for fname, group in by_file.items():
-                    path = tmp / fname
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    specs = [
-                        TensorSpec(t.name, choose_type(t.kind, t.shape, preset), t.shape,
-                                   _producer(ckpt, t, choose_type(t.kind, t.shape, preset)))
-                        for t in group
-                    ]
-                    size, digest = write_wfile(path, specs)
-                    files[fname] = {"size": size, "sha256": digest}
-                    bar.update(1)
+                files = _write_files(ckpt, tmp, by_file, preset, bar)
             finally:
                 bar.close()
+            config = dict(cfg)
+            if mtp is not None:  # the MTP layer: a one-layer model in its own sub-folder
+                config["mtp"] = MTP_DIR
+                files.update(_write_mtp(ckpt, tmp / MTP_DIR, mtp[0], mtp[1], preset))
             text_files: dict[str, dict[str, Any]] = {}
             for name in TOKENIZER_FILES:
                 if (hf_dir / name).is_file():
@@ -224,7 +216,6 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
                     if f.is_file():
                         (tmp / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
                         shutil.copyfile(f, tmp / CHAT_TEMPLATE_DIR / f.name)
-            config = dict(cfg)
             config["tokenizer_files"] = text_files
             config["converted_hparams"] = converted_hparams(config)
             config["quant"] = preset
@@ -239,6 +230,56 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out_dir
+
+
+def _tensor_types(targets: list[archs.Target], preset: str) -> dict[str, str]:
+    """config.json's tensor_types: the stored type of each tensor name per file group."""
+    tensor_types: dict[str, str] = {}
+    for t in targets:
+        key = f"{t.group}.{t.name}"
+        ty = choose_type(t.kind, t.shape, preset)
+        if tensor_types.setdefault(key, ty) != ty:
+            raise AssertionError(f"{key}: types differ between layers")
+    return tensor_types
+
+
+def _write_files(ckpt: Checkpoint, root: Path, by_file: dict[str, list[archs.Target]],
+                 preset: str, bar: Any) -> dict[str, dict[str, Any]]:
+    """Every weight file of by_file under root; their sizes and sha256 by relative path."""
+    files: dict[str, dict[str, Any]] = {}
+    for fname, group in by_file.items():
+        path = root / fname
+        path.parent.mkdir(parents=True, exist_ok=True)
+        specs = [
+            TensorSpec(t.name, choose_type(t.kind, t.shape, preset), t.shape,
+                       _producer(ckpt, t, choose_type(t.kind, t.shape, preset)))
+            for t in group
+        ]
+        size, digest = write_wfile(path, specs)
+        files[fname] = {"size": size, "sha256": digest}
+        bar.update(1)
+    return files
+
+
+def _write_mtp(ckpt: Checkpoint, root: Path, mcfg: dict[str, Any],
+               targets: list[archs.Target], preset: str) -> dict[str, dict[str, Any]]:
+    """The multi-token-prediction layer as a Colibri folder of one layer at root (its own
+    config.json, mtp_input set); returns its files for the main folder's table, paths
+    relative to the main folder."""
+    by_file: dict[str, list[archs.Target]] = {}
+    for t in targets:
+        by_file.setdefault(t.file, []).append(t)
+    root.mkdir()
+    files = _write_files(ckpt, root, by_file, preset, _NoBar())
+    config = dict(mcfg, quant=preset, preset_revision=PRESET_REVISION,
+                  tensor_types=_tensor_types(targets, preset), files=files)
+    config["converted_hparams"] = converted_hparams(config)
+    _write_atomic(root / "config.json", json.dumps(config, indent=2) + "\n")
+    _fsync_dir(root)
+    out = {f"{root.name}/{name}": meta for name, meta in files.items()}
+    out[f"{root.name}/config.json"] = {"size": (root / "config.json").stat().st_size,
+                                       "sha256": _sha256(root / "config.json")}
+    return out
 
 
 def _fp8_block(hf_cfg: dict[str, Any]) -> tuple[int, int]:
@@ -300,14 +341,19 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
     if vision:
         lines.append(f"skipping {len(vision)} tensors of the vision encoder and its projector: "
                      f"the text model is converted")
+    mtp = archs.mtp_plan(cfg, names)
+    if mtp is not None:
+        used |= {t.source.hf_name for t in mtp[1]}
+        lines.append(f"multi-token-prediction layer {cfg['n_layer']} converted into "
+                     f"{MTP_DIR}/ (drafts for --speculative mtp)")
     unused = sorted(n for n in names - used if n.startswith("model.layers."))
     if unused:
         layers = sorted({int(n.split(".")[2]) for n in unused if n.split(".")[2].isdigit()})
         lines.append(f"skipping {len(unused)} tensors of multi-token-prediction layer(s) "
                      f"{', '.join(map(str, layers))}: they are not used to decode")
-    mtp = [n for n in names - used if n.startswith("mtp.")]
-    if mtp:
-        lines.append(f"skipping {len(mtp)} tensors of the multi-token-prediction module "
+    mtp_names = [n for n in names - used if n.startswith("mtp.")]
+    if mtp_names:
+        lines.append(f"skipping {len(mtp_names)} tensors of the multi-token-prediction module "
                      f"(mtp.*): they are not used to decode")
     visual = [n for n in names - used if n.startswith("model.visual.")]
     if visual:

@@ -28,7 +28,8 @@ from colibri.engine.models.family import (
 from colibri.engine.models.registry import SUPPORTED, for_hf_class, for_name
 
 __all__ = ["BIAS", "DENSE", "EXPERT", "MXFP4", "NORM", "ROUTER", "SHARED", "SUPPORTED", "VOCAB",
-           "Source", "Target", "UnsupportedModel", "colibri_config", "fused_shape", "plan"]
+           "Source", "Target", "UnsupportedModel", "colibri_config", "fused_shape", "mtp_plan",
+           "plan"]
 
 
 def colibri_config(hf: dict[str, Any], gen: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -53,3 +54,11 @@ def plan(cfg: dict[str, Any], names: set[str]) -> list[Target]:
     the forward pass would ignore).
     """
     return for_name(cfg["architecture"]).plan(cfg, names)
+
+
+def mtp_plan(cfg: dict[str, Any], names: set[str]) -> tuple[dict[str, Any], list[Target]] | None:
+    """The checkpoint's multi-token-prediction layer as a one-layer model of its own (its
+    config fields and tensor plan), or None when the family has none or the checkpoint does
+    not ship it. Only the families whose layer can be run (DeepSeek-V3, GLM-4.5) offer one."""
+    fn = getattr(for_name(cfg["architecture"]), "mtp_plan", None)
+    return fn(cfg, names) if fn is not None else None

@@ -100,6 +100,11 @@ class ModelConfig:
     lin_v_dim: int = 0
     lin_conv: int = 0
     tie_embeddings: bool = False
+    # multi-token prediction (engine/spec/mtp.py): mtp names the sub-folder holding the
+    # model's MTP layer as a model of its own, whose config sets mtp_input (its input mixes
+    # the next token's embedding with the main model's hidden state)
+    mtp: str = ""
+    mtp_input: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_architecture: str = ""
@@ -248,6 +253,8 @@ class ModelConfig:
             lin_v_dim=get("lin_v_dim", int, 0),
             lin_conv=get("lin_conv", int, 0),
             tie_embeddings=get("tie_embeddings", bool, False),
+            mtp=get("mtp", str, ""),
+            mtp_input=get("mtp_input", bool, False),
             bos_token_id=get("bos_token_id", int, None),
             eos_token_ids=tuple(eos),
             hf_architecture=get("hf_architecture", str, ""),
@@ -261,6 +268,8 @@ class ModelConfig:
         def bad(msg: str) -> FormatError:
             return FormatError(f"{source}: {msg}")
 
+        if self.mtp and not self.mtp.replace("_", "").replace("-", "").isalnum():
+            raise bad(f"mtp {self.mtp!r} must name a sub-folder of the model folder")
         if self.n_head % self.n_head_kv:
             raise bad(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
         if self.n_expert_used > self.n_expert:
@@ -407,6 +416,7 @@ class ModelConfig:
             "lin_k_dim": self.lin_k_dim,
             "lin_v_dim": self.lin_v_dim,
             "lin_conv": self.lin_conv,
+            "mtp_input": int(self.mtp_input),
         }
 
     def layer_attn_bits(self) -> list[int] | None:

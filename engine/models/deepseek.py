@@ -3,8 +3,8 @@
 keys and values through a kv_lora_rank latent with a decoupled RoPE part), YaRN with DeepSeek's
 mscale in the softmax scale, the first first_k_dense_replace layers dense, the others routed
 experts (V3: grouped sigmoid routing with a correction bias; V2: softmax, greedy or
-group-limited) plus shared experts. The multi-token-prediction layers past num_hidden_layers
-are skipped at conversion.
+group-limited) plus shared experts. V3's first multi-token-prediction layer past
+num_hidden_layers is converted as a model of its own (mtp_plan, for --speculative mtp).
 
 The cache holds the latent row, and attention runs in the absorbed form (csrc/mla.c), so
 kv_b_proj is split per head at conversion into the key part (transposed) and the value part.
@@ -31,7 +31,7 @@ from colibri.engine.models.family import (
     build_plan,
     rope_parameters,
 )
-from colibri.engine.models.glm4_moe import grouped_ffn, grouped_router, mtp_layer
+from colibri.engine.models.glm4_moe import grouped_ffn, grouped_router, mtp_layer, nextn_plan
 from colibri.engine.models.rope import rope_config, yarn_mscale
 
 NAME = "deepseek"
@@ -134,6 +134,18 @@ def _mla(pl: Plan, i: int, p: str) -> None:
     pl.add(a, "wv_b", DENSE, (H * dv, kl), Source(att + "kv_b_proj.weight", transform="kv_b_v",
                                                   params=(H, dn, dv), src_shape=kv_b))
     pl.add(a, "wo", DENSE, (D, H * dv), Source(att + "o_proj.weight"))
+
+
+def mtp_plan(cfg: dict[str, Any], names: set[str]) -> tuple[dict[str, Any], list] | None:
+    """DeepSeek-V3's nextn layer (MLA attention, routed and shared experts) as a one-layer
+    model (glm4_moe.nextn_plan)."""
+    if cfg["hf_architecture"] != "DeepseekV3ForCausalLM":
+        return None
+
+    def layer(pl: Plan, i: int, p: str) -> None:
+        _mla(pl, i, p)
+        grouped_ffn(pl, i, p, names, "gate.e_score_correction_bias")
+    return nextn_plan(cfg, names, layer)
 
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:

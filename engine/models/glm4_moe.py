@@ -2,19 +2,25 @@
 partial_rotary_factor of each head), optional q/k/v biases and per-head q/k RMSNorm; the first
 first_k_dense_replace layers dense, the others grouped sigmoid routing (scores + a correction
 bias pick the experts, within the best topk_group of n_group groups) plus shared experts.
-The multi-token-prediction layers past num_hidden_layers are not used for decoding and are
-skipped at conversion.
+The first multi-token-prediction layer past num_hidden_layers is converted as a model of its
+own (mtp_plan, for drafting with --speculative mtp); further ones are skipped.
 
 Defaults and semantics follow transformers' configuration_glm4_moe.py / modeling_glm4_moe.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from colibri.engine.models.family import (
+    DENSE,
+    NORM,
+    VOCAB,
     HFConfig,
     Plan,
+    Source,
+    Target,
     UnsupportedModel,
     base_config,
     build_plan,
@@ -80,6 +86,52 @@ def mtp_layer(n_layer: int) -> Any:
         return (len(parts) > 2 and parts[0] == "model" and parts[1] == "layers"
                 and parts[2].isdigit() and int(parts[2]) >= n_layer)
     return skipped
+
+
+def nextn_plan(cfg: dict[str, Any], names: set[str],
+               layer: Callable[[Plan, int, str], None]) -> tuple[dict[str, Any],
+                                                                 list[Target]] | None:
+    """The first multi-token-prediction layer (DeepSeek-V3 / GLM-4.5's nextn layer
+    model.layers.{num_hidden_layers}.*) as a one-layer model: its config and tensor plan, or
+    None when the checkpoint does not ship it. layer(plan, 0, prefix) adds the decoder layer
+    (attention and FFN). The layer's input is eh_proj @ [enorm(embed(next token));
+    hnorm(hidden state)]; shared_head.norm and the lm_head make its logits. Its own copies of
+    the embeddings and lm_head are used where it ships them, the main model's otherwise. A
+    layer that lacks any of its tensors gives None too."""
+    L = cfg["n_layer"]
+    p = f"model.layers.{L}."
+    if p + "eh_proj.weight" not in names:
+        return None
+    kind = "moe" if cfg["n_expert"] else "dense"  # past first_k_dense_replace
+    mcfg = dict(cfg, n_layer=1, layer_ffn=[kind], mtp_input=True, n_mtp_layers=0)
+    for key in ("layer_attn", "layer_mixer"):
+        if mcfg.get(key):
+            mcfg[key] = mcfg[key][-1:]
+    V, D = cfg["n_vocab"], cfg["n_embd"]
+    pl = Plan(mcfg)
+    emb = "embeddings.bin"
+    own = p + "embed_tokens.weight"
+    pl.add(emb, "tok_embd", VOCAB, (V, D),
+           Source(own if own in names else "model.embed_tokens.weight"))
+    pl.add(emb, "output_norm", NORM, (D,), Source(p + "shared_head.norm.weight"))
+    if not cfg["tie_embeddings"]:
+        own = p + "shared_head.head.weight"
+        pl.add(emb, "output", VOCAB, (V, D), Source(own if own in names else "lm_head.weight"))
+    pl.add(emb, "mtp_enorm", NORM, (D,), Source(p + "enorm.weight"))
+    pl.add(emb, "mtp_hnorm", NORM, (D,), Source(p + "hnorm.weight"))
+    pl.add(emb, "mtp_eh_proj", DENSE, (D, 2 * D), Source(p + "eh_proj.weight"))
+    layer(pl, 0, p)
+    if any(t.source.hf_name not in names for t in pl.out):
+        return None  # an incomplete layer cannot draft: skipped like the others
+    return mcfg, pl.done({n for n in names if n.startswith(p)}, cfg["architecture"])
+
+
+def mtp_plan(cfg: dict[str, Any], names: set[str]) -> tuple[dict[str, Any], list[Target]] | None:
+    """GLM-4.5's nextn layer as a one-layer model (nextn_plan)."""
+    def layer(pl: Plan, i: int, p: str) -> None:
+        pl.attention(i, p)
+        grouped_ffn(pl, i, p, names, "gate.e_score_correction_bias")
+    return nextn_plan(cfg, names, layer)
 
 
 def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dict[str, Any]:

@@ -41,7 +41,11 @@ def describe(model_dir: str | Path, device: str = "auto",
     bytes_by_type: dict[str, int] = {}
     params_total = params_expert = params_shared = 0
     experts_per_layer: dict[int, int] = {}
+    mtp = cfg.get("mtp") or ""
+    params_mtp = 0
     for name in sorted(files):
+        if not name.endswith(".bin"):
+            continue
         wf = read_wfile(model_dir / name)
         n = 0
         for t in wf.tensors.values():
@@ -50,6 +54,9 @@ def describe(model_dir: str | Path, device: str = "auto",
                 numel *= d
             n += numel
             bytes_by_type[t.type_name] = bytes_by_type.get(t.type_name, 0) + t.nbytes
+        if mtp and name.startswith(f"{mtp}/"):  # drafts only: not part of a decode step
+            params_mtp += n
+            continue
         params_total += n
         if name.startswith("shared/"):
             params_shared += n
@@ -76,6 +83,7 @@ def describe(model_dir: str | Path, device: str = "auto",
         "layer_mixer": list(cfg.get("layer_mixer") or ["attention"] * int(cfg["n_layer"])),
         "experts_per_layer": [experts_per_layer.get(i, 0) for i in range(int(cfg["n_layer"]))],
         "n_files": len(files),
+        "mtp": {"folder": mtp, "params": params_mtp} if mtp else None,
         "tokenizer": (model_dir / "tokenizer.json").is_file(),
         "placement": placement_summary(model_dir, device, gpu_memory_mb),
     }
@@ -147,4 +155,8 @@ def render(d: dict[str, Any]) -> str:
     ]
     if d.get("placement"):
         lines.append(f"placement     {d['placement']}")
+    if d.get("mtp"):
+        lines.append(f"MTP layers    1 multi-token-prediction layer in {d['mtp']['folder']}/ "
+                     f"({_count(d['mtp']['params'])} parameters): drafts for "
+                     f"--speculative mtp")
     return "\n".join(lines)
