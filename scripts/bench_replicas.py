@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from colibri.app.replicas.launch import port_outside_ray
 from colibri.engine.tools.bench import measured_on
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,28 +56,11 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _free_port() -> int:
-    """A free port between 20000 and 30000: above Ray's worker ports and below the range the
-    kernel hands out, where a starting Ray cluster takes its own ports."""
-    import random
-    import socket
-
-    for _ in range(200):
-        port = random.randrange(20000, 30000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port between 20000 and 30000")
-
-
 @contextmanager
 def server(args: argparse.Namespace, *flags: str) -> Iterator[str]:
     """`colibri serve FLAGS` on a free port in its own session (and Ray folder); its URL.
     Everything it started is ended afterwards."""
-    port = _free_port()
+    port = port_outside_ray()
     ray_dir = tempfile.mkdtemp(prefix="clbray", dir="/tmp")
     env = dict(os.environ, RAY_TMPDIR=ray_dir)
     cmd = [sys.executable, "-m", "colibri.app", "serve", "--port", str(port), *flags]

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from colibri.app.replicas.launch import port_outside_ray
 from tests.server_helpers import ROOT
 
 pytest.importorskip("ray.serve")
@@ -36,26 +35,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["ROMEO.\n", "JULIET.\nO Romeo", "HAMLET.\nTo be", "KING LEAR.\nNothing"]
 
 
-def quiet_port() -> int:
-    """A free port below the range the kernel hands out for port 0 and above Ray's worker
-    ports (10002-19999): the local Ray cluster takes ports from the kernel as it starts, after
-    this one was found free, and must not take the server's."""
-    for _ in range(200):
-        port = random.randrange(20000, 30000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port between 20000 and 30000")
-
-
 class ReplicaServer:
     """`python -m colibri.app serve --replicas 2` in a new session with its own Ray folder."""
 
     def __init__(self, workdir: Path) -> None:
-        self.port = quiet_port()
+        self.port = port_outside_ray()
         self.url = f"http://127.0.0.1:{self.port}"
         # short: Ray puts Unix sockets under it
         self.ray_dir = tempfile.mkdtemp(prefix="clbray", dir="/tmp")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -23,6 +25,21 @@ log = logging.getLogger("colibri.app")
 OBJECT_STORE_BYTES = 100 << 20  # requests and replies only: nothing large goes through it
 _SERVE_DEADLINES = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "0.5",
                     "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5"}
+
+
+def port_outside_ray() -> int:
+    """A free loopback port between 20000 and 30000: above Ray's worker ports (10002-19999)
+    and below the range the kernel hands out for port 0, where a starting Ray cluster takes
+    its own ports after this one was found free."""
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 30000")
 
 
 def wants_replicas(settings: Settings) -> bool:
