@@ -76,6 +76,14 @@ def _on_port(text: str, srv: SubprocessServer) -> str:
     return text.replace(DEFAULT_URL, f"127.0.0.1:{srv.port}")
 
 
+def test_readme_stays_a_page_and_links_docs_that_exist() -> None:
+    """The README is for users: at most 300 lines, the rest in docs/ (every docs/ page it
+    names exists)."""
+    assert len(README.splitlines()) <= 300
+    for page in set(re.findall(r"docs/[\w-]+\.md", README)):
+        assert (ROOT / page).is_file(), page
+
+
 def test_readme_has_the_examples() -> None:
     assert len(code_blocks("bash", "curl http")) >= 2
     assert len(code_blocks("python", "from openai import OpenAI")) >= 1
