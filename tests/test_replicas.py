@@ -119,10 +119,14 @@ def _body(prompt: str, max_tokens: int, stream: bool, **extra: Any) -> dict[str,
 
 
 def _stream(url: str, body: dict[str, Any], on_header: Any = None,
-            timeout: float = 120.0) -> dict[str, Any]:
-    """One streamed completion: its replica, text, finish reason and any error event."""
+            timeout: float = 120.0, pin: str | None = None,
+            on_token: Any = None) -> dict[str, Any]:
+    """One streamed completion (pinned to replica `pin` when given): its replica, text,
+    finish reason and any error event. on_header(replica) runs when the reply starts,
+    on_token(replica) when its first text arrives."""
     out: dict[str, Any] = {"text": "", "finish": None, "error": None}
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH,
+    headers = AUTH if pin is None else {**AUTH, "x-colibri-replica": pin}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
                       timeout=timeout) as r:
         out["status"] = r.status_code
         out["replica"] = r.headers.get("x-colibri-replica")
@@ -136,6 +140,8 @@ def _stream(url: str, body: dict[str, Any], on_header: Any = None,
                 out["error"] = event["error"]
                 continue
             for choice in event["choices"]:
+                if on_token is not None and not out["text"] and choice["text"]:
+                    on_token(out["replica"])
                 out["text"] += choice["text"]
                 out["finish"] = choice["finish_reason"] or out["finish"]
     return out
@@ -206,11 +212,10 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: Replica
     long_body = _body("ROMEO.\n", 1500, True, ignore_eos=True)
     results: list[Any] = []
     runner = threading.Thread(target=lambda: results.extend(
-        _run_all(_stream, [(server.url, long_body, header)] * 16)))
+        _run_all(_stream, [(server.url, long_body, None, 120.0, None, header)] * 16)))
     runner.start()
     assert on_victim.wait(60), "no stream reached the replica to kill"
-    time.sleep(0.2)
-    os.kill(victim_pid, signal.SIGKILL)
+    os.kill(victim_pid, signal.SIGKILL)  # a stream there is under way: it must be cut
     runner.join(200)
     assert not runner.is_alive() and len(results) == 16, "streams hung after the kill"
     for res in results:
@@ -221,7 +226,9 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: Replica
             assert res["error"]["type"] == "service_unavailable", res
         else:
             assert res["error"] is None and res["finish"] == "length", res
-    assert any(r["replica"] == victim_id and r["error"] for r in results)
+    assert any(r["replica"] == victim_id and r["error"] for r in results), (
+        f"no stream on {victim_id} (pid {victim_pid}) was cut: "
+        f"{[(r['replica'], r['finish'], len(r['text'])) for r in results]}\n{server.log()}")
     # every request after the kill is served (by the survivor, or by the new replica)
     for prompt in PROMPTS * 2:
         r = httpx.post(server.url + "/v1/completions", json=_body(prompt, 4, False),
@@ -253,8 +260,13 @@ def test_sigterm_drains_both_replicas_and_exits_0(server: ReplicaServer) -> None
     started: list[str | None] = []
     body = _body("HAMLET.\n", 1500, True, ignore_eos=True)
     results: list[Any] = []
+    # two streams pinned to each replica: both have work to drain, whatever the router's
+    # counts learned from the replica killed before
+    ids = sorted(r["id"] for r in server.replicas())
+    assert len(ids) == 2, ids
     runner = threading.Thread(target=lambda: results.extend(
-        _run_all(_stream, [(server.url, body, started.append)] * 4)))
+        _run_all(_stream, [(server.url, body, started.append, 120.0, ids[i % 2])
+                           for i in range(4)])))
     runner.start()
     end = time.monotonic() + 120
     while len(started) < 4 and time.monotonic() < end:
