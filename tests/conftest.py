@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from colibri.engine import _core
+from tests.tiny_models import TinyCheckpoints
 
 # subsystem -> its test files (tests/test_markers.py checks that every file has exactly one)
 SUBSYSTEMS: dict[str, tuple[str, ...]] = {
@@ -85,10 +87,30 @@ def own_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["COLIBRI_CACHE_DIR"] = old
 
 
-@pytest.fixture(params=sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref"))
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
+    """Tiny checkpoints made once for the whole session (with their conversions and
+    transformers models) and shared by every file that asks for the same one."""
+    return TinyCheckpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+def quick_params(values: Iterable[str], quick: Iterable[str]) -> list[Any]:
+    """Parameters for a grid whose `quick` points run in the quick pass and the rest only in
+    the whole suite (marked slow): a representative few where every point costs seconds."""
+    keep = set(quick)
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+# the model tests on the reference kernels are slow ones where the CPU has faster kernels:
+# the kernel tests hold every ISA to the reference in the quick pass
+_ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
+
+
+@pytest.fixture(params=quick_params(_ISAS, _ISAS[-1:]))
 def isa(request: pytest.FixtureRequest):  # noqa: ANN201
     """The reference kernels, then the best this CPU runs, for tests that compare a model or
-    the cache across them (the kernel tests define their own, over every ISA)."""
+    the cache across them (the kernel tests define their own, over every ISA); the quick
+    pass runs the best only."""
     before = _core.isa_active()
     _core.isa_force(request.param)
     yield request.param
