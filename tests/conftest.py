@@ -2,8 +2,10 @@
 part alone (`pytest -m kernels`, `pytest -m "models and not slow"`), and files whose tests take
 long (browsers, real client libraries, whole-model references) are also marked `slow`, so
 `pytest -m "not slow"` is the quick pass. The session keeps converted models in a temporary
-folder (COLIBRI_CACHE_DIR), never in the user's ~/.cache/colibri. The `isa` fixture runs a
-test on the reference kernels and on the best this CPU has."""
+folder (COLIBRI_CACHE_DIR), never in the user's ~/.cache/colibri. The `checkpoints` fixture
+makes each tiny checkpoint once per session for every file that reads it. The `isa` fixture
+runs a test on the best kernels this CPU has and, in the whole suite, on the reference ones.
+docs/testing.md says how to run which part."""
 
 from __future__ import annotations
 
