@@ -131,6 +131,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests.server_helpers import remove_tiny_models
+
+    remove_tiny_models()
     cache = getattr(config, "_colibri_cache", None)
     if cache:
         shutil.rmtree(cache, ignore_errors=True)
