@@ -3,7 +3,7 @@
 
 Every results/<script>/<YYYY-MM-DD>-<name>.json is one measurement, written by a benchmark
 script's --json (scripts/compare_llamacpp.py, scripts/ab_bench.py, scripts/bench_server.py,
-scripts/bench_kv_pools.py).
+scripts/bench_kv_pools.py, scripts/bench_expert_cache.py).
 Files of one script whose names differ only in the date are one series; the page shows the
 newest file of each series, in one table per CPU, and each row names its command, commit and
 date and links its file. Everything between the two markers below is made here; the rest of
@@ -269,6 +269,36 @@ def bench_replicas_rows(d: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def bench_expert_cache_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/bench_expert_cache.py: the expert cache's defaults under a memory limit beside the
+    OS's mmap and llama.cpp's, one row each per oversubscription factor, with the run's time per
+    token against its physical floor (resident compute plus its storage reads at the storage's
+    measured speed)."""
+    st = d["storage"]
+    disk = max(st["direct_cold_gb_s"], st["direct_huge_cold_gb_s"])
+    rows = []
+    for factor in sorted({r["factor"] for r in d["rows"]}):
+        by = {r["engine"]: r for r in d["rows"] if r["factor"] == factor and "decode_tok_s" in r}
+        c = by.get("colibri cache (defaults)")
+        if c is None:
+            continue
+        model = (f"{d['model']} ({d['quant']}); experts x{factor} the memory limit, "
+                 f"{d['prompt_tokens']}-token prompt, {d['gen_tokens']} tokens; storage "
+                 f"{disk:.2f} GB/s")
+        note = (f"x{c['s_per_token'] * c['floor_host_cache_tok_s']:.2f} the floor's time a "
+                f"token; hit rate {c['cache']['hit_rate']:.2f}; {c['read_mb_per_token']:.1f} "
+                f"MB/token read")
+        for other in ("colibri mmap (OS)", "llama.cpp mmap"):
+            o = by.get(other)
+            if o is None:
+                continue
+            rows.append(["larger than memory", model, "expert cache (defaults)",
+                         f"– / {c['decode_tok_s']:.1f}", other.replace("colibri ", ""),
+                         f"– / {o['decode_tok_s']:.1f}",
+                         _ratio(c["decode_tok_s"] / o["decode_tok_s"]), "–", note])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
     "bench_speculative": bench_speculative_rows,
     "kv_bytes": kv_bytes_rows,
@@ -277,6 +307,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
     "bench_server": bench_server_rows,
     "compare_llamacpp": compare_llamacpp_rows,
     "ab_bench": ab_bench_rows,
+    "bench_expert_cache": bench_expert_cache_rows,
 }
 
 
