@@ -31,8 +31,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 from checkouts import checkout_python, commit_of
+from server_wait import wait_ready
 
 from colibri.engine import LLM, SamplingParams
 from colibri.engine.tools.bench import measured_on
@@ -100,18 +100,7 @@ def server(checkout: Path, args: argparse.Namespace, work: Path):  # noqa: ANN20
     proc = subprocess.Popen(cmd, cwd=work, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        end = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server of {checkout} exited with {proc.returncode}")
-            if time.monotonic() > end:
-                raise SystemExit(f"the server of {checkout} did not get ready in 600 s")
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_ready(proc, url, f"the server of {checkout}", poll_s=0.1)
         yield url, proc.pid
     finally:
         proc.terminate()
