@@ -77,7 +77,10 @@ def _family(arch: str, tmp_path_factory: pytest.TempPathFactory) -> Family:
     return _FAMILIES[arch]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# Mixtral in the quick pass; the other families (a minute more on 2 cores) are slow
+@pytest.fixture(scope="module", params=[a if a == "mixtral" else
+                                        pytest.param(a, marks=pytest.mark.slow)
+                                        for a in FAMILIES])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     return _family(request.param, tmp_path_factory)
 
