@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     threads: int | None = _option("threads")
     device: str = _option("device")
     gpu_memory_mb: float | None = _option("gpu_memory_mb")
+    device_profile: str | None = _option("device_profile")
     n_ctx: int | None = _option("n_ctx")
 
     # -- batching and KV cache --------------------------------------------------------

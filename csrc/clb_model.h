@@ -280,6 +280,19 @@ clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
 
 int64_t clb_forward_max_batch(void);
 
+/* The routed experts of MoE layer il alone, for a step whose other work runs on another
+ * backend: xn [n_tokens, n_embd] the tokens' normed FFN inputs, ids and w [n_tokens,
+ * n_expert_used] their chosen experts and weights (as the router gives them), mine [n_expert]
+ * (NULL: all) 1 for the experts run here. out [n_tokens, n_embd] receives per token the sum of
+ * weight * expert(x) over its chosen experts with mine[e] != 0, added in expert order (zero
+ * where there is none): exactly the share those experts add in clb_forward's layer. Goes
+ * through the expert cache when one is enabled. Uses the model's scratch: not at the same time
+ * as a forward call on the same model. CLB_E_ARG for a layer without routed experts or an
+ * expert id outside 0..n_expert-1 (nothing computed). */
+clb_status clb_moe_experts(clb_model *m, int64_t il, int64_t n_tokens, const float *xn,
+                           const int32_t *ids, const float *w, const uint8_t *mine, float *out,
+                           char *err);
+
 /* 1 when each of the n floats is finite (no NaN, no infinity), else 0: the check of a step's
  * logits, a few microseconds where numpy's isfinite allocates and reduces a mask */
 int clb_all_finite(const float *x, int64_t n);

@@ -248,47 +248,40 @@ static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
     return CLB_OK;
 }
 
-static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
+/* The routed experts of layer il over the chunk's T tokens, from their routing in m->top_id /
+ * m->top_w and their normed inputs in m->xn: out [T, D] = for each token the sum of its chosen
+ * experts' outputs times their weights, added in expert order. mine [E] (NULL: every expert)
+ * says which experts run here; the others' rows are left out (another backend adds them). */
+static clb_status routed_experts(clb_model *m, int64_t il, int64_t T, const uint8_t *mine,
+                                 float *out) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *l = &m->layers[il];
     const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
-
-    for (int64_t t = 0; t < T; t++)
-        clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
-
-    /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
-    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E,
-                     l->gate_inp_bias, NULL));
-    for (int64_t t = 0; t < T; t++)
-        route_token(m, l, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
-    if (routes)
-        for (int64_t t = 0; t < T; t++)
-            memcpy(routes + (t * hp->n_layer + il) * K, m->top_id + t * K,
-                   (size_t)K * sizeof(int32_t));
     clb_xcache *xc = m->xc;
-    if (clb_xc_prefetching(xc) && il + 1 < hp->n_layer &&
-        m->layers[il + 1].ffn == CLB_FFN_MOE)
-        TRY(prefetch_next(m, il, T));
 
-    /* group: counting sort by expert, tokens ascending within a group */
+    /* group: counting sort by expert, tokens ascending within a group; the (token, rank)
+     * pairs of experts another backend runs (mine[e] == 0) are left out */
     for (int64_t e = 0; e <= E; e++) m->e_start[e] = 0;
-    for (int64_t i = 0; i < T * K; i++) m->e_start[m->top_id[i] + 1]++;
+    for (int64_t i = 0; i < T * K; i++)
+        if (!mine || mine[m->top_id[i]]) m->e_start[m->top_id[i] + 1]++;
     for (int64_t e = 0; e < E; e++) {
         m->e_start[e + 1] += m->e_start[e];
         m->e_fill[e] = m->e_start[e];
     }
     for (int64_t i = 0; i < T * K; i++) {
+        if (mine && !mine[m->top_id[i]]) continue;
         int64_t slot = m->e_fill[m->top_id[i]]++;
         m->route_tok[slot] = (int32_t)(i / K);
         m->route_w[slot] = m->top_w[i];
     }
+    const int64_t n_rows = m->e_start[E];
 
     /* route_input: each (token, expert) row is the token's input times its weight, laid out
      * in group order (Llama4TextMoe scales the hidden state before the experts) */
     const float *src = m->xn;
     const int32_t *idx = m->route_tok;
     if (hp->route_input) {
-        for (int64_t r = 0; r < T * K; r++) {
+        for (int64_t r = 0; r < n_rows; r++) {
             const float *x = m->xn + (int64_t)m->route_tok[r] * D;
             float *y = m->xs + r * D, w = m->route_w[r];
             for (int64_t d = 0; d < D; d++) y[d] = x[d] * w;
@@ -301,7 +294,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
      * fit in one batch of rows (and, with the expert cache, in the layer's slots); combine in
      * expert order, as HF does, so waves change no bit of the result */
     if (xc) clb_xc_begin_layer(xc, il, m->e_start);
-    memset(m->proj, 0, (size_t)(T * D) * sizeof(float));
+    memset(out, 0, (size_t)(T * D) * sizeof(float));
     const clb_ffn_w **ws = m->ffn_list;
     uint8_t *wait = m->xc_wait;
     for (int64_t e = 0; e < E;) {
@@ -351,7 +344,7 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         if (xc) clb_xc_release(xc, il);
         TRY(fst);
         for (int64_t r = s0; r < s1; r++) {
-            float *dst = m->proj + (int64_t)m->route_tok[r] * D;
+            float *dst = out + (int64_t)m->route_tok[r] * D;
             const float *eo = m->eo + (r - s0) * D;
             if (hp->route_input) {
                 for (int64_t d = 0; d < D; d++) dst[d] += eo[d];
@@ -361,6 +354,31 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
             for (int64_t d = 0; d < D; d++) dst[d] += eo[d] * w;
         }
     }
+    return CLB_OK;
+}
+
+static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
+    const clb_hparams *hp = &m->hp;
+    const clb_layer_w *l = &m->layers[il];
+    const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
+
+    for (int64_t t = 0; t < T; t++)
+        clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
+
+    /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
+    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E,
+                     l->gate_inp_bias, NULL));
+    for (int64_t t = 0; t < T; t++)
+        route_token(m, l, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
+    if (routes)
+        for (int64_t t = 0; t < T; t++)
+            memcpy(routes + (t * hp->n_layer + il) * K, m->top_id + t * K,
+                   (size_t)K * sizeof(int32_t));
+    if (clb_xc_prefetching(m->xc) && il + 1 < hp->n_layer &&
+        m->layers[il + 1].ffn == CLB_FFN_MOE)
+        TRY(prefetch_next(m, il, T));
+
+    TRY(routed_experts(m, il, T, NULL, m->proj));
 
     if (hp->n_ff_shared > 0) {
         const clb_ffn_w *sw = &l->shared;
@@ -727,4 +745,43 @@ clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
             return CLB_E_ARG;
         }
     return forward_run(m, kv, b, il0, il1, x, logits, err);
+}
+
+clb_status clb_moe_experts(clb_model *m, int64_t il, int64_t n_tokens, const float *xn,
+                           const int32_t *ids, const float *w, const uint8_t *mine, float *out,
+                           char *err) {
+    if (err) err[0] = '\0';
+    if (!m || il < 0 || il >= m->hp.n_layer || m->layers[il].ffn != CLB_FFN_MOE) {
+        clb_set_err(err, "clb_moe_experts: layer %lld is not a layer with routed experts of "
+                    "this model", (long long)il);
+        return CLB_E_ARG;
+    }
+    if (n_tokens < 0 || (n_tokens > 0 && (!xn || !ids || !w || !out))) {
+        clb_set_err(err, "clb_moe_experts: bad arrays (n_tokens %lld)", (long long)n_tokens);
+        return CLB_E_ARG;
+    }
+    const int64_t D = m->hp.n_embd, E = m->hp.n_expert, K = m->hp.n_expert_used;
+    for (int64_t i = 0; i < n_tokens * K; i++) {
+        if (ids[i] < 0 || ids[i] >= E) {
+            clb_set_err(err, "clb_moe_experts: expert id %d at index %lld is not in 0..%lld",
+                        ids[i], (long long)i, (long long)(E - 1));
+            return CLB_E_ARG;
+        }
+    }
+    clb_status st = clb_xc_failed(m->xc, err);
+    if (st != CLB_OK) return st;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
+        const int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH;
+        memcpy(m->xn, xn + t0 * D, (size_t)(T * D) * sizeof(float));
+        memcpy(m->top_id, ids + t0 * K, (size_t)(T * K) * sizeof(int32_t));
+        memcpy(m->top_w, w + t0 * K, (size_t)(T * K) * sizeof(float));
+        st = routed_experts(m, il, T, mine, out + t0 * D);
+        if (st != CLB_OK) {
+            if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
+            clb_set_err(err, "clb_moe_experts: a kernel failed (status %d)", (int)st);
+            return st;
+        }
+    }
+    if (clb_wfault_any() && (st = clb_model_weight_fault(m, err)) != CLB_OK) return st;
+    return CLB_OK;
 }

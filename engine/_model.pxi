@@ -159,6 +159,9 @@ cdef extern from "clb_model.h" nogil:
     clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
     clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
                                 int64_t il1, float *x, float *logits, char *err)
+    clb_status clb_moe_experts(clb_model *m, int64_t il, int64_t n_tokens, const float *xn,
+                               const int32_t *ids, const float *w, const uint8_t *mine,
+                               float *out, char *err)
 
 XC_LOADS = ("pread", "direct", "mmap", "uring")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
@@ -664,6 +667,46 @@ cdef class CoreModel:
         out = {name: counters[:, i].copy() for i, name in enumerate(XC_COUNTERS)}
         out.update(state=state, heat=heat, selections=sel)
         return out
+
+    def moe_experts(self, int il, xn, ids, weights, mine, out) -> None:
+        """The routed experts of MoE layer il that `mine` marks (clb_moe_experts), with the GIL
+        released: xn float32 [T, n_embd] the normed FFN inputs, ids int32 and weights float32
+        [T, n_expert_used] the routing, mine bool/uint8 [n_expert], out float32 [T, n_embd]
+        (C-contiguous) receives those experts' weighted sum per token. InputError for a layer
+        without experts or an expert id out of range."""
+        cdef const clb_hparams *hp = clb_model_hparams(self.m)
+        cdef int64_t D = hp.n_embd, K = hp.n_expert_used
+        x = np.ascontiguousarray(xn, dtype=np.float32)
+        cdef Py_ssize_t T = x.shape[0] if x.ndim == 2 else -1
+        if x.ndim != 2 or x.shape[1] != D:
+            raise InputError(f"xn must be float32 [T, {D}]")
+        i = np.ascontiguousarray(ids, dtype=np.int32)
+        wt = np.ascontiguousarray(weights, dtype=np.float32)
+        if i.shape != (T, K) or wt.shape != (T, K):
+            raise InputError(f"ids and weights must be [{T}, {K}]")
+        mk = np.ascontiguousarray(np.asarray(mine, dtype=bool).reshape(-1)).view(np.uint8)
+        if mk.shape[0] != hp.n_expert:
+            raise InputError(f"mine has {mk.shape[0]} entries, the model has {hp.n_expert} "
+                             "experts per layer")
+        if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (T, D)
+                or not out.flags.c_contiguous):
+            raise InputError(f"out must be a C-contiguous float32 array of shape ({T}, {D})")
+        if T == 0:
+            return
+        cdef const float[:, ::1] xv = x
+        cdef const int32_t[:, ::1] iv = i
+        cdef const float[:, ::1] wv = wt
+        cdef const uint8_t[::1] mv = mk
+        cdef float[:, ::1] ov = out
+        cdef char err[512]
+        cdef clb_status st
+        err[0] = 0
+        with self._lock:
+            with nogil:
+                st = clb_moe_experts(self.m, il, T, &xv[0, 0], &iv[0, 0], &wv[0, 0], &mv[0],
+                                     &ov[0, 0], err)
+        if st != CLB_OK:
+            raise _status_error(st, err)
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
                 block_tables, routes=None, state_slots=None, win_tables=None, span=None,

@@ -29,7 +29,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_reliability_verify.py", "test_hub_models.py", "test_expert_cache.py",
                "test_demo_model.py", "test_demo_data.py", "test_demo_report.py",
                "test_gpt_oss_config.py", "test_minimax_m2.py", "test_linear_attn.py",
-               "test_llama4_config.py", "test_torch_backend.py", "test_costmodel.py"),
+               "test_llama4_config.py", "test_torch_backend.py", "test_costmodel.py",
+               "test_expert_split.py"),
     # scheduling, sampling, text: engine/core, engine/sample, engine/text
     "engine": ("test_batching.py", "test_block_manager.py", "test_scheduler.py", "test_llm.py",
                "test_sampling.py",

@@ -185,10 +185,18 @@ OPTIONS: tuple[Option, ...] = (
                 "cpu. torch-cpu runs the GPU code on the CPU: slow, for checking a placement on "
                 "a machine without a GPU. Models with linear-attention layers run on cpu."),
     Option("gpu_memory_mb", float, None, "GPU memory the placement may use, in MB: the cost "
-           "model puts what every token needs first, then whole layers (with their experts) "
-           "while they fit; the rest runs on the C core", _MODEL,
+           "model puts what every token needs first, then routed experts hottest first; a GPU "
+           "layer's other experts run on the C core beside it, and the rest of the layers on "
+           "the C core", _MODEL,
            commands=(*_SERVE_ENGINE, "info", "plan"), engine_env=True, ge=0,
-           unset="everything on the device", example="24000"),
+           unset="everything on the device", example="24000",
+           note="Between steps the GPU tier swaps a cold expert on the GPU for a hotter one on "
+                "the CPU when the routing says so (a few uploads per step at most)."),
+    Option("device_profile", str, None, "the machine profile the --gpu-memory-mb placement "
+           "plans with: a JSON file (engine/executor/profiles/ has the format) or a profile "
+           "kept with Colibri by name", _MODEL, commands=(*_SERVE_ENGINE, "info"),
+           engine_env=True, unset="this machine, measured at start", example="h200",
+           metavar="FILE"),
     Option("n_ctx", int, None, "context length in tokens (prompt and completion)", _MODEL,
            ge=16, unset="the model's own", example="8192"),
     # -- batching and KV cache ----------------------------------------------------------

@@ -247,9 +247,27 @@ class ExpertCacheMonitor:
         self._batch_sum = 0
         self._batch_n = 0
         self._saved = None
+        # the GPU tier (engine/executor/torch_backend/expert_split.py) when some routed
+        # experts run on a torch device beside the C core
+        self.gpu_tier: Any = None
 
     def stats(self) -> dict[str, Any] | None:
         return self.core.expert_cache_stats()
+
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The GPU tier's counters and placement (ExpertSplit.stats), or None without one."""
+        return None if self.gpu_tier is None else self.gpu_tier.stats()
+
+    def tier_data(self) -> dict[str, Any] | None:
+        """tier_stats, JSON-ready: counters, and per layer and expert 1 on the GPU, 0 on the
+        CPU, and the heat."""
+        ts = self.tier_stats()
+        if ts is None:
+            return None
+        out = {k: v for k, v in ts.items() if k not in ("on_device", "heat")}
+        out["on_device"] = ts["on_device"].tolist()
+        out["heat"] = [[round(float(h), 3) for h in row] for row in ts["heat"]]
+        return out
 
     def totals(self, st: dict[str, Any] | None = None) -> dict[str, float]:
         """Summed counters, hit rate and resident bytes of st (default: read now; empty when
@@ -310,7 +328,8 @@ class ExpertCacheMonitor:
             "n_expert": self.plan.n_expert, "slots_per_layer": self.plan.per_layer
             or self.plan.n_expert, "expert_bytes": self.plan.expert_bytes,
             "budget_bytes": self.plan.budget_bytes, "reason": self.plan.reason,
-            "totals": self.totals(st) if st is not None else {}, "history": hist}
+            "totals": self.totals(st) if st is not None else {}, "history": hist,
+            "gpu_tier": self.tier_data()}
         if st is not None:
             out["state"] = st["state"].tolist()
             out["heat"] = [[round(float(h), 3) for h in row] for row in st["heat"]]

@@ -158,7 +158,8 @@ class Model:
         kv_type: "f32", "f16" or "q8"; kv_blocks None: enough for n_seq slots of n_ctx
         positions. device: "cpu" (the C core), "torch-cpu", "cuda", "cuda:N" or "auto"
         (engine.executor.backend.resolve_device); placement (a torch device only): which
-        operations run on "torch" and which on "c" (a split by whole layers).
+        operations run on "torch" and which on "c" (layers split between the two, and a torch
+        layer's routed experts too).
         n_seq = 0 keeps no slots (only forward_paged is usable); otherwise
         kv_blocks must cover the n_seq slots. state_slots (models with linear-attention
         layers): recurrent-state slots for forward_paged's sequences; None: n_seq.
@@ -192,7 +193,7 @@ class Model:
                     kv_blocks: int | None, state_slots: int | None, device: str,
                     placement: Placement | None, threads: int) -> Model:
         """The model on the torch backend (engine/executor/torch_backend) on device, or split
-        by layer between it and the C core when placement names both."""
+        between it and the C core (by layer, and by routed expert) when placement names both."""
         from colibri.engine.executor.torch_backend.core import TorchCore
         from colibri.engine.executor.torch_backend.split import SplitCore
 

@@ -23,6 +23,7 @@ from colibri.engine.errors import ContextOverflowError, FormatError, InputError
 from colibri.engine.executor.backend import LayerOp, Op, step_ops, torch_unsupported
 from colibri.engine.executor.torch_backend import attention as att
 from colibri.engine.executor.torch_backend import ffn
+from colibri.engine.executor.torch_backend.expert_split import ExpertSplit
 from colibri.engine.executor.torch_backend.weights import ModelWeights, load_weights
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.models.rope import rope_frequencies
@@ -70,19 +71,22 @@ class TorchCore:
         }
         self.forward_ns = 0
         self.n_forward = 0
-        # per (layer, expert): whether another backend runs it (split placement)
-        self.skip_expert: Callable[[int, int], bool] | None = None
+        # routed experts split between this device and the C core (a split placement)
+        self.split: ExpertSplit | None = None
 
     @classmethod
     def load(cls, path: str | Path, cfg: ModelConfig, n_ctx: int,
-             device: str | torch.device = "cpu", layers: set[int] | None = None) -> TorchCore:
-        """The folder's weights on device: all, or only those of `layers` (a split)."""
+             device: str | torch.device = "cpu", layers: set[int] | None = None,
+             experts: dict[int, set[int]] | None = None) -> TorchCore:
+        """The folder's weights on device: all, or only those of `layers` (a split), with per
+        layer named in `experts` only those routed experts."""
         why = torch_unsupported(cfg)
         if why:
             raise FormatError(f"{path}: the torch backend does not run {', '.join(why)} yet; "
                               "use --device cpu")
         dev = torch.device(device)
-        return cls(cfg, load_weights(path, cfg, dev, layers=layers), dev, n_ctx)
+        return cls(cfg, load_weights(path, cfg, dev, layers=layers, experts=experts), dev,
+                   n_ctx)
 
     @property
     def n_ctx(self) -> int:
@@ -193,9 +197,10 @@ class TorchCore:
 
     def _experts(self, st: StepState, il: int) -> None:
         assert st.xn is not None and st.routing is not None
-        skip = self.skip_expert
-        only = None if skip is None else (lambda e: not skip(il, e))
-        st.moe_out = ffn.experts(self.cfg, self.w.layers[il].experts, st.xn, st.routing, only)
+        if self.split is not None and il in self.split.layers:
+            st.moe_out = self.split.run(il, st.xn, st.routing)
+        else:
+            st.moe_out = ffn.experts(self.cfg, self.w.layers[il].experts, st.xn, st.routing)
         if self.cfg.n_ff_shared == 0:
             st.x = st.x + st.moe_out
 

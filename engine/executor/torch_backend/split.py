@@ -3,9 +3,11 @@
 The layers run in order in runs of one backend: a C run is one clb_forward_span call over the
 hidden states, a torch run is TorchCore's operations for its layers; the hidden states move
 between them as float32 [T, n_embd]. The embeddings run where layer 0 runs, the final norm
-and lm_head where the last layer runs. Each backend keeps the KV rows of its own layers. On
+and lm_head where the last layer runs. Each backend keeps the KV rows of its own layers. A
+torch layer may keep only some of its routed experts on the device: the C core runs the
+others beside it (expert_split.py), and between steps the GPU tier moves experts by heat. On
 torch's CPU device this gives the all-C tokens (the same math; float32 rounding aside); on a
-GPU the hidden states cross PCIe once per run.
+GPU the hidden states cross PCIe once per run (and a split layer's inputs once per layer).
 """
 
 from __future__ import annotations
@@ -21,22 +23,38 @@ from colibri.engine import _core
 from colibri.engine.executor.backend import LayerOp, Op, Placement, step_ops
 from colibri.engine.executor.torch_backend.attention import TorchKV
 from colibri.engine.executor.torch_backend.core import TorchCore
+from colibri.engine.executor.torch_backend.expert_split import ExpertSplit, TierConfig
 from colibri.engine.models.config import ModelConfig
 
 
 def layer_backends(cfg: ModelConfig, placement: Placement) -> list[str]:
-    """Per layer the backend running all of it; ValueError when a placement splits a layer
-    (this step runs whole layers on one backend) or places an expert apart from its layer."""
+    """Per layer the backend running its work; a layer on the torch backend may leave some of
+    its routed experts to the C core (an expert split), but a layer on the C core runs whole:
+    ValueError when it places some of its work, or one of its experts, on the torch device."""
     out: list[str] = []
     ops = step_ops(cfg)
     for il in range(cfg.n_layer):
-        used = {placement.of(o) for o in ops if o.layer == il}
-        used |= {b for (l_, _e), b in placement.experts.items() if l_ == il}
+        used = {placement.of(o) for o in ops if o.layer == il and o.op != Op.EXPERTS}
         if len(used) != 1:
-            raise ValueError(f"layer {il} is placed on {sorted(used)}: a split step runs each "
-                             "layer whole on one backend")
-        out.append(used.pop())
+            raise ValueError(f"layer {il} is placed on {sorted(used)}: a split step runs a "
+                             "layer's attention, router, shared and dense work on one backend")
+        b = used.pop()
+        if b == "c" and il in cfg.moe_layers:
+            mine = {placement.of(LayerOp(il, Op.EXPERTS))}
+            mine |= {b_ for (l_, _e), b_ in placement.experts.items() if l_ == il}
+            if mine != {"c"}:
+                raise ValueError(f"layer {il} is placed on {sorted(mine | {'c'})}: routed "
+                                 "experts run on the torch device only in a layer whose other "
+                                 "work runs there")
+        out.append(b)
     return out
+
+
+def device_experts(cfg: ModelConfig, placement: Placement,
+                   backends: list[str]) -> dict[int, set[int]]:
+    """Per MoE layer on the torch backend, the routed experts it keeps on the device."""
+    return {il: {e for e in range(cfg.n_expert) if placement.of_expert(il, e) == "torch"}
+            for il in cfg.moe_layers if backends[il] == "torch"}
 
 
 def runs(backends: list[str]) -> list[tuple[str, int, int]]:
@@ -87,14 +105,26 @@ class SplitCore:
 
     @classmethod
     def load(cls, path: Path, cfg: ModelConfig, n_ctx: int, threads: int, device: str,
-             placement: Placement) -> SplitCore:
+             placement: Placement, tier: TierConfig | None = None) -> SplitCore:
+        """The C core and a TorchCore holding the placement's torch layers, with only their
+        device experts; the experts of those layers are split between the two (and moved by
+        heat as `tier` says)."""
         if cfg.hybrid:
             raise ValueError("a model with linear-attention layers runs on one backend")
         backends = layer_backends(cfg, placement)
         c = _core.CoreModel.load(str(path), cfg.to_hparams(n_ctx), threads)
         mine = {il for il, b in enumerate(backends) if b == "torch"}
-        t = TorchCore.load(path, cfg, n_ctx, device, layers=mine)
+        on_dev = device_experts(cfg, placement, backends)
+        t = TorchCore.load(path, cfg, n_ctx, device, layers=mine, experts=on_dev)
+        if on_dev:
+            t.split = ExpertSplit(Path(path), cfg, c, t.w, t.device, set(on_dev), tier)
         return cls(c, t, cfg, backends)
+
+    @property
+    def expert_split(self) -> ExpertSplit | None:
+        """The routed experts split between the device and the C core (None: no MoE layer
+        on the device)."""
+        return self.t.split
 
     @property
     def n_ctx(self) -> int:
@@ -138,6 +168,8 @@ class SplitCore:
                 out = self._torch_run(kv.t, tok, seq, pos, tables, routes, want, a, b, h)
             if b == L:
                 logits = out
+        if self.t.split is not None:  # between steps: heat, counters and the GPU tier
+            self.t.split.after_step()
         return logits
 
     def _torch_run(self, kv: TorchKV, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray,

@@ -123,7 +123,7 @@ class LayerWeights:
 
     attn: dict[str, TorchWeight | torch.Tensor] = field(default_factory=dict)
     router: dict[str, torch.Tensor] = field(default_factory=dict)
-    experts: list[FFNWeights] = field(default_factory=list)
+    experts: list[FFNWeights | None] = field(default_factory=list)  # None: not on this device
     shared: FFNWeights | None = None
     dense: FFNWeights | None = None
     ffn_norm: torch.Tensor | None = None
@@ -164,9 +164,22 @@ def _attention(f: WFile, device: torch.device) -> dict[str, TorchWeight | torch.
     return out
 
 
+def load_expert(folder: Path, cfg: ModelConfig, il: int, e: int, device: torch.device,
+                router: dict[str, torch.Tensor]) -> FFNWeights:
+    """Routed expert e of layer il on device (its biases from the layer's router tensors)."""
+    ew = _ffn(read_wfile(folder / "experts" / f"layer_{il}_expert_{e}.bin"), device)
+    if cfg.expert_bias:
+        ew.b1 = router["exp_b1"][e].to(device)
+        ew.b3 = router["exp_b3"][e].to(device)
+        ew.b2 = router["exp_b2"][e].to(device)
+    return ew
+
+
 def load_layer(folder: Path, cfg: ModelConfig, il: int, device: torch.device,
-               expert_device: torch.device | None = None) -> LayerWeights:
-    """Layer il's weights; routed experts on expert_device (None: device)."""
+               expert_device: torch.device | None = None,
+               experts: set[int] | None = None) -> LayerWeights:
+    """Layer il's weights; routed experts on expert_device (None: device), all of them or
+    those of `experts` (the others None: another backend runs them)."""
     lw = LayerWeights(attn=_attention(read_wfile(folder / "attention" / f"layer_{il}.bin"),
                                       device))
     if cfg.layer_ffn and cfg.layer_ffn[il] == "dense":
@@ -178,13 +191,8 @@ def load_layer(folder: Path, cfg: ModelConfig, il: int, device: torch.device,
     lw.router = {n: _vector(r, n, device) for n in r.tensors}
     lw.ffn_norm = lw.router.pop("ffn_norm")
     edev = expert_device or device
-    for e in range(cfg.n_expert):
-        ew = _ffn(read_wfile(folder / "experts" / f"layer_{il}_expert_{e}.bin"), edev)
-        if cfg.expert_bias:
-            ew.b1 = lw.router["exp_b1"][e].to(edev)
-            ew.b3 = lw.router["exp_b3"][e].to(edev)
-            ew.b2 = lw.router["exp_b2"][e].to(edev)
-        lw.experts.append(ew)
+    lw.experts = [load_expert(folder, cfg, il, e, edev, lw.router)
+                  if experts is None or e in experts else None for e in range(cfg.n_expert)]
     if cfg.n_ff_shared > 0:
         lw.shared = _ffn(read_wfile(folder / "shared" / f"layer_{il}.bin"), device)
     return lw
@@ -192,12 +200,15 @@ def load_layer(folder: Path, cfg: ModelConfig, il: int, device: torch.device,
 
 def load_weights(folder: str | Path, cfg: ModelConfig, device: torch.device,
                  expert_device: torch.device | None = None,
-                 layers: set[int] | None = None) -> ModelWeights:
+                 layers: set[int] | None = None,
+                 experts: dict[int, set[int]] | None = None) -> ModelWeights:
     """The folder's weights on device (routed experts on expert_device, None: device): every
     layer's, or those of `layers` only, with the embeddings when layer 0 is among them and
-    the final norm and lm_head when the last layer is."""
+    the final norm and lm_head when the last layer is. experts: per layer, the routed experts
+    to load when not all of them (a layer it does not name loads all)."""
     p = Path(folder)
     mine = set(range(cfg.n_layer)) if layers is None else layers
+    some = experts or {}
     emb = read_wfile(p / "embeddings.bin")
     tok = out = norm = None
     if 0 in mine or (cfg.tie_embeddings and cfg.n_layer - 1 in mine):
@@ -205,6 +216,6 @@ def load_weights(folder: str | Path, cfg: ModelConfig, device: torch.device,
     if cfg.n_layer - 1 in mine:
         out = tok if cfg.tie_embeddings else TorchWeight.from_file(emb, "output", device)
         norm = _vector(emb, "output_norm", device)
-    lw = [load_layer(p, cfg, il, device, expert_device) if il in mine else LayerWeights()
-          for il in range(cfg.n_layer)]
+    lw = [load_layer(p, cfg, il, device, expert_device, some.get(il)) if il in mine
+          else LayerWeights() for il in range(cfg.n_layer)]
     return ModelWeights(tok, norm, out, lw)
