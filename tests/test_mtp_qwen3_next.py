@@ -207,6 +207,47 @@ def test_qwen_mtp_layer_matches_a_transformers_reference(ckpts: dict[str, Path],
     assert rel_max(got2[0], want2[-1]) < TOL
 
 
+def test_engine_drafts_are_the_reference_modules_chained_drafts(ckpts: dict[str, Path]) -> None:
+    """Two requests decoding together with k = 4: at every step each request's first draft
+    is what the reference module gives over its tokens so far (every position from the main
+    model's outputs), and at its first steps the chained drafts are the reference's chained
+    on its own output after mtp.norm and its drafts; each draft a largest reference logit
+    within 1e-4."""
+    import torch
+
+    arch = "qwen3_next"
+    llm = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=4)
+    prompts = [_ids(llm, p) for p in PROMPTS[:2]]
+    seen = _watch_drafts(llm.core)
+    _run(llm, prompts, _params(max_tokens=10))
+    hf = hf_model(ckpts[arch])
+    captured: list[Any] = []
+    hf.model.norm.register_forward_hook(lambda _m, _a, out: captured.append(out))
+    ref = QwenMtpReference(ckpts[arch], arch)
+
+    def is_top(logits: np.ndarray, d: int) -> bool:
+        return bool(logits[d] >= logits.max() - TOL * np.abs(logits).max())
+
+    for prompt in prompts:
+        mine = [(d, t) for d, t in seen if t[:len(prompt)] == prompt]
+        assert len(mine) >= 3
+        full = max((t for _, t in mine), key=len)
+        with torch.no_grad():  # causal: one pass gives every prefix's rows
+            hf(torch.tensor([full[:-1]]))
+        x_full = ref.inputs(full[1:], captured[-1][0])
+        first, _ = ref.run(x_full)
+        for n_step, (drafts, tokens) in enumerate(mine):
+            c = len(tokens) - 1
+            assert is_top(first[c - 1], drafts[0]), (prompt, c)
+            if n_step >= 2:
+                continue
+            x = x_full[:c]
+            for d in drafts:
+                logits, h = ref.run(x)
+                assert is_top(logits[-1], d), (prompt, c, drafts)
+                x = torch.cat([x, ref.inputs([d], torch.from_numpy(h[-1:]))])
+
+
 @pytest.mark.parametrize("arch", [*ARCHS, *(f"{a}_rep" for a in ARCHS)])
 def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: dict[str, Path],
                                                         arch: str) -> None:
