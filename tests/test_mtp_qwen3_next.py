@@ -291,7 +291,7 @@ def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: dict[str, Path],
 
 def test_qwen_mtp_drafts_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
     """With three of eight experts per layer resident, greedy output with the module's drafts
-    is the output with every expert resident and no drafts."""
+    at k = 1, 2, 4 is the output with every expert resident and no drafts."""
     from colibri.engine.core.options import ExpertCacheConfig
 
     arch = "qwen3_next_rep"
@@ -300,9 +300,11 @@ def test_qwen_mtp_drafts_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
     want = _run(base, prompts, _params())
     llm = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=3,
                expert_cache=ExpertCacheConfig(expert_cache_size=3, expert_pin=False))
-    got = _run(llm, prompts, _params())
-    assert all(_trace(got[r]) == _trace(want[r]) for r in want)
-    assert llm.core.spec_stats.n_accepted > 0
+    for k in (1, 2, 4):
+        _spec(llm, k, "mtp")
+        got = _run(llm, prompts, _params())
+        assert all(_trace(got[r]) == _trace(want[r]) for r in want), k
+        assert llm.core.spec_stats.n_accepted > 0
     assert llm.core.expert_cache.totals()["misses"] > 0  # the budget was in play
 
 
