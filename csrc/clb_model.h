@@ -120,11 +120,14 @@ typedef struct {
                                   sliding_window is 0) */
 
     const int32_t *layer_mixer; /* [n_layer] clb_mixer_kind; NULL: every layer CLB_MIX_ATTN */
-    int32_t mtp_input;     /* a multi-token-prediction layer (DeepSeek-V3, GLM-4.5): its input is
-                              mtp_eh_proj @ [rmsnorm(embed(token), mtp_enorm);
+    int32_t mtp_input;     /* a multi-token-prediction layer (DeepSeek-V3, GLM-4.5, Qwen3-Next):
+                              its input is mtp_eh_proj @ [rmsnorm(embed(token), mtp_enorm);
                               rmsnorm(h, mtp_hnorm)], h being clb_batch.hidden_in (the main
-                              model's output after its final norm, or this layer's own before
-                              it); the embedding half is zero at position 0, as vLLM's */
+                              model's output after its final norm, or this layer's own); the
+                              embedding half is zero at position 0, as vLLM's DeepSeek MTP,
+                              unless mtp_keep_first */
+    int32_t mtp_keep_first; /* 0 or 1: the embedding half is kept at position 0 too (Qwen3-Next's
+                              MTP, which vLLM does not mask) */
 } clb_hparams;
 
 /* One weight file mapped read-only. */

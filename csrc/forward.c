@@ -419,14 +419,15 @@ static clb_status dense_ffn(clb_model *m, int64_t il, int64_t T, int32_t *routes
 
 /* An MTP layer's input (mtp_input): x = eh_proj @ [rmsnorm(embed(token), enorm);
  * rmsnorm(h, hnorm)] per token, h its row of hidden_in [T, D]; the embedding half is zero at
- * position 0 (vLLM's and SGLang's DeepSeek MTP mask it there). */
+ * position 0 (vLLM's and SGLang's DeepSeek MTP mask it there) unless mtp_keep_first (their
+ * Qwen3-Next MTP does not). */
 static clb_status mtp_input(clb_model *m, int64_t T, const int32_t *tokens, const int32_t *pos,
                             const float *hidden_in) {
     const clb_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd;
     for (int64_t t = 0; t < T; t++) {
         float *cat = m->mtp_cat + t * 2 * D;
-        if (pos[t] == 0) {
+        if (pos[t] == 0 && !hp->mtp_keep_first) {
             memset(cat, 0, (size_t)D * sizeof(float));
         } else {
             clb_get_row(m->tok_embd->type, m->tok_embd->data, D, tokens[t], m->xn + t * D);

@@ -57,6 +57,7 @@ cdef extern from "clb_model.h" nogil:
         const int32_t *layer_attn
         const int32_t *layer_mixer
         int32_t mtp_input
+        int32_t mtp_keep_first
 
     ctypedef struct clb_tensor:
         const char name[64]
@@ -178,7 +179,7 @@ _HPARAM_INT_KEYS = (
     "rotary_dim", "sliding_window", "attn_sinks", "router_bias", "expert_bias", "glu", "n_ctx",
     "attn_chunk", "route_input",
     "attn_gate", "lin_n_k_heads", "lin_n_v_heads", "lin_k_dim", "lin_v_dim", "lin_conv",
-    "mtp_input",
+    "mtp_input", "mtp_keep_first",
 )
 _HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps",
                       "glu_alpha", "glu_limit", "attn_temp_floor", "attn_temp_scale")
@@ -272,6 +273,7 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.lin_v_dim = hparams["lin_v_dim"]
     hp.lin_conv = hparams["lin_conv"]
     hp.mtp_input = hparams["mtp_input"]
+    hp.mtp_keep_first = hparams["mtp_keep_first"]
     cdef int32_t[::1] mixers
     cdef float[::1] freqs
     cdef int32_t[::1] kinds

@@ -40,7 +40,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_input_checks.py", "test_reliability_templates.py",
                "test_gpt_oss_text.py", "test_hybrid_engine.py", "test_spec_cost.py",
                "test_spec_ngram.py", "test_speculative.py", "test_kv_window_pool.py",
-               "test_device_option.py", "test_mtp.py"),
+               "test_device_option.py", "test_mtp.py", "test_mtp_qwen3_next.py"),
     # the HTTP server and what clients see
     "server": ("test_server_openai.py", "test_server_errors.py", "test_server_lifecycle.py",
                "test_server_settings.py", "test_server_batching.py",

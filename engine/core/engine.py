@@ -231,7 +231,8 @@ class EngineCore:
         t0 = time.perf_counter()
         measure = self.speculates and self.speculative.adaptive
         products = self._product_totals() if measure else None
-        mtp = self._mtp_drafter() if self.speculative.method == "mtp" else None
+        mtp = (self._mtp_drafter() if self.speculative.method == "mtp" and self.speculates
+               else None)
         if mtp is not None:
             self._mtp_propose(mtp)
         elif self.speculates:
@@ -465,9 +466,16 @@ class EngineCore:
 
     def _mtp_propose(self, mtp: Any) -> None:
         """Every running request's drafts from the MTP layer (the catch-up over what the last
-        step verified runs for all of them). A failure there costs drafts, never output."""
+        step verified runs for all of them); in a model with linear-attention layers only as
+        many draft as there are spare state slots to save their states in. A failure there
+        costs drafts, never output."""
         running = list(self.scheduler.running)
-        budgets = {id(r): draft_budget(r, self.speculative) for r in running}
+        slots = len(self.snapshot_slots) if self.hybrid else len(running)
+        budgets: dict[int, int] = {}
+        for r in running:
+            k = draft_budget(r, self.speculative) if slots > 0 else 0
+            budgets[id(r)] = k
+            slots -= k > 0
         try:
             drafted = mtp.propose(running, budgets, lambda r: self.blocks.table(r.rid))
         except Exception as exc:  # noqa: BLE001 - drafting is optional: decode without drafts
