@@ -228,10 +228,12 @@ class UnionMeter:
         self.max_tokens = max_tokens
         self._w: dict[int, float] = {}
         self._sum: dict[int, float] = {}
+        self._guess: dict[int, float] = {}  # answers since the last step (planning asks often)
 
     def observe(self, n_tokens: int, n_experts: float) -> None:
         if not 0 < n_tokens <= self.max_tokens or not n_experts > 0:
             return
+        self._guess.clear()
         f = self.forget
         self._w[n_tokens] = f * self._w.get(n_tokens, 0.0) + 1.0
         self._sum[n_tokens] = f * self._sum.get(n_tokens, 0.0) + float(n_experts)
@@ -248,6 +250,12 @@ class UnionMeter:
         got = self.measured(n)
         if got is not None:
             return got
+        if n in self._guess:
+            return self._guess[n]
+        self._guess[n] = guess = self._estimate(n)
+        return guess
+
+    def _estimate(self, n: int) -> float:
         bound = self.shape.experts_read(n)
         if not self._w:
             return bound
