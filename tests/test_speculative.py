@@ -548,7 +548,9 @@ def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
     conts = [[o.token_id for o in want[f"r{i}"]] for i in range(len(prompts))]
     for cost, drafts in ((StepCost(1e-3, 0.0, 0.0), True), (StepCost(1e-4, 0.0, 1e-3), False)):
         _spec(llm, 4, "auto")
-        llm.core.planner.meter = StepCostMeter(cost, prior_weight=float("inf"))  # pinned
+        # a new planner (nothing learned of acceptance yet) on a pinned cost
+        llm.core.planner = type(llm.core.planner)(
+            llm.core.planner.shape, StepCostMeter(cost, prior_weight=float("inf")))
         steps0 = llm.core.stats.n_steps
         got = _run(llm, prompts, _params(),
                    [ScriptedDrafter(p, c) for p, c in zip(prompts, conts, strict=True)])
@@ -559,3 +561,51 @@ def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
             assert llm.core.stats.n_steps - steps0 < base.core.stats.n_steps
         else:
             assert st.n_drafts == 0
+
+
+class _LongMatch(ScriptedDrafter):
+    """A ScriptedDrafter whose every proposal reports the evidence of a 40-token match."""
+
+    match_len = 40
+
+
+def test_auto_drafts_at_once_on_a_long_match_and_stops_after_rejections(
+        ckpts: dict[str, Path]) -> None:
+    """auto, on a profile where a drafted token costs half a step: a request whose drafter
+    reports a long match drafts at its first decoding step (before any verify step measured
+    its acceptance), all of them kept; one whose long-match drafts are all rejected stops
+    drafting after a couple of verify steps and only tries again now and then. Both give the
+    greedy output of decoding without drafts."""
+    from colibri.engine.spec.cost import StepCost, StepCostMeter
+
+    base = _llm(ckpts["mixtral"], prefix_cache=False)
+    prompt = _ids(base, PROMPTS[2])
+    want = _run(base, [prompt], _params(max_tokens=40))["r0"]
+    cont = [o.token_id for o in want]
+    llm = _llm(ckpts["mixtral"], prefix_cache=False, speculative="auto")
+    for wrong in (False, True):
+        _spec(llm, 4, "auto")
+        llm.core.planner = type(llm.core.planner)(llm.core.planner.shape, StepCostMeter(
+            StepCost(1e-3, 0.0, 5e-4), prior_weight=float("inf")))
+        core = llm.core
+        core.add_request("x", prompt, _params(max_tokens=40))
+        for req in core.requests["x"]:
+            req.drafter = _LongMatch(prompt, cont, wrong=wrong)
+        outs: list[Any] = []
+        drafted: list[bool] = []  # per decoding step: did it verify drafts
+        while core.has_work():
+            n0 = core.spec_stats.n_drafts
+            got = core.step()
+            if outs:
+                drafted.append(core.spec_stats.n_drafts > n0)
+            outs += got
+        assert _trace(outs) == _trace(want)
+        st = core.spec_stats
+        if not wrong:
+            assert drafted[0] and len(drafted) <= 40 // 4  # four drafts and a token a step
+            assert st.n_accepted == st.n_draft_tokens > 0
+            continue
+        assert drafted[0] and st.n_accepted == 0
+        assert sum(drafted) <= 6 < len(drafted)
+        runs = "".join("d" if d else "." for d in drafted).split("d")
+        assert max(len(r) for r in runs) >= 8, drafted  # stopped drafting for a while
