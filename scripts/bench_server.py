@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time there was a little hummingbird who lived in a garden"
 TEMPERATURE = 0.8
 TOKEN_EVENT = b'"logprobs": {"tokens"'  # in each completion chunk that carries a token
-QUIET_LOWAT = 1 << 24  # bytes: more than any reply here (the kernel caps it, then wakes more)
+QUIET_LOWAT = 1 << 20  # bytes: more than any reply here (the kernel caps it, then wakes more)
 
 
 @dataclass
