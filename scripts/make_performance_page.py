@@ -150,22 +150,32 @@ def ab_bench_rows(d: dict[str, Any]) -> list[list[str]]:
 
 def bench_server_rows(d: dict[str, Any]) -> list[list[str]]:
     """scripts/bench_server.py: streaming through the server against the engine in-process,
-    one row per server (this checkout's, and a baseline checkout's when there was one)."""
+    one row per server (this checkout's, and a baseline checkout's when there was one); the
+    CPU figures where the file has them (files from before it measured them: the event loop's
+    alone)."""
     direct = d["direct"]["itl_mean_ms"]
     n = d["threads"]
     threads = f"{n} compute thread{'s' if n != 1 else ''}" if n else "default threads"
+    client = f", {d['client']} client" if "client" in d else ""
     work = (f"{Path(d['model']).name}; {d['max_tokens']} tokens streamed, logprobs 0, "
-            f"{threads}, {d['repeat']} repeats")
+            f"{threads}, {d['repeat']} repeats{client}")
     rows = []
     for name, commit in (("http", d["commit"]),
                          ("baseline_http", (d.get("baseline") or {}).get("commit"))):
         if name not in d:
             continue
         r, o = d[name], d[name]["overhead"]
+        ci = o.get("itl_mean_ms_ci95")
+        more = (f"TTFT {o['ttft_ms']:+.2f} ms, {o['itl_mean_ms']:+.2f} ms a token ("
+                + (f"95% CI {ci[0]:+.2f} to {ci[1]:+.2f}; pairs " if ci else "repeats ")
+                + f"{o['itl_mean_ms_min']:+.2f} to {o['itl_mean_ms_max']:+.2f})")
+        if "cpu_ms_per_token" in o:
+            more += f"; CPU {o['cpu_ms_per_token']:+.2f} ms a token over the engine's"
         cpu = r.get("loop_cpu_ms_per_token")
-        more = (f"TTFT {o['ttft_ms']:+.2f} ms, {o['itl_mean_ms']:+.2f} ms a token (repeats "
-                f"{o['itl_mean_ms_min']:+.2f} to {o['itl_mean_ms_max']:+.2f})"
-                + ("" if cpu is None else f"; event loop {cpu:.2f} ms CPU a token"))
+        if cpu is not None:
+            more += f"; event loop {cpu:.2f} ms CPU a token"
+        if r.get("client_cpu_ms_per_token") is not None:
+            more += f"; client {r['client_cpu_ms_per_token']:.3f} ms CPU a token"
         rows.append(["server overhead", work, f"HTTP/SSE at {_commit(commit)}",
                      f"– / {1e3 / r['itl_mean_ms']:.1f}", "the engine in-process",
                      f"– / {1e3 / direct:.1f}", _ratio(direct / r["itl_mean_ms"]), "–", more])
