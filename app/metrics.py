@@ -263,7 +263,9 @@ _EXPERT_COUNTERS = (
     ("reader_loads", "Expert misses loaded by the reader threads (not in memory, or the file "
      "not open yet)."),
     ("prefetch_cancelled", "Prefetches dropped before their read started (the layer began "
-     "first)."),
+     "first, or a nearer layer's prediction left them out)."),
+    ("prefetch_far", "Prefetches queued two layers ahead."),
+    ("overlapped", "Experts computed while another expert of their wave was still loading."),
 )
 
 

@@ -63,7 +63,8 @@ class Settings(BaseSettings):
     expert_prefetch: bool = _option("expert_prefetch")
     expert_pin: bool = _option("expert_pin")
     expert_huge_pages: bool = _option("expert_huge_pages")
-    expert_readers: int = _option("expert_readers")
+    expert_prefetch_depth: Literal["auto", "1", "2"] = _option("expert_prefetch_depth")
+    expert_readers: int | None = _option("expert_readers")
     expert_read_timeout_s: float = _option("expert_read_timeout_s")
 
     # -- speculative decoding ---------------------------------------------------------

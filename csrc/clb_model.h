@@ -339,11 +339,13 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * all-resident model whatever the budget. Victims: an empty slot, else the unpinned expert with
  * the least heat (selections over the last prefetch_window tokens, decayed), oldest use first on
  * ties. Loads run on a pool of reader threads, many at once: a layer claims the slots of
- * all the experts its wave needs before it waits for any, and runs the resident ones while
- * the others are read. With prefetch, the pool also reads
+ * all the experts its wave needs before it waits for any, runs the resident ones while the
+ * others are read, then each of those as soon as it lands. With prefetch, the pool also reads
  * ahead the experts that layer L+1's router picks for layer L's input while layer L computes
- * (queued behind the loads a layer waits for; those not started when L+1 begins are dropped); a layer whose prefetches are mostly evicted unused
- * prefetches only one step in eight until that changes. */
+ * (and L+2's, when prefetch_depth says so), queued behind the loads a layer waits for; those
+ * not started when their layer begins, or no longer predicted by a nearer layer, are dropped.
+ * A layer whose prefetches are mostly evicted unused prefetches only one step in eight until
+ * that changes. */
 typedef enum {
     CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */
@@ -361,6 +363,8 @@ typedef struct {
     int64_t prefetch_window; /* tokens of routing history that make heat, >= 1 */
     int64_t read_timeout_ms; /* a load that takes longer fails the model; 0: 30 s */
     int32_t readers;         /* reader threads that load in parallel, 1..64; 0: 4 */
+    int32_t prefetch_depth;  /* layers read ahead, 1 or 2; 0: 2 while a read takes longer
+                              * than a layer's compute, else 1 */
 } clb_xc_config;
 
 typedef struct {
@@ -375,7 +379,11 @@ typedef struct {
     int64_t reader_loads;         /* misses the reader threads loaded: not in memory, or the
                                    * expert's file not open yet */
     int64_t prefetch_cancelled;   /* prefetches dropped before their read started: the layer
-                                   * began first and loads what it needs itself */
+                                   * began first and loads what it needs itself, or a nearer
+                                   * layer's prediction left them out */
+    int64_t prefetch_far;         /* prefetches queued two layers ahead */
+    int64_t overlapped;           /* experts whose rows ran while another expert of their
+                                   * wave was still loading */
 } clb_xc_stats;
 
 /* Copies the q8/q4 matrices the forward pass multiplies into the interleaved layout the active
@@ -397,6 +405,10 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
  * n_expert] (each may be NULL) and returns 1. Safe to call while a forward runs. */
 int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
                      int64_t *selections);
+/* -1 when no cache is enabled; else the averages the L+2 read-ahead is decided on (ns, 0 until
+ * measured: one reader's read of one expert, one layer's compute) and returns the layers read
+ * ahead now (0 without prefetch, 1 or 2). */
+int clb_xcache_timing(const clb_model *m, int64_t *read_ns, int64_t *layer_ns);
 
 /* The embedding C API, for programs that link the core directly: thin wrappers over the
  * above for one sequence (f32 KV, its own block table): each colibri_forward call appends

@@ -134,7 +134,8 @@ struct clb_model {
     void *act;         /* [B] packed activation rows shared by the jobs of one dispatch */
     clb_mm_job *jobs;  /* [E + 3] jobs of one dispatch */
     const clb_ffn_w **ffn_list; /* [E] the experts of one dispatch */
-    uint8_t *xc_wait;  /* [E] experts of one dispatch still loading (expert cache) */
+    uint8_t *xc_wait;  /* [2E] experts of one dispatch still loading (expert cache), then
+                        * those the next run skips */
     int32_t *pf_ids;   /* [E + K] predicted experts of the next layer, then one token's */
 };
 

@@ -217,12 +217,12 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
     return clb_fw_run_jobs(m, down, (int)nj);
 }
 
-/* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
- * il+1 will route to; the cache's readers read those ahead while il computes. Uses probs as
- * scratch (its routing is already in top_id). */
-static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
+/* Pre-gating: layer target's router (il + 1, or il + 2 when far) applied to layer il's normed
+ * input predicts the experts target will route to; the cache's readers read those ahead while
+ * il computes. Uses probs as scratch (its routing is already in top_id). */
+static clb_status prefetch_ahead(clb_model *m, int64_t il, int64_t target, int64_t T) {
     const clb_hparams *hp = &m->hp;
-    const clb_layer_w *nl = &m->layers[il + 1];
+    const clb_layer_w *nl = &m->layers[target];
     const int64_t E = hp->n_expert, K = hp->n_expert_used;
     TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, nl->gate_inp, m->xn, T, m->probs, E,
                      nl->gate_inp_bias, NULL));
@@ -244,7 +244,7 @@ static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
         for (; b > 0 && votes[ids[b - 1]] < votes[v]; b--) ids[b] = ids[b - 1];
         ids[b] = v;
     }
-    clb_xc_prefetch(m->xc, il + 1, ids, n);
+    clb_xc_prefetch(m->xc, target, ids, n, target > il + 1);
     return CLB_OK;
 }
 
@@ -296,7 +296,7 @@ static clb_status routed_experts(clb_model *m, int64_t il, int64_t T, const uint
     if (xc) clb_xc_begin_layer(xc, il, m->e_start);
     memset(out, 0, (size_t)(T * D) * sizeof(float));
     const clb_ffn_w **ws = m->ffn_list;
-    uint8_t *wait = m->xc_wait;
+    uint8_t *wait = m->xc_wait, *skip = m->xc_wait + E;
     for (int64_t e = 0; e < E;) {
         int64_t e0 = e, s0 = m->e_start[e], n_wait = 0, n_run = 0;
         /* an expert holds at most T <= CLB_MAX_BATCH rows, so each batch takes at least one;
@@ -320,26 +320,28 @@ static clb_status routed_experts(clb_model *m, int64_t il, int64_t T, const uint
         }
         int64_t s1 = m->e_start[e];
         if (s1 == s0) continue;
-        /* the wave's resident experts run while its others are read; then those. Each group's
-         * rows are its own and the combine below stays in expert order, so the bits are those
-         * of running the wave at once */
+        /* the wave's resident experts run while its others are read; then each of those as
+         * soon as it lands, with any others landed by then. Each group's rows are its own and
+         * the combine below stays in expert order, so the bits are those of running the wave
+         * at once */
         clb_status fst = CLB_OK;
-        if (n_wait > 0 && n_wait < n_run)
+        int64_t n_ran = 0;
+        if (n_wait == 0 || n_wait < n_run) {
             fst = ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
-                             m->e_start + e0, wait, src, idx, m->eo);
-        for (int64_t g = 0; n_wait > 0 && g < e - e0; g++) {
+                             m->e_start + e0, n_wait > 0 ? wait : NULL, src, idx, m->eo);
+            n_ran = n_run - n_wait;
+        }
+        while (fst == CLB_OK && n_wait > 0) {
             clb_status st = CLB_OK;
-            if (wait[g] && clb_xc_wait(xc, il, e0 + g, &st) < 0) {
+            int64_t got = clb_xc_wait_any(xc, il, e0, e - e0, n_ran, wait, skip, &st);
+            if (got < 0) {
                 clb_xc_release(xc, il);
                 return st;
             }
-        }
-        if (fst == CLB_OK) {
-            for (int64_t g = 0; n_wait > 0 && n_wait < n_run && g < e - e0; g++)
-                wait[g] = !wait[g]; /* now the ones already run */
+            n_wait -= got;
+            n_ran = got;
             fst = ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
-                             m->e_start + e0, n_wait > 0 && n_wait < n_run ? wait : NULL, src,
-                             idx, m->eo);
+                             m->e_start + e0, skip, src, idx, m->eo);
         }
         if (xc) clb_xc_release(xc, il);
         TRY(fst);
@@ -374,9 +376,10 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         for (int64_t t = 0; t < T; t++)
             memcpy(routes + (t * hp->n_layer + il) * K, m->top_id + t * K,
                    (size_t)K * sizeof(int32_t));
-    if (clb_xc_prefetching(m->xc) && il + 1 < hp->n_layer &&
-        m->layers[il + 1].ffn == CLB_FFN_MOE)
-        TRY(prefetch_next(m, il, T));
+    /* the nearer layer first: the readers take read-aheads in the order queued */
+    for (int64_t d = 1, depth = clb_xc_prefetch_depth(m->xc); d <= depth; d++)
+        if (il + d < hp->n_layer && m->layers[il + d].ffn == CLB_FFN_MOE)
+            TRY(prefetch_ahead(m, il, il + d, T));
 
     TRY(routed_experts(m, il, T, NULL, m->proj));
 

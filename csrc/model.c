@@ -560,7 +560,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     if (n_jobs < 4) n_jobs = 4; /* a linear layer's four input projections */
     m->jobs = palloc(m, n_jobs * sizeof(clb_mm_job), &fail);
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
-    m->xc_wait = palloc(m, e, &fail);
+    m->xc_wait = palloc(m, 2 * e, &fail);
     m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);
     if (fail) {
         clb_set_err(err, "out of memory allocating forward scratch");

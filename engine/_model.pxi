@@ -144,11 +144,13 @@ cdef extern from "clb_model.h" nogil:
         int64_t prefetch_window
         int64_t read_timeout_ms
         int32_t readers
+        int32_t prefetch_depth
 
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
         int64_t prefetch_issued, prefetch_used, prefetch_wasted, prefetch_late
         int64_t bytes_read, stall_ns, reader_loads, prefetch_cancelled
+        int64_t prefetch_far, overlapped
 
     size_t clb_expert_bytes(const clb_model *m)
     clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err)
@@ -156,6 +158,7 @@ cdef extern from "clb_model.h" nogil:
                                  char *err)
     int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
                          int64_t *selections)
+    int clb_xcache_timing(const clb_model *m, int64_t *read_ns, int64_t *layer_ns)
 
     clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
     clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
@@ -167,7 +170,7 @@ cdef extern from "clb_model.h" nogil:
 XC_LOADS = ("pread", "direct", "mmap", "uring")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns",
-               "reader_loads", "prefetch_cancelled")
+               "reader_loads", "prefetch_cancelled", "prefetch_far", "overlapped")
 
 # the types a weight file may hold, by the id it stores
 _TYPE_NAMES = {t: name for name, t in PRODUCT_TYPES.items() if clb_type_valid_for_file(t)}
@@ -599,7 +602,8 @@ cdef class CoreModel:
 
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
                             bint huge_pages=False, int prefetch_window=16, pinned=None,
-                            double read_timeout_s=30.0, int readers=4) -> None:
+                            double read_timeout_s=30.0, int readers=4,
+                            int prefetch_depth=0) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
         load: "pread", "direct" (O_DIRECT), "mmap" (madvise on the mappings) or "uring"
@@ -607,7 +611,8 @@ cdef class CoreModel:
         [n_layer, n_expert] experts loaded now and never evicted, or None; read_timeout_s:
         one read that takes longer fails the model (a forward raises, naming the file) instead
         of blocking; readers: threads that load experts in parallel (1..64), the prefetches
-        included. Call once, before the first forward. Outputs do not change; only speed
+        included; prefetch_depth: layers read ahead, 1 or 2, or 0 for two while one read takes
+        longer than a layer's compute (see expert_cache_timing). Call once, before the first forward. Outputs do not change; only speed
         and memory do.
         """
         cdef clb_xc_config cfg
@@ -624,6 +629,9 @@ cdef class CoreModel:
         if not 1 <= readers <= 64:
             raise ValueError(f"readers must be in 1..64, got {readers}")
         cfg.readers = readers
+        if not 0 <= prefetch_depth <= 2:
+            raise ValueError(f"prefetch_depth must be 0 (automatic), 1 or 2, got {prefetch_depth}")
+        cfg.prefetch_depth = prefetch_depth
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef uint8_t[::1] pv
         cdef const uint8_t *pp = NULL
@@ -646,7 +654,8 @@ cdef class CoreModel:
     def expert_cache_stats(self):
         """None without an expert cache; else a dict of numpy arrays: per-layer counters
         (hits, misses, loads, evictions, prefetch_issued, prefetch_used, prefetch_wasted,
-        prefetch_late, bytes_read, stall_ns, reader_loads, prefetch_cancelled: int64 [n_layer]) and per expert ([n_layer,
+        prefetch_late, bytes_read, stall_ns, reader_loads, prefetch_cancelled, prefetch_far,
+        overlapped: int64 [n_layer]) and per expert ([n_layer,
         n_expert]) state (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections."""
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef int64_t L = hp.n_layer, E = hp.n_expert
@@ -709,6 +718,19 @@ cdef class CoreModel:
                                      &ov[0, 0], err)
         if st != CLB_OK:
             raise _status_error(st, err)
+
+    def expert_cache_timing(self):
+        """None without an expert cache; else what the L+2 read-ahead is decided on: read_ns
+        (one reader's read of one expert, averaged), layer_ns (one layer's compute, averaged;
+        both 0 until measured) and prefetch_depth (layers read ahead now: 0 without prefetch,
+        1 or 2)."""
+        cdef int64_t read_ns = 0, layer_ns = 0
+        cdef int depth
+        with nogil:
+            depth = clb_xcache_timing(self.m, &read_ns, &layer_ns)
+        if depth < 0:
+            return None
+        return {"read_ns": int(read_ns), "layer_ns": int(layer_ns), "prefetch_depth": depth}
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
                 block_tables, routes=None, state_slots=None, win_tables=None, span=None,

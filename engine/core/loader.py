@@ -28,6 +28,7 @@ from colibri.engine.executor.expert_cache import (
     load_pinned,
     memory_free,
     plan_cache,
+    probe_readers,
     resolve_load,
 )
 from colibri.engine.executor.model import Model, kv_block_bytes, kv_split_block_bytes
@@ -319,17 +320,26 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
         pinned = (load_pinned(folder, cfg.n_layer, cfg.n_expert, plan.per_layer)
                   if xc.expert_pin else None)
         load = resolve_load(xc.expert_load, folder)
+        if xc.expert_readers is None:
+            readers, why = probe_readers(folder)
+        else:
+            readers, why = xc.expert_readers, "--expert-readers"
+        plan = replace(plan, readers=readers, readers_reason=why)
+        depth = xc.expert_prefetch_depth
         model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.expert_prefetch,
                                        huge_pages=xc.expert_huge_pages,
                                        prefetch_window=xc.prefetch_window, pinned=pinned,
                                        read_timeout_s=xc.expert_read_timeout_s,
-                                       readers=xc.expert_readers)
+                                       readers=readers,
+                                       prefetch_depth=0 if depth == "auto" else int(depth))
         pages = "" if load == "mmap" else (", slots on 2 MiB pages where granted"
                                            if xc.expert_huge_pages else ", slots on 4 KiB pages")
+        ahead = (f"on, {depth} layer{'s' if depth == '2' else ''} ahead" if depth != "auto"
+                 else "on, 1 or 2 layers ahead as reads and layers measure")
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
-                 "load %s%s, %d readers, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
-                 plan.budget_bytes / 1e6, n_moe * cfg.n_expert * plan.expert_bytes / 1e6,
-                 plan.reason, load, pages, xc.expert_readers,
-                 "on" if xc.expert_prefetch else "off",
+                 "load %s%s, %d readers (%s), prefetch %s, %d pinned", plan.per_layer,
+                 cfg.n_expert, plan.budget_bytes / 1e6,
+                 n_moe * cfg.n_expert * plan.expert_bytes / 1e6, plan.reason, load, pages,
+                 readers, why, ahead if xc.expert_prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
     return ExpertCacheMonitor(model.core, plan, folder)

@@ -255,11 +255,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("expert_huge_pages", bool, True, "2 MiB transparent huge pages on the expert slots, "
            "where the system grants them", _XC, commands=_SERVE_ENGINE, engine_env=True,
            note="O_DIRECT reads into 2 MiB pages run faster than into 4 KiB pages."),
-    Option("expert_readers", int, 4, "threads that read missing experts in parallel, the "
+    Option("expert_prefetch_depth", str, "auto", "layers the reader threads read ahead: 1 "
+           "(the next layer's predicted experts), 2 (the next two layers'), auto (two while "
+           "one expert read takes longer than one layer computes, else one)", _XC,
+           commands=_SERVE_ENGINE, engine_env=True, choices=("auto", "1", "2"),
+           note="The prediction two layers ahead is less sure: what the next layer's own "
+                "prediction no longer names is dropped before it is read, and a layer whose "
+                "read-aheads mostly go unused is not read two layers ahead."),
+    Option("expert_readers", int, None, "threads that read missing experts in parallel, the "
            "prefetches included", _XC, commands=_SERVE_ENGINE, engine_env=True, ge=1, le=64,
+           unset="measured at start: the fewest reads in flight at which the expert files "
+                 "read within a tenth of their best rate, 2 to 16 (4 where it cannot be "
+                 "measured)",
            note="A layer hands all the reads of its missing experts to them at once, so that "
                 "many are in flight: storage that answers several reads together (NVMe, most "
-                "virtual disks) reads faster with more; one reads one expert at a time.",
+                "virtual disks) reads faster with more; one reads one expert at a time. The "
+                "start log says how many were chosen and why.", example="8",
            metavar="N"),
     Option("expert_read_timeout_s", float, 30.0, "seconds one expert read may take before the "
            "model is marked failed", _XC, commands=_SERVE_ENGINE, engine_env=True, gt=0,
@@ -434,7 +445,10 @@ class ExpertCacheConfig:
     expert_huge_pages: bool = default("expert_huge_pages")  # 2 MiB pages on the slots
     # one read past this fails the model instead of hanging the step
     expert_read_timeout_s: float = default("expert_read_timeout_s")
-    expert_readers: int = default("expert_readers")  # reader threads, reads in flight
+    # reader threads, reads in flight; None: measured at start (probe_readers)
+    expert_readers: int | None = default("expert_readers")
+    # layers read ahead: "1", "2" or "auto" (two while a read takes longer than a layer)
+    expert_prefetch_depth: str = default("expert_prefetch_depth")
 
     @classmethod
     def from_env(cls) -> ExpertCacheConfig:
