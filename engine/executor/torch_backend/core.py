@@ -25,7 +25,7 @@ from colibri.engine.executor.backend import LayerOp, Op, step_ops, torch_unsuppo
 from colibri.engine.executor.torch_backend import attention as att
 from colibri.engine.executor.torch_backend import ffn
 from colibri.engine.executor.torch_backend import linear as lin
-from colibri.engine.executor.torch_backend.weights import ModelWeights, load_weights
+from colibri.engine.executor.torch_backend.weights import ModelWeights, linear, load_weights
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.models.rope import rope_frequencies
 
@@ -272,4 +272,4 @@ class TorchCore:
             return
         assert self.w.output is not None and self.w.output_norm is not None
         xn = att.rmsnorm(x, self.w.output_norm, self.cfg.rms_eps)
-        st.logits = xn @ self.w.output.dense().T
+        st.logits = linear(xn, self.w.output)
