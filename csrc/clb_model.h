@@ -214,7 +214,8 @@ clb_kv_type clb_kv_get_type(const clb_kv *kv);
  * clb_kv_state_bytes: one slot's bytes (0 without linear layers). clb_kv_states_init
  * allocates n_slots slots (once, 1..INT32_MAX; CLB_E_ARG without linear layers).
  * clb_kv_state_copy makes dst what src is (n > 1 sequences forked from one prompt);
- * clb_kv_state_len: positions slot has absorbed (-1: none usable, after a failed call). */
+ * clb_kv_state_len: positions every linear layer of slot has absorbed (-1: none usable, after
+ * a failed call). */
 size_t clb_kv_state_bytes(const clb_hparams *hp);
 /* Copies every layer's rows of block src into block dst (a fork's copy of a partly filled
  * block it would otherwise share with the sequence it forks from). CLB_E_ARG for bad ids. */
@@ -276,8 +277,10 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
  * embeddings (x not read), else from x; x receives the states after layer il1 - 1; il1 ==
  * n_layer ends as clb_forward does (final norm, lm_head into logits). Spans [0, a), [a, b), ...,
  * [z, n_layer) called in order give clb_forward's logits bit for bit. The batch is validated
- * at each call, as clb_forward's. CLB_E_ARG for a span outside the model, and for models with
- * linear-attention layers (their recurrent state advances once per whole step). */
+ * at each call, as clb_forward's. The linear-attention layers of the span check, start and
+ * advance their own part of each sequence's state slot (each layer counts the positions it
+ * absorbed), so the spans of one step may come in any number of calls. CLB_E_ARG for a span
+ * outside the model. */
 clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
                             int64_t il1, float *x, float *logits, char *err);
 

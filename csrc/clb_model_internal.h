@@ -177,9 +177,11 @@ struct clb_kv {
     float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
     /* recurrent-state slots (models with linear attention; clb_kv_states_init) */
     int64_t n_slots;
+    int64_t n_lin;          /* linear layers (each keeps its part of every slot) */
     size_t slot_floats;     /* floats per slot: per linear layer conv window, then S */
     float *state;           /* [n_slots, slot_floats] */
-    int64_t *state_len;     /* [n_slots] positions absorbed; -1: unusable until position 0 */
+    int64_t *state_len;     /* [n_slots, n_lin] positions each linear layer absorbed; -1:
+                             * unusable until position 0 (a span of layers advances its own) */
     int32_t *slot_user;     /* [n_slots] forward's validation scratch: -1 between calls */
 };
 

@@ -686,7 +686,7 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
     }
     clb_status st = validate(m, kv, b, err);
     if (st == CLB_OK && kv->n_win_blocks > 0) st = validate_win(kv, b, err);
-    if (st == CLB_OK) st = clb_linear_check(m, kv, b, err);
+    if (st == CLB_OK) st = clb_linear_check(m, kv, b, il0, il1, err);
     if (st != CLB_OK) return st;
     if ((st = clb_xc_failed(m->xc, err)) != CLB_OK) return st; /* a weight file changed */
     const uint8_t *want_logits = b->want_logits;
@@ -699,7 +699,7 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
     }
 
     const int64_t n_tokens = b->n_tokens;
-    clb_linear_begin(m, kv, b);
+    clb_linear_begin(m, kv, b, il0, il1);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
         int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH, n_out = 0;
         int32_t *routes = b->routes ? b->routes + t0 * m->hp.n_layer * m->hp.n_expert_used
@@ -713,7 +713,7 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
                            il1, x_io ? x_io + t0 * D : NULL);
         m->prod.forward_ns += clb_now_ns() - c0;
         if (st != CLB_OK) {
-            clb_linear_end(m, kv, b, 0);
+            clb_linear_end(m, kv, b, il0, il1, 0);
             if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
             clb_set_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "
                         "positions may be partly written", (int)st);
@@ -722,10 +722,10 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
         if (n_out > 0) logits += n_out * m->hp.n_vocab;
     }
     if (clb_wfault_any() && (st = clb_model_weight_fault(m, err)) != CLB_OK) {
-        clb_linear_end(m, kv, b, 0);
+        clb_linear_end(m, kv, b, il0, il1, 0);
         return st;
     }
-    clb_linear_end(m, kv, b, 1);
+    clb_linear_end(m, kv, b, il0, il1, 1);
     return CLB_OK;
 }
 
@@ -742,12 +742,6 @@ clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
                     m ? (long long)m->hp.n_layer : 0LL);
         return CLB_E_ARG;
     }
-    for (int64_t il = 0; il < m->hp.n_layer; il++)
-        if (m->layers[il].mixer == CLB_MIX_LINEAR) {
-            clb_set_err(err, "clb_forward_span: a model with linear-attention layers runs its "
-                        "steps whole");
-            return CLB_E_ARG;
-        }
     return forward_run(m, kv, b, il0, il1, x, logits, err);
 }
 

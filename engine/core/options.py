@@ -183,7 +183,7 @@ OPTIONS: tuple[Option, ...] = (
            _MODEL, commands=(*_SERVE_ENGINE, "info"), engine_env=True, pattern=DEVICE_PATTERN,
            note="auto is cuda:0 when PyTorch sees a CUDA device (install colibri[cuda]), else "
                 "cpu. torch-cpu runs the GPU code on the CPU: slow, for checking a placement on "
-                "a machine without a GPU. Models with linear-attention layers run on cpu."),
+                "a machine without a GPU."),
     Option("gpu_memory_mb", float, None, "GPU memory the placement may use, in MB: the cost "
            "model puts what every token needs first, then routed experts hottest first; a GPU "
            "layer's other experts run on the C core beside it, and the rest of the layers on "

@@ -204,7 +204,7 @@ class Model:
         if placement is not None and "c" in placement.backends(step_ops(cfg)):
             kernels_from_env()
             core = SplitCore.load(p, cfg, ctx, threads, torch_device_name(device), placement)
-            kv = core.new_kv(blocks, kv_type)
+            kv = core.new_kv(blocks, kv_type, n_state if cfg.hybrid else 0)
         else:
             core = TorchCore.load(p, cfg, ctx, torch_device_name(device))
             kv = core.new_kv(blocks, kv_type, n_state if cfg.hybrid else 0)
