@@ -167,7 +167,7 @@ def test_linear_attention_layers_are_placed_like_any_other(tmp_path: Path) -> No
     linear layer's item holds its recurrent state per sequence (no KV), and a budget that
     fits everything places every layer, linear ones included, on the GPU."""
     from colibri.engine.executor.backend import Op, torch_unsupported
-    from colibri.engine.executor.placement import layer_placement
+    from colibri.engine.executor.placement import plan_placement
 
     hf = make_checkpoint("qwen3_next", tmp_path / "hf", seed=5)
     path = convert(hf, tmp_path / "q8", quant="q8", progress=False)
@@ -184,7 +184,7 @@ def test_linear_attention_layers_are_placed_like_any_other(tmp_path: Path) -> No
         e.gpu_bytes * cfg.n_expert for e in one.experts.values())
     plan = make_plan(SIM, one, 2 * total / 1e6)
     assert plan.gpu_layers == list(range(cfg.n_layer)) and plan.lm_head_on_gpu
-    placement, _text = layer_placement(path, cfg, SIM, 2 * total / 1e6, 64)
+    placement, _text, _plan = plan_placement(path, cfg, SIM, 2 * total / 1e6, 64)
     assert placement is not None
     assert all(placement.of(o) == "torch" for o in placement.ops if o.op == Op.LINEAR_ATTENTION)
     assert {o.layer for o in placement.ops if o.op == Op.LINEAR_ATTENTION} == set(linear)
