@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
-from colibri.app.http import uvicorn_options
+from colibri.app.http import event_loop, uvicorn_options
 from colibri.app.memory import limit_arenas
 from colibri.app.middleware import exposure_warning
 from colibri.app.replicas.launch import wants_replicas
@@ -138,7 +138,7 @@ def serve_main(args: argparse.Namespace) -> int:
     state: ServerState = app.state.colibri
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        loop="asyncio", lifespan="on", **uvicorn_options(settings),
+        loop=event_loop(), lifespan="on", **uvicorn_options(settings),
     )
     server = _Server(config, state)
 

@@ -10,6 +10,7 @@ import bisect
 import itertools
 import threading
 from collections import defaultdict
+from typing import Any
 
 from colibri.engine import EngineClient
 
@@ -206,9 +207,9 @@ class Metrics:
         """Expert cache counters per layer, and its occupancy (nothing when it is off)."""
         mon = self.engine.expert_cache() if self.engine is not None else None
         st = mon.stats() if mon is not None else None
+        out: list[str] = self._render_gpu_tier(mon)
         if st is None:
-            return []
-        out: list[str] = []
+            return out
         for key, doc in _EXPERT_COUNTERS:
             name = f"colibri_expert_cache_{key}_total"
             scale = 1e-9 if key == "stall_seconds" else 1.0
@@ -224,6 +225,30 @@ class Metrics:
         return out
 
 
+    @staticmethod
+    def _render_gpu_tier(mon: Any) -> list[str]:
+        """The GPU tier's counters (routed experts on a GPU beside the CPU), else nothing."""
+        ts = mon.tier_stats() if mon is not None else None
+        if ts is None:
+            return []
+        out: list[str] = []
+        name = "colibri_gpu_tier_experts_on_device"
+        out += [f"# HELP {name} Routed experts held in GPU memory now.",
+                f"# TYPE {name} gauge", f"{name} {ts['experts_on_device']}"]
+        for key, doc in _TIER_COUNTERS:
+            name = f"colibri_gpu_tier_{key}_total"
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} counter", f"{name} {ts[key]}"]
+        return out
+
+
+_TIER_COUNTERS = (
+    ("hits", "Expert selections computed by an expert in GPU memory."),
+    ("misses", "Expert selections computed on the CPU beside the GPU."),
+    ("uploads", "Experts copied to the GPU by heat."),
+    ("upload_bytes", "Bytes of experts copied to the GPU by heat."),
+    ("evictions", "Experts dropped from the GPU for hotter ones."),
+)
+
 _EXPERT_COUNTERS = (
     ("hits", "Expert uses found resident."),
     ("misses", "Expert uses that had to wait for a load."),
@@ -238,7 +263,9 @@ _EXPERT_COUNTERS = (
     ("reader_loads", "Expert misses loaded by the reader threads (not in memory, or the file "
      "not open yet)."),
     ("prefetch_cancelled", "Prefetches dropped before their read started (the layer began "
-     "first)."),
+     "first, or a nearer layer's prediction left them out)."),
+    ("prefetch_far", "Prefetches queued two layers ahead."),
+    ("overlapped", "Experts computed while another expert of their wave was still loading."),
 )
 
 

@@ -284,6 +284,11 @@ class ExpertCacheInfo(BaseModel):
     heat: list[list[float]] | None = Field(None, description="[layer][expert]: recent "
                                            "selections")
     layers: list[dict[str, int]] | None = Field(None, description="counters of each layer")
+    gpu_tier: dict[str, Any] | None = Field(None, description="with routed experts on a GPU "
+                                            "beside the CPU: experts_on_device, hits and "
+                                            "misses (selections computed on the GPU / the "
+                                            "CPU), uploads, upload_bytes, evictions, and "
+                                            "[layer][expert] on_device (1 GPU, 0 CPU) and heat")
 
 
 _MESSAGES = {

@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     threads: int | None = _option("threads")
     device: str = _option("device")
     gpu_memory_mb: float | None = _option("gpu_memory_mb")
+    device_profile: str | None = _option("device_profile")
     n_ctx: int | None = _option("n_ctx")
 
     # -- batching and KV cache --------------------------------------------------------
@@ -62,7 +63,8 @@ class Settings(BaseSettings):
     expert_prefetch: bool = _option("expert_prefetch")
     expert_pin: bool = _option("expert_pin")
     expert_huge_pages: bool = _option("expert_huge_pages")
-    expert_readers: int = _option("expert_readers")
+    expert_prefetch_depth: Literal["auto", "1", "2"] = _option("expert_prefetch_depth")
+    expert_readers: int | None = _option("expert_readers")
     expert_read_timeout_s: float = _option("expert_read_timeout_s")
 
     # -- speculative decoding ---------------------------------------------------------

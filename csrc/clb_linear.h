@@ -38,13 +38,17 @@ void clb_conv_step_ref(int64_t C, int64_t K, int64_t c0, int64_t c1, const float
 clb_status clb_linear_attn(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il, int64_t T,
                            const int32_t *seq, const int32_t *pos);
 
-/* Around clb_forward, for a model with linear layers (no-ops otherwise): check checks each
- * sequence's state slot (named, in range, its own, holding exactly the positions before the
- * sequence's first one in the call, or that position is 0) and changes nothing; begin zeroes
- * the state of sequences that start at position 0; end records the positions each slot holds
- * (ok 0: the call failed midway, the slots are unusable until their sequence restarts). */
-clb_status clb_linear_check(const clb_model *m, clb_kv *kv, const clb_batch *b, char *err);
-void clb_linear_begin(const clb_model *m, clb_kv *kv, const clb_batch *b);
-void clb_linear_end(const clb_model *m, clb_kv *kv, const clb_batch *b, int ok);
+/* Around clb_forward over layers [il0, il1), for the linear layers among them (no-ops when
+ * there are none): check checks each sequence's state slot (named, in range, its own, each of
+ * the span's linear layers holding exactly the positions before the sequence's first one in
+ * the call, or that position is 0) and changes nothing; begin zeroes those layers' state of
+ * sequences that start at position 0; end records the positions those layers hold (ok 0: the
+ * call failed midway, the slots are unusable until their sequence restarts). */
+clb_status clb_linear_check(const clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                            int64_t il1, char *err);
+void clb_linear_begin(const clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                      int64_t il1);
+void clb_linear_end(const clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                    int64_t il1, int ok);
 
 #endif

@@ -120,11 +120,14 @@ typedef struct {
                                   sliding_window is 0) */
 
     const int32_t *layer_mixer; /* [n_layer] clb_mixer_kind; NULL: every layer CLB_MIX_ATTN */
-    int32_t mtp_input;     /* a multi-token-prediction layer (DeepSeek-V3, GLM-4.5): its input is
-                              mtp_eh_proj @ [rmsnorm(embed(token), mtp_enorm);
+    int32_t mtp_input;     /* a multi-token-prediction layer (DeepSeek-V3, GLM-4.5, Qwen3-Next):
+                              its input is mtp_eh_proj @ [rmsnorm(embed(token), mtp_enorm);
                               rmsnorm(h, mtp_hnorm)], h being clb_batch.hidden_in (the main
-                              model's output after its final norm, or this layer's own before
-                              it); the embedding half is zero at position 0, as vLLM's */
+                              model's output after its final norm, or this layer's own); the
+                              embedding half is zero at position 0, as vLLM's DeepSeek MTP,
+                              unless mtp_keep_first */
+    int32_t mtp_keep_first; /* 0 or 1: the embedding half is kept at position 0 too (Qwen3-Next's
+                              MTP, which vLLM does not mask) */
 } clb_hparams;
 
 /* One weight file mapped read-only. */
@@ -211,7 +214,8 @@ clb_kv_type clb_kv_get_type(const clb_kv *kv);
  * clb_kv_state_bytes: one slot's bytes (0 without linear layers). clb_kv_states_init
  * allocates n_slots slots (once, 1..INT32_MAX; CLB_E_ARG without linear layers).
  * clb_kv_state_copy makes dst what src is (n > 1 sequences forked from one prompt);
- * clb_kv_state_len: positions slot has absorbed (-1: none usable, after a failed call). */
+ * clb_kv_state_len: positions every linear layer of slot has absorbed (-1: none usable, after
+ * a failed call). */
 size_t clb_kv_state_bytes(const clb_hparams *hp);
 /* Copies every layer's rows of block src into block dst (a fork's copy of a partly filled
  * block it would otherwise share with the sequence it forks from). CLB_E_ARG for bad ids. */
@@ -273,12 +277,27 @@ clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logi
  * embeddings (x not read), else from x; x receives the states after layer il1 - 1; il1 ==
  * n_layer ends as clb_forward does (final norm, lm_head into logits). Spans [0, a), [a, b), ...,
  * [z, n_layer) called in order give clb_forward's logits bit for bit. The batch is validated
- * at each call, as clb_forward's. CLB_E_ARG for a span outside the model, and for models with
- * linear-attention layers (their recurrent state advances once per whole step). */
+ * at each call, as clb_forward's. The linear-attention layers of the span check, start and
+ * advance their own part of each sequence's state slot (each layer counts the positions it
+ * absorbed), so the spans of one step may come in any number of calls. CLB_E_ARG for a span
+ * outside the model. */
 clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
                             int64_t il1, float *x, float *logits, char *err);
 
 int64_t clb_forward_max_batch(void);
+
+/* The routed experts of MoE layer il alone, for a step whose other work runs on another
+ * backend: xn [n_tokens, n_embd] the tokens' normed FFN inputs, ids and w [n_tokens,
+ * n_expert_used] their chosen experts and weights (as the router gives them), mine [n_expert]
+ * (NULL: all) 1 for the experts run here. out [n_tokens, n_embd] receives per token the sum of
+ * weight * expert(x) over its chosen experts with mine[e] != 0, added in expert order (zero
+ * where there is none): exactly the share those experts add in clb_forward's layer. Goes
+ * through the expert cache when one is enabled. Uses the model's scratch: not at the same time
+ * as a forward call on the same model. CLB_E_ARG for a layer without routed experts or an
+ * expert id outside 0..n_expert-1 (nothing computed). */
+clb_status clb_moe_experts(clb_model *m, int64_t il, int64_t n_tokens, const float *xn,
+                           const int32_t *ids, const float *w, const uint8_t *mine, float *out,
+                           char *err);
 
 /* 1 when each of the n floats is finite (no NaN, no infinity), else 0: the check of a step's
  * logits, a few microseconds where numpy's isfinite allocates and reduces a mask */
@@ -323,11 +342,13 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * all-resident model whatever the budget. Victims: an empty slot, else the unpinned expert with
  * the least heat (selections over the last prefetch_window tokens, decayed), oldest use first on
  * ties. Loads run on a pool of reader threads, many at once: a layer claims the slots of
- * all the experts its wave needs before it waits for any, and runs the resident ones while
- * the others are read. With prefetch, the pool also reads
+ * all the experts its wave needs before it waits for any, runs the resident ones while the
+ * others are read, then each of those as soon as it lands. With prefetch, the pool also reads
  * ahead the experts that layer L+1's router picks for layer L's input while layer L computes
- * (queued behind the loads a layer waits for; those not started when L+1 begins are dropped); a layer whose prefetches are mostly evicted unused
- * prefetches only one step in eight until that changes. */
+ * (and L+2's, when prefetch_depth says so), queued behind the loads a layer waits for; those
+ * not started when their layer begins, or no longer predicted by a nearer layer, are dropped.
+ * A layer whose prefetches are mostly evicted unused prefetches only one step in eight until
+ * that changes. */
 typedef enum {
     CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */
@@ -345,6 +366,8 @@ typedef struct {
     int64_t prefetch_window; /* tokens of routing history that make heat, >= 1 */
     int64_t read_timeout_ms; /* a load that takes longer fails the model; 0: 30 s */
     int32_t readers;         /* reader threads that load in parallel, 1..64; 0: 4 */
+    int32_t prefetch_depth;  /* layers read ahead, 1 or 2; 0: 2 while a read takes longer
+                              * than a layer's compute, else 1 */
 } clb_xc_config;
 
 typedef struct {
@@ -359,7 +382,11 @@ typedef struct {
     int64_t reader_loads;         /* misses the reader threads loaded: not in memory, or the
                                    * expert's file not open yet */
     int64_t prefetch_cancelled;   /* prefetches dropped before their read started: the layer
-                                   * began first and loads what it needs itself */
+                                   * began first and loads what it needs itself, or a nearer
+                                   * layer's prediction left them out */
+    int64_t prefetch_far;         /* prefetches queued two layers ahead */
+    int64_t overlapped;           /* experts whose rows ran while another expert of their
+                                   * wave was still loading */
 } clb_xc_stats;
 
 /* Copies the q8/q4 matrices the forward pass multiplies into the interleaved layout the active
@@ -381,6 +408,10 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
  * n_expert] (each may be NULL) and returns 1. Safe to call while a forward runs. */
 int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
                      int64_t *selections);
+/* -1 when no cache is enabled; else the averages the L+2 read-ahead is decided on (ns, 0 until
+ * measured: one reader's read of one expert, one layer's compute) and returns the layers read
+ * ahead now (0 without prefetch, 1 or 2). */
+int clb_xcache_timing(const clb_model *m, int64_t *read_ns, int64_t *layer_ns);
 
 /* The embedding C API, for programs that link the core directly: thin wrappers over the
  * above for one sequence (f32 KV, its own block table): each colibri_forward call appends

@@ -134,7 +134,8 @@ struct clb_model {
     void *act;         /* [B] packed activation rows shared by the jobs of one dispatch */
     clb_mm_job *jobs;  /* [E + 3] jobs of one dispatch */
     const clb_ffn_w **ffn_list; /* [E] the experts of one dispatch */
-    uint8_t *xc_wait;  /* [E] experts of one dispatch still loading (expert cache) */
+    uint8_t *xc_wait;  /* [2E] experts of one dispatch still loading (expert cache), then
+                        * those the next run skips */
     int32_t *pf_ids;   /* [E + K] predicted experts of the next layer, then one token's */
 };
 
@@ -176,9 +177,11 @@ struct clb_kv {
     float *deq;             /* [n_threads, CLB_KV_BLOCK, head_dim] one block's widened rows */
     /* recurrent-state slots (models with linear attention; clb_kv_states_init) */
     int64_t n_slots;
+    int64_t n_lin;          /* linear layers (each keeps its part of every slot) */
     size_t slot_floats;     /* floats per slot: per linear layer conv window, then S */
     float *state;           /* [n_slots, slot_floats] */
-    int64_t *state_len;     /* [n_slots] positions absorbed; -1: unusable until position 0 */
+    int64_t *state_len;     /* [n_slots, n_lin] positions each linear layer absorbed; -1:
+                             * unusable until position 0 (a span of layers advances its own) */
     int32_t *slot_user;     /* [n_slots] forward's validation scratch: -1 between calls */
 };
 

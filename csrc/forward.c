@@ -217,12 +217,12 @@ static clb_status ffn_groups(clb_model *m, clb_phase up, clb_phase down, int64_t
     return clb_fw_run_jobs(m, down, (int)nj);
 }
 
-/* Pre-gating: layer il+1's router applied to layer il's normed input predicts the experts
- * il+1 will route to; the cache's readers read those ahead while il computes. Uses probs as
- * scratch (its routing is already in top_id). */
-static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
+/* Pre-gating: layer target's router (il + 1, or il + 2 when far) applied to layer il's normed
+ * input predicts the experts target will route to; the cache's readers read those ahead while
+ * il computes. Uses probs as scratch (its routing is already in top_id). */
+static clb_status prefetch_ahead(clb_model *m, int64_t il, int64_t target, int64_t T) {
     const clb_hparams *hp = &m->hp;
-    const clb_layer_w *nl = &m->layers[il + 1];
+    const clb_layer_w *nl = &m->layers[target];
     const int64_t E = hp->n_expert, K = hp->n_expert_used;
     TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, nl->gate_inp, m->xn, T, m->probs, E,
                      nl->gate_inp_bias, NULL));
@@ -244,51 +244,44 @@ static clb_status prefetch_next(clb_model *m, int64_t il, int64_t T) {
         for (; b > 0 && votes[ids[b - 1]] < votes[v]; b--) ids[b] = ids[b - 1];
         ids[b] = v;
     }
-    clb_xc_prefetch(m->xc, il + 1, ids, n);
+    clb_xc_prefetch(m->xc, target, ids, n, target > il + 1);
     return CLB_OK;
 }
 
-static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
+/* The routed experts of layer il over the chunk's T tokens, from their routing in m->top_id /
+ * m->top_w and their normed inputs in m->xn: out [T, D] = for each token the sum of its chosen
+ * experts' outputs times their weights, added in expert order. mine [E] (NULL: every expert)
+ * says which experts run here; the others' rows are left out (another backend adds them). */
+static clb_status routed_experts(clb_model *m, int64_t il, int64_t T, const uint8_t *mine,
+                                 float *out) {
     const clb_hparams *hp = &m->hp;
     const clb_layer_w *l = &m->layers[il];
     const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
-
-    for (int64_t t = 0; t < T; t++)
-        clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
-
-    /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
-    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E,
-                     l->gate_inp_bias, NULL));
-    for (int64_t t = 0; t < T; t++)
-        route_token(m, l, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
-    if (routes)
-        for (int64_t t = 0; t < T; t++)
-            memcpy(routes + (t * hp->n_layer + il) * K, m->top_id + t * K,
-                   (size_t)K * sizeof(int32_t));
     clb_xcache *xc = m->xc;
-    if (clb_xc_prefetching(xc) && il + 1 < hp->n_layer &&
-        m->layers[il + 1].ffn == CLB_FFN_MOE)
-        TRY(prefetch_next(m, il, T));
 
-    /* group: counting sort by expert, tokens ascending within a group */
+    /* group: counting sort by expert, tokens ascending within a group; the (token, rank)
+     * pairs of experts another backend runs (mine[e] == 0) are left out */
     for (int64_t e = 0; e <= E; e++) m->e_start[e] = 0;
-    for (int64_t i = 0; i < T * K; i++) m->e_start[m->top_id[i] + 1]++;
+    for (int64_t i = 0; i < T * K; i++)
+        if (!mine || mine[m->top_id[i]]) m->e_start[m->top_id[i] + 1]++;
     for (int64_t e = 0; e < E; e++) {
         m->e_start[e + 1] += m->e_start[e];
         m->e_fill[e] = m->e_start[e];
     }
     for (int64_t i = 0; i < T * K; i++) {
+        if (mine && !mine[m->top_id[i]]) continue;
         int64_t slot = m->e_fill[m->top_id[i]]++;
         m->route_tok[slot] = (int32_t)(i / K);
         m->route_w[slot] = m->top_w[i];
     }
+    const int64_t n_rows = m->e_start[E];
 
     /* route_input: each (token, expert) row is the token's input times its weight, laid out
      * in group order (Llama4TextMoe scales the hidden state before the experts) */
     const float *src = m->xn;
     const int32_t *idx = m->route_tok;
     if (hp->route_input) {
-        for (int64_t r = 0; r < T * K; r++) {
+        for (int64_t r = 0; r < n_rows; r++) {
             const float *x = m->xn + (int64_t)m->route_tok[r] * D;
             float *y = m->xs + r * D, w = m->route_w[r];
             for (int64_t d = 0; d < D; d++) y[d] = x[d] * w;
@@ -301,9 +294,9 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
      * fit in one batch of rows (and, with the expert cache, in the layer's slots); combine in
      * expert order, as HF does, so waves change no bit of the result */
     if (xc) clb_xc_begin_layer(xc, il, m->e_start);
-    memset(m->proj, 0, (size_t)(T * D) * sizeof(float));
+    memset(out, 0, (size_t)(T * D) * sizeof(float));
     const clb_ffn_w **ws = m->ffn_list;
-    uint8_t *wait = m->xc_wait;
+    uint8_t *wait = m->xc_wait, *skip = m->xc_wait + E;
     for (int64_t e = 0; e < E;) {
         int64_t e0 = e, s0 = m->e_start[e], n_wait = 0, n_run = 0;
         /* an expert holds at most T <= CLB_MAX_BATCH rows, so each batch takes at least one;
@@ -327,31 +320,33 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
         }
         int64_t s1 = m->e_start[e];
         if (s1 == s0) continue;
-        /* the wave's resident experts run while its others are read; then those. Each group's
-         * rows are its own and the combine below stays in expert order, so the bits are those
-         * of running the wave at once */
+        /* the wave's resident experts run while its others are read; then each of those as
+         * soon as it lands, with any others landed by then. Each group's rows are its own and
+         * the combine below stays in expert order, so the bits are those of running the wave
+         * at once */
         clb_status fst = CLB_OK;
-        if (n_wait > 0 && n_wait < n_run)
+        int64_t n_ran = 0;
+        if (n_wait == 0 || n_wait < n_run) {
             fst = ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
-                             m->e_start + e0, wait, src, idx, m->eo);
-        for (int64_t g = 0; n_wait > 0 && g < e - e0; g++) {
+                             m->e_start + e0, n_wait > 0 ? wait : NULL, src, idx, m->eo);
+            n_ran = n_run - n_wait;
+        }
+        while (fst == CLB_OK && n_wait > 0) {
             clb_status st = CLB_OK;
-            if (wait[g] && clb_xc_wait(xc, il, e0 + g, &st) < 0) {
+            int64_t got = clb_xc_wait_any(xc, il, e0, e - e0, n_ran, wait, skip, &st);
+            if (got < 0) {
                 clb_xc_release(xc, il);
                 return st;
             }
-        }
-        if (fst == CLB_OK) {
-            for (int64_t g = 0; n_wait > 0 && n_wait < n_run && g < e - e0; g++)
-                wait[g] = !wait[g]; /* now the ones already run */
+            n_wait -= got;
+            n_ran = got;
             fst = ffn_groups(m, CLB_PHASE_EXPERT_UP, CLB_PHASE_EXPERT_DOWN, e - e0, ws,
-                             m->e_start + e0, n_wait > 0 && n_wait < n_run ? wait : NULL, src,
-                             idx, m->eo);
+                             m->e_start + e0, skip, src, idx, m->eo);
         }
         if (xc) clb_xc_release(xc, il);
         TRY(fst);
         for (int64_t r = s0; r < s1; r++) {
-            float *dst = m->proj + (int64_t)m->route_tok[r] * D;
+            float *dst = out + (int64_t)m->route_tok[r] * D;
             const float *eo = m->eo + (r - s0) * D;
             if (hp->route_input) {
                 for (int64_t d = 0; d < D; d++) dst[d] += eo[d];
@@ -361,6 +356,32 @@ static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
             for (int64_t d = 0; d < D; d++) dst[d] += eo[d] * w;
         }
     }
+    return CLB_OK;
+}
+
+static clb_status moe(clb_model *m, int64_t il, int64_t T, int32_t *routes) {
+    const clb_hparams *hp = &m->hp;
+    const clb_layer_w *l = &m->layers[il];
+    const int64_t D = hp->n_embd, E = hp->n_expert, K = hp->n_expert_used;
+
+    for (int64_t t = 0; t < T; t++)
+        clb_rmsnorm(m->x + t * D, clb_f32_data(l->ffn_norm), D, hp->rms_eps, m->xn + t * D);
+
+    /* route: [T, E] logits -> top-K ids and weights (a small f32 product: no dispatch) */
+    TRY(clb_fw_mm_tp(m, CLB_PHASE_ROUTER, l->gate_inp, m->xn, T, m->probs, E,
+                     l->gate_inp_bias, NULL));
+    for (int64_t t = 0; t < T; t++)
+        route_token(m, l, m->probs + t * E, m->top_id + t * K, m->top_w + t * K);
+    if (routes)
+        for (int64_t t = 0; t < T; t++)
+            memcpy(routes + (t * hp->n_layer + il) * K, m->top_id + t * K,
+                   (size_t)K * sizeof(int32_t));
+    /* the nearer layer first: the readers take read-aheads in the order queued */
+    for (int64_t d = 1, depth = clb_xc_prefetch_depth(m->xc); d <= depth; d++)
+        if (il + d < hp->n_layer && m->layers[il + d].ffn == CLB_FFN_MOE)
+            TRY(prefetch_ahead(m, il, il + d, T));
+
+    TRY(routed_experts(m, il, T, NULL, m->proj));
 
     if (hp->n_ff_shared > 0) {
         const clb_ffn_w *sw = &l->shared;
@@ -401,14 +422,15 @@ static clb_status dense_ffn(clb_model *m, int64_t il, int64_t T, int32_t *routes
 
 /* An MTP layer's input (mtp_input): x = eh_proj @ [rmsnorm(embed(token), enorm);
  * rmsnorm(h, hnorm)] per token, h its row of hidden_in [T, D]; the embedding half is zero at
- * position 0 (vLLM's and SGLang's DeepSeek MTP mask it there). */
+ * position 0 (vLLM's and SGLang's DeepSeek MTP mask it there) unless mtp_keep_first (their
+ * Qwen3-Next MTP does not). */
 static clb_status mtp_input(clb_model *m, int64_t T, const int32_t *tokens, const int32_t *pos,
                             const float *hidden_in) {
     const clb_hparams *hp = &m->hp;
     const int64_t D = hp->n_embd;
     for (int64_t t = 0; t < T; t++) {
         float *cat = m->mtp_cat + t * 2 * D;
-        if (pos[t] == 0) {
+        if (pos[t] == 0 && !hp->mtp_keep_first) {
             memset(cat, 0, (size_t)D * sizeof(float));
         } else {
             clb_get_row(m->tok_embd->type, m->tok_embd->data, D, tokens[t], m->xn + t * D);
@@ -664,7 +686,7 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
     }
     clb_status st = validate(m, kv, b, err);
     if (st == CLB_OK && kv->n_win_blocks > 0) st = validate_win(kv, b, err);
-    if (st == CLB_OK) st = clb_linear_check(m, kv, b, err);
+    if (st == CLB_OK) st = clb_linear_check(m, kv, b, il0, il1, err);
     if (st != CLB_OK) return st;
     if ((st = clb_xc_failed(m->xc, err)) != CLB_OK) return st; /* a weight file changed */
     const uint8_t *want_logits = b->want_logits;
@@ -677,7 +699,7 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
     }
 
     const int64_t n_tokens = b->n_tokens;
-    clb_linear_begin(m, kv, b);
+    clb_linear_begin(m, kv, b, il0, il1);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
         int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH, n_out = 0;
         int32_t *routes = b->routes ? b->routes + t0 * m->hp.n_layer * m->hp.n_expert_used
@@ -691,7 +713,7 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
                            il1, x_io ? x_io + t0 * D : NULL);
         m->prod.forward_ns += clb_now_ns() - c0;
         if (st != CLB_OK) {
-            clb_linear_end(m, kv, b, 0);
+            clb_linear_end(m, kv, b, il0, il1, 0);
             if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
             clb_set_err(err, "forward failed in a kernel (status %d); the KV rows of this call's "
                         "positions may be partly written", (int)st);
@@ -700,10 +722,10 @@ static clb_status forward_run(clb_model *m, clb_kv *kv, const clb_batch *b, int6
         if (n_out > 0) logits += n_out * m->hp.n_vocab;
     }
     if (clb_wfault_any() && (st = clb_model_weight_fault(m, err)) != CLB_OK) {
-        clb_linear_end(m, kv, b, 0);
+        clb_linear_end(m, kv, b, il0, il1, 0);
         return st;
     }
-    clb_linear_end(m, kv, b, 1);
+    clb_linear_end(m, kv, b, il0, il1, 1);
     return CLB_OK;
 }
 
@@ -720,11 +742,44 @@ clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_
                     m ? (long long)m->hp.n_layer : 0LL);
         return CLB_E_ARG;
     }
-    for (int64_t il = 0; il < m->hp.n_layer; il++)
-        if (m->layers[il].mixer == CLB_MIX_LINEAR) {
-            clb_set_err(err, "clb_forward_span: a model with linear-attention layers runs its "
-                        "steps whole");
+    return forward_run(m, kv, b, il0, il1, x, logits, err);
+}
+
+clb_status clb_moe_experts(clb_model *m, int64_t il, int64_t n_tokens, const float *xn,
+                           const int32_t *ids, const float *w, const uint8_t *mine, float *out,
+                           char *err) {
+    if (err) err[0] = '\0';
+    if (!m || il < 0 || il >= m->hp.n_layer || m->layers[il].ffn != CLB_FFN_MOE) {
+        clb_set_err(err, "clb_moe_experts: layer %lld is not a layer with routed experts of "
+                    "this model", (long long)il);
+        return CLB_E_ARG;
+    }
+    if (n_tokens < 0 || (n_tokens > 0 && (!xn || !ids || !w || !out))) {
+        clb_set_err(err, "clb_moe_experts: bad arrays (n_tokens %lld)", (long long)n_tokens);
+        return CLB_E_ARG;
+    }
+    const int64_t D = m->hp.n_embd, E = m->hp.n_expert, K = m->hp.n_expert_used;
+    for (int64_t i = 0; i < n_tokens * K; i++) {
+        if (ids[i] < 0 || ids[i] >= E) {
+            clb_set_err(err, "clb_moe_experts: expert id %d at index %lld is not in 0..%lld",
+                        ids[i], (long long)i, (long long)(E - 1));
             return CLB_E_ARG;
         }
-    return forward_run(m, kv, b, il0, il1, x, logits, err);
+    }
+    clb_status st = clb_xc_failed(m->xc, err);
+    if (st != CLB_OK) return st;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += CLB_MAX_BATCH) {
+        const int64_t T = n_tokens - t0 < CLB_MAX_BATCH ? n_tokens - t0 : CLB_MAX_BATCH;
+        memcpy(m->xn, xn + t0 * D, (size_t)(T * D) * sizeof(float));
+        memcpy(m->top_id, ids + t0 * K, (size_t)(T * K) * sizeof(int32_t));
+        memcpy(m->top_w, w + t0 * K, (size_t)(T * K) * sizeof(float));
+        st = routed_experts(m, il, T, mine, out + t0 * D);
+        if (st != CLB_OK) {
+            if (clb_xc_failed(m->xc, err) != CLB_OK) return CLB_E_IO;
+            clb_set_err(err, "clb_moe_experts: a kernel failed (status %d)", (int)st);
+            return st;
+        }
+    }
+    if (clb_wfault_any() && (st = clb_model_weight_fault(m, err)) != CLB_OK) return st;
+    return CLB_OK;
 }

@@ -119,17 +119,17 @@ clb_status clb_kv_states_init(clb_kv *kv, int64_t n_slots) {
     const size_t bytes = clb_kv_state_bytes(&kv->model->hp);
     if (bytes == 0) return CLB_E_ARG;
     if ((size_t)n_slots > SIZE_MAX / bytes) return CLB_E_RANGE;
+    const int64_t n_lin = kv->model->hp.n_layer - clb_hp_n_attn_layers(&kv->model->hp);
     kv->state = clb_pool_alloc(kv->pool, (size_t)n_slots * bytes);
-    kv->state_len = clb_pool_alloc(kv->pool, (size_t)n_slots * sizeof(int64_t));
+    kv->state_len = clb_pool_alloc(kv->pool, (size_t)(n_slots * n_lin) * sizeof(int64_t));
     kv->slot_user = clb_pool_alloc(kv->pool, (size_t)n_slots * sizeof(int32_t));
     if (!kv->state || !kv->state_len || !kv->slot_user) {
         kv->state = NULL;
         return CLB_E_NOMEM;
     }
-    for (int64_t i = 0; i < n_slots; i++) {
-        kv->state_len[i] = -1;
-        kv->slot_user[i] = -1;
-    }
+    for (int64_t i = 0; i < n_slots * n_lin; i++) kv->state_len[i] = -1;
+    for (int64_t i = 0; i < n_slots; i++) kv->slot_user[i] = -1;
+    kv->n_lin = n_lin;
     kv->slot_floats = bytes / sizeof(float);
     kv->n_slots = n_slots;
     return CLB_OK;
@@ -157,13 +157,19 @@ clb_status clb_kv_state_copy(clb_kv *kv, int64_t dst, int64_t src) {
     if (dst != src)
         memcpy(kv->state + (size_t)dst * kv->slot_floats,
                kv->state + (size_t)src * kv->slot_floats, kv->slot_floats * sizeof(float));
-    kv->state_len[dst] = kv->state_len[src];
+    for (int64_t li = 0; li < kv->n_lin; li++)
+        kv->state_len[dst * kv->n_lin + li] = kv->state_len[src * kv->n_lin + li];
     return CLB_OK;
 }
 
 int64_t clb_kv_state_len(const clb_kv *kv, int64_t slot) {
     if (!kv || slot < 0 || slot >= kv->n_slots) return -1;
-    return kv->state_len[slot];
+    int64_t n = kv->state_len[slot * kv->n_lin];
+    for (int64_t li = 1; li < kv->n_lin; li++) {
+        const int64_t v = kv->state_len[slot * kv->n_lin + li];
+        n = v < n ? v : n;
+    }
+    return n;
 }
 
 /* The windowed pool's layer map of kv (pool storage from kv->pool): kv_layer becomes each

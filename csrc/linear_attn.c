@@ -143,8 +143,21 @@ clb_status clb_linear_attn(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t
 
 /* ---- state slots around a forward call ---------------------------------------------------- */
 
-clb_status clb_linear_check(const clb_model *m, clb_kv *kv, const clb_batch *b, char *err) {
-    if (m->n_linear == 0) return CLB_OK;
+/* The linear layers of layers [il0, il1) are those with lin_index in [*lo, *hi). */
+static void lin_range(const clb_model *m, int64_t il0, int64_t il1, int64_t *lo, int64_t *hi) {
+    *lo = *hi = 0;
+    for (int64_t il = 0; il < il1; il++)
+        if (m->layers[il].mixer == CLB_MIX_LINEAR) {
+            *lo += il < il0;
+            *hi += 1;
+        }
+}
+
+clb_status clb_linear_check(const clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                            int64_t il1, char *err) {
+    int64_t lo, hi;
+    lin_range(m, il0, il1, &lo, &hi);
+    if (lo == hi) return CLB_OK;
     if (!kv->state || !b->state_slots) {
         clb_set_err(err, "this model has linear-attention layers: the call needs state slots "
                     "(%s)", kv->state ? "none given" : "the cache has none");
@@ -168,32 +181,42 @@ clb_status clb_linear_check(const clb_model *m, clb_kv *kv, const clb_batch *b, 
             st = CLB_E_ARG;
             break;
         }
-        if (p != 0 && p != kv->state_len[slot]) { /* the sequence's first token in the call */
+        for (int64_t li = lo; li < hi && p != 0; li++) { /* the sequence's first token */
+            const int64_t have = kv->state_len[slot * kv->n_lin + li];
+            if (p == have) continue;
             clb_set_err(err,
                         "sequence %d starts at position %lld but its state slot %d holds %lld "
                         "positions: a linear-attention state cannot be rewound (start again at "
-                        "position 0)", s, (long long)p, slot, (long long)kv->state_len[slot]);
+                        "position 0)", s, (long long)p, slot, (long long)have);
             st = CLB_E_ARG;
             break;
         }
+        if (st != CLB_OK) break;
         kv->slot_user[slot] = s;
     }
     for (int64_t t = 0; t < i; t++) kv->slot_user[b->state_slots[b->seq_ids[t]]] = -1;
     return st;
 }
 
-void clb_linear_begin(const clb_model *m, clb_kv *kv, const clb_batch *b) {
-    if (m->n_linear == 0) return;
+void clb_linear_begin(const clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                      int64_t il1) {
+    int64_t lo, hi;
+    lin_range(m, il0, il1, &lo, &hi);
+    if (lo == hi) return;
+    const int64_t pl = per_layer_floats(&m->hp);
     for (int64_t i = 0; i < b->n_tokens; i++)
         if (b->positions[i] == 0) {
             const int32_t slot = b->state_slots[b->seq_ids[i]];
-            memset(kv->state + (size_t)slot * kv->slot_floats, 0,
-                   kv->slot_floats * sizeof(float));
+            memset(slot_state(kv, slot, lo, pl), 0, (size_t)((hi - lo) * pl) * sizeof(float));
         }
 }
 
-void clb_linear_end(const clb_model *m, clb_kv *kv, const clb_batch *b, int ok) {
-    if (m->n_linear == 0) return;
-    for (int64_t i = 0; i < b->n_tokens; i++)
-        kv->state_len[b->state_slots[b->seq_ids[i]]] = ok ? b->positions[i] + 1 : -1;
+void clb_linear_end(const clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
+                    int64_t il1, int ok) {
+    int64_t lo, hi;
+    lin_range(m, il0, il1, &lo, &hi);
+    for (int64_t i = 0; i < b->n_tokens && lo < hi; i++) {
+        int64_t *len = kv->state_len + (size_t)b->state_slots[b->seq_ids[i]] * kv->n_lin;
+        for (int64_t li = lo; li < hi; li++) len[li] = ok ? b->positions[i] + 1 : -1;
+    }
 }

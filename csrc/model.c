@@ -121,6 +121,8 @@ static clb_status check_hparams(const clb_hparams *hp, char *err) {
              "rope_freqs[%lld] is not a finite non-negative number", (long long)i);
     NEED(isfinite(hp->rms_eps) && hp->rms_eps > 0.0f, "rms_eps must be positive");
     NEED(hp->mtp_input == 0 || hp->mtp_input == 1, "mtp_input %d is not 0 or 1", hp->mtp_input);
+    NEED(hp->mtp_keep_first == 0 || hp->mtp_keep_first == 1, "mtp_keep_first %d is not 0 or 1",
+         hp->mtp_keep_first);
     NEED(!isnan(hp->clip_qkv), "clip_qkv is NaN");
     NEED(hp->n_ctx > 0 && hp->n_ctx <= CLB_MAX_CTX, "n_ctx %lld out of range",
          (long long)hp->n_ctx);
@@ -558,7 +560,7 @@ static clb_status alloc_scratch(clb_model *m, char *err) {
     if (n_jobs < 4) n_jobs = 4; /* a linear layer's four input projections */
     m->jobs = palloc(m, n_jobs * sizeof(clb_mm_job), &fail);
     m->ffn_list = palloc(m, e * sizeof(*m->ffn_list), &fail);
-    m->xc_wait = palloc(m, e, &fail);
+    m->xc_wait = palloc(m, 2 * e, &fail);
     m->pf_ids = palloc(m, (e + k) * sizeof(int32_t), &fail);
     if (fail) {
         clb_set_err(err, "out of memory allocating forward scratch");

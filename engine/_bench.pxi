@@ -1,4 +1,5 @@
-# bench binding: the machine probes `colibri bench` reports (csrc/clb_bench.h).
+# bench binding: the machine probes `colibri bench` reports (csrc/clb_bench.h), and the storage
+# probe the expert cache sizes its reader pool with (csrc/clb_storage_probe.h).
 #
 # bandwidth_probe reads a fresh buffer with n threads and returns the best pass in GB/s; it
 # releases the GIL and refuses bad arguments with a ValueError. Uses clb_status from
@@ -15,6 +16,11 @@ cdef extern from "clb_bench.h" nogil:
     clb_status clb_int8_loop_bench(int variant, double *gmacs)
     int CLB_INT8_LOOP_AVX2
     int CLB_INT8_LOOP_VARIANTS
+
+cdef extern from "clb_storage_probe.h" nogil:
+    clb_status clb_storage_probe(const char *const *paths, int n_paths, size_t chunk,
+                                 int64_t first, int64_t n_chunks, int depth, int direct,
+                                 double *gbps, int64_t *bytes, char *err)
 
 # clb_int8_loop_bench's order: the AVX2 ones first, then the AVX-512 ones; INT8_LOOP_ISA
 # names the kernel path each one needs
@@ -40,6 +46,37 @@ def bandwidth_probe(size_t nbytes, int n_threads=1, int n_passes=3) -> float:
     if st != CLB_OK:
         raise _status_error(st, err)
     return gbps
+
+
+def storage_probe(paths, size_t chunk, int64_t first, int64_t n_chunks, int depth,
+                  bint direct=True) -> tuple:
+    """(GB/s, bytes read): n_chunks reads of chunk bytes from the files at paths, depth at a time
+    (chunk k from file k % len(paths), counted from first), with O_DIRECT when direct. Raises
+    ValueError for bad arguments, OSError naming the file when one cannot be opened (or is not
+    a regular file) or read."""
+    encoded = [_fs_path(p) for p in paths]
+    cdef int n = len(encoded), i
+    if n < 1:
+        raise ValueError("storage probe: no files")
+    cdef const char **cp = <const char **>PyMem_Malloc(n * sizeof(char *))
+    if cp == NULL:
+        raise MemoryError()
+    for i in range(n):
+        cp[i] = encoded[i]
+    cdef char err[512]
+    cdef double gbps = 0.0
+    cdef int64_t nbytes = 0
+    cdef clb_status st
+    err[0] = 0
+    try:
+        with nogil:
+            st = clb_storage_probe(cp, n, chunk, first, n_chunks, depth, direct, &gbps, &nbytes,
+                                   err)
+    finally:
+        PyMem_Free(cp)
+    if st != CLB_OK:
+        raise _status_error(st, err)
+    return gbps, int(nbytes)
 
 
 def matmul_bench(name: str, w, int n_out, int n_in, x, int n_threads=1, int n_reps=5) -> list:

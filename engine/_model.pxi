@@ -57,6 +57,7 @@ cdef extern from "clb_model.h" nogil:
         const int32_t *layer_attn
         const int32_t *layer_mixer
         int32_t mtp_input
+        int32_t mtp_keep_first
 
     ctypedef struct clb_tensor:
         const char name[64]
@@ -143,11 +144,13 @@ cdef extern from "clb_model.h" nogil:
         int64_t prefetch_window
         int64_t read_timeout_ms
         int32_t readers
+        int32_t prefetch_depth
 
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
         int64_t prefetch_issued, prefetch_used, prefetch_wasted, prefetch_late
         int64_t bytes_read, stall_ns, reader_loads, prefetch_cancelled
+        int64_t prefetch_far, overlapped
 
     size_t clb_expert_bytes(const clb_model *m)
     clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err)
@@ -155,15 +158,19 @@ cdef extern from "clb_model.h" nogil:
                                  char *err)
     int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
                          int64_t *selections)
+    int clb_xcache_timing(const clb_model *m, int64_t *read_ns, int64_t *layer_ns)
 
     clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
     clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
                                 int64_t il1, float *x, float *logits, char *err)
+    clb_status clb_moe_experts(clb_model *m, int64_t il, int64_t n_tokens, const float *xn,
+                               const int32_t *ids, const float *w, const uint8_t *mine,
+                               float *out, char *err)
 
 XC_LOADS = ("pread", "direct", "mmap", "uring")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns",
-               "reader_loads", "prefetch_cancelled")
+               "reader_loads", "prefetch_cancelled", "prefetch_far", "overlapped")
 
 # the types a weight file may hold, by the id it stores
 _TYPE_NAMES = {t: name for name, t in PRODUCT_TYPES.items() if clb_type_valid_for_file(t)}
@@ -175,7 +182,7 @@ _HPARAM_INT_KEYS = (
     "rotary_dim", "sliding_window", "attn_sinks", "router_bias", "expert_bias", "glu", "n_ctx",
     "attn_chunk", "route_input",
     "attn_gate", "lin_n_k_heads", "lin_n_v_heads", "lin_k_dim", "lin_v_dim", "lin_conv",
-    "mtp_input",
+    "mtp_input", "mtp_keep_first",
 )
 _HPARAM_FLOAT_KEYS = ("attn_scale", "routed_scale", "clip_qkv", "rope_theta", "rope_scale", "rms_eps",
                       "glu_alpha", "glu_limit", "attn_temp_floor", "attn_temp_scale")
@@ -269,6 +276,7 @@ cdef tuple _fill_hparams(dict hparams, clb_hparams *hp):
     hp.lin_v_dim = hparams["lin_v_dim"]
     hp.lin_conv = hparams["lin_conv"]
     hp.mtp_input = hparams["mtp_input"]
+    hp.mtp_keep_first = hparams["mtp_keep_first"]
     cdef int32_t[::1] mixers
     cdef float[::1] freqs
     cdef int32_t[::1] kinds
@@ -594,7 +602,8 @@ cdef class CoreModel:
 
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
                             bint huge_pages=False, int prefetch_window=16, pinned=None,
-                            double read_timeout_s=30.0, int readers=4) -> None:
+                            double read_timeout_s=30.0, int readers=4,
+                            int prefetch_depth=0) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
         load: "pread", "direct" (O_DIRECT), "mmap" (madvise on the mappings) or "uring"
@@ -602,7 +611,8 @@ cdef class CoreModel:
         [n_layer, n_expert] experts loaded now and never evicted, or None; read_timeout_s:
         one read that takes longer fails the model (a forward raises, naming the file) instead
         of blocking; readers: threads that load experts in parallel (1..64), the prefetches
-        included. Call once, before the first forward. Outputs do not change; only speed
+        included; prefetch_depth: layers read ahead, 1 or 2, or 0 for two while one read takes
+        longer than a layer's compute (see expert_cache_timing). Call once, before the first forward. Outputs do not change; only speed
         and memory do.
         """
         cdef clb_xc_config cfg
@@ -619,6 +629,9 @@ cdef class CoreModel:
         if not 1 <= readers <= 64:
             raise ValueError(f"readers must be in 1..64, got {readers}")
         cfg.readers = readers
+        if not 0 <= prefetch_depth <= 2:
+            raise ValueError(f"prefetch_depth must be 0 (automatic), 1 or 2, got {prefetch_depth}")
+        cfg.prefetch_depth = prefetch_depth
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef uint8_t[::1] pv
         cdef const uint8_t *pp = NULL
@@ -641,7 +654,8 @@ cdef class CoreModel:
     def expert_cache_stats(self):
         """None without an expert cache; else a dict of numpy arrays: per-layer counters
         (hits, misses, loads, evictions, prefetch_issued, prefetch_used, prefetch_wasted,
-        prefetch_late, bytes_read, stall_ns, reader_loads, prefetch_cancelled: int64 [n_layer]) and per expert ([n_layer,
+        prefetch_late, bytes_read, stall_ns, reader_loads, prefetch_cancelled, prefetch_far,
+        overlapped: int64 [n_layer]) and per expert ([n_layer,
         n_expert]) state (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections."""
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef int64_t L = hp.n_layer, E = hp.n_expert
@@ -664,6 +678,59 @@ cdef class CoreModel:
         out = {name: counters[:, i].copy() for i, name in enumerate(XC_COUNTERS)}
         out.update(state=state, heat=heat, selections=sel)
         return out
+
+    def moe_experts(self, int il, xn, ids, weights, mine, out) -> None:
+        """The routed experts of MoE layer il that `mine` marks (clb_moe_experts), with the GIL
+        released: xn float32 [T, n_embd] the normed FFN inputs, ids int32 and weights float32
+        [T, n_expert_used] the routing, mine bool/uint8 [n_expert], out float32 [T, n_embd]
+        (C-contiguous) receives those experts' weighted sum per token. InputError for a layer
+        without experts or an expert id out of range."""
+        cdef const clb_hparams *hp = clb_model_hparams(self.m)
+        cdef int64_t D = hp.n_embd, K = hp.n_expert_used
+        x = np.ascontiguousarray(xn, dtype=np.float32)
+        cdef Py_ssize_t T = x.shape[0] if x.ndim == 2 else -1
+        if x.ndim != 2 or x.shape[1] != D:
+            raise InputError(f"xn must be float32 [T, {D}]")
+        i = np.ascontiguousarray(ids, dtype=np.int32)
+        wt = np.ascontiguousarray(weights, dtype=np.float32)
+        if i.shape != (T, K) or wt.shape != (T, K):
+            raise InputError(f"ids and weights must be [{T}, {K}]")
+        mk = np.ascontiguousarray(np.asarray(mine, dtype=bool).reshape(-1)).view(np.uint8)
+        if mk.shape[0] != hp.n_expert:
+            raise InputError(f"mine has {mk.shape[0]} entries, the model has {hp.n_expert} "
+                             "experts per layer")
+        if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (T, D)
+                or not out.flags.c_contiguous):
+            raise InputError(f"out must be a C-contiguous float32 array of shape ({T}, {D})")
+        if T == 0:
+            return
+        cdef const float[:, ::1] xv = x
+        cdef const int32_t[:, ::1] iv = i
+        cdef const float[:, ::1] wv = wt
+        cdef const uint8_t[::1] mv = mk
+        cdef float[:, ::1] ov = out
+        cdef char err[512]
+        cdef clb_status st
+        err[0] = 0
+        with self._lock:
+            with nogil:
+                st = clb_moe_experts(self.m, il, T, &xv[0, 0], &iv[0, 0], &wv[0, 0], &mv[0],
+                                     &ov[0, 0], err)
+        if st != CLB_OK:
+            raise _status_error(st, err)
+
+    def expert_cache_timing(self):
+        """None without an expert cache; else what the L+2 read-ahead is decided on: read_ns
+        (one reader's read of one expert, averaged), layer_ns (one layer's compute, averaged;
+        both 0 until measured) and prefetch_depth (layers read ahead now: 0 without prefetch,
+        1 or 2)."""
+        cdef int64_t read_ns = 0, layer_ns = 0
+        cdef int depth
+        with nogil:
+            depth = clb_xcache_timing(self.m, &read_ns, &layer_ns)
+        if depth < 0:
+            return None
+        return {"read_ns": int(read_ns), "layer_ns": int(layer_ns), "prefetch_depth": depth}
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
                 block_tables, routes=None, state_slots=None, win_tables=None, span=None,

@@ -8,9 +8,10 @@ as root) caps every engine at the same limit, the page cache is dropped before e
 each engine runs in a fresh child process placed in the group:
 
 - colibri cache: its defaults under the limit (O_DIRECT into slots on 2 MiB pages, with
-                 prefetch, 4 reader threads), and the same budget with one thing changed: no
-                 prefetch, io_uring (uring), 1 reader, 8 readers, pread, mmap + madvise,
-                 slots on 4 KiB pages
+                 prefetch 1 or 2 layers ahead as measured, reader threads from the storage
+                 probe), and the same budget with one thing changed: no prefetch, prefetch
+                 always 1 or always 2 layers ahead, io_uring (uring), 1 reader, 8 readers,
+                 pread, mmap + madvise, slots on 4 KiB pages
 - colibri mmap:  every expert mapped, the kernel decides what stays ("trust the OS")
 - llama.cpp:     mmap, the way llama-cpp-python loads a GGUF
 - resident:      Colibri with no limit and a warm page cache (the compute floor)
@@ -187,6 +188,7 @@ def child(args: argparse.Namespace) -> int:
                                expert_huge_pages=args.huge)
         if args.readers is not None:
             xc.expert_readers = args.readers
+        xc.expert_prefetch_depth = args.prefetch_depth
         mon = start_expert_cache(m, Path(args.child_model), xc, 0)
         load_s = time.perf_counter() - t_load
         if args.warm:
@@ -197,7 +199,9 @@ def child(args: argparse.Namespace) -> int:
         pre, dec, toks = r.prefill_s, r.decode_s, r.tokens
         after = mon.totals()
         plan = {"per_layer": mon.plan.per_layer, "load": xc.expert_load if mon.plan.per_layer
-                      is None else resolve_load(xc.expert_load, Path(args.child_model))}
+                      is None else resolve_load(xc.expert_load, Path(args.child_model)),
+                "readers": mon.plan.readers, "readers_reason": mon.plan.readers_reason,
+                "timing": m.core.expert_cache_timing()}
         if after:
             stats = {k: after[k] - before.get(k, 0.0) for k in after
                      if k not in ("hit_rate", "resident_bytes", "budget_bytes")}
@@ -213,7 +217,7 @@ def child(args: argparse.Namespace) -> int:
 def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | None,
           size: int | None = None, load: str = "auto", prefetch: bool = True,
           warm: bool = False, huge: bool = True, repack: bool = True,
-          readers: int | None = None) -> dict[str, Any]:
+          readers: int | None = None, depth: str = "auto") -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine,
            "--child-model", str(model), "--threads", str(args.threads), "--vocab",
            str(args.vocab), "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens",
@@ -228,6 +232,7 @@ def spawn(args: argparse.Namespace, engine: str, model: Path, cgroup: Path | Non
         cmd.append("--no-huge")
     if readers is not None:
         cmd += ["--readers", str(readers)]
+    cmd += ["--prefetch-depth", depth]
     if cgroup is not None:
         cmd += ["--cgroup", str(cgroup)]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", COLIBRI_REPACK="1" if repack else "0")
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-huge", dest="huge", action="store_false", help=argparse.SUPPRESS)
     p.add_argument("--readers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--prefetch-depth", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import compare_llamacpp as cl
 
@@ -348,11 +354,16 @@ def main(argv: list[str] | None = None) -> int:
         auto = spawn(args, "colibri", model, group)  # Colibri's defaults under the limit
         per_layer = auto.get("per_layer") or args.top_k
         print(f"  the default budget under this limit: {per_layer} of {args.experts} experts "
-              f"per layer, load {auto.get('load')}", flush=True)
+              f"per layer, load {auto.get('load')}, {auto.get('readers')} readers "
+              f"({auto.get('readers_reason')}); read-ahead {auto.get('timing')}", flush=True)
         runs = {
             "colibri cache (defaults)": dict(engine="colibri", model=model),
             "colibri cache, no prefetch": dict(engine="colibri", model=model, size=per_layer,
                                                prefetch=False),
+            "colibri cache, prefetch 1 layer ahead": dict(engine="colibri", model=model,
+                                                          size=per_layer, depth="1"),
+            "colibri cache, prefetch 2 layers ahead": dict(engine="colibri", model=model,
+                                                           size=per_layer, depth="2"),
             "colibri cache, uring": dict(engine="colibri", model=model, size=per_layer,
                                          load="uring"),
             "colibri cache, 1 reader": dict(engine="colibri", model=model, size=per_layer,
@@ -385,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "per_layer": ok[0].get("per_layer") if ok else None}
             if not ok:
                 row["error"] = res[0]["error"]
-                print(f"  {name:28} failed: {row['error'][:300]}", flush=True)
+                print(f"  {name:40} failed: {row['error'][:300]}", flush=True)
                 rows.append(row)
                 continue
             dec = statistics.median(r["decode_s"] for r in ok)
@@ -402,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                            "colibri") else None)
             rows.append(row)
             hit = (f", hit rate {row['cache']['hit_rate']:.3f}" if row["cache"] else "")
-            print(f"  {name:28} {row['decode_tok_s']:8.2f} tok/s, read "
+            print(f"  {name:40} {row['decode_tok_s']:8.2f} tok/s, read "
                   f"{row['read_mb_per_token']:6.2f} MB/token from storage, "
                   f"{row['majflt']:.0f} major faults{hit}; floor "
                   f"{row['floor_host_cache_tok_s']:.2f} tok/s (fastest storage read) / "

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from server_wait import wait_ready
 
 from colibri.app.replicas.launch import port_outside_ray
 from colibri.engine.tools.bench import measured_on
@@ -71,16 +72,7 @@ def server(args: argparse.Namespace, *flags: str) -> Iterator[str]:
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        end = time.monotonic() + 600
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(cmd)} exited; see {log.name}")
-            try:
-                if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(proc, url, f"{' '.join(cmd)} (its output: {log.name})", poll_s=0.5)
         yield url
     finally:
         if proc.poll() is None:

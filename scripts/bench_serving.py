@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from compare_llamacpp import Dims, _words, build_checkpoint, build_gguf, llama_source  # noqa: E402
+from server_wait import wait_ready  # noqa: E402
 
 from colibri.engine.tools.bench import measured_on  # noqa: E402
 
@@ -87,17 +88,10 @@ class Server:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "wb"),  # noqa: SIM115
                                      stderr=subprocess.STDOUT, env=env, cwd=workdir)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.name} not ready after {timeout}s")
+        try:
+            wait_ready(self.proc, self.url, self.name, timeout, self.ready_path)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {self.log.read_text()[-2000:]}") from None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,7 +1,8 @@
 """The GPU figures of scripts/device_check.sh, on a random Mixtral-shaped model it builds (no
 download): decode tokens/s all on the GPU beside the HBM bound, a --gpu-memory-mb run holding
-the non-expert weights and a quarter of the experts against the CPU-only decode, and the cost
-model's predicted step time against the measured one at three budgets.
+the non-expert weights and a quarter of the experts (the others on the CPU beside them, the
+GPU tier's counters) against the CPU-only decode, and the cost model's predicted step time
+against the measured one at three budgets.
 
 Usage: python scripts/device_check.py [--device cuda:0] [--out DIR] [--layers 8]
 """
@@ -18,10 +19,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from colibri.engine.executor.backend import step_ops  # noqa: E402
-from colibri.engine.executor.costmodel import model_costs, step_time  # noqa: E402
+from colibri.engine.executor.costmodel import model_costs  # noqa: E402
 from colibri.engine.executor.model import Model  # noqa: E402
-from colibri.engine.executor.placement import layer_placement, measure_profile  # noqa: E402
+from colibri.engine.executor.placement import measure_profile, plan_placement  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
 from colibri.engine.models.config import ModelConfig  # noqa: E402
 from tests.tiny_models import make_checkpoint  # noqa: E402
@@ -93,25 +93,29 @@ def main() -> int:
     experts = sum(e.gpu_bytes * cfg.n_expert for e in mc.experts.values())
     quarter_mb = (always + experts / 4) / 1e6
     rows = []
+    tier = ""
     for label, mb in (("quarter", quarter_mb), ("half", (always + experts / 2) / 1e6),
                       ("all", (always + experts) * 1.1 / 1e6)):
-        placement, text = layer_placement(path, cfg, prof, mb, ctx)
+        placement, text, plan = plan_placement(path, cfg, prof, mb, ctx)
         if placement is None:
             m = Model.load(path, n_ctx=ctx)
-            pred = 1e3 * step_time(prof, mc, 1, set(), False, {})
         else:
             m = Model.load(path, n_ctx=ctx, device=a.device, placement=placement)
-            on = {o.layer for o in step_ops(cfg) if placement.of(o) == "torch" and o.layer >= 0}
-            lm = len(on) == cfg.n_layer  # the lm_head runs where the last layer runs
-            pred = 1e3 * step_time(prof, mc, 1, on, lm,
-                                   {il: set(range(cfg.n_expert)) for il in on
-                                    if il in mc.experts})
+        pred = plan.decode_ms if placement is not None else plan.cpu_decode_ms
         ms = decode_ms(m)
+        split = getattr(m.core, "expert_split", None)
+        if split is not None and label == "quarter":
+            st = split.stats()
+            tier = (f"GPU tier       {st['experts_on_device']} experts on the GPU, "
+                    f"{st['hits']} selections there, {st['misses']} on the CPU beside it, "
+                    f"{st['uploads']} uploads ({st['upload_bytes'] / 1e6:.1f} MB)")
         del m
         rows.append((label, mb, pred, ms, text))
     q = rows[0]
     print(f"--gpu-memory-mb {q[1]:.0f} (non-expert weights + a quarter of the experts): "
           f"{1e3 / q[3]:.1f} tok/s, {cpu_ms / q[3]:.2f}x the CPU-only decode")
+    if tier:
+        print(tier)
     print("budget MB   predicted ms   measured ms   error   placement")
     for label, mb, pred, ms, text in rows:
         print(f"{mb:9.0f}   {pred:12.2f}   {ms:11.2f}   {100 * (pred - ms) / ms:+5.0f}%   "

@@ -35,7 +35,10 @@ echo "   $((SECONDS - START)) s"
 
 echo "== the torch backend's tests on $DEVICE"
 COLIBRI_TEST_TORCH_DEVICE="$DEVICE" timeout 240 python -m pytest -q -x -p no:cacheprovider \
-    tests/test_torch_backend.py -k "f32 or split or paged" 2>&1 | tail -5
+    tests/test_torch_backend.py -k "f32 or split or paged or linear" 2>&1 | tail -5
+echo "== routed experts split between $DEVICE and the C core, and the GPU tier"
+COLIBRI_TEST_TORCH_DEVICE="$DEVICE" timeout 120 python -m pytest -q -x -p no:cacheprovider \
+    tests/test_expert_split.py -m "not slow" 2>&1 | tail -3
 echo "   $((SECONDS - START)) s"
 
 echo "== figures"

@@ -3,7 +3,7 @@
 
 Every results/<script>/<YYYY-MM-DD>-<name>.json is one measurement, written by a benchmark
 script's --json (scripts/compare_llamacpp.py, scripts/ab_bench.py, scripts/bench_server.py,
-scripts/bench_kv_pools.py).
+scripts/bench_kv_pools.py, scripts/bench_expert_cache.py).
 Files of one script whose names differ only in the date are one series; the page shows the
 newest file of each series, in one table per CPU, and each row names its command, commit and
 date and links its file. Everything between the two markers below is made here; the rest of
@@ -150,22 +150,32 @@ def ab_bench_rows(d: dict[str, Any]) -> list[list[str]]:
 
 def bench_server_rows(d: dict[str, Any]) -> list[list[str]]:
     """scripts/bench_server.py: streaming through the server against the engine in-process,
-    one row per server (this checkout's, and a baseline checkout's when there was one)."""
+    one row per server (this checkout's, and a baseline checkout's when there was one); the
+    CPU figures where the file has them (files from before it measured them: the event loop's
+    alone)."""
     direct = d["direct"]["itl_mean_ms"]
     n = d["threads"]
     threads = f"{n} compute thread{'s' if n != 1 else ''}" if n else "default threads"
+    client = f", {d['client']} client" if "client" in d else ""
     work = (f"{Path(d['model']).name}; {d['max_tokens']} tokens streamed, logprobs 0, "
-            f"{threads}, {d['repeat']} repeats")
+            f"{threads}, {d['repeat']} repeats{client}")
     rows = []
     for name, commit in (("http", d["commit"]),
                          ("baseline_http", (d.get("baseline") or {}).get("commit"))):
         if name not in d:
             continue
         r, o = d[name], d[name]["overhead"]
+        ci = o.get("itl_mean_ms_ci95")
+        more = (f"TTFT {o['ttft_ms']:+.2f} ms, {o['itl_mean_ms']:+.2f} ms a token ("
+                + (f"95% CI {ci[0]:+.2f} to {ci[1]:+.2f}; pairs " if ci else "repeats ")
+                + f"{o['itl_mean_ms_min']:+.2f} to {o['itl_mean_ms_max']:+.2f})")
+        if "cpu_ms_per_token" in o:
+            more += f"; CPU {o['cpu_ms_per_token']:+.2f} ms a token over the engine's"
         cpu = r.get("loop_cpu_ms_per_token")
-        more = (f"TTFT {o['ttft_ms']:+.2f} ms, {o['itl_mean_ms']:+.2f} ms a token (repeats "
-                f"{o['itl_mean_ms_min']:+.2f} to {o['itl_mean_ms_max']:+.2f})"
-                + ("" if cpu is None else f"; event loop {cpu:.2f} ms CPU a token"))
+        if cpu is not None:
+            more += f"; event loop {cpu:.2f} ms CPU a token"
+        if r.get("client_cpu_ms_per_token") is not None:
+            more += f"; client {r['client_cpu_ms_per_token']:.3f} ms CPU a token"
         rows.append(["server overhead", work, f"HTTP/SSE at {_commit(commit)}",
                      f"– / {1e3 / r['itl_mean_ms']:.1f}", "the engine in-process",
                      f"– / {1e3 / direct:.1f}", _ratio(direct / r["itl_mean_ms"]), "–", more])
@@ -269,6 +279,36 @@ def bench_replicas_rows(d: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def bench_expert_cache_rows(d: dict[str, Any]) -> list[list[str]]:
+    """scripts/bench_expert_cache.py: the expert cache's defaults under a memory limit beside the
+    OS's mmap and llama.cpp's, one row each per oversubscription factor, with the run's time per
+    token against its physical floor (resident compute plus its storage reads at the storage's
+    measured speed)."""
+    st = d["storage"]
+    disk = max(st["direct_cold_gb_s"], st["direct_huge_cold_gb_s"])
+    rows = []
+    for factor in sorted({r["factor"] for r in d["rows"]}):
+        by = {r["engine"]: r for r in d["rows"] if r["factor"] == factor and "decode_tok_s" in r}
+        c = by.get("colibri cache (defaults)")
+        if c is None:
+            continue
+        model = (f"{d['model']} ({d['quant']}); experts x{factor} the memory limit, "
+                 f"{d['prompt_tokens']}-token prompt, {d['gen_tokens']} tokens; storage "
+                 f"{disk:.2f} GB/s")
+        note = (f"x{c['s_per_token'] * c['floor_host_cache_tok_s']:.2f} the floor's time a "
+                f"token; hit rate {c['cache']['hit_rate']:.2f}; {c['read_mb_per_token']:.1f} "
+                f"MB/token read")
+        for other in ("colibri mmap (OS)", "llama.cpp mmap"):
+            o = by.get(other)
+            if o is None:
+                continue
+            rows.append(["larger than memory", model, "expert cache (defaults)",
+                         f"– / {c['decode_tok_s']:.1f}", other.replace("colibri ", ""),
+                         f"– / {o['decode_tok_s']:.1f}",
+                         _ratio(c["decode_tok_s"] / o["decode_tok_s"]), "–", note])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
     "bench_speculative": bench_speculative_rows,
     "kv_bytes": kv_bytes_rows,
@@ -277,6 +317,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
     "bench_server": bench_server_rows,
     "compare_llamacpp": compare_llamacpp_rows,
     "ab_bench": ab_bench_rows,
+    "bench_expert_cache": bench_expert_cache_rows,
 }
 
 

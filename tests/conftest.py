@@ -33,7 +33,8 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_reliability_verify.py", "test_hub_models.py", "test_expert_cache.py",
                "test_demo_model.py", "test_demo_data.py", "test_demo_report.py",
                "test_gpt_oss_config.py", "test_minimax_m2.py", "test_linear_attn.py",
-               "test_llama4_config.py", "test_torch_backend.py", "test_costmodel.py"),
+               "test_llama4_config.py", "test_torch_backend.py", "test_costmodel.py",
+               "test_expert_split.py"),
     # scheduling, sampling, text: engine/core, engine/sample, engine/text
     "engine": ("test_batching.py", "test_block_manager.py", "test_scheduler.py", "test_llm.py",
                "test_sampling.py",
@@ -43,7 +44,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
                "test_input_checks.py", "test_reliability_templates.py",
                "test_gpt_oss_text.py", "test_hybrid_engine.py", "test_spec_cost.py",
                "test_spec_ngram.py", "test_speculative.py", "test_kv_window_pool.py",
-               "test_device_option.py", "test_mtp.py"),
+               "test_device_option.py", "test_mtp.py", "test_mtp_qwen3_next.py"),
     # the HTTP server and what clients see
     "server": ("test_server_openai.py", "test_server_errors.py", "test_server_lifecycle.py",
                "test_server_settings.py", "test_server_batching.py",

@@ -140,11 +140,15 @@ def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 class SubprocessServer:
-    """`python -m colibri.app serve` in a child process."""
+    """`python -m colibri.app serve` in a child process (in a session of its own with
+    new_session, so that everything it starts can be found by its process group)."""
+
+    poll_s = 0.1  # between two readiness checks
 
     def __init__(self, model: Path | None, workdir: Path, *args: str,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+                 env: dict[str, str] | None = None, port: int | None = None,
+                 new_session: bool = False) -> None:
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "server.log"
@@ -158,10 +162,14 @@ class SubprocessServer:
             cmd += ["--model", str(model)]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=new_session)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def ready(self) -> bool:
+        """Whether the server says it is ready (an HTTP error counts as not yet)."""
+        return httpx.get(self.url + "/ready", timeout=1.0).status_code == 200
 
     def wait_ready(self, timeout: float = 120.0) -> SubprocessServer:
         end = time.monotonic() + timeout
@@ -169,11 +177,11 @@ class SubprocessServer:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
+                if self.ready():
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
+            time.sleep(self.poll_s)
         raise AssertionError(f"server not ready after {timeout}s:\n{self.log()}")
 
     def metrics(self) -> dict[str, float]:

@@ -46,7 +46,7 @@ class _HParams(ctypes.Structure):
                    ("layer_ffn", ctypes.POINTER(ctypes.c_int32)),
                    ("layer_attn", ctypes.POINTER(ctypes.c_int32)),
                    ("layer_mixer", ctypes.POINTER(ctypes.c_int32)),
-                   ("mtp_input", ctypes.c_int32)])
+                   ("mtp_input", ctypes.c_int32), ("mtp_keep_first", ctypes.c_int32)])
 
 
 @pytest.fixture(scope="module")

@@ -160,3 +160,31 @@ def test_a_torch_device_profile_is_measured() -> None:
     g = measure_gpu("cpu", mib=8)
     for v in (g.hbm_gb_s, g.gmacs, g.h2d_gb_s, g.launch_us, g.sync_us):
         assert math.isfinite(v) and v > 0
+
+
+def test_linear_attention_layers_are_placed_like_any_other(tmp_path: Path) -> None:
+    """A Qwen3-Next model: the torch backend runs every layer (auto may put it on a GPU), a
+    linear layer's item holds its recurrent state per sequence (no KV), and a budget that
+    fits everything places every layer, linear ones included, on the GPU."""
+    from colibri.engine.executor.backend import Op, torch_unsupported
+    from colibri.engine.executor.placement import plan_placement
+
+    hf = make_checkpoint("qwen3_next", tmp_path / "hf", seed=5)
+    path = convert(hf, tmp_path / "q8", quant="q8", progress=False)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.hybrid and torch_unsupported(cfg) == []
+    one, four = model_costs(path, cfg, n_seq=1), model_costs(path, cfg, n_seq=4)
+    C = 2 * cfg.lin_n_k_heads * cfg.lin_k_dim + cfg.lin_n_v_heads * cfg.lin_v_dim
+    state = 4 * ((cfg.lin_conv - 1) * C + cfg.lin_n_v_heads * cfg.lin_k_dim * cfg.lin_v_dim)
+    linear = [il for il in range(cfg.n_layer) if cfg.layer_mixer[il] == "linear"]
+    assert linear
+    for il in linear:
+        assert four.always[il].gpu_bytes - one.always[il].gpu_bytes == 3 * state
+    total = sum(i.gpu_bytes for i in one.always) + sum(
+        e.gpu_bytes * cfg.n_expert for e in one.experts.values())
+    plan = make_plan(SIM, one, 2 * total / 1e6)
+    assert plan.gpu_layers == list(range(cfg.n_layer)) and plan.lm_head_on_gpu
+    placement, _text, _plan = plan_placement(path, cfg, SIM, 2 * total / 1e6, 64)
+    assert placement is not None
+    assert all(placement.of(o) == "torch" for o in placement.ops if o.op == Op.LINEAR_ATTENTION)
+    assert {o.layer for o in placement.ops if o.op == Op.LINEAR_ATTENTION} == set(linear)

@@ -5,7 +5,9 @@ every budget, load mode and prefetch setting, logits must be bit-identical, for 
 decodes and for batches whose experts do not fit in one wave. Also: the budget holds after
 every step, pinned experts stay, counters add up, the reader pool stops cleanly (also with
 reads in flight), a file cut short under a running cache fails the call with the file's name,
-and the start-up plan refuses budgets below one layer's top-k.
+and the start-up plan refuses budgets below one layer's top-k. Experts run as they land while
+others load, read-ahead one or two layers deep is cancelled when no longer needed, and the
+reader pool is sized from a storage probe.
 """
 
 from __future__ import annotations
@@ -19,15 +21,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri.engine.core.loader import EngineConfig
+from colibri.engine.core.loader import EngineConfig, start_expert_cache
 from colibri.engine.core.options import ExpertCacheConfig
 from colibri.engine.demo import default_model_path
 from colibri.engine.errors import ModelFaultError, WeightFileChangedError
 from colibri.engine.executor.expert_cache import (
+    DEFAULT_READERS,
+    MAX_READERS,
     MIN_MARGIN_BYTES,
+    MIN_READERS,
+    PROBE_CHUNK,
+    PROBE_CHUNKS,
+    PROBE_DEPTHS,
     ROUTING_FILE,
     load_pinned,
     plan_cache,
+    probe_readers,
+    readers_for,
     resolve_load,
 )
 from colibri.engine.executor.model import Model
@@ -454,3 +464,158 @@ def test_auto_load_mode_picks_direct_where_the_file_system_allows(demo_dir: Path
 
 def test_stats_without_cache_is_none(shared_dir: Path) -> None:
     assert Model.load(shared_dir).core.expert_cache_stats() is None
+
+
+# -- loads overlapped with compute, read-ahead two layers deep, the reader pool's size --------
+
+def _storage_loads(demo_dir: Path) -> str:
+    """A load mode whose misses all go to the reader threads (O_DIRECT, or buffered reads of
+    files dropped from the page cache; None where neither needs the storage, as on tmpfs)."""
+    if _direct_ok(demo_dir):
+        return "direct"
+    pytest.skip("this file system refuses O_DIRECT (tmpfs): every read is a copy from memory")
+
+
+def _assert_resident_bits(logits: list[np.ndarray], tokens: list[int], ref: tuple) -> None:
+    assert tokens == ref[0]
+    for a, b in zip(logits, ref[1], strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_experts_run_as_they_land_while_others_load(demo_dir: Path, demo_ref: tuple) -> None:
+    """One reader and the smallest budget: most of a decode wave's experts are missing and
+    read one after another, so the first to land runs while the others are still being read
+    (counted as overlapped), in whatever order they land; the bits are the resident model's."""
+    load = _storage_loads(demo_dir)
+    cfg = Model.load(demo_dir).config
+    m = _cached(demo_dir, cfg.n_expert_used, load=load, prefetch=False, readers=1)
+    tokens, logits = _decode(m)
+    _assert_resident_bits(logits, tokens, demo_ref)
+    st = m.core.expert_cache_stats()
+    assert st is not None
+    assert st["reader_loads"].sum() > 0
+    # every expert that ran early was one of a wave that still had loads in flight
+    assert 0 < st["overlapped"].sum() <= (st["hits"] + st["misses"]).sum()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("load, readers", [("pread", 1), ("direct", 1), ("direct", 4),
+                                           ("uring", 2)])
+def test_read_ahead_depths_give_the_resident_output(demo_dir: Path, demo_ref: tuple, depth: int,
+                                                    readers: int, load: str) -> None:
+    """Read-ahead one or two layers deep, any reader count and load mode: the same bits; only
+    two layers deep queues far prefetches."""
+    if load != "pread":
+        _storage_loads(demo_dir)
+    cfg = Model.load(demo_dir).config
+    _evict_page_cache(demo_dir)
+    m = _cached(demo_dir, cfg.n_expert // 4, load=load, readers=readers, prefetch_depth=depth)
+    tokens, logits = _decode(m)
+    _assert_resident_bits(logits, tokens, demo_ref)
+    st = m.core.expert_cache_stats()
+    assert st is not None
+    assert ((st["state"] >= 1).sum(axis=1) <= cfg.n_expert // 4).all()
+    assert (st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]).all()
+    assert (st["prefetch_far"].sum() > 0) == (depth == 2)
+    assert st["prefetch_far"][:2].sum() == 0  # layers 0 and 1 are never two layers ahead
+    timing = m.core.expert_cache_timing()
+    assert timing is not None and timing["prefetch_depth"] == depth
+
+
+def test_far_prefetches_no_longer_predicted_are_cancelled(demo_dir: Path,
+                                                          demo_ref: tuple) -> None:
+    """Two layers ahead with one reader: a prompt routes to most experts, so far more is
+    queued than one reader reads before the layer begins; what the nearer prediction leaves
+    out and what is still queued when the layer begins is dropped unread (cancelled), and
+    every read-ahead is accounted for."""
+    load = _storage_loads(demo_dir)
+    cfg = Model.load(demo_dir).config
+    m = _cached(demo_dir, cfg.n_expert // 2, load=load, readers=1, prefetch_depth=2)
+    tokens, logits = _decode(m)
+    _assert_resident_bits(logits, tokens, demo_ref)
+    st = m.core.expert_cache_stats()
+    assert st is not None
+    assert st["prefetch_far"].sum() > 0 and st["prefetch_cancelled"].sum() > 0
+    assert st["prefetch_issued"].sum() > 0
+    assert (st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]).all()
+
+
+def test_automatic_depth_follows_the_measured_read_and_layer_times(demo_dir: Path,
+                                                                   demo_ref: tuple) -> None:
+    """prefetch_depth 0: the cache averages each reader's read and each layer's compute, and
+    reads two layers ahead exactly while a read takes longer than a layer."""
+    load = _storage_loads(demo_dir)
+    cfg = Model.load(demo_dir).config
+    m = _cached(demo_dir, cfg.n_expert_used, load=load, readers=2, prefetch_depth=0)
+    t0 = m.core.expert_cache_timing()
+    assert t0 == {"read_ns": 0, "layer_ns": 0, "prefetch_depth": 1}  # nothing measured yet
+    tokens, logits = _decode(m)
+    _assert_resident_bits(logits, tokens, demo_ref)
+    t = m.core.expert_cache_timing()
+    assert t is not None and t["read_ns"] > 0 and t["layer_ns"] > 0
+    assert t["prefetch_depth"] == (2 if t["read_ns"] > t["layer_ns"] else 1)
+    off = _cached(demo_dir, cfg.n_expert_used, load=load, prefetch=False)
+    assert off.core.expert_cache_timing()["prefetch_depth"] == 0
+    assert Model.load(demo_dir).core.expert_cache_timing() is None
+    with pytest.raises(ValueError, match="prefetch_depth must be 0"):
+        Model.load(demo_dir).core.enable_expert_cache(8, prefetch_depth=3)
+
+
+def test_storage_probe_reads_what_it_says(tmp_path: Path) -> None:
+    """The probe reads exactly n_chunks chunks (fewer bytes only at a file's end), from every
+    file in turn, with any number in flight; a FIFO or a missing file is an OSError naming it,
+    at once (never a hang); bad arguments are a ValueError."""
+    from colibri.engine import _core
+
+    files: list[str] = []
+    for i, size in enumerate((1 << 20, 1 << 20, 3 << 18, 100 << 10)):
+        f = tmp_path / f"f{i}.bin"
+        f.write_bytes(os.urandom(size))
+        files.append(str(f))
+    for depth in (1, 3, 8):
+        gbps, nbytes = _core.storage_probe(files[:2], 256 << 10, 0, 8, depth, direct=False)
+        assert nbytes == 8 * (256 << 10) and gbps > 0
+    # three chunks of 256 KiB in the third file, one of 512 KiB (reads stay inside it)
+    assert _core.storage_probe(files[2:3], 256 << 10, 5, 6, 2, direct=False)[1] == 6 << 18
+    assert _core.storage_probe(files[2:3], 512 << 10, 0, 2, 2, direct=False)[1] == 2 << 19
+    # a file shorter than a chunk: each read ends at its end
+    assert _core.storage_probe(files[3:], 256 << 10, 0, 3, 3, direct=False)[1] == 300 << 10
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="fifo"):
+        _core.storage_probe([files[0], str(fifo)], 4096, 0, 4, 2, direct=False)
+    with pytest.raises(OSError, match="missing"):
+        _core.storage_probe([str(tmp_path / "missing")], 4096, 0, 4, 2, direct=False)
+    for bad in (dict(chunk=1000), dict(depth=0), dict(depth=65), dict(n_chunks=0)):
+        kw = dict(chunk=4096, first=0, n_chunks=4, depth=1) | bad
+        with pytest.raises(ValueError, match="storage probe"):
+            _core.storage_probe(files[:1], kw["chunk"], kw["first"], kw["n_chunks"],
+                                kw["depth"], direct=False)
+
+
+def test_reader_count_is_the_fewest_near_the_best_rate(demo_dir: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The readers are the fewest reads in flight within 90% of the best measured rate, 2 to
+    16; unmeasurable storage gets the default, and the start log says which and why."""
+    assert readers_for({1: 1.0, 2: 1.9, 4: 3.5, 8: 3.8, 16: 3.9}) == 8
+    assert readers_for({1: 2.0, 2: 2.0, 4: 2.1, 8: 2.0, 16: 1.9}) == MIN_READERS
+    assert readers_for({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}) == 16
+    n, why = probe_readers(demo_dir)
+    assert MIN_READERS <= n <= MAX_READERS and why
+    total = sum(f.stat().st_size for f in demo_dir.glob("experts/*.bin"))
+    if total < PROBE_CHUNK * PROBE_CHUNKS * len(PROBE_DEPTHS) or not _direct_ok(demo_dir):
+        assert n == DEFAULT_READERS and why.startswith("the default")
+    else:
+        assert "GB/s at 1" in why
+    cfg = Model.load(demo_dir).config
+    with caplog.at_level("INFO", logger="colibri.engine"):
+        m = Model.load(demo_dir, n_seq=1)
+        mon = start_expert_cache(m, demo_dir, ExpertCacheConfig(expert_cache_size=8,
+                                                                expert_pin=False), 0)
+    assert (mon.plan.readers, mon.plan.readers_reason) == (n, why)
+    assert f"{n} readers ({why})" in caplog.text
+    with caplog.at_level("INFO", logger="colibri.engine"):
+        m = Model.load(demo_dir, n_seq=1)
+        mon = start_expert_cache(m, demo_dir, ExpertCacheConfig(
+            expert_cache_size=cfg.n_expert_used, expert_readers=3, expert_pin=False), 0)
+    assert mon.plan.readers == 3 and "3 readers (--expert-readers)" in caplog.text

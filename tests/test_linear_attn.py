@@ -8,7 +8,8 @@ transformers lives in tests/test_parity_families.py).
 - a sequence's state continues only where it stopped: a rewind, a missing or shared slot is
   refused and changes nothing; position 0 starts it afresh;
 - copying a slot forks a sequence: both continue as the sequence would alone;
-- the multi-token-prediction module (mtp.*) is skipped at conversion, and said;
+- an incomplete multi-token-prediction module (mtp.*) is skipped at conversion, and said (a
+  complete one is converted: tests/test_mtp_qwen3_next.py);
 - `colibri info`, routing traces and `colibri bench` follow the layer mix.
 """
 

@@ -339,6 +339,7 @@ def test_c_checks_hparams_too(tiny_model: Path) -> None:
                               ("route_input", 2, "route_input 2"),
                               ("mtp_input", 2, "mtp_input 2"),
                               ("mtp_input", 1, "mtp_enorm"),
+                              ("mtp_keep_first", 2, "mtp_keep_first 2"),
                               ("n_ctx", 0, "n_ctx")]:
         bad = dict(hp, **{key: value})
         with pytest.raises(FormatError, match=words):

@@ -2,7 +2,8 @@
 DeepSeek-V3 and GLM-4.5 checkpoints ship as a one-layer model in the folder's mtp/; its logits
 match a torch reference of the published layer (f32, 1e-4), chained on its own hidden state
 too; greedy output with MTP drafts is token for token the output without them, at several k,
-with an expert budget too; models without the layer, and hybrid ones, are refused clearly.
+with an expert budget too; models without the layer are refused clearly (Qwen3-Next's and
+Qwen3.5's module: tests/test_mtp_qwen3_next.py).
 
 transformers does not implement these layers: the checkpoints here are tiny random models of
 num_hidden_layers + 1 layers whose config then says num_hidden_layers, so the extra layer
@@ -374,16 +375,18 @@ def test_mtp_with_prefix_cache_preemption_and_choices(ckpts: dict[str, Path]) ->
 
 
 def test_models_without_a_usable_mtp_layer_are_refused(tmp_path: Path) -> None:
-    """--speculative mtp on a checkpoint that ships no MTP layer, and on a model with
-    linear-attention layers, fails at start with a message that says why."""
+    """--speculative mtp on a checkpoint that ships no MTP layer (of a family that may have
+    one, with linear-attention layers or not, and of one that never has one) fails at start
+    with a message that says why and what to do."""
     from colibri.engine.core.mtp_layer import NoMtpLayer
 
-    plain = make_checkpoint("glm4_moe", tmp_path / "glm", seed=5)
-    with pytest.raises(NoMtpLayer, match="no multi-token-prediction layer"):
+    for arch in ("glm4_moe", "qwen3_next"):
+        plain = make_checkpoint(arch, tmp_path / arch, seed=5)
+        with pytest.raises(NoMtpLayer, match="no multi-token-prediction layer.*--add-mtp"):
+            _llm(plain, speculative="mtp")
+    plain = make_checkpoint("mixtral", tmp_path / "mixtral", seed=5)
+    with pytest.raises(NoMtpLayer, match="only DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5"):
         _llm(plain, speculative="mtp")
-    hybrid = make_checkpoint("qwen3_next", tmp_path / "qwen3_next", seed=5)
-    with pytest.raises(NoMtpLayer, match="linear-attention"):
-        _llm(hybrid, speculative="mtp")
 
 
 def test_converted_folder_keeps_the_mtp_layer(ckpts: dict[str, Path],

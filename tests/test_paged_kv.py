@@ -24,7 +24,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask  # noq
 
 from colibri.engine import _core  # noqa: E402
 from colibri.engine.errors import ContextOverflowError, InputError  # noqa: E402
-from colibri.engine.executor.model import Model, kv_block_bytes  # noqa: E402
+from colibri.engine.executor.model import Model, kv_block_bytes, slot_kv_blocks  # noqa: E402
+from colibri.engine.executor.step_inputs import StepInputs  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, TinyCheckpoints  # noqa: E402
 
 N_CTX = 96
@@ -279,7 +280,39 @@ def test_slot_api_and_sizes(model_dir: tuple[Path, Any]) -> None:
         m.kv_block_bytes("q4")
     with pytest.raises(ValueError, match="cannot hold"):
         Model.load(path, threads=1, n_ctx=N_CTX, n_seq=2, kv_blocks=2 * nb - 1)
+    # the one count every backend's load takes: just enough slots, at least one block
+    assert slot_kv_blocks(2, N_CTX, None) == 2 * nb and slot_kv_blocks(0, N_CTX, None) == 1
+    assert slot_kv_blocks(2, N_CTX, 2 * nb + 3) == 2 * nb + 3
+    with pytest.raises(ValueError, match=f"kv_blocks 1 cannot hold 1 sequence slots of "
+                                         f"{N_CTX} positions \\({nb} blocks\\)"):
+        slot_kv_blocks(1, N_CTX, 1)
     with pytest.raises(ValueError, match="KV cache type"):
         Model.load(path, threads=1, n_ctx=N_CTX, kv_type="bf16")
     with pytest.raises(ValueError, match="n_blocks"):
         _core.KVCache(m.core, 0, "f32")
+
+
+def test_step_inputs_reach_the_core(model_dir: tuple[Path, Any]) -> None:
+    """A step's optional inputs arrive alike as one StepInputs or by name, and only those set
+    are handed on."""
+    path, _ = model_dir
+    m = _load(path)
+    cfg = m.config
+    ids = _prompt(7, 20)
+    bt = np.array([[0, 1]], np.int32)
+    seq, pos = np.zeros(20, np.int32), np.arange(20, dtype=np.int32)
+    shape = (20, cfg.n_layer, cfg.n_expert_used)
+    by_object, by_name = np.full(shape, -7, np.int32), np.full(shape, -7, np.int32)
+    a = m.forward_paged(ids, seq, pos, bt, None, StepInputs(routes=by_object))
+    b = m.forward_paged(ids, seq, pos, bt, routes=by_name)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(by_object, by_name)
+    assert by_object.min() >= 0 and by_object.max() < cfg.n_expert  # written by the core
+    # a name given beside the object wins over the object's field
+    unused = np.full(shape, -7, np.int32)
+    m.forward_paged(ids, seq, pos, bt, inputs=StepInputs(routes=unused), routes=by_name)
+    assert (unused == -7).all()
+    assert list(StepInputs(routes=by_name, hidden_normed=False).given()) == ["routes"]
+    assert StepInputs().given() == {}
+    with pytest.raises(TypeError, match="route"):
+        m.forward_paged(ids, seq, pos, bt, route=by_name)

@@ -1,5 +1,6 @@
 """The replicas' routing decision (app/replicas/prefix.py) without Ray: prompt texts in
-rendering order, chained chunk hashes, and which replica a request goes to."""
+rendering order, chained chunk hashes, and which replica a request goes to; and what
+GET /v1/replicas shows of a replica that has not answered (app/replicas/listing.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 
+from colibri.app.replicas.listing import PENDING, ReplicaReports
 from colibri.app.replicas.prefix import (
     PrefixTable,
     RoutingConfig,
@@ -128,6 +130,44 @@ def test_replica_counts_are_checked_before_ray_starts() -> None:
         check_replica_counts(settings(replicas=3, max_replicas=2))
     with pytest.raises(ValueError, match="replica_routing"):
         settings(replica_routing="random")
+
+
+def _listed(*ids: str) -> list[dict]:
+    return [{"id": i, "pid": 100 + n, "node": "10.0.0.5", "node_id": "02b7"}
+            for n, i in enumerate(ids)]
+
+
+def test_a_replica_that_has_not_answered_is_pending_with_what_is_known() -> None:
+    reports = ReplicaReports()
+    first = reports.listing(_listed("a", "b"), [
+        {"id": "a", "pid": 100, "health": "ready", "running": 3, "waiting": 1}, None], 10.0)
+    # one that answered: the controller's fields and its own report
+    assert first[0] == {"id": "a", "pid": 100, "node": "10.0.0.5", "node_id": "02b7",
+                        "health": "ready", "running": 3, "waiting": 1}
+    # one that has never answered: what the controller knows, pending, and no counts at all
+    assert first[1] == {"id": "b", "pid": 101, "node": "10.0.0.5", "node_id": "02b7",
+                        "health": PENDING}
+    assert None not in [v for e in first for v in e.values()]
+    # silent now: pending, with its last counts and how old they are
+    later = reports.listing(_listed("a", "b"), [None, None], 16.44)
+    assert later[0] == {"id": "a", "pid": 100, "node": "10.0.0.5", "node_id": "02b7",
+                        "health": PENDING, "running": 3, "waiting": 1, "reported_s_ago": 6.4}
+    assert later[1]["health"] == PENDING and "running" not in later[1]
+    # answering again replaces the last report; its health is its own again
+    again = reports.listing(_listed("a", "b"), [
+        {"health": "draining", "running": 0, "waiting": 0},
+        {"health": "ready", "running": 2, "waiting": 0}], 20.0)
+    assert [(e["health"], e["running"]) for e in again] == [("draining", 0), ("ready", 2)]
+    assert not any("reported_s_ago" in e for e in again)
+
+
+def test_a_replica_no_longer_listed_is_forgotten() -> None:
+    reports = ReplicaReports()
+    reports.listing(_listed("a"), [{"health": "ready", "running": 5, "waiting": 0}], 1.0)
+    assert reports.listing(_listed("c"), [None], 2.0) == [
+        {"id": "c", "pid": 100, "node": "10.0.0.5", "node_id": "02b7", "health": PENDING}]
+    # listed again under the same id: nothing of its earlier reports is shown
+    assert "running" not in reports.listing(_listed("a"), [None], 3.0)[0]
 
 
 @pytest.mark.slow  # importing Ray takes seconds

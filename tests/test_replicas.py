@@ -1,6 +1,7 @@
 """`colibri serve --replicas 2` on Ray Serve, on loopback with the bundled demo model: many
-streams over both replicas give what one replica gives alone, a replica killed under load
-fails only its own requests and comes back, SIGTERM drains and exits 0.
+streams over both replicas give what one replica gives alone, a client that leaves mid-stream
+is aborted on its replica, a replica killed under load fails only its own requests and comes
+back, SIGTERM drains and exits 0.
 
 One server (a local Ray cluster) serves the module, in its own session and Ray folder, so
 whatever happens its processes are ended afterwards. The tests run in file order: the last
@@ -12,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,48 +26,37 @@ import httpx
 import pytest
 
 from colibri.app.replicas.launch import port_outside_ray
-from tests.server_helpers import ROOT
+from tests.server_helpers import SubprocessServer, parse_metrics, wait_for
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
 KEY = "sk-replicas"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+REPLICA_HEADER = "x-colibri-replica"
 PROMPTS = ["ROMEO.\n", "JULIET.\nO Romeo", "HAMLET.\nTo be", "KING LEAR.\nNothing"]
 
 
-class ReplicaServer:
+class ReplicaServer(SubprocessServer):
     """`python -m colibri.app serve --replicas 2` in a new session with its own Ray folder."""
 
+    poll_s = 0.5  # each check asks Ray Serve's controller
+
     def __init__(self, workdir: Path) -> None:
-        self.port = port_outside_ray()
-        self.url = f"http://127.0.0.1:{self.port}"
         # short: Ray puts Unix sockets under it
         self.ray_dir = tempfile.mkdtemp(prefix="clbray", dir="/tmp")
-        env = dict(os.environ, RAY_TMPDIR=self.ray_dir, RAY_DEDUP_LOGS="0",
-                   PYTHONPATH=str(ROOT))
-        self.log_path = workdir / "server.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "colibri.app", "serve", "--replicas", "2", "--threads",
-               "1", "--port", str(self.port), "--api-key", KEY]
-        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        super().__init__(None, workdir, "--replicas", "2", "--threads", "1", "--api-key", KEY,
+                         env={"RAY_TMPDIR": self.ray_dir, "RAY_DEDUP_LOGS": "0"},
+                         port=port_outside_ray(), new_session=True)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
+        return super().log()[-6000:]
 
-    def wait_ready(self, timeout: float = 240.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if len(self.replicas()) == 2:
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"replicas not ready after {timeout}s:\n{self.log()}")
+    def ready(self) -> bool:
+        try:
+            return len(self.replicas()) == 2
+        except (ValueError, KeyError):
+            return False
 
     def replicas(self) -> list[dict[str, Any]]:
         r = httpx.get(self.url + "/v1/replicas", headers=AUTH, timeout=30.0)
@@ -107,7 +97,7 @@ class ReplicaServer:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaServer]:
     s = ReplicaServer(tmp_path_factory.mktemp("replicas"))
     try:
-        s.wait_ready()
+        s.wait_ready(240.0)
         yield s
     finally:
         s.kill_all()
@@ -200,6 +190,49 @@ def test_sixteen_streams_over_two_replicas_equal_one_replica(server: ReplicaServ
                       timeout=30).status_code == 401
 
 
+def _replica_metrics(server: ReplicaServer, replica: str) -> dict[str, float]:
+    r = httpx.get(server.url + "/metrics", headers={**AUTH, REPLICA_HEADER: replica},
+                  timeout=30)
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == replica
+    return parse_metrics(r.text)
+
+
+def test_a_client_gone_mid_stream_is_aborted_on_its_replica(server: ReplicaServer) -> None:
+    """A streaming client that disconnects mid-stream through the ingress: the replica
+    serving it aborts the request and its KV blocks go back to the pool."""
+    data = json.dumps(_body("JULIET.\n", 1500, True, ignore_eos=True)).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(data)).encode()
+                     + b"\r\n\r\n" + data)
+        reply = b""
+        while reply.count(b"data: {") < 3:  # the reply has begun and tokens are flowing
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream ended early: {reply[-2000:]!r}"
+            reply += chunk
+        head = reply.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+        assert head.startswith("http/1.1 200"), head
+        replica = next(line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                       if line.startswith(REPLICA_HEADER + ":"))
+        busy = _replica_metrics(server, replica)
+        assert busy["colibri_requests_running"] == 1
+        assert busy["colibri_kv_cache_blocks_free"] < busy["colibri_kv_cache_blocks_total"]
+    finally:
+        sock.close()  # gone mid-stream: 1500 tokens asked for, a few read
+
+    def freed() -> bool:
+        m = _replica_metrics(server, replica)
+        return (m["colibri_requests_running"] == m["colibri_requests_waiting"] == 0
+                and m["colibri_kv_cache_blocks_free"] == m["colibri_kv_cache_blocks_total"])
+
+    wait_for(freed, 30, f"replica {replica} to abort the stream and free its blocks")
+    after = _replica_metrics(server, replica)
+    # stopped, not finished: the replica counts it aborted
+    assert after["colibri_requests_aborted_total"] == busy["colibri_requests_aborted_total"] + 1
+
+
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: ReplicaServer) -> None:
     before = {r["id"]: r["pid"] for r in server.replicas()}
     victim_id, victim_pid = sorted(before.items())[0]
@@ -248,14 +281,14 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: Replica
 
 def test_sigterm_drains_both_replicas_and_exits_0(server: ReplicaServer) -> None:
     # both idle first (the router counts a finished request once Ray reports it done; a
-    # replica too busy to answer within 5 s reports null)
+    # replica too busy to answer within 5 s is listed as pending)
     end = time.monotonic() + 60
     while time.monotonic() < end:
-        running = [x["running"] for x in server.replicas()]
-        if running == [0, 0]:
+        listed = [(x["health"], x.get("running")) for x in server.replicas()]
+        if listed == [("ready", 0), ("ready", 0)]:
             break
         time.sleep(0.5)
-    print("running before the drain test:", running)
+    print("replicas before the drain test:", listed)
     time.sleep(3)
     started: list[str | None] = []
     body = _body("HAMLET.\n", 1500, True, ignore_eos=True)

@@ -1,6 +1,7 @@
 """The cost model that decides how many drafts a sequence verifies per step (engine.spec.cost):
 its decisions on made-up profiles, its expectations against simulations in numpy, its fit of
-a step's cost against known coefficients, and the smoothed acceptance rate."""
+a step's cost against known coefficients, the measured union of experts, the smoothed
+acceptance rate and the acceptance learned by the drafter's evidence."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 from colibri.engine.spec.cost import (
     Acceptance,
     BatchPlan,
+    MatchPrior,
     MoEShape,
     StepCost,
     StepCostMeter,
+    UnionMeter,
     choose_k,
     expected_accepted,
     speedup,
@@ -144,3 +147,124 @@ def test_acceptance_follows_the_request_and_drifts_back_to_the_prior() -> None:
     for _ in range(200):
         acc.idle()
     assert low < acc.rate == pytest.approx(0.5, abs=0.01)
+
+
+def test_acceptance_takes_the_prior_of_the_step_until_its_own_steps_outweigh_it() -> None:
+    acc = Acceptance()
+    assert acc.rate_given(0.9) == pytest.approx(0.9)  # nothing seen: the prior alone
+    assert acc.rate_given(0.2) == pytest.approx(0.2)
+    for _ in range(3):
+        acc.observe(4, 0)
+    # three rejected verify steps: even a confident prior is outweighed
+    assert acc.rate_given(0.95) < 0.3
+    for _ in range(300):
+        acc.idle()
+    assert acc.rate_given(0.95) == pytest.approx(0.95, abs=0.01)
+
+
+def test_match_prior_starts_from_the_match_length_and_learns_by_bucket() -> None:
+    mp = MatchPrior()
+    assert [mp.bucket(n) for n in (None, 0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 64, 10**6)] == \
+        [0, 0, 1, 2, 2, 3, 3, 4, 5, 5, 6, 6, 6]
+    rates = [mp.rate(b) for b in range(1, 7)]
+    assert rates == sorted(rates) and rates[0] < 0.5 < rates[-1]  # longer: likelier kept
+    long = mp.bucket(40)
+    for _ in range(100):  # long matches that are never kept (a model that does not copy)
+        mp.observe(long, 8, 0)
+    assert mp.rate(long) < 0.1
+    assert mp.rate(mp.bucket(3)) == pytest.approx(MatchPrior().rate(mp.bucket(3)))  # unaffected
+    for _ in range(200):
+        mp.observe(long, 8, 8)
+    assert mp.rate(long) > 0.95
+
+
+def test_match_prior_is_optimistic_only_while_little_is_known() -> None:
+    """upper: a short match's prior says drafts do not pay, its optimism tries them; the
+    optimism shrinks as its drafts are tested, so a bucket whose drafts are rejected stops."""
+    cost = StepCost(step_s=2e-3, expert_s=1.8e-4, token_s=1e-5)
+    union = UnionMeter(MIXTRAL)
+    for n in range(1, 6):
+        union.observe(n, MIXTRAL.experts_read(n) * (1.0 if n == 1 else 0.9))
+    mp = MatchPrior()
+    b = mp.bucket(1)
+    assert mp.rate(b) < mp.upper(b) <= 1.0
+    assert _k(cost, union, mp.rate(b)) == 0 < _k(cost, union, mp.upper(b))
+    gaps = []
+    for _ in range(40):
+        mp.observe(b, 1, 0)
+        gaps.append(mp.upper(b) - mp.rate(b))
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < gaps[0] / 2
+    assert _k(cost, union, mp.upper(b)) == 0
+
+
+def test_a_long_match_drafts_where_the_even_prior_would_not() -> None:
+    """Before any verify step: at the even prior the uniform bound says drafts do not pay on
+    the benchmark-like profile, a match of 40 tokens says they do."""
+    cost = StepCost(step_s=2e-3, expert_s=1.8e-4, token_s=1e-5)
+    mp = MatchPrior()
+    assert _k(cost, MIXTRAL, Acceptance().rate) == 0
+    assert _k(cost, MIXTRAL, Acceptance().rate_given(mp.rate(mp.bucket(40)))) >= 4
+    assert _k(cost, MIXTRAL, Acceptance().rate_given(mp.rate(mp.bucket(1)))) == 0
+
+
+def test_union_meter_uses_what_it_measured_and_the_bound_before() -> None:
+    union = UnionMeter(MIXTRAL)
+    for n in (1, 3, 5, 9):
+        assert union.experts_read(n) == pytest.approx(MIXTRAL.experts_read(n))
+    assert union.experts_read(0) == 0.0
+    # steps of one token read top_k experts per layer; verify steps of five read 7 of the 16
+    # (drafts of one sequence share experts), fewer than the uniform bound's 12.2
+    for _ in range(10):
+        union.observe(1, 32.0)
+        union.observe(5, 8 * 7.0)
+    assert union.experts_read(1) == pytest.approx(32.0)
+    assert union.experts_read(5) == pytest.approx(56.0)
+    # not measured: the bound scaled as at the nearest measured count, between its neighbours
+    scaled3 = MIXTRAL.experts_read(3) * 56.0 / MIXTRAL.experts_read(5)
+    assert union.experts_read(3) == pytest.approx(scaled3)
+    assert 32.0 < union.experts_read(3) < 56.0
+    nine = union.experts_read(9)
+    assert 56.0 < nine < MIXTRAL.experts_read(9)
+    assert union.experts_read(40) <= MIXTRAL.n_moe_layers * MIXTRAL.n_expert
+    # prompt chunks (more than max_tokens) and steps that read nothing are left out
+    union.observe(500, 128.0)
+    union.observe(7, 0.0)
+    assert union.measured(500) is None and union.measured(7) is None
+    # it follows the recent steps
+    for _ in range(60):
+        union.observe(5, 8 * 9.0)
+    assert union.experts_read(5) == pytest.approx(72.0, rel=0.01)
+
+
+def test_a_measured_union_below_the_bound_makes_drafts_pay() -> None:
+    """The same acceptance and cost: by the uniform bound a draft does not pay, by a measured
+    union where the drafts of one sequence read few experts more than its token, it does."""
+    cost = StepCost(step_s=2e-3, expert_s=1.8e-4, token_s=1e-5)
+    union = UnionMeter(MIXTRAL)
+    assert _k(cost, union, 0.5) == 0
+    for n in range(1, 9):
+        for _ in range(3):
+            union.observe(n, 32.0 + 4.0 * (n - 1))  # half an expert more per layer a token
+    assert _k(cost, union, 0.5) > 0
+
+
+def test_the_meter_separates_the_experts_read_from_the_tokens_they_multiply() -> None:
+    """Expert products that cost 40 us per expert read and 0.6 ms per token (a batch whose
+    experts are mostly read already computes more per draft): both parts come back, the token
+    part in token_s; and at eight sequences a draft that is kept half the time does not pay,
+    where the ratio of expert seconds to experts read alone would say it does."""
+    meter = StepCostMeter()
+    rng = np.random.default_rng(4)
+    for _ in range(400):
+        n = int(rng.integers(1, 20))
+        experts = MIXTRAL.experts_read(n) * rng.uniform(0.7, 1.0)
+        t_exp = 4e-5 * experts + 6e-4 * n
+        meter.observe(n, experts, 1e-3 + t_exp, t_exp, 0.0)
+    got = meter.cost()
+    assert got is not None
+    assert got.expert_s == pytest.approx(4e-5, rel=1e-2)
+    assert got.token_s == pytest.approx(6e-4, rel=1e-2)
+    assert got.step_s == pytest.approx(1e-3, rel=1e-2)
+    assert _k(got, MIXTRAL, alpha=0.5, n_running=8) == 0
+    ratio_only = StepCost(got.step_s, meter._te / meter._e, 0.0)
+    assert _k(ratio_only, MIXTRAL, alpha=0.5, n_running=8) > 0

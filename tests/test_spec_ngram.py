@@ -1,47 +1,127 @@
-"""Prompt lookup drafts (engine.spec.ngram) against a plain scan of the whole token list."""
+"""Prompt lookup drafts (engine.spec.ngram) against a plain scan of the whole token list: the
+longest n-gram, the occurrence that agrees furthest back, a copy that keeps its place, a loop
+drafted past the end, and the match length each proposal reports."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from colibri.engine.spec.ngram import NgramDrafter
+from colibri.engine.spec.ngram import MAX_MATCH, NgramDrafter
 
 
-def _scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The rule written the obvious way: for n from max_n down, the latest earlier start j
-    (j + n < len) with tokens[j:j+n] equal to the last n tokens; the k tokens after it."""
+def _agree(tokens: list[int], src: int) -> int:
+    """Tokens before src that equal those before the end (at most MAX_MATCH)."""
+    m = 0
+    while m < MAX_MATCH and m < src and tokens[src - 1 - m] == tokens[len(tokens) - 1 - m]:
+        m += 1
+    return m
+
+
+def _from(tokens: list[int], src: int, k: int) -> list[int]:
+    """k tokens from src on, the ones past the end copied from those drafted before them."""
+    out: list[int] = []
+    for i in range(k):
+        out.append(tokens[src + i] if src + i < len(tokens) else out[src + i - len(tokens)])
+    return out
+
+
+def _search(tokens: list[int], min_n: int, max_n: int, max_candidates: int = 8) -> int:
+    """The search written the obvious way: for n from max_n down, every earlier start j
+    (j + n < len) of the last n tokens; of the latest max_candidates, the source j + n that
+    agrees furthest back with the end (the latest on a tie); -1 when none."""
     length = len(tokens)
     for n in range(min(max_n, length), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        for j in range(length - n - 1, -1, -1):
-            if tokens[j:j + n] == suffix:
-                return tokens[j + n:j + n + k]
-    return []
+        starts = [j for j in range(length - n) if tokens[j:j + n] == tokens[length - n:]]
+        if starts:
+            return max(reversed([j + n for j in starts[-max_candidates:]]),
+                       key=lambda s: _agree(tokens, s))
+    return -1
+
+
+def _scan(tokens: list[int], k: int, min_n: int, max_n: int,
+          max_candidates: int = 8) -> list[int]:
+    """Drafts of a fresh search."""
+    src = _search(tokens, min_n, max_n, max_candidates)
+    return _from(tokens, src, k) if src >= 0 and k > 0 else []
+
+
+class _Reference:
+    """The whole rule the obvious way: keep following the last proposal's source while the
+    tokens since then are what followed it, else search; (drafts, match length)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.src, self.at, self.match = -1, 0, 0
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        new = len(tokens) - self.at
+        if self.src >= 0 and tokens[self.src:self.src + new] == tokens[self.at:]:
+            self.src, self.match = self.src + new, min(self.match + new, MAX_MATCH)
+        else:
+            self.src = _search(tokens, self.min_n, self.max_n)
+            self.match = _agree(tokens, self.src) if self.src >= 0 else 0
+        self.at = len(tokens)
+        if self.src < 0:
+            return [], 0
+        return _from(tokens, self.src, k), self.match
 
 
 def test_proposes_what_followed_the_earlier_occurrence() -> None:
     d = NgramDrafter(1, 3)
     text = [5, 6, 7, 8, 9, 10, 1, 2, 5, 6, 7]
     assert d.propose(text, 3) == [8, 9, 10]
-    assert d.propose(text, 10) == [8, 9, 10, 1, 2, 5, 6, 7]  # up to the end, never past it
+    assert d.match_len == 3
+    # past the end the source is the drafts themselves: the text from 8 on, repeated
+    assert d.propose(text, 10) == [8, 9, 10, 1, 2, 5, 6, 7, 8, 9]
 
 
-def test_longest_match_wins_over_a_more_recent_shorter_one() -> None:
-    # the 1-gram [3] last occurred before 40, the 2-gram [2, 3] before 20
+def test_a_loop_is_drafted_whole() -> None:
+    d = NgramDrafter(1, 3)
+    text = [1, 9, 5, 6, 7, 5, 6, 7, 5, 6]
+    assert d.propose(text, 7) == [7, 5, 6, 7, 5, 6, 7]
+    assert d.match_len == 5  # the five tokens after the 9 agree with the last five
+
+
+def test_the_occurrence_that_agrees_furthest_back_wins() -> None:
+    # the 1-gram [3] last occurred before 40 (agreeing one token back), the 2-gram [2, 3]
+    # before 20; with one n-gram size, [3] before 20 agrees two tokens back, [3] before 40 one
     text = [2, 3, 20, 21, 9, 3, 40, 41, 2, 3]
     assert NgramDrafter(1, 3).propose(text, 2) == [20, 21]
-    assert NgramDrafter(1, 1).propose(text, 2) == [40, 41]
+    d = NgramDrafter(1, 1)
+    assert d.propose(text, 2) == [20, 21] and d.match_len == 2
+    d = NgramDrafter(1, 1, max_candidates=1)  # only the latest occurrence is looked at
+    assert d.propose(text, 2) == [40, 41] and d.match_len == 1
 
 
-def test_most_recent_occurrence_of_the_same_n() -> None:
+def test_most_recent_occurrence_on_a_tie() -> None:
     text = [1, 2, 10, 1, 2, 11, 7, 1, 2]
     assert NgramDrafter(2, 2).propose(text, 1) == [11]
+
+
+def test_a_copy_keeps_its_place_and_its_match_grows() -> None:
+    """A copy of the prompt's first line: once the drafter follows it, tokens that agree with
+    the copy keep it there even where the latest occurrence of the last tokens is elsewhere,
+    and the match length grows with every token that follows the source."""
+    line = [10, 11, 12, 13, 14, 15, 16, 17]
+    noise = [12, 13, 14, 99, 98]
+    prompt = line + noise + [10, 11]
+    d = NgramDrafter(1, 3, max_candidates=1)
+    assert d.propose(prompt, 2) == [12, 13] and d.match_len == 2
+    # the model agreed, then gave 14: the latest [12, 13, 14] is in the noise (then 99), yet
+    # the copy goes on
+    grown = prompt + [12, 13, 14]
+    assert d.propose(grown, 3) == [15, 16, 17] and d.match_len == 5
+    assert NgramDrafter(1, 3, max_candidates=1).propose(grown, 3) == [99, 98, 10]
+    # a token the source did not have: searched again
+    off = grown + [15, 50]
+    assert d.propose(off, 2) == [] and d.match_len == 0
 
 
 def test_no_match_no_drafts() -> None:
     d = NgramDrafter(2, 3)
     assert d.propose([1, 2, 3, 4, 5], 4) == []
+    assert d.match_len == 0
     assert d.propose([], 4) == []
     assert d.propose([1, 2, 1, 2], 0) == []
 
@@ -51,6 +131,8 @@ def test_refuses_bad_sizes_and_shrinking_lists() -> None:
         NgramDrafter(0, 2)
     with pytest.raises(ValueError):
         NgramDrafter(3, 2)
+    with pytest.raises(ValueError):
+        NgramDrafter(1, 2, max_candidates=0)
     d = NgramDrafter()
     d.propose([1, 2, 3, 4, 1, 2], 2)
     with pytest.raises(ValueError, match="shorter"):
@@ -59,14 +141,23 @@ def test_refuses_bad_sizes_and_shrinking_lists() -> None:
 
 @pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 3), (2, 4), (3, 3)])
 def test_incremental_index_equals_a_full_scan(min_n: int, max_n: int) -> None:
-    """Growing a sequence a few tokens at a time (as decoding does, accepted drafts included)
-    gives at every length the drafts of a full scan of the list so far."""
+    """Growing a sequence as decoding does (some of the drafts kept, then the model's token)
+    gives at every length the drafts and match length of the rule written with full scans,
+    and a fresh drafter those of a plain search."""
     rng = np.random.default_rng(min_n * 10 + max_n)
+    n_followed = 0
     for trial in range(20):
         vocab = int(rng.integers(2, 12))
         tokens = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 20)))]
         d = NgramDrafter(min_n, max_n)
+        ref = _Reference(min_n, max_n)
         for _ in range(40):
             k = int(rng.integers(1, 6))
-            assert d.propose(tokens, k) == _scan(tokens, k, min_n, max_n), (trial, tokens)
-            tokens += [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 4)))]
+            drafts = d.propose(tokens, k)
+            assert (drafts, d.match_len) == ref.propose(tokens, k), (trial, tokens)
+            assert NgramDrafter(min_n, max_n).propose(tokens, k) == _scan(tokens, k, min_n,
+                                                                           max_n)
+            kept = drafts[:int(rng.integers(0, len(drafts) + 1))]
+            n_followed += len(kept)
+            tokens += kept + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 3)))]
+    assert n_followed > 100  # the drafts were followed often enough to test continuing

@@ -121,6 +121,20 @@ def _spec(llm: Any, k: int, method: str = "ngram") -> None:
     llm.core.spec_stats = SpecStats()
 
 
+def _same_output_at_each_k(llm: Any, prompts: list[list[int]], want: dict[str, Any],
+                           tag: str) -> list[Any]:
+    """ngram drafts at k = 1, 2, 4, one run each: every run's output is want, token for token
+    and logprob for logprob. The speculation counters of each run."""
+    stats = []
+    for k in (1, 2, 4):
+        _spec(llm, k)
+        got = _run(llm, prompts, _params())
+        for rid in want:
+            assert _trace(got[rid]) == _trace(want[rid]), (tag, k, rid)
+        stats.append(llm.core.spec_stats)
+    return stats
+
+
 @pytest.mark.parametrize("arch,quant", [(a, "f32") if a in QUICK else
                                         pytest.param(a, "f32", marks=pytest.mark.slow)
                                         for a in FAMILIES]
@@ -135,17 +149,12 @@ def test_greedy_output_is_the_same_with_prompt_lookup(ckpts: dict[str, Path], ar
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
     spec = _llm(ckpts[arch], quant, prefix_cache=False)
-    accepted = 0
-    for k in (1, 2, 4):
-        _spec(spec, k)
-        got = _run(spec, prompts, _params())
-        for rid in want:
-            assert _trace(got[rid]) == _trace(want[rid]), (arch, k, rid)
-        st = spec.core.spec_stats
+    stats = _same_output_at_each_k(spec, prompts, want, arch)
+    for st in stats:
         assert st.n_draft_tokens > 0 and st.n_drafts > 0
         assert st.n_accepted <= st.n_draft_tokens
-        accepted += st.n_accepted
-    assert accepted > 0, "no draft was ever accepted: the test would not check acceptance"
+    assert sum(st.n_accepted for st in stats) > 0, \
+        "no draft was ever accepted: the test would not check acceptance"
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -509,16 +518,10 @@ def test_hybrid_models_speculate_with_the_same_greedy_output(tmp_path: Path, arc
     assert llm.core.speculates
     # two spare state slots for eight sequences: of the four, at most two draft per step
     assert len(llm.core.snapshot_slots) == 2 < len(prompts)
-    partly = 0
-    for k in (1, 2, 4):
-        _spec(llm, k)
-        got = _run(llm, prompts, _params())
-        for rid in want:
-            assert _trace(got[rid]) == _trace(want[rid]), (arch, k, rid)
-        st = llm.core.spec_stats
-        assert 0 < st.n_accepted and st.n_draft_tokens > 0
-        partly += st.n_draft_tokens - st.n_accepted
-    assert partly > 0, "no draft was rejected: the test would not check the rollback"
+    stats = _same_output_at_each_k(llm, prompts, want, arch)
+    assert all(0 < st.n_accepted and st.n_draft_tokens > 0 for st in stats)
+    assert sum(st.n_draft_tokens - st.n_accepted for st in stats) > 0, \
+        "no draft was rejected: the test would not check the rollback"
     conts = [[o.token_id for o in want[f"r{i}"]] for i in range(len(prompts))]
     for wrong in (False, True):
         _spec(llm, 3)
@@ -552,7 +555,9 @@ def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
     conts = [[o.token_id for o in want[f"r{i}"]] for i in range(len(prompts))]
     for cost, drafts in ((StepCost(1e-3, 0.0, 0.0), True), (StepCost(1e-4, 0.0, 1e-3), False)):
         _spec(llm, 4, "auto")
-        llm.core.planner.meter = StepCostMeter(cost, prior_weight=float("inf"))  # pinned
+        # a new planner (nothing learned of acceptance yet) on a pinned cost
+        llm.core.planner = type(llm.core.planner)(
+            llm.core.planner.shape, StepCostMeter(cost, prior_weight=float("inf")))
         steps0 = llm.core.stats.n_steps
         got = _run(llm, prompts, _params(),
                    [ScriptedDrafter(p, c) for p, c in zip(prompts, conts, strict=True)])
@@ -563,3 +568,51 @@ def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
             assert llm.core.stats.n_steps - steps0 < base.core.stats.n_steps
         else:
             assert st.n_drafts == 0
+
+
+class _LongMatch(ScriptedDrafter):
+    """A ScriptedDrafter whose every proposal reports the evidence of a 40-token match."""
+
+    match_len = 40
+
+
+def test_auto_drafts_at_once_on_a_long_match_and_stops_after_rejections(
+        ckpts: dict[str, Path]) -> None:
+    """auto, on a profile where a drafted token costs half a step: a request whose drafter
+    reports a long match drafts at its first decoding step (before any verify step measured
+    its acceptance), all of them kept; one whose long-match drafts are all rejected stops
+    drafting after a couple of verify steps and only tries again now and then. Both give the
+    greedy output of decoding without drafts."""
+    from colibri.engine.spec.cost import StepCost, StepCostMeter
+
+    base = _llm(ckpts["mixtral"], prefix_cache=False)
+    prompt = _ids(base, PROMPTS[2])
+    want = _run(base, [prompt], _params(max_tokens=40))["r0"]
+    cont = [o.token_id for o in want]
+    llm = _llm(ckpts["mixtral"], prefix_cache=False, speculative="auto")
+    for wrong in (False, True):
+        _spec(llm, 4, "auto")
+        llm.core.planner = type(llm.core.planner)(llm.core.planner.shape, StepCostMeter(
+            StepCost(1e-3, 0.0, 5e-4), prior_weight=float("inf")))
+        core = llm.core
+        core.add_request("x", prompt, _params(max_tokens=40))
+        for req in core.requests["x"]:
+            req.drafter = _LongMatch(prompt, cont, wrong=wrong)
+        outs: list[Any] = []
+        drafted: list[bool] = []  # per decoding step: did it verify drafts
+        while core.has_work():
+            n0 = core.spec_stats.n_drafts
+            got = core.step()
+            if outs:
+                drafted.append(core.spec_stats.n_drafts > n0)
+            outs += got
+        assert _trace(outs) == _trace(want)
+        st = core.spec_stats
+        if not wrong:
+            assert drafted[0] and len(drafted) <= 40 // 4  # four drafts and a token a step
+            assert st.n_accepted == st.n_draft_tokens > 0
+            continue
+        assert drafted[0] and st.n_accepted == 0
+        assert sum(drafted) <= 6 < len(drafted)
+        runs = "".join("d" if d else "." for d in drafted).split("d")
+        assert max(len(r) for r in runs) >= 8, drafted  # stopped drafting for a while

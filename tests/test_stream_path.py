@@ -9,16 +9,19 @@ import asyncio
 import json
 import re
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import h11
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sse_starlette.event import ensure_bytes
 
+from colibri.app.http import chunk_bytes, event_loop
 from colibri.app.mailbox import Mailbox
 from colibri.app.metrics import _LATENCY_BUCKETS, Histogram
 from colibri.app.replies import ChunkJSON
@@ -120,6 +123,40 @@ def test_send_deadline_cuts_only_the_send_that_waits_too_long() -> None:
     asyncio.run(main())
 
 
+def _responding(version: bytes = b"1.1", method: bytes = b"POST") -> h11.Connection:
+    """A server connection that has answered a request's head with 200 and no length."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"%s / HTTP/%s\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
+                      % (method, version))
+    while conn.next_event() not in (h11.NEED_DATA, h11.PAUSED):
+        pass
+    conn.send(h11.Response(status_code=200, headers=[]))
+    return conn
+
+
+@given(st.lists(st.binary(max_size=300), max_size=8))
+@settings(max_examples=200, deadline=None)
+def test_chunks_are_framed_as_h11_frames_them(bodies: list[bytes]) -> None:
+    """chunk_bytes makes what h11's own send makes for each body chunk, and leaves the
+    connection where h11's send leaves it (the end of the message is the same bytes)."""
+    ours, theirs = _responding(), _responding()
+    for body in bodies:
+        chunk = chunk_bytes(ours, body)
+        if body:
+            assert chunk is not None, "a chunked body's chunks take the direct framing"
+        out = chunk if chunk is not None else ours.send(h11.Data(data=body))
+        assert out == theirs.send(h11.Data(data=body))
+        assert ours.our_state is theirs.our_state is h11.SEND_BODY
+    assert ours.send(h11.EndOfMessage()) == theirs.send(h11.EndOfMessage())
+    assert chunk_bytes(ours, b"late") is None  # past the body: h11 refuses it itself
+
+
+def test_chunks_of_other_framings_go_through_h11() -> None:
+    old = _responding(version=b"1.0")  # HTTP/1.0: the body is delimited by the close
+    assert chunk_bytes(old, b"data") is None
+    assert old.send(h11.Data(data=b"data")) == b"data"
+
+
 # -- the server's immediate body writes -------------------------------------------------------
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -127,9 +164,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class _Served:
-    """The real app on a uvicorn thread, with Colibri's HTTP protocol or uvicorn's own."""
+    """The real app on a uvicorn thread, with Colibri's HTTP protocol or uvicorn's own, on
+    the event loop `serve` picks (event_loop()) or asyncio's."""
 
-    def __init__(self, model: Path, guarded: bool) -> None:
+    def __init__(self, model: Path, guarded: bool, loop: str = "asyncio") -> None:
         import uvicorn
 
         from colibri.app.http import uvicorn_options
@@ -140,7 +178,7 @@ class _Served:
         self.port = free_port()
         options: dict[str, Any] = uvicorn_options(settings) if guarded else {"http": "h11"}
         config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port,
-                                log_level="warning", loop="asyncio", lifespan="on", **options)
+                                log_level="warning", loop=loop, lifespan="on", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -195,10 +233,12 @@ def _without_ids(body: bytes) -> bytes:
 @pytest.fixture(scope="module")
 def streams(model: Path) -> Iterator[dict[str, list[bytes]]]:
     got = {}
-    for guarded in (True, False):
-        served = _Served(model, guarded)
+    for name, guarded, loop in (("guarded", True, event_loop()),
+                                ("guarded-asyncio", True, "asyncio"),
+                                ("uvicorn", False, "asyncio")):
+        served = _Served(model, guarded, loop)
         try:
-            got["guarded" if guarded else "uvicorn"] = _streams(served)
+            got[name] = _streams(served)
         finally:
             served.stop()
     yield got
@@ -206,10 +246,18 @@ def streams(model: Path) -> Iterator[dict[str, list[bytes]]]:
 
 def test_immediate_body_writes_are_what_uvicorns_send_writes(
         streams: dict[str, list[bytes]]) -> None:
-    """The same seeded streams through Colibri's protocol (events written at once) and
-    uvicorn's plain one (each event through the ASGI send): the same chunked bytes."""
-    assert ([_without_ids(b) for b in streams["guarded"]]
-            == [_without_ids(b) for b in streams["uvicorn"]])
+    """The same seeded streams through Colibri's protocol (events written at once, on the loop
+    `serve` runs and on asyncio's) and uvicorn's plain one (each event through the ASGI send):
+    the same chunked bytes."""
+    want = [_without_ids(b) for b in streams["uvicorn"]]
+    assert [_without_ids(b) for b in streams["guarded"]] == want
+    assert [_without_ids(b) for b in streams["guarded-asyncio"]] == want
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop is not a dependency on Windows")
+def test_serve_runs_on_uvloop() -> None:
+    """uvloop is a dependency where it builds, and `serve` picks it."""
+    assert event_loop() == "uvloop"
 
 
 def test_each_event_is_one_chunk_of_the_body(streams: dict[str, list[bytes]]) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,7 +32,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from colibri.app.errors import anthropic_error_body, anthropic_path, error_body, error_bytes
 from colibri.app.metrics import Metrics
-from colibri.app.middleware import GuardMiddleware
+from colibri.app.middleware import GuardMiddleware, replay_body
+from colibri.app.replicas.listing import ASK_TIMEOUT_S, ReplicaReports
 from colibri.app.replicas.prefix import RoutingConfig, chunk_hashes, prompt_text
 from colibri.app.replicas.router import RouteInfo
 from colibri.app.server import create_app
@@ -95,13 +97,8 @@ class ColibriReplica:
         the ASGI messages of the reply, in batches. `route` is read by the router only."""
         out: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()
-        sent = False
 
-        async def receive() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+        async def disconnect() -> Message:
             await gone.wait()  # the client left (this generator was cancelled) or we are done
             return {"type": "http.disconnect"}
 
@@ -112,7 +109,7 @@ class ColibriReplica:
                 message = {**message, "headers": headers}
             await out.put(message)
 
-        task = asyncio.create_task(self.app(dict(head), receive, send))
+        task = asyncio.create_task(self.app(dict(head), replay_body(body, disconnect), send))
         task.add_done_callback(lambda _: out.put_nowait(None))
         try:
             while True:
@@ -185,6 +182,7 @@ class ColibriIngress:
         self.stream = replicas.options(stream=True)
         self.chunk_chars = chunk_chars
         self.draining = False
+        self.reports = ReplicaReports()
         # the replicas' list sits behind the same guard as every route (API key, Host, limits)
         self._listing = GuardMiddleware(self._replicas, settings=self.settings,
                                         metrics=Metrics(), known_paths=lambda: {REPLICAS_PATH})
@@ -268,21 +266,20 @@ class ColibriIngress:
 
     async def _replicas(self, scope: Scope, receive: Receive, send: Send) -> None:
         app = serve.get_replica_context().app_name
+        # the list comes from Ray Serve's controller; health and queue from each replica
         listed = await asyncio.to_thread(running_replicas, app)
 
-        async def ask(replica: dict[str, Any]) -> dict[str, Any]:
-            # the list comes from Ray Serve's controller; the queue from the replica itself,
-            # null when it does not answer in time (busy, or gone since it was listed)
-            out = {**replica, "health": None, "running": None, "waiting": None}
+        async def ask(replica: dict[str, Any]) -> dict[str, Any] | None:
             try:
-                info = await asyncio.wait_for(
-                    self.replicas.info.remote(route=RouteInfo(replica=replica["id"])), 5.0)
-            except Exception as exc:  # noqa: BLE001
+                return dict(await asyncio.wait_for(
+                    self.replicas.info.remote(route=RouteInfo(replica=replica["id"])),
+                    ASK_TIMEOUT_S))
+            except Exception as exc:  # noqa: BLE001 - listed as pending
                 log.info("replica %s did not answer: %s", replica["id"], exc)
-                return out
-            return {**out, **{k: info[k] for k in ("health", "running", "waiting")}}
+                return None
 
-        found = await asyncio.gather(*map(ask, listed))
+        answers = await asyncio.gather(*map(ask, listed))
+        found = self.reports.listing(listed, list(answers), time.monotonic())
         body = json.dumps({"object": "list", "data": found}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),

@@ -31,6 +31,7 @@ from colibri.engine.core.speculative import (
     moe_shape,
 )
 from colibri.engine.errors import check_token_ids
+from colibri.engine.executor.step_inputs import StepInputs
 from colibri.engine.sample.batch import RowResult, prompt_logprobs, sample_rows
 from colibri.engine.sample.sampler import GREEDY_TEMPERATURE, SamplingParams
 from colibri.engine.sample.verify import sample_with_draft
@@ -230,7 +231,8 @@ class EngineCore:
         t0 = time.perf_counter()
         measure = self.speculates and self.speculative.adaptive
         products = self._product_totals() if measure else None
-        mtp = self._mtp_drafter() if self.speculative.method == "mtp" else None
+        mtp = (self._mtp_drafter() if self.speculative.method == "mtp" and self.speculates
+               else None)
         if mtp is not None:
             self._mtp_propose(mtp)
         elif self.speculates:
@@ -277,9 +279,11 @@ class EngineCore:
         tf = time.perf_counter()
         hidden = (np.empty((n_tok, mtp.n_embd), dtype=np.float32) if mtp is not None
                   else None)
+        # the MTP layer reads what the lm_head reads
+        inputs = StepInputs(state_slots=slots, win_tables=win_tables, hidden_out=hidden,
+                            hidden_normed=hidden is not None)
         try:
-            logits = self._forward(tokens, seq_ids, positions, tables, want, slots, win_tables,
-                                   hidden)
+            logits = self.model.forward_paged(tokens, seq_ids, positions, tables, want, inputs)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             log.error("forward pass failed for %d requests: %s", n_seq, exc)
             return [self._fail(req, exc) for req, _ in sched.items]
@@ -450,18 +454,6 @@ class EngineCore:
             (kv.copy_block if what == "block" else kv.copy_state)(dst, src)
         self.blocks.pending_copies.clear()
 
-    def _forward(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
-                 tables: np.ndarray, want: np.ndarray | None,
-                 slots: np.ndarray | None, win_tables: np.ndarray | None = None,
-                 hidden: np.ndarray | None = None) -> np.ndarray:
-        extra: dict[str, Any] = {}
-        if slots is not None:
-            extra["state_slots"] = slots
-        if win_tables is not None:
-            extra["win_tables"] = win_tables
-        if hidden is not None:  # the MTP layer reads what the lm_head reads
-            extra.update(hidden_out=hidden, hidden_normed=True)
-        return self.model.forward_paged(tokens, seq_ids, positions, tables, want, **extra)
     def _mtp_drafter(self) -> Any:
         """The MTP layer's drafter, loaded on first use (NoMtpLayer if the model has none)."""
         if self._mtp is None:
@@ -474,9 +466,16 @@ class EngineCore:
 
     def _mtp_propose(self, mtp: Any) -> None:
         """Every running request's drafts from the MTP layer (the catch-up over what the last
-        step verified runs for all of them). A failure there costs drafts, never output."""
+        step verified runs for all of them); in a model with linear-attention layers only as
+        many draft as there are spare state slots to save their states in. A failure there
+        costs drafts, never output."""
         running = list(self.scheduler.running)
-        budgets = {id(r): draft_budget(r, self.speculative) for r in running}
+        slots = len(self.snapshot_slots) if self.hybrid else len(running)
+        budgets: dict[int, int] = {}
+        for r in running:
+            k = draft_budget(r, self.speculative) if slots > 0 else 0
+            budgets[id(r)] = k
+            slots -= k > 0
         try:
             drafted = mtp.propose(running, budgets, lambda r: self.blocks.table(r.rid))
         except Exception as exc:  # noqa: BLE001 - drafting is optional: decode without drafts
@@ -592,9 +591,9 @@ class EngineCore:
                        if self.blocks.n_win_blocks else None)
                 slots = (np.array([self.blocks.state_slot(rid)], np.int32) if self.hybrid
                          else None)
-                out.append(self._forward(ids[c:e], np.zeros(e - c, dtype=np.int32),
-                                         np.arange(c, e, dtype=np.int32), table, None, slots,
-                                         win))
+                out.append(self.model.forward_paged(
+                    ids[c:e], np.zeros(e - c, dtype=np.int32), np.arange(c, e, dtype=np.int32),
+                    table, None, StepInputs(state_slots=slots, win_tables=win)))
             return out[0] if len(out) == 1 else np.concatenate(out)
         finally:
             self.blocks.free(rid)

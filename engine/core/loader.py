@@ -28,6 +28,7 @@ from colibri.engine.executor.expert_cache import (
     load_pinned,
     memory_free,
     plan_cache,
+    probe_readers,
     resolve_load,
 )
 from colibri.engine.executor.model import Model, kv_block_bytes, kv_split_block_bytes
@@ -52,6 +53,7 @@ class EngineConfig:
     threads: int | None = None  # None: physical cores
     device: str = default("device")  # auto | cpu | cuda | cuda:N | torch-cpu
     gpu_memory_mb: float | None = None  # None: everything on a torch device
+    device_profile: str | None = None  # None: measure this machine for the placement
     n_ctx: int | None = None  # None: the model's own, capped at 4096
     quant: str = default("quant")  # precision a Hugging Face folder is converted to
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -210,7 +212,7 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
                        kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states,
                        kv_win_blocks=pools.n_win, device=device, placement=placement)
     monitor = (start_expert_cache(model, folder, config.expert_cache, pools.total_bytes)
-               if device == "cpu" else None)
+               if device == "cpu" else gpu_tier_monitor(model, folder))
     tokenizer = Tokenizer.from_dir(folder)
     mb = pools.total_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
@@ -245,12 +247,31 @@ def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
     if device == "cpu" or config.gpu_memory_mb is None:
         log.info("device: %s", device)
         return device, None
-    from colibri.engine.executor.placement import layer_placement, measure_profile
+    from colibri.engine.executor.costmodel import DeviceProfile
+    from colibri.engine.executor.placement import measure_profile, plan_placement
 
-    placement, text = layer_placement(folder, cfg, measure_profile(config.threads or 0, device),
-                                      config.gpu_memory_mb, n_ctx)
+    profile = (DeviceProfile.load(config.device_profile) if config.device_profile
+               else measure_profile(config.threads or 0, device))
+    placement, text, _plan = plan_placement(folder, cfg, profile, config.gpu_memory_mb, n_ctx)
     log.info("device: %s, placement under %.0f MB: %s", device, config.gpu_memory_mb, text)
     return (device, placement) if placement is not None else ("cpu", None)
+
+
+def gpu_tier_monitor(model: Model, folder: Path) -> ExpertCacheMonitor | None:
+    """The monitor of a run whose routed experts are split between a torch device and the C
+    core (the GPU tier's counters on /metrics and /v1/expert_cache); None otherwise. The C
+    core keeps its experts resident: it has no expert cache of its own then."""
+    split = getattr(model.core, "expert_split", None)
+    if split is None:
+        return None
+    cfg = model.config
+    plan = CachePlan(None, int(model.core.c.expert_bytes), len(cfg.moe_layers), cfg.n_expert,
+                     "routed experts split between the GPU (by heat) and the CPU",
+                     dense_layers=tuple(i for i in range(cfg.n_layer)
+                                        if i not in cfg.moe_layers))
+    monitor = ExpertCacheMonitor(model.core.c, plan, folder)
+    monitor.gpu_tier = split
+    return monitor
 
 
 def repack_enabled() -> bool:
@@ -299,17 +320,26 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
         pinned = (load_pinned(folder, cfg.n_layer, cfg.n_expert, plan.per_layer)
                   if xc.expert_pin else None)
         load = resolve_load(xc.expert_load, folder)
+        if xc.expert_readers is None:
+            readers, why = probe_readers(folder)
+        else:
+            readers, why = xc.expert_readers, "--expert-readers"
+        plan = replace(plan, readers=readers, readers_reason=why)
+        depth = xc.expert_prefetch_depth
         model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.expert_prefetch,
                                        huge_pages=xc.expert_huge_pages,
                                        prefetch_window=xc.prefetch_window, pinned=pinned,
                                        read_timeout_s=xc.expert_read_timeout_s,
-                                       readers=xc.expert_readers)
+                                       readers=readers,
+                                       prefetch_depth=0 if depth == "auto" else int(depth))
         pages = "" if load == "mmap" else (", slots on 2 MiB pages where granted"
                                            if xc.expert_huge_pages else ", slots on 4 KiB pages")
+        ahead = (f"on, {depth} layer{'s' if depth == '2' else ''} ahead" if depth != "auto"
+                 else "on, 1 or 2 layers ahead as reads and layers measure")
         log.info("expert cache: %d of %d experts per layer resident (%.1f MB of %.1f MB; %s); "
-                 "load %s%s, %d readers, prefetch %s, %d pinned", plan.per_layer, cfg.n_expert,
-                 plan.budget_bytes / 1e6, n_moe * cfg.n_expert * plan.expert_bytes / 1e6,
-                 plan.reason, load, pages, xc.expert_readers,
-                 "on" if xc.expert_prefetch else "off",
+                 "load %s%s, %d readers (%s), prefetch %s, %d pinned", plan.per_layer,
+                 cfg.n_expert, plan.budget_bytes / 1e6,
+                 n_moe * cfg.n_expert * plan.expert_bytes / 1e6, plan.reason, load, pages,
+                 readers, why, ahead if xc.expert_prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
     return ExpertCacheMonitor(model.core, plan, folder)

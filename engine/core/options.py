@@ -183,12 +183,20 @@ OPTIONS: tuple[Option, ...] = (
            _MODEL, commands=(*_SERVE_ENGINE, "info"), engine_env=True, pattern=DEVICE_PATTERN,
            note="auto is cuda:0 when PyTorch sees a CUDA device (install colibri[cuda]), else "
                 "cpu. torch-cpu runs the GPU code on the CPU: slow, for checking a placement on "
-                "a machine without a GPU. Models with linear-attention layers run on cpu."),
+                "a machine without a GPU."),
     Option("gpu_memory_mb", float, None, "GPU memory the placement may use, in MB: the cost "
-           "model puts what every token needs first, then whole layers (with their experts) "
-           "while they fit; the rest runs on the C core", _MODEL,
+           "model puts what every token needs first, then routed experts hottest first; a GPU "
+           "layer's other experts run on the C core beside it, and the rest of the layers on "
+           "the C core", _MODEL,
            commands=(*_SERVE_ENGINE, "info", "plan"), engine_env=True, ge=0,
-           unset="everything on the device", example="24000"),
+           unset="everything on the device", example="24000",
+           note="Between steps the GPU tier swaps a cold expert on the GPU for a hotter one on "
+                "the CPU when the routing says so (a few uploads per step at most)."),
+    Option("device_profile", str, None, "the machine profile the --gpu-memory-mb placement "
+           "plans with: a JSON file (engine/executor/profiles/ has the format) or a profile "
+           "kept with Colibri by name", _MODEL, commands=(*_SERVE_ENGINE, "info"),
+           engine_env=True, unset="this machine, measured at start", example="h200",
+           metavar="FILE"),
     Option("n_ctx", int, None, "context length in tokens (prompt and completion)", _MODEL,
            ge=16, unset="the model's own", example="8192"),
     # -- batching and KV cache ----------------------------------------------------------
@@ -247,11 +255,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("expert_huge_pages", bool, True, "2 MiB transparent huge pages on the expert slots, "
            "where the system grants them", _XC, commands=_SERVE_ENGINE, engine_env=True,
            note="O_DIRECT reads into 2 MiB pages run faster than into 4 KiB pages."),
-    Option("expert_readers", int, 4, "threads that read missing experts in parallel, the "
+    Option("expert_prefetch_depth", str, "auto", "layers the reader threads read ahead: 1 "
+           "(the next layer's predicted experts), 2 (the next two layers'), auto (two while "
+           "one expert read takes longer than one layer computes, else one)", _XC,
+           commands=_SERVE_ENGINE, engine_env=True, choices=("auto", "1", "2"),
+           note="The prediction two layers ahead is less sure: what the next layer's own "
+                "prediction no longer names is dropped before it is read, and a layer whose "
+                "read-aheads mostly go unused is not read two layers ahead."),
+    Option("expert_readers", int, None, "threads that read missing experts in parallel, the "
            "prefetches included", _XC, commands=_SERVE_ENGINE, engine_env=True, ge=1, le=64,
+           unset="measured at start: the fewest reads in flight at which the expert files "
+                 "read within a tenth of their best rate, 2 to 16 (4 where it cannot be "
+                 "measured)",
            note="A layer hands all the reads of its missing experts to them at once, so that "
                 "many are in flight: storage that answers several reads together (NVMe, most "
-                "virtual disks) reads faster with more; one reads one expert at a time.",
+                "virtual disks) reads faster with more; one reads one expert at a time. The "
+                "start log says how many were chosen and why.", example="8",
            metavar="N"),
     Option("expert_read_timeout_s", float, 30.0, "seconds one expert read may take before the "
            "model is marked failed", _XC, commands=_SERVE_ENGINE, engine_env=True, gt=0,
@@ -426,7 +445,10 @@ class ExpertCacheConfig:
     expert_huge_pages: bool = default("expert_huge_pages")  # 2 MiB pages on the slots
     # one read past this fails the model instead of hanging the step
     expert_read_timeout_s: float = default("expert_read_timeout_s")
-    expert_readers: int = default("expert_readers")  # reader threads, reads in flight
+    # reader threads, reads in flight; None: measured at start (probe_readers)
+    expert_readers: int | None = default("expert_readers")
+    # layers read ahead: "1", "2" or "auto" (two while a read takes longer than a layer)
+    expert_prefetch_depth: str = default("expert_prefetch_depth")
 
     @classmethod
     def from_env(cls) -> ExpertCacheConfig:

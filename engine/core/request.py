@@ -74,7 +74,7 @@ class Request:
     # tokens drafted for the next step, which that step scores after the last known token
     drafter: Any = None
     drafts: list[int] = field(default_factory=list)
-    acceptance: Any = None  # its smoothed acceptance rate (engine.spec.cost), with auto
+    acceptance: Any = None  # its smoothed acceptance rates (engine.spec.cost), with auto
 
     @property
     def rid(self) -> str:

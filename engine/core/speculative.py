@@ -21,7 +21,16 @@ from typing import Any
 from colibri.engine.core.options import default
 from colibri.engine.core.request import Request
 from colibri.engine.spec import SPECULATIVE_METHODS
-from colibri.engine.spec.cost import Acceptance, BatchPlan, MoEShape, StepCostMeter, choose_k
+from colibri.engine.spec.cost import (
+    BatchPlan,
+    MatchPrior,
+    MoEShape,
+    RequestAcceptance,
+    StepCost,
+    StepCostMeter,
+    UnionMeter,
+    choose_k,
+)
 from colibri.engine.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 
 
@@ -120,12 +129,17 @@ class DraftPlanner:
     """Drafts for every running sequence before a step: as many as config allows (ngram), or
     (auto) as many as the cost model finds worth their verify cost, sequence after sequence in
     scheduling order, each one's choice counting the tokens the step already carries. Learns
-    the step's cost from the steps the engine reports (observe_step) and each request's
-    acceptance from its verify steps (observe_verify)."""
+    the step's cost and the experts steps of each size read from the steps the engine
+    reports (observe_step), and acceptance from verify steps (observe_verify): each
+    request's own, and over all requests by the drafter's evidence (the match length), which
+    is each request's prior at the step — so a request whose match is long drafts at its first
+    step, and one whose drafts keep being rejected stops."""
 
     def __init__(self, shape: MoEShape, meter: StepCostMeter | None = None) -> None:
         self.shape = shape
         self.meter = meter or StepCostMeter()
+        self.union = UnionMeter(shape)
+        self.match_prior = MatchPrior()
         self.last_ks: list[int] = []  # the k chosen for each drafting sequence, last step
 
     def plan(self, running: list[Request], config: SpeculativeConfig,
@@ -141,26 +155,33 @@ class DraftPlanner:
                 req.drafts = []
                 continue
             req.drafts = propose(req, config)
+            if config.adaptive and req.drafts:
+                k = self._choose(req, cost, batch)
+                del req.drafts[k:]
+                self.last_ks.append(k)
             n_drafting += bool(req.drafts)
-            if not config.adaptive or not req.drafts:
-                continue
-            if req.acceptance is None:
-                req.acceptance = Acceptance()
-            if cost is None:  # nothing measured yet: the first steps measure one token
-                k = 0
-            else:
-                k = choose_k(cost, self.shape, req.acceptance.rate, len(req.drafts), batch)
-            if k == 0:
-                req.acceptance.idle()
-            del req.drafts[k:]
-            n_drafting -= k == 0
-            self.last_ks.append(k)
+
+    def _choose(self, req: Request, cost: StepCost | None, batch: BatchPlan) -> int:
+        """How many of req's drafts to verify, from its acceptance given the drafter's
+        evidence; 0 before any step was measured (the first steps measure one token)."""
+        if req.acceptance is None:
+            req.acceptance = RequestAcceptance()
+        req.acceptance.evidence = b = self.match_prior.bucket(getattr(req.drafter, "match_len",
+                                                                      None))
+        acc = req.acceptance.of(b)
+        alpha = acc.rate_given(self.match_prior.upper(b))
+        k = 0 if cost is None else choose_k(cost, self.union, alpha, len(req.drafts), batch)
+        if k == 0:
+            acc.idle()
+        return k
 
     def observe_step(self, n_tokens: int, n_experts: float, seconds: float,
                      expert_seconds: float = 0.0, attention_seconds: float = 0.0) -> None:
         self.meter.observe(n_tokens, n_experts, seconds, expert_seconds, attention_seconds)
+        self.union.observe(n_tokens, n_experts)
 
-    @staticmethod
-    def observe_verify(req: Request, n_drafts: int, n_accepted: int) -> None:
+    def observe_verify(self, req: Request, n_drafts: int, n_accepted: int) -> None:
         if req.acceptance is not None:
-            req.acceptance.observe(n_drafts, n_accepted)
+            b = req.acceptance.evidence
+            req.acceptance.of(b).observe(n_drafts, n_accepted)
+            self.match_prior.observe(b, n_drafts, n_accepted)

@@ -122,8 +122,6 @@ TORCH_KV_TYPES = ("f32", "f16")
 def torch_unsupported(cfg: ModelConfig, kv_type: str = "f32") -> list[str]:
     """What of cfg (and a KV cache of kv_type) the torch backend does not run yet."""
     out = []
-    if cfg.hybrid:
-        out.append("linear-attention layers (gated DeltaNet)")
     if kv_type not in TORCH_KV_TYPES:
         out.append(f"a {kv_type} KV cache (f32 and f16 only)")
     return out

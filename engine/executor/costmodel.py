@@ -168,7 +168,8 @@ def _heat(folder: Path, cfg: ModelConfig) -> np.ndarray:
 def model_costs(folder: str | Path, cfg: ModelConfig, context: int = 1024,
                 n_seq: int = 1) -> ModelCosts:
     """The items of a converted folder, from its weight headers (one expert file per layer:
-    every expert of a layer has one shape); KV shares for n_seq sequences of `context`."""
+    every expert of a layer has one shape); KV shares for n_seq sequences of `context`, and a
+    linear-attention layer's recurrent state for n_seq sequences."""
     p = Path(folder)
     kv_pos = _kv_bytes_per_position(cfg)
     always: list[Item] = []
@@ -186,7 +187,8 @@ def model_costs(folder: str | Path, cfg: ModelConfig, context: int = 1024,
             files.append(p / "dense" / f"layer_{il}.bin")
         parts = [read_wfile(x) for x in files]
         cpu = [_tensor_bytes(f, False) for f in parts]
-        kv = kv_pos * context * n_seq if il in cfg.attention_layers else 0
+        kv = (kv_pos * context * n_seq if il in cfg.attention_layers
+              else _state_bytes_per_sequence(cfg) * n_seq)  # a linear layer's state slots
         wt = max(cpu, key=lambda c: c[1])[2]
         always.append(Item("layer", il, -1, sum(c[0] for c in cpu) + kv,
                            sum(_tensor_bytes(f, True)[0] for f in parts) + kv,
@@ -199,6 +201,13 @@ def model_costs(folder: str | Path, cfg: ModelConfig, context: int = 1024,
     always.append(Item("lm_head", -1, -1, t.nbytes, gb, n, t.type_name, 2))
     return ModelCosts(cfg, always, experts, _heat(p, cfg),
                       kv_pos * context * n_seq * len(cfg.attention_layers))
+
+
+def _state_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """f32 recurrent-state bytes of one sequence in one linear-attention layer: its conv
+    window and its DeltaNet state (read and written every token, whatever the context)."""
+    C = 2 * cfg.lin_n_k_heads * cfg.lin_k_dim + cfg.lin_n_v_heads * cfg.lin_v_dim
+    return 4 * ((cfg.lin_conv - 1) * C + cfg.lin_n_v_heads * cfg.lin_k_dim * cfg.lin_v_dim)
 
 
 def _kv_bytes_per_position(cfg: ModelConfig) -> int:

@@ -36,6 +36,16 @@ LOAD_MODES = ("auto", "direct", "pread", "mmap", "uring")
 MARGIN_BYTES = 256 << 20
 MIN_MARGIN_BYTES = 32 << 20
 PIN_SHARE = 0.25  # share of each layer's slots given to pinned experts
+# the reader pool's size when --expert-readers is not given: the storage probe reads the expert
+# files at these queue depths (reads in flight), PROBE_CHUNKS reads of PROBE_CHUNK bytes at each
+# (32 MiB: tens of milliseconds on an NVMe drive), and the readers are the fewest that reach
+# READERS_SHARE of the best rate, within MIN_READERS..MAX_READERS
+PROBE_DEPTHS = (1, 2, 4, 8, 16)
+PROBE_CHUNK = 512 << 10
+PROBE_CHUNKS = 64
+READERS_SHARE = 0.9
+MIN_READERS, MAX_READERS = 2, 16
+DEFAULT_READERS = 4  # where the storage cannot be measured
 
 
 @dataclass
@@ -52,6 +62,8 @@ class CachePlan:
     fits: bool = False
     dense_layers: tuple[int, ...] = ()  # layers without experts (drawn apart on the page)
     shared_bytes: int = 0  # shared experts, all layers: always resident, never in the budget
+    readers: int = 0  # reader threads started (0: no cache), and why that many
+    readers_reason: str = ""
 
     @property
     def budget_bytes(self) -> int:
@@ -128,6 +140,40 @@ def resolve_load(load: str, model_dir: Path) -> str:
         return "pread"
     os.close(fd)
     return "direct"
+
+
+def readers_for(rates: dict[int, float]) -> int:
+    """Reader threads for measured read rates {queue depth: GB/s}: the fewest reads in flight
+    that reach READERS_SHARE of the best rate, within MIN_READERS..MAX_READERS (two at least,
+    so that a read-ahead never holds up alone a load the forward pass waits for)."""
+    best = max(rates.values())
+    depth = min(d for d, r in rates.items() if r >= READERS_SHARE * best)
+    return max(MIN_READERS, min(MAX_READERS, depth))
+
+
+def probe_readers(model_dir: Path) -> tuple[int, str]:
+    """Reader threads for the expert files of model_dir, and why: measured with O_DIRECT reads
+    at each of PROBE_DEPTHS (readers_for), else DEFAULT_READERS with the reason it was not
+    measured (files too small to tell, or O_DIRECT refused)."""
+    from colibri.engine import _core
+
+    files = sorted((model_dir / "experts").glob("*.bin"))
+    total = sum(f.stat().st_size for f in files)
+    need = PROBE_CHUNK * PROBE_CHUNKS * len(PROBE_DEPTHS)
+    if total < need:
+        return DEFAULT_READERS, (f"the default: {total / 1e6:.0f} MB of expert files are too "
+                                 f"few to measure the storage with ({need / 1e6:.0f} MB)")
+    rates: dict[int, float] = {}
+    try:
+        for i, depth in enumerate(PROBE_DEPTHS):  # other chunks at each depth: none read twice
+            rates[depth], _ = _core.storage_probe([str(f) for f in files], PROBE_CHUNK,
+                                                  i * PROBE_CHUNKS, PROBE_CHUNKS, depth)
+    except OSError as exc:
+        return DEFAULT_READERS, f"the default: the storage could not be measured ({exc})"
+    n = readers_for(rates)
+    told = ", ".join(f"{r:.2f} GB/s at {d}" for d, r in rates.items())
+    return n, (f"measured with {PROBE_CHUNK >> 10} KiB O_DIRECT reads: {told} in flight; the "
+               f"fewest within {READERS_SHARE:.0%} of the best, {MIN_READERS}..{MAX_READERS}")
 
 
 def plan_cache(core: Any, cfg: ExpertCacheConfig, n_layer: int, n_expert: int, top_k: int,
@@ -247,9 +293,27 @@ class ExpertCacheMonitor:
         self._batch_sum = 0
         self._batch_n = 0
         self._saved = None
+        # the GPU tier (engine/executor/torch_backend/expert_split.py) when some routed
+        # experts run on a torch device beside the C core
+        self.gpu_tier: Any = None
 
     def stats(self) -> dict[str, Any] | None:
         return self.core.expert_cache_stats()
+
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The GPU tier's counters and placement (ExpertSplit.stats), or None without one."""
+        return None if self.gpu_tier is None else self.gpu_tier.stats()
+
+    def tier_data(self) -> dict[str, Any] | None:
+        """tier_stats, JSON-ready: counters, and per layer and expert 1 on the GPU, 0 on the
+        CPU, and the heat."""
+        ts = self.tier_stats()
+        if ts is None:
+            return None
+        out = {k: v for k, v in ts.items() if k not in ("on_device", "heat")}
+        out["on_device"] = ts["on_device"].tolist()
+        out["heat"] = [[round(float(h), 3) for h in row] for row in ts["heat"]]
+        return out
 
     def totals(self, st: dict[str, Any] | None = None) -> dict[str, float]:
         """Summed counters, hit rate and resident bytes of st (default: read now; empty when
@@ -310,7 +374,9 @@ class ExpertCacheMonitor:
             "n_expert": self.plan.n_expert, "slots_per_layer": self.plan.per_layer
             or self.plan.n_expert, "expert_bytes": self.plan.expert_bytes,
             "budget_bytes": self.plan.budget_bytes, "reason": self.plan.reason,
-            "totals": self.totals(st) if st is not None else {}, "history": hist}
+            "readers": self.plan.readers, "readers_reason": self.plan.readers_reason,
+            "totals": self.totals(st) if st is not None else {}, "history": hist,
+            "gpu_tier": self.tier_data()}
         if st is not None:
             out["state"] = st["state"].tolist()
             out["heat"] = [[round(float(h), 3) for h in row] for row in st["heat"]]

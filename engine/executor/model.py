@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from colibri.engine.executor.backend import (
     step_ops,
     torch_device_name,
 )
+from colibri.engine.executor.step_inputs import NO_INPUTS, StepInputs
 from colibri.engine.format.verify import check_tensor_types
 from colibri.engine.models.config import ModelConfig
 
@@ -93,12 +95,17 @@ def _span(a: np.ndarray) -> tuple[int, int]:
     return int(a.min()), int(a.max())
 
 
-def kv_block_bytes(config: ModelConfig, kv_type: str = "f32") -> int:
-    """Bytes of one KV block (16 positions, K and V, every layer) for a model's config, before
-    loading it: a memory budget divided by this is the kv_blocks to pass to Model.load."""
+def check_kv_type(kv_type: str) -> None:
+    """ValueError naming the KV cache types unless kv_type is one."""
     if kv_type not in _core.KV_TYPES:
         raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
                          f"{', '.join(_core.KV_TYPES)}")
+
+
+def kv_block_bytes(config: ModelConfig, kv_type: str = "f32") -> int:
+    """Bytes of one KV block (16 positions, K and V, every layer) for a model's config, before
+    loading it: a memory budget divided by this is the kv_blocks to pass to Model.load."""
+    check_kv_type(kv_type)
     return int(_core.kv_block_bytes(config.to_hparams(1), kv_type))
 
 
@@ -106,11 +113,20 @@ def kv_split_block_bytes(config: ModelConfig, kv_type: str = "f32") -> tuple[int
     """(full, windowed) bytes of one block of each KV pool when the model's sliding-window or
     chunked layers keep a pool of their own (Model.load's kv_win_blocks), before loading it;
     None when the model has no such layers beside full ones."""
-    if kv_type not in _core.KV_TYPES:
-        raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
-                         f"{', '.join(_core.KV_TYPES)}")
+    check_kv_type(kv_type)
     split = _core.kv_split_block_bytes(config.to_hparams(1), kv_type)
     return None if split is None else (int(split[0]), int(split[1]))
+
+
+def slot_kv_blocks(n_seq: int, n_ctx: int, kv_blocks: int | None) -> int:
+    """The KV blocks to allocate for n_seq fixed sequence slots of n_ctx positions each:
+    kv_blocks, or just enough when None (at least one); ValueError when kv_blocks is fewer."""
+    need = n_seq * -(-n_ctx // _core.KV_BLOCK)
+    blocks = max(need, 1) if kv_blocks is None else int(kv_blocks)
+    if blocks < need:
+        raise ValueError(f"kv_blocks {blocks} cannot hold {n_seq} sequence slots of "
+                         f"{n_ctx} positions ({need} blocks)")
+    return blocks
 
 
 class Model:
@@ -142,7 +158,8 @@ class Model:
         kv_type: "f32", "f16" or "q8"; kv_blocks None: enough for n_seq slots of n_ctx
         positions. device: "cpu" (the C core), "torch-cpu", "cuda", "cuda:N" or "auto"
         (engine.executor.backend.resolve_device); placement (a torch device only): which
-        operations run on "torch" and which on "c" (a split by whole layers).
+        operations run on "torch" and which on "c" (layers split between the two, and a torch
+        layer's routed experts too).
         n_seq = 0 keeps no slots (only forward_paged is usable); otherwise
         kv_blocks must cover the n_seq slots. state_slots (models with linear-attention
         layers): recurrent-state slots for forward_paged's sequences; None: n_seq.
@@ -154,9 +171,7 @@ class Model:
             raise ValueError(f"n_seq must be >= 0, got {n_seq}")
         if kv_win_blocks and n_seq:
             raise ValueError("a windowed KV pool is for forward_paged's callers: n_seq must be 0")
-        if kv_type not in _core.KV_TYPES:
-            raise ValueError(f"unknown KV cache type {kv_type!r}; choose one of "
-                             f"{', '.join(_core.KV_TYPES)}")
+        check_kv_type(kv_type)
         p = Path(path)
         cfg = ModelConfig.from_dir(p)
         ctx = cfg.default_n_ctx() if n_ctx is None else n_ctx
@@ -167,11 +182,7 @@ class Model:
         kernels_from_env()
         core = _core.CoreModel.load(str(p), cfg.to_hparams(ctx), threads or 0)
         check_tensor_types(p, cfg.tensor_types)
-        need = n_seq * -(-int(core.n_ctx) // _core.KV_BLOCK)
-        blocks = max(need, 1) if kv_blocks is None else int(kv_blocks)
-        if blocks < need:
-            raise ValueError(f"kv_blocks {blocks} cannot hold {n_seq} sequence slots of "
-                             f"{core.n_ctx} positions ({need} blocks)")
+        blocks = slot_kv_blocks(n_seq, int(core.n_ctx), kv_blocks)
         n_state = n_seq if state_slots is None else state_slots
         kv = _core.KVCache(core, blocks, kv_type, n_state_slots=n_state if cfg.hybrid else 0,
                            n_win_blocks=kv_win_blocks)
@@ -182,22 +193,18 @@ class Model:
                     kv_blocks: int | None, state_slots: int | None, device: str,
                     placement: Placement | None, threads: int) -> Model:
         """The model on the torch backend (engine/executor/torch_backend) on device, or split
-        by layer between it and the C core when placement names both."""
+        between it and the C core (by layer, and by routed expert) when placement names both."""
         from colibri.engine.executor.torch_backend.core import TorchCore
         from colibri.engine.executor.torch_backend.split import SplitCore
 
         check_tensor_types(p, cfg.tensor_types)
-        need = n_seq * -(-ctx // _core.KV_BLOCK)
-        blocks = max(need, 1) if kv_blocks is None else int(kv_blocks)
-        if blocks < need:
-            raise ValueError(f"kv_blocks {blocks} cannot hold {n_seq} sequence slots of "
-                             f"{ctx} positions ({need} blocks)")
+        blocks = slot_kv_blocks(n_seq, ctx, kv_blocks)
         n_state = n_seq if state_slots is None else state_slots
         core: Any
         if placement is not None and "c" in placement.backends(step_ops(cfg)):
             kernels_from_env()
             core = SplitCore.load(p, cfg, ctx, threads, torch_device_name(device), placement)
-            kv = core.new_kv(blocks, kv_type)
+            kv = core.new_kv(blocks, kv_type, n_state if cfg.hybrid else 0)
         else:
             core = TorchCore.load(p, cfg, ctx, torch_device_name(device))
             kv = core.new_kv(blocks, kv_type, n_state if cfg.hybrid else 0)
@@ -305,19 +312,14 @@ class Model:
             ends[s] = int(p[-1]) + 1
         out = self._core_forward(self.kv, tok, seq, pos, want_logits, self.slot_tables
                                  if self.n_seq else np.full((1, 1), -1, np.int32),
-                                 routes=routes, state_slots=self._slot_states)
+                                 StepInputs(routes=routes, state_slots=self._slot_states))
         for s, e in ends.items():
             self._len[s] = e
         return out
 
     def forward_paged(self, tokens: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray,
                       block_tables: np.ndarray, want_logits: np.ndarray | None = None,
-                      routes: np.ndarray | None = None,
-                      state_slots: np.ndarray | None = None,
-                      win_tables: np.ndarray | None = None,
-                      hidden_in: np.ndarray | None = None,
-                      hidden_out: np.ndarray | None = None,
-                      hidden_normed: bool = False) -> np.ndarray:
+                      inputs: StepInputs = NO_INPUTS, **named: Any) -> np.ndarray:
         """The raw paged step for a scheduler that owns block allocation and lengths.
 
         Token i of sequence seq_ids[i] (a row of block_tables, int32 [n_seq, max_blocks],
@@ -327,6 +329,8 @@ class Model:
         may be shared read-only between sequences; a block may be written by one sequence
         per call. Does not touch the slots of `forward` (using both on one cache is the
         caller's business). Refused calls (InputError / ContextOverflowError) change nothing.
+        inputs: the step's optional inputs (StepInputs), below; named: any of them by name
+        (`hidden_in=...`), over those of inputs.
         routes: as in `forward`. state_slots (models with linear-attention layers): int32
         [n_seq], each sequence's recurrent-state slot; a sequence starting at position 0
         starts a fresh state, any other start must continue its slot's state exactly.
@@ -340,26 +344,26 @@ class Model:
         """
         tok = _i32(tokens, "tokens")
         self._check_tokens(tok)
+        if named:
+            inputs = replace(inputs, **named)
         return self._core_forward(self.kv, tok, seq_ids, positions, want_logits, block_tables,
-                                  routes=routes, state_slots=state_slots,
-                                  win_tables=win_tables, hidden_in=hidden_in,
-                                  hidden_out=hidden_out, hidden_normed=hidden_normed)
+                                  inputs)
 
     @property
     def _slot_states(self) -> np.ndarray | None:
         """forward's slot s keeps its recurrent state in state slot s."""
         return np.arange(max(self.n_seq, 1), dtype=np.int32) if self.config.hybrid else None
 
-    def _core_forward(self, *args: Any, routes: np.ndarray | None = None,
-                      state_slots: np.ndarray | None = None, **more: Any) -> np.ndarray:
+    def _core_forward(self, kv: Any, tok: np.ndarray, seq_ids: Any, positions: Any,
+                      want_logits: Any, block_tables: Any, inputs: StepInputs) -> np.ndarray:
         """core.forward, refusing a faulty model and marking one that turns faulty."""
         if self.fault is not None:
             raise ModelFaultError(self.fault)
         try:
-            # only the C core takes win_tables and hidden states (the torch backend keeps no
-            # windowed pool and runs no multi-token-prediction layer)
-            more = {k: v for k, v in more.items() if v is not None and v is not False}
-            out = self.core.forward(*args, routes=routes, state_slots=state_slots, **more)
+            # only the inputs given: the torch backend takes no win_tables or hidden states
+            # (it keeps no windowed pool and runs no multi-token-prediction layer)
+            out = self.core.forward(kv, tok, seq_ids, positions, want_logits, block_tables,
+                                    **inputs.given())
         except (WeightFileChangedError, StorageStalledError) as e:
             self._mark_faulty(str(e))
             raise

@@ -1,7 +1,8 @@
 """Placement on this machine: its measured device profile (the CPU through the C core's
-probes, a torch device through engine/executor/torch_backend/profile.py) and the layers a run
-puts on the torch device under a GPU memory budget, by the cost model
-(engine/executor/costmodel.py). Runs place whole layers (their experts with them)."""
+probes, a torch device through engine/executor/torch_backend/profile.py) and what a run puts
+on the torch device under a GPU memory budget, by the cost model's plan
+(engine/executor/costmodel.py): layers' always-used work first, then routed experts hottest
+first, a device layer's other experts left to the C core."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from colibri.engine.executor.backend import (
+    LayerOp,
+    Op,
     Placement,
     step_ops,
     torch_cuda_count,
@@ -19,8 +22,9 @@ from colibri.engine.executor.backend import (
 from colibri.engine.executor.costmodel import (
     CpuProfile,
     DeviceProfile,
+    Plan,
+    make_plan,
     model_costs,
-    step_time,
 )
 from colibri.engine.format import quant
 from colibri.engine.models.config import ModelConfig
@@ -59,30 +63,30 @@ def measure_profile(threads: int = 0, device: str | None = None) -> DeviceProfil
     return DeviceProfile("this machine", "measured", cpu, gpu)
 
 
-def layer_placement(model_dir: Path, cfg: ModelConfig, profile: DeviceProfile,
-                    budget_mb: float, context: int) -> tuple[Placement | None, str]:
-    """The placement a run uses under budget_mb: the first k layers whole (their always-used
-    work, KV and every expert) on the torch device, k the fastest predicted that fits; the
-    lm_head with them when every layer is there. None when no layer is worth placing."""
+def plan_placement(model_dir: Path, cfg: ModelConfig, profile: DeviceProfile,
+                   budget_mb: float, context: int) -> tuple[Placement | None, str, Plan]:
+    """The placement a run uses under budget_mb, from the cost model's plan (make_plan): the
+    always-used work of the first layers (attention, norms, router, shared and dense FFNs,
+    with their KV) on the torch device, then routed experts hottest first; a device layer's
+    other experts run on the C core beside it. None when nothing is worth placing."""
     mc = model_costs(model_dir, cfg, context=context)
-    layer_bytes = [it.gpu_bytes + (mc.experts[it.layer].gpu_bytes * cfg.n_expert
-                                   if it.layer in mc.experts else 0)
-                   for it in mc.always if it.kind == "layer"]
-    head = mc.always[-1].gpu_bytes
-    best, best_k, used = step_time(profile, mc, 1, set(), False, {}), 0, 0
-    for k in range(1, cfg.n_layer + 1):
-        used += layer_bytes[k - 1]
-        lm = k == cfg.n_layer and used + head <= budget_mb * 1e6
-        if used > budget_mb * 1e6:
-            break
-        layers = set(range(k))
-        t = step_time(profile, mc, 1, layers, lm,
-                      {il: set(range(cfg.n_expert)) for il in layers if il in mc.experts})
-        if t <= best:
-            best, best_k = t, k
-    if best_k == 0:
-        return None, "every layer on the CPU (nothing placed is predicted faster)"
-    ops = {o: "torch" for o in step_ops(cfg) if o.layer < best_k}
-    placement = Placement(default="c", ops=ops)
-    return placement, (f"layers 0..{best_k - 1} of {cfg.n_layer} on the GPU, the rest on the "
-                       f"CPU; decode {1e3 * best:.2f} ms per token predicted")
+    plan = make_plan(profile, mc, budget_mb)
+    if not plan.gpu_layers:
+        return None, "every layer on the CPU (nothing placed is predicted faster)", plan
+    layers = set(plan.gpu_layers)
+    ops = {o: "torch" for o in step_ops(cfg) if o.layer in layers and o.op != Op.EXPERTS}
+    experts: dict[tuple[int, int], str] = {}
+    for il in sorted(layers & set(cfg.moe_layers)):
+        on = plan.gpu_experts.get(il, [])
+        if len(on) == cfg.n_expert:
+            ops[LayerOp(il, Op.EXPERTS)] = "torch"
+        else:
+            experts.update({(il, e): "torch" for e in on})
+    n_on = sum(len(v) for v in plan.gpu_experts.values())
+    n_all = cfg.n_expert * len(cfg.moe_layers)
+    text = (f"layers 0..{max(layers)} of {cfg.n_layer} on the GPU"
+            + (f" with {n_on} of {n_all} routed experts (hottest first; the others run on "
+               "the CPU beside them)" if n_all else "")
+            + (", the rest on the CPU" if len(layers) < cfg.n_layer else "")
+            + f"; decode {plan.decode_ms:.2f} ms per token predicted")
+    return Placement(default="c", ops=ops, experts=experts), text, plan

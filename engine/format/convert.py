@@ -282,6 +282,55 @@ def _write_mtp(ckpt: Checkpoint, root: Path, mcfg: dict[str, Any],
     return out
 
 
+class NotAConversionOf(ValueError):
+    """add_mtp given a folder converted from another model (or by another mapping)."""
+
+
+def add_mtp(hf_dir: str | Path, folder: str | Path) -> bool:
+    """Convert only hf_dir's multi-token-prediction layer into folder, an existing conversion of
+    hf_dir made without it (by a version that did not keep this family's layer): writes mtp/
+    and adds it to config.json, nothing else is converted again. False when folder has the
+    layer already or the checkpoint ships none that its family can run. Refuses a folder whose
+    architecture or hyper-parameters are not those of hf_dir. mtp/ is written under a hidden
+    name and renamed into place before config.json names it, so an interruption leaves the
+    folder as it was."""
+    hf_dir, folder = Path(hf_dir), Path(folder)
+    config = _read_json(folder / "config.json", "config.json")
+    if config.get("format") != "colibri":
+        raise ValueError(f"{folder}: not a Colibri model folder")
+    if config.get("mtp") or not archs.offers_mtp(str(config.get("architecture"))):
+        return False
+    hf_cfg = _read_json(hf_dir / "config.json", "config.json")
+    gen_path = hf_dir / "generation_config.json"
+    gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
+    cfg = archs.colibri_config(hf_cfg, gen)
+    if json.loads(json.dumps(converted_hparams(cfg))) != config.get("converted_hparams"):
+        raise NotAConversionOf(f"{folder} is not a conversion of {hf_dir}: their "
+                               "architectures or hyper-parameters differ")
+    preset = config.get("quant")
+    if preset not in PRESETS:
+        raise ValueError(f"{folder}/config.json: unknown quant {preset!r}")
+    with Checkpoint(hf_dir, fp8_block=_fp8_block(hf_cfg)) as ckpt:
+        mtp = archs.mtp_plan(cfg, set(ckpt.names()))
+        if mtp is None:
+            return False
+        _check_sources(ckpt, mtp[0], mtp[1])
+        for stale in (folder / MTP_DIR, *folder.glob(f".{MTP_DIR}.tmp-*")):
+            shutil.rmtree(stale, ignore_errors=True)  # an interrupted add's: not listed
+        tmp = folder / f".{MTP_DIR}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            files = _write_mtp(ckpt, tmp / MTP_DIR, mtp[0], mtp[1], preset)
+            os.rename(tmp / MTP_DIR, folder / MTP_DIR)
+            _fsync_dir(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    config["mtp"] = MTP_DIR
+    config["files"] = {**config.get("files", {}), **files}
+    _write_atomic(folder / "config.json", json.dumps(config, indent=2) + "\n")
+    return True
+
+
 def _fp8_block(hf_cfg: dict[str, Any]) -> tuple[int, int]:
     """The block an FP8 checkpoint's scales cover (quantization_config.weight_block_size)."""
     q = hf_cfg.get("quantization_config") or {}
@@ -344,8 +393,10 @@ def describe_plan(cfg: dict[str, Any], names: set[str], targets: list[archs.Targ
     mtp = archs.mtp_plan(cfg, names)
     if mtp is not None:
         used |= {t.source.hf_name for t in mtp[1]}
-        lines.append(f"multi-token-prediction layer {cfg['n_layer']} converted into "
-                     f"{MTP_DIR}/ (drafts for --speculative mtp)")
+        what = ("the multi-token-prediction module (mtp.*)"
+                if any(t.source.hf_name.startswith("mtp.") for t in mtp[1])
+                else f"multi-token-prediction layer {cfg['n_layer']}")
+        lines.append(f"{what} converted into {MTP_DIR}/ (drafts for --speculative mtp)")
     unused = sorted(n for n in names - used if n.startswith("model.layers."))
     if unused:
         layers = sorted({int(n.split(".")[2]) for n in unused if n.split(".")[2].isdigit()})
@@ -488,8 +539,9 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
 
     The cache entry is keyed by the source's absolute path, file sizes and mtimes and the
     preset, and converted again in place when an earlier choice of the preset's types made
-    it; a file lock serialises concurrent converters, and the atomic rename in convert()
-    means a reader never sees a half-written entry.
+    it; one made without the checkpoint's multi-token-prediction layer gets just that layer
+    added (add_mtp); a file lock serialises concurrent converters, and the atomic rename in
+    convert() means a reader never sees a half-written entry.
     """
     from colibri.engine.format.hub import download, is_repo_id, repo_name
 
@@ -511,9 +563,14 @@ def ensure_converted(path: str | Path, quant: str = DEFAULT_QUANT,
         if is_current_conversion(dest, quant):
             try:
                 verify(dest)
-                return dest
             except ValueError:
                 pass  # damaged cache entry: convert again
+            else:
+                try:  # made before Colibri kept this family's multi-token-prediction layer:
+                    add_mtp(path, dest)  # only that layer is converted now
+                    return dest
+                except NotAConversionOf:
+                    pass  # from other hyper-parameters than today's mapping: convert again
         if dest.exists():  # damaged, or made by an earlier choice of types
             shutil.rmtree(dest)
         try:

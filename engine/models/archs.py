@@ -29,7 +29,7 @@ from colibri.engine.models.registry import SUPPORTED, for_hf_class, for_name
 
 __all__ = ["BIAS", "DENSE", "EXPERT", "MXFP4", "NORM", "ROUTER", "SHARED", "SUPPORTED", "VOCAB",
            "Source", "Target", "UnsupportedModel", "colibri_config", "fused_shape", "mtp_plan",
-           "plan"]
+           "offers_mtp", "plan"]
 
 
 def colibri_config(hf: dict[str, Any], gen: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -59,6 +59,17 @@ def plan(cfg: dict[str, Any], names: set[str]) -> list[Target]:
 def mtp_plan(cfg: dict[str, Any], names: set[str]) -> tuple[dict[str, Any], list[Target]] | None:
     """The checkpoint's multi-token-prediction layer as a one-layer model of its own (its
     config fields and tensor plan), or None when the family has none or the checkpoint does
-    not ship it. Only the families whose layer can be run (DeepSeek-V3, GLM-4.5) offer one."""
+    not ship it. Only the families whose layer can be run (DeepSeek-V3, GLM-4.5, Qwen3-Next,
+    Qwen3.5) offer one."""
     fn = getattr(for_name(cfg["architecture"]), "mtp_plan", None)
     return fn(cfg, names) if fn is not None else None
+
+
+def offers_mtp(architecture: str) -> bool:
+    """Whether the converter keeps a multi-token-prediction layer for checkpoints of this
+    family (our architecture name) that ship one."""
+    try:
+        family = for_name(architecture)
+    except KeyError:
+        return False
+    return hasattr(family, "mtp_plan")

@@ -102,9 +102,14 @@ class ModelConfig:
     tie_embeddings: bool = False
     # multi-token prediction (engine/spec/mtp.py): mtp names the sub-folder holding the
     # model's MTP layer as a model of its own, whose config sets mtp_input (its input mixes
-    # the next token's embedding with the main model's hidden state)
+    # the next token's embedding with the main model's hidden state); mtp_keep_first: that
+    # embedding is not zeroed at position 0 (Qwen3-Next's, as vLLM runs it; DeepSeek-V3's and
+    # GLM-4.5's are); mtp_chain_normed: a chained draft reads the layer's own hidden state
+    # after its final norm (Qwen3-Next) rather than before it
     mtp: str = ""
     mtp_input: bool = False
+    mtp_keep_first: bool = False
+    mtp_chain_normed: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_architecture: str = ""
@@ -255,6 +260,8 @@ class ModelConfig:
             tie_embeddings=get("tie_embeddings", bool, False),
             mtp=get("mtp", str, ""),
             mtp_input=get("mtp_input", bool, False),
+            mtp_keep_first=get("mtp_keep_first", bool, False),
+            mtp_chain_normed=get("mtp_chain_normed", bool, False),
             bos_token_id=get("bos_token_id", int, None),
             eos_token_ids=tuple(eos),
             hf_architecture=get("hf_architecture", str, ""),
@@ -417,6 +424,7 @@ class ModelConfig:
             "lin_v_dim": self.lin_v_dim,
             "lin_conv": self.lin_conv,
             "mtp_input": int(self.mtp_input),
+            "mtp_keep_first": int(self.mtp_keep_first),
         }
 
     def layer_attn_bits(self) -> list[int] | None:

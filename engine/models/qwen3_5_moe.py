@@ -4,9 +4,10 @@ full-attention layers, zero-centred norms, routed experts plus a gated shared ex
 layer) with the linear layers' input projections as four matrices (in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a) and a router that always renormalises its top-k. Its multi-axis RoPE
 (mrope_section) rotates text positions as plain RoPE: a text token has the same position on
-every axis. The multi-token-prediction module (mtp.*) is skipped at conversion. The released
-checkpoints are multimodal (Qwen3_5MoeForConditionalGeneration): their text_config and
-model.language_model.* tensors are this model; the vision encoder (model.visual.*) is skipped.
+every axis. The multi-token-prediction module (mtp.*) is converted as Qwen3-Next's is
+(qwen3_next.hybrid_mtp_plan, for --speculative mtp). The released checkpoints are multimodal
+(Qwen3_5MoeForConditionalGeneration): their text_config and model.language_model.* tensors are
+this model; the vision encoder (model.visual.*) is skipped.
 
 Defaults and semantics follow transformers' configuration_qwen3_5_moe.py /
 modeling_qwen3_5_moe.py.
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibri.engine.models.family import HFConfig, UnsupportedModel, base_config
-from colibri.engine.models.qwen3_next import hybrid_config, hybrid_plan
+from colibri.engine.models.family import HFConfig, Target, UnsupportedModel, base_config
+from colibri.engine.models.qwen3_next import hybrid_config, hybrid_mtp_plan, hybrid_plan
 
 NAME = "qwen3_5_moe"
 HF_CLASSES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -54,7 +55,17 @@ def config(raw: dict[str, Any], hf_arch: str, gen: dict[str, Any] | None) -> dic
     return cfg
 
 
-def plan(cfg: dict[str, Any], names: set[str]) -> list:
+def _prefix(names: set[str]) -> str:
+    """Where the text model's tensors are: model.language_model. in a multimodal checkpoint."""
     multimodal = "model.language_model.embed_tokens.weight" in names
-    return hybrid_plan(cfg, names, split=True,
-                       prefix="model.language_model." if multimodal else "model.")
+    return "model.language_model." if multimodal else "model."
+
+
+def plan(cfg: dict[str, Any], names: set[str]) -> list:
+    return hybrid_plan(cfg, names, split=True, prefix=_prefix(names))
+
+
+def mtp_plan(cfg: dict[str, Any], names: set[str]) -> tuple[dict[str, Any], list[Target]] | None:
+    """The multi-token-prediction module (mtp.*, at the top level of multimodal checkpoints
+    too) as a one-layer model."""
+    return hybrid_mtp_plan(cfg, names, _prefix(names))

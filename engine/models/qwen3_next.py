@@ -3,8 +3,9 @@ attention (a causal conv1d and a recurrent state per sequence, engine side in
 csrc/linear_attn.c), every full_attention_interval-th one gated full attention (q_proj gives
 each head's query and a sigmoid gate on its output, per-head q/k RMSNorm, partial rotary);
 softmax top-k routing plus a shared expert scaled by its own sigmoid gate. Its RMSNorms
-multiply by (1 + weight): the converter stores 1 + weight. The multi-token-prediction layers
-(mtp.*) are not used for decoding and are skipped at conversion.
+multiply by (1 + weight): the converter stores 1 + weight. The multi-token-prediction module
+(mtp.*) is converted as a model of its own (mtp_plan, for --speculative mtp); a checkpoint
+whose module is incomplete has it skipped.
 
 Defaults and semantics follow transformers' configuration_qwen3_next.py /
 modeling_qwen3_next.py.
@@ -23,6 +24,7 @@ from colibri.engine.models.family import (
     HFConfig,
     Plan,
     Source,
+    Target,
     UnsupportedModel,
     base_config,
     per_expert_names,
@@ -44,6 +46,7 @@ DEFAULTS: dict[str, Any] = dict(
     bos_token_id=None, eos_token_id=None,
 )
 _MIXERS = {"linear_attention": "linear", "full_attention": "attention"}
+MTP = "mtp."  # where Qwen3-Next and Qwen3.5 checkpoints keep the multi-token-prediction module
 
 
 def layer_mixer(hf: HFConfig, n_layer: int) -> list[str]:
@@ -189,7 +192,60 @@ def ffn(pl: Plan, i: int, p: str, names: set[str]) -> None:
 def mtp_tensor(name: str) -> bool:
     """The multi-token-prediction module's tensors (mtp.*), which decoding does not use, and
     a multimodal checkpoint's vision encoder (model.visual.*), which text does not use."""
-    return name.startswith(("mtp.", "model.visual."))
+    return name.startswith((MTP, "model.visual."))
+
+
+
+def mtp_plan(cfg: dict[str, Any], names: set[str]) -> tuple[dict[str, Any], list[Target]] | None:
+    """Qwen3-Next's multi-token-prediction module as a one-layer model (hybrid_mtp_plan)."""
+    return hybrid_mtp_plan(cfg, names, "model.")
+
+
+def hybrid_mtp_plan(cfg: dict[str, Any], names: set[str],
+                    prefix: str) -> tuple[dict[str, Any], list[Target]] | None:
+    """The mtp.* module of a Qwen3-Next-shaped checkpoint as a one-layer model: its config and
+    tensor plan, or None when the checkpoint lacks a tensor of it or holds one it does not
+    expect (the module is then skipped, and said). prefix: where the main model's embeddings
+    are. As vLLM's qwen3_next_mtp runs it: x = fc @ [pre_fc_norm_embedding(embed(next
+    token)); pre_fc_norm_hidden(h)] (the embedding first, not zeroed at position 0, unlike
+    DeepSeek's), one full-attention decoder layer (mtp.layers.0: gated attention and the MoE
+    of the model's layers), mtp.norm and the main model's lm_head; the embeddings are the
+    main model's too. Its output after mtp.norm is what a chained draft reads. Only the first
+    of several mtp.layers is kept: every chained draft runs it."""
+    p = MTP + "layers.0."
+    if MTP + "fc.weight" not in names:
+        return None
+    if p + "mlp.gate.weight" in names:
+        kind = "moe"
+    elif cfg["n_ff_dense"]:
+        kind = "dense"
+    else:
+        return None
+    mcfg = dict(cfg, n_layer=1, layer_ffn=[kind], layer_mixer=["attention"], mtp_input=True,
+                mtp_keep_first=True, mtp_chain_normed=True)
+    V, D = cfg["n_vocab"], cfg["n_embd"]
+    pl = Plan(mcfg)
+    emb = "embeddings.bin"
+    pl.add(emb, "tok_embd", VOCAB, (V, D), Source(prefix + "embed_tokens.weight"))
+    pl.add(emb, "output_norm", NORM, (D,), _norm(MTP + "norm.weight"))
+    if not cfg["tie_embeddings"]:
+        pl.add(emb, "output", VOCAB, (V, D), Source("lm_head.weight"))
+    pl.add(emb, "mtp_enorm", NORM, (D,), _norm(MTP + "pre_fc_norm_embedding.weight"))
+    pl.add(emb, "mtp_hnorm", NORM, (D,), _norm(MTP + "pre_fc_norm_hidden.weight"))
+    pl.add(emb, "mtp_eh_proj", DENSE, (D, 2 * D), Source(MTP + "fc.weight"))
+    pl.add("attention/layer_0.bin", "attn_norm", NORM, (D,), _norm(p + "input_layernorm.weight"))
+    gated_attention(pl, 0, p)
+    ffn(pl, 0, p, names)
+    if any(t.source.hf_name not in names for t in pl.out):
+        return None
+
+    def later_layer(name: str) -> bool:
+        return name.startswith(MTP + "layers.") and not name.startswith(p)
+    try:
+        return mcfg, pl.done({n for n in names if n.startswith(MTP)}, cfg["architecture"],
+                             skipped=later_layer)
+    except UnsupportedModel:
+        return None
 
 
 def plan(cfg: dict[str, Any], names: set[str]) -> list:

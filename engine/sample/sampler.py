@@ -17,6 +17,7 @@ penalty counts are kept incrementally. Refuses: parameters outside the documente
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,15 +258,20 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Any) -> SampleResult:
         """Choose the next token from logits [vocab] given prompt + generated ids so far."""
+        return self.pick(self.adjusted_logits(logits, history), self._draw)
+
+    def pick(self, x: np.ndarray, draw: Callable[[np.ndarray], int]) -> SampleResult:
+        """The token of adjusted logits x (masked by a constraint, if any): the argmax for
+        greedy parameters, else draw(x); with the logprobs the parameters ask for. One place
+        for what a plain draw and the speculative rule (engine.sample.verify) share."""
         p = self.params
-        x = self.adjusted_logits(logits, history)
         m = np.max(x)
         if not np.isfinite(m):
             raise ValueError("logits have no finite maximum")
         if p.temperature < GREEDY_TEMPERATURE:
             token = int(np.argmax(x))  # first maximum: ties go to the lowest id
         else:
-            token = self._draw(x)
+            token = draw(x)
         if p.logprobs is None:
             return SampleResult(token)
         logp = _log_softmax(x, m)
@@ -295,6 +301,10 @@ class Sampler:
             keep = probs >= p.min_p * np.max(probs)  # max of probs is 1 after the shift
             cand, probs = cand[keep], probs[keep]
         return cand, probs
+
+    def coin(self, p: float) -> bool:
+        """True with probability p, from this sequence's generator."""
+        return bool(self._rng.random() < p)
 
     def draw_from(self, cand: np.ndarray, weights: np.ndarray) -> int:
         """One draw from this sequence's generator over cand with weights (not all zero)."""

@@ -15,13 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri.engine.sample.sampler import (
-    GREEDY_TEMPERATURE,
-    Sampler,
-    SampleResult,
-    _log_softmax,
-    _top_indices,
-)
+from colibri.engine.sample.sampler import Sampler, SampleResult
 
 
 def sample_with_draft(sampler: Sampler, logits: np.ndarray, history: list[int],
@@ -29,27 +23,17 @@ def sample_with_draft(sampler: Sampler, logits: np.ndarray, history: list[int],
     """The next token of a sequence whose next drafted token is `draft`, from its logits row
     [vocab] and its history (prompt + generated ids): `draft` itself when the rule keeps it.
     Advances the sampler's counts and generator as Sampler.sample does."""
-    p = sampler.params
     x = sampler.adjusted_logits(logits, history)
-    if p.constraint is not None:
-        p.constraint.apply(x)  # as the batched sampler does: the grammar's mask first
-    m = np.max(x)
-    if not np.isfinite(m):
-        raise ValueError("logits have no finite maximum")
-    if p.temperature < GREEDY_TEMPERATURE:
-        token = int(np.argmax(x))  # first maximum: ties go to the lowest id
-    else:
-        cand, weights = sampler.candidates(x)
+    if sampler.params.constraint is not None:
+        sampler.params.constraint.apply(x)  # as the batched sampler does: the grammar's mask first
+
+    def keep_or_redraw(z: np.ndarray) -> int:
+        cand, weights = sampler.candidates(z)
         at = np.flatnonzero(cand == draft)
         p_draft = float(weights[at[0]] / np.sum(weights)) if at.size else 0.0
-        if sampler._rng.random() < p_draft:
-            token = int(draft)
-        else:  # p(draft) < 1 here, so some other candidate has weight
-            rest = cand != draft
-            token = sampler.draw_from(cand[rest], weights[rest])
-    if p.logprobs is None:
-        return SampleResult(token)
-    logp = _log_softmax(x, float(m))
-    k = min(p.logprobs, sampler.vocab_size)
-    idx = _top_indices(logp, k) if k > 0 else np.empty(0, dtype=np.int64)
-    return SampleResult(token, float(logp[token]), [(int(i), float(logp[i])) for i in idx])
+        if sampler.coin(p_draft):
+            return int(draft)
+        rest = cand != draft  # p(draft) < 1 here, so some other candidate has weight
+        return sampler.draw_from(cand[rest], weights[rest])
+
+    return sampler.pick(x, keep_or_redraw)

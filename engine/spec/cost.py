@@ -3,12 +3,14 @@ tokens per second, from a measured cost of a step and the measured acceptance of
 
 A step costs step_s (whatever it carries: the weights every token reads once, Python's share)
 plus expert_s per distinct routed expert it reads (a verify step reads the union of its tokens'
-experts: E(1 - (1 - top_k/E)^T) per MoE layer for T tokens) plus token_s per token (compute:
-attention over its context, products, sampling its row). Drafting k tokens for a sequence
-yields alpha + alpha^2 + ... + alpha^k more tokens on average (alpha: that request's smoothed
-acceptance rate). k is the one maximising (tokens the step yields) / (its cost), 0 when none
-beats decoding one token. StepCostMeter measures the three parts on the engine's own steps
-(the expert products and attention as the C core times them, the rest fitted), weighted
+experts: UnionMeter, what steps of as many tokens read here, measured; before that the bound
+E(1 - (1 - top_k/E)^T) per MoE layer for T tokens) plus token_s per token (compute: attention
+over its context, products, sampling its row). Drafting k tokens for a sequence yields alpha +
+alpha^2 + ... + alpha^k more tokens on average (alpha: that request's smoothed acceptance rate,
+Acceptance, whose prior at each step is what drafts with as long a match were kept over all
+requests, MatchPrior). k is the one maximising (tokens the step yields) / (its cost), 0 when
+none beats decoding one token. StepCostMeter measures the three parts on the engine's own
+steps (the expert products and attention as the C core times them, the rest fitted), weighted
 toward recent ones, so the model follows what this machine, this context length and this
 expert cache (its loads fall in the expert products' time) actually cost. Guarantees: never
 more drafts than offered; k = 0 whenever drafts do not pay by the model. Refuses nothing; it
@@ -17,7 +19,15 @@ only decides speed, never tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class ExpertUnion(Protocol):
+    """What the cost of a step's experts depends on: distinct experts read by n tokens."""
+
+    def experts_read(self, n_tokens: float) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class StepCost:
     expert_s: float
     token_s: float
 
-    def seconds(self, shape: MoEShape, n_tokens: float, resident: float = 1.0,
+    def seconds(self, shape: ExpertUnion, n_tokens: float, resident: float = 1.0,
                 miss_s: float = 0.0) -> float:
         """Expected seconds of a step of n_tokens. resident: the share of experts the cache
         holds (1 without an expert budget); each one it lacks costs miss_s more to load (for
@@ -74,7 +84,7 @@ class BatchPlan:
     n_yield: float
 
 
-def choose_k(cost: StepCost, shape: MoEShape, alpha: float, k_max: int, batch: BatchPlan,
+def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float, k_max: int, batch: BatchPlan,
              resident: float = 1.0, miss_s: float = 0.0) -> int:
     """Drafts (0..k_max) for one more sequence of `batch` that maximise the step's expected
     tokens per second; updates batch with the choice. Ties go to fewer drafts."""
@@ -90,7 +100,7 @@ def choose_k(cost: StepCost, shape: MoEShape, alpha: float, k_max: int, batch: B
     return best_k
 
 
-def speedup(cost: StepCost, shape: MoEShape, alpha: float, k: int,
+def speedup(cost: StepCost, shape: ExpertUnion, alpha: float, k: int,
             resident: float = 1.0, miss_s: float = 0.0) -> float:
     """One sequence alone: E[accepted + 1] / (cost of a step with k drafts / one token's)."""
     one = cost.seconds(shape, 1, resident, miss_s)
@@ -101,24 +111,32 @@ def speedup(cost: StepCost, shape: MoEShape, alpha: float, k: int,
 @dataclass
 class Acceptance:
     """A request's smoothed acceptance rate: drafts kept over drafts tested (the first
-    rejected one is tested, those after it are not), older steps weighing less. Starts at
-    the prior; drifts back to it while the request does not speculate, so a request that
-    stopped paying is tried again now and then."""
+    rejected one is tested, those after it are not), older steps weighing less, beside a
+    prior that counts as `weight` tested drafts. The prior may differ from step to step (what
+    the drafter's evidence for this step's drafts predicts: MatchPrior); its weight fades as
+    the request's own verify steps accumulate and comes back while the request does not
+    draft, so a request that stopped paying is tried again now and then."""
 
     prior: float = 0.5
     weight: float = 2.0  # the prior counts as this many tested drafts
     decay: float = 0.8  # per verify step: a request's last ~5 steps count most
     relax: float = 0.97  # per step without drafts: back toward the prior
-    kept: float = field(init=False)
-    tested: float = field(init=False)
+    kept: float = field(init=False, default=0.0)  # the request's own, decayed
+    tested: float = field(init=False, default=0.0)
+    prior_mass: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.kept = self.prior * self.weight
-        self.tested = self.weight
+        self.prior_mass = self.weight
+
+    def rate_given(self, prior: float | None = None) -> float:
+        """The rate with `prior` (default: the fixed one) standing for what is not known."""
+        p = self.prior if prior is None else prior
+        den = self.tested + self.prior_mass
+        return (self.kept + self.prior_mass * p) / den if den > 0 else p
 
     @property
     def rate(self) -> float:
-        return self.kept / self.tested if self.tested > 0 else self.prior
+        return self.rate_given()
 
     def observe(self, n_drafts: int, n_accepted: int) -> None:
         """A verify step that carried n_drafts drafts kept n_accepted of them."""
@@ -126,21 +144,140 @@ class Acceptance:
             return
         self.kept = self.decay * self.kept + n_accepted
         self.tested = self.decay * self.tested + n_accepted + (n_accepted < n_drafts)
+        self.prior_mass *= self.decay
 
     def idle(self) -> None:
         """A step in which the request could have drafted but did not."""
         r = self.relax
-        self.kept = r * self.kept + (1 - r) * self.prior * self.weight
-        self.tested = r * self.tested + (1 - r) * self.weight
+        self.kept *= r
+        self.tested *= r
+        self.prior_mass = r * self.prior_mass + (1 - r) * self.weight
+
+
+# what a drafter's evidence (the match length of prompt lookup, engine.spec.ngram) predicts
+# before anything was measured: a long match is a copy, and copies are kept. Bucket 0: no
+# evidence (a drafter that gives none); then match lengths 1, 2-3, 4-7, 8-15, 16-31, 32+.
+MATCH_PRIORS = (0.5, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+
+
+class MatchPrior:
+    """Acceptance by the drafter's evidence, learned over every request's verify steps: per
+    bucket of match length, drafts kept over drafts tested (counted as in Acceptance) beside
+    MATCH_PRIORS[bucket] counting as `weight` tested drafts, older steps weighing less. It is
+    the prior of each request's Acceptance at the step: a request starts drafting at once
+    where its match is long, and stops sooner where such matches are not kept (free text)."""
+
+    def __init__(self, priors: tuple[float, ...] = MATCH_PRIORS, weight: float = 4.0,
+                 decay: float = 0.98) -> None:
+        self.priors = priors
+        self.weight = weight
+        self.decay = decay
+        self._kept = [0.0] * len(priors)
+        self._tested = [0.0] * len(priors)
+
+    def bucket(self, match_len: int | None) -> int:
+        """The bucket of a match length (None or 0: no evidence)."""
+        if not match_len or match_len <= 0:
+            return 0
+        return min(int(match_len).bit_length(), len(self.priors) - 1)
+
+    def rate(self, bucket: int) -> float:
+        return ((self._kept[bucket] + self.weight * self.priors[bucket])
+                / (self._tested[bucket] + self.weight))
+
+    def upper(self, bucket: int) -> float:
+        """rate plus one standard error of it: optimism where little was tested, so a bucket
+        whose prior says no is still tried, cheaply (one draft where that is all it
+        pays for), until enough verify steps say what its drafts are worth."""
+        r = self.rate(bucket)
+        return min(1.0, r + math.sqrt(r * (1.0 - r) / (self._tested[bucket] + self.weight)))
+
+    def observe(self, bucket: int, n_drafts: int, n_accepted: int) -> None:
+        if n_drafts <= 0:
+            return
+        self._kept[bucket] = self.decay * self._kept[bucket] + n_accepted
+        self._tested[bucket] = (self.decay * self._tested[bucket] + n_accepted
+                                + (n_accepted < n_drafts))
+
+
+@dataclass
+class RequestAcceptance:
+    """A request's Acceptance per MatchPrior bucket (its copies and its guesses are kept at
+    different rates: rejected short matches say little about its long ones), and the bucket of
+    the drafts it has in flight."""
+
+    by_bucket: dict[int, Acceptance] = field(default_factory=dict)
+    evidence: int = 0
+
+    def of(self, bucket: int) -> Acceptance:
+        return self.by_bucket.setdefault(bucket, Acceptance())
+
+
+class UnionMeter:
+    """Distinct experts a step of n tokens reads over all MoE layers, as measured on the
+    engine's own steps (the products' expert bytes over one expert's): per token count, the
+    mean of its steps, older ones weighing less. A token count not measured takes the
+    uniform-routing bound (MoEShape.experts_read) scaled by what was measured at the nearest
+    count, kept between its measured neighbours; before any measurement, the bound itself.
+    Drafts of one sequence tend to pick the same experts, so the measured union is usually
+    below the bound, and drafts cheaper than it says."""
+
+    def __init__(self, shape: MoEShape, forget: float = 0.9, max_tokens: int = 64) -> None:
+        self.shape = shape
+        self.forget = forget
+        self.max_tokens = max_tokens
+        self._w: dict[int, float] = {}
+        self._sum: dict[int, float] = {}
+        self._guess: dict[int, float] = {}  # answers since the last step (planning asks often)
+
+    def observe(self, n_tokens: int, n_experts: float) -> None:
+        if not 0 < n_tokens <= self.max_tokens or not n_experts > 0:
+            return
+        self._guess.clear()
+        f = self.forget
+        self._w[n_tokens] = f * self._w.get(n_tokens, 0.0) + 1.0
+        self._sum[n_tokens] = f * self._sum.get(n_tokens, 0.0) + float(n_experts)
+
+    def measured(self, n_tokens: int) -> float | None:
+        """The measured mean at exactly n_tokens, None if never measured."""
+        w = self._w.get(n_tokens)
+        return self._sum[n_tokens] / w if w else None
+
+    def experts_read(self, n_tokens: float) -> float:
+        n = int(round(n_tokens))
+        if n <= 0 or self.shape.n_moe_layers == 0:
+            return 0.0
+        got = self.measured(n)
+        if got is not None:
+            return got
+        if n in self._guess:
+            return self._guess[n]
+        self._guess[n] = guess = self._estimate(n)
+        return guess
+
+    def _estimate(self, n: int) -> float:
+        bound = self.shape.experts_read(n)
+        if not self._w:
+            return bound
+        near = min(self._w, key=lambda m: (abs(m - n), -m))
+        guess = bound * (self._sum[near] / self._w[near]) / self.shape.experts_read(near)
+        below = [v for m in self._w if m < n and (v := self.measured(m)) is not None]
+        above = [v for m in self._w if m > n and (v := self.measured(m)) is not None]
+        lo = max(below, default=0.0)
+        hi = min(above, default=float(self.shape.n_moe_layers * self.shape.n_expert))
+        return max(lo, min(guess, hi))
 
 
 class StepCostMeter:
     """Measures StepCost on the engine's own steps. The C core times the expert products and
-    attention over the KV cache in place, so two parts are ratios of measured sums: expert_s
-    = expert seconds / experts read, and attention's share of token_s = attention seconds /
-    tokens. What remains of a step's seconds (other weights, norms, Python, sampling) is
-    fitted as step_s + rest_s * tokens by least squares, pulled gently toward rest_s = 0 so
-    that it answers while every step has one token. Sums are weighted toward recent steps
+    attention over the KV cache in place. Attention's share of token_s is a ratio of measured
+    sums (attention seconds / tokens); the expert products' seconds are fitted as expert_s *
+    experts read + a per-token part (their compute grows with the tokens each expert
+    multiplies: in a large batch, where every step reads nearly every expert, that part is
+    what a draft costs), and what remains of a step's seconds (other weights, norms, Python,
+    sampling) as step_s + rest_s * tokens, both by least squares pulled gently toward no
+    per-token part, so that they answer while every step has one token (expert_s is then the
+    ratio of expert seconds to experts read). Sums are weighted toward recent steps
     (a forgetting factor), so the costs follow the context growing and the machine's load.
     Steps of more than `max_tokens` tokens (prompt chunks) are not what drafts change and
     are left out. A prior, when given, counts as `prior_weight` steps of its own; an infinite
@@ -151,15 +288,19 @@ class StepCostMeter:
         self.forget = forget
         self.max_tokens = max_tokens
         self.n_obs = 0
-        # forgetting sums: experts, expert seconds, tokens, attention seconds, and for the
-        # rest's fit: steps, sum n, sum n^2, sum r, sum n r
+        # forgetting sums: experts, expert seconds, tokens, attention seconds; for the expert
+        # fit: sum e^2, sum e n, sum e t, sum n t (t: expert seconds); for the rest's fit:
+        # steps, sum n, sum n^2, sum r, sum n r
         self._e = self._te = self._n = self._ta = 0.0
+        self._see = self._sen = self._set = self._snt = 0.0
         self._w = self._sn = self._snn = self._sr = self._snr = 0.0
         self._prior = prior
         self._pinned = prior is not None and prior_weight == float("inf")
         if prior is not None and 0 < prior_weight < float("inf"):
             w = prior_weight
             self._e, self._te = w, w * prior.expert_s
+            self._see, self._sen, self._set, self._snt = w, w, w * prior.expert_s, \
+                w * prior.expert_s
             self._n, self._ta = w, w * prior.token_s
             self._w, self._sn, self._snn, self._sr, self._snr = w, w, w, w * prior.step_s, \
                 w * prior.step_s
@@ -175,6 +316,10 @@ class StepCostMeter:
         r = seconds - expert_seconds - attention_seconds
         self._e = f * self._e + n_experts
         self._te = f * self._te + expert_seconds
+        self._see = f * self._see + n_experts * n_experts
+        self._sen = f * self._sen + n_experts * n
+        self._set = f * self._set + n_experts * expert_seconds
+        self._snt = f * self._snt + n * expert_seconds
         self._n = f * self._n + n
         self._ta = f * self._ta + attention_seconds
         self._w = f * self._w + 1.0
@@ -188,7 +333,7 @@ class StepCostMeter:
         """The measured cost (each part at least 0); None before any step or prior."""
         if self._w <= 0 or self._pinned:
             return self._prior
-        expert_s = self._te / self._e if self._e > 0 else 0.0
+        expert_s, expert_token_s = self._expert_fit()
         attention_s = self._ta / self._n if self._n > 0 else 0.0
         # least squares of r = step_s + rest_s n, with a ridge of one step's weight on rest_s
         mean_n, mean_r = self._sn / self._w, self._sr / self._w
@@ -196,4 +341,23 @@ class StepCostMeter:
         cov = self._snr / self._w - mean_n * mean_r
         rest_s = max(cov / (var_n + 1.0 / self._w), 0.0) if var_n > 0 else 0.0
         step_s = max(mean_r - rest_s * mean_n, 0.0)
-        return StepCost(step_s, max(expert_s, 0.0), attention_s + rest_s)
+        return StepCost(step_s, expert_s, attention_s + rest_s + expert_token_s)
+
+    def _expert_fit(self) -> tuple[float, float]:
+        """(expert_s, per-token part) of the expert products' seconds: least squares of
+        t = expert_s e + c n with a small ridge on c, each part at least 0."""
+        if self._e <= 0:
+            return 0.0, 0.0
+        ratio = max(self._te / self._e, 0.0)
+        see, sen, snn = self._see, self._sen, self._snn
+        ridge = 1e-6 * snn
+        det = see * (snn + ridge) - sen * sen
+        if det <= 0:
+            return ratio, 0.0
+        a = (self._set * (snn + ridge) - sen * self._snt) / det
+        c = (see * self._snt - sen * self._set) / det
+        if c <= 0:
+            return ratio, 0.0
+        if a < 0:
+            return 0.0, max(self._snt / snn, 0.0)
+        return a, c

@@ -1,16 +1,20 @@
-"""Drafts from the model's own multi-token-prediction (MTP) layer (DeepSeek-V3, GLM-4.5).
+"""Drafts from the model's own multi-token-prediction (MTP) layer (DeepSeek-V3, GLM-4.5,
+Qwen3-Next, Qwen3.5).
 
 The layer predicts the token after next: at position p it takes the main model's output h_p
 (after its final norm: what its lm_head reads, as vLLM and SGLang feed it) and the embedding of
 token p + 1, runs one decoder layer, its own norm and the shared lm_head (the converter makes it
-a one-layer model of its own, in the folder's mtp/). Chained, it takes its own hidden state
-before that norm. It keeps KV rows of its own at the same positions as the main model, in a
-cache whose blocks carry the main cache's numbers, so a sequence's rows there are freed and
-rolled back with its main blocks: a rejected position is written again before anything reads
-it. Each step first catches the layer up over the positions the last step verified (from the
-main model's hidden states), which also drafts the first token, then chains it on its own
-hidden state and draft for the others; chained positions past a sequence's blocks go to
-scratch blocks numbered after the main cache's.
+a one-layer model of its own, in the folder's mtp/). Chained, it takes its own hidden state:
+before that norm (DeepSeek-V3, GLM-4.5), or after it where the layer's config says
+mtp_chain_normed (Qwen3-Next, Qwen3.5), as vLLM chains each. It keeps KV rows of its own at
+the same positions as the main model, in a cache whose blocks carry the main cache's numbers,
+so a sequence's rows there are freed and rolled back with its main blocks: a rejected position
+is written again before anything reads it. Each step first catches the layer up over the
+positions the last step verified (from the main model's hidden states), which also drafts the
+first token, then chains it on its own hidden state and draft for the others; chained
+positions past a sequence's blocks go to scratch blocks numbered after the main cache's. In a
+model with linear-attention layers a sequence that rejected a draft computes its kept tokens
+again: their hidden states arrive again and the catch-up waits for them.
 
 Guarantees: this module only proposes tokens; the step engine verifies them, so output never
 depends on it. Positions a sequence did not compute itself (a prefix-cache hit, a fork of n > 1
@@ -51,6 +55,7 @@ class MtpDrafter:
     def __init__(self, layer: Any, n_blocks: int, max_drafts: int) -> None:
         self.layer = layer
         self.n_embd = int(layer.config.n_embd)
+        self.chain_normed = bool(getattr(layer.config, "mtp_chain_normed", False))
         self.first_scratch = int(n_blocks)
         self.per_seq = -(-max_drafts // BLOCK) + 1
         self.n_sets = max(1, (int(layer.n_kv_blocks) - self.first_scratch) // self.per_seq)
@@ -109,7 +114,8 @@ class MtpDrafter:
             at += n
         hidden_out = np.empty_like(hidden_in)
         logits = self.layer.forward_paged(tokens, seq_ids, positions, _table_rows(tables),
-                                          want, hidden_in=hidden_in, hidden_out=hidden_out)
+                                          want, hidden_in=hidden_in, hidden_out=hidden_out,
+                                          hidden_normed=self.chain_normed)
         drafts: dict[int, list[int]] = {}
         chains: list[tuple[Any, np.ndarray, list[int]]] = []  # request, hidden, its table
         row = at = 0
@@ -148,7 +154,8 @@ class MtpDrafter:
                 hidden_out = np.empty_like(hidden_in)
                 logits = self.layer.forward_paged(tokens, np.arange(len(group), dtype=np.int32),
                                                   positions, _table_rows(tables), None,
-                                                  hidden_in=hidden_in, hidden_out=hidden_out)
+                                                  hidden_in=hidden_in, hidden_out=hidden_out,
+                                                  hidden_normed=self.chain_normed)
                 for i, (c, req) in enumerate(zip(group, reqs, strict=True)):
                     d = drafts[id(req)]
                     d.append(int(np.argmax(logits[i])))

@@ -2,11 +2,17 @@
 tokens earlier in its text (prompt and output) and proposing what followed them there.
 
 Code edits, retrieval answers and agents quoting their inputs repeat long runs of their
-prompt; there the tokens after an earlier occurrence of the last n tokens are likely next.
-Guarantees: drafts come only from the sequence's own tokens (no model is run); the index
-grows with the tokens appended (a dict update per token and n), so a lookup costs O(k), not
-O(length). The longest n (from `max_n` down to `min_n`) with an earlier occurrence wins, and of
-its occurrences the most recent. Refuses nothing: no match gives no drafts.
+prompt; there the tokens after an earlier occurrence of the last n tokens are likely next, and
+the further back the two places agree, the likelier. Guarantees: drafts come only from the
+sequence's own tokens (no model is run); the index grows with the tokens appended (a dict
+update per token and n), so a lookup costs O(k + candidates x extension), not O(length). A
+proposal whose source the tokens since then followed continues from there (a copy stays on
+its place in the prompt); otherwise the longest n (from `max_n` down to `min_n`) with an
+earlier occurrence wins, and of its latest `max_candidates` occurrences the one that agrees
+furthest back (the most recent on a tie). A source that runs into the sequence's end repeats
+itself (a loop drafts a whole loop). Each proposal's evidence, `match_len`, is how many
+tokens before the drafts agree with those before their source. Refuses nothing: no match
+gives no drafts.
 """
 
 from __future__ import annotations
@@ -15,26 +21,37 @@ from collections.abc import Sequence
 
 DEFAULT_MIN_N = 1
 DEFAULT_MAX_N = 3
+MAX_CANDIDATES = 8  # occurrences of the matching n-gram compared, latest first
+MAX_MATCH = 64  # how far back a match is followed (evidence saturates well before)
 
 
 class NgramDrafter:
     """The n-gram index of one sequence and its draft proposals.
 
     `propose(tokens, k)` takes the sequence's whole token list each time (it only ever grows:
-    prompt then accepted output); the index reads just the new tail.
+    prompt then accepted output); the index reads just the new tail. After a proposal,
+    `match_len` holds its evidence (0 when it found nothing).
     """
 
-    def __init__(self, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N) -> None:
+    def __init__(self, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N,
+                 max_candidates: int = MAX_CANDIDATES) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, "
                              f"{max_n}")
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be at least 1, got {max_candidates}")
         self.min_n = min_n
         self.max_n = max_n
-        # per n: n-gram -> the position just after its most recent occurrence whose next
-        # token is known (so the sequence's own suffix never matches itself)
-        self._after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in
-                                                             range(min_n, max_n + 1)}
+        self.max_candidates = max_candidates
+        # per n: n-gram -> the positions just after its occurrences whose next token is
+        # known, in order (so the sequence's own suffix never matches itself)
+        self._after: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(min_n, max_n + 1)}
         self._n_indexed = 0  # tokens[:_n_indexed] have had their n-grams indexed
+        self.match_len = 0
+        self._src = -1  # where the last proposal's drafts came from (-1: none)
+        self._at = 0  # the sequence's length at the last proposal
+        self._match = 0  # and its match length
 
     def _index(self, tokens: Sequence[int]) -> None:
         # the n-gram ending at position i is indexed once token i + 1 exists
@@ -46,18 +63,59 @@ class NgramDrafter:
         for i in range(self._n_indexed, end):
             for n, table in self._after.items():
                 if i + 1 >= n:
-                    table[tuple(tokens[i + 1 - n:i + 1])] = i + 1
+                    table.setdefault(tuple(tokens[i + 1 - n:i + 1]), []).append(i + 1)
         self._n_indexed = end
 
+    @staticmethod
+    def _agree(tokens: Sequence[int], src: int, length: int, skip: int) -> int:
+        """How many tokens before src agree with those before length (src < length), the
+        first `skip` known to: at most MAX_MATCH."""
+        n = skip
+        while n < MAX_MATCH and n < src and tokens[src - 1 - n] == tokens[length - 1 - n]:
+            n += 1
+        return n
+
+    def _follows(self, tokens: Sequence[int]) -> bool:
+        """Whether the tokens since the last proposal are what followed its source."""
+        if self._src < 0:
+            return False
+        new = len(tokens) - self._at
+        return 0 <= new and all(tokens[self._src + i] == tokens[self._at + i]
+                                for i in range(new))
+
+    def _search(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(source, match length) of the best earlier occurrence of a suffix; (-1, 0)."""
+        length = len(tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            starts = self._after[n].get(tuple(tokens[length - n:]))
+            if starts:
+                best, best_len = -1, -1
+                for src in reversed(starts[-self.max_candidates:]):
+                    m = self._agree(tokens, src, length, n)
+                    if m > best_len:
+                        best, best_len = src, m
+                return best, best_len
+        return -1, 0
+
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest
-        matching suffix of tokens (n from max_n down to min_n); [] when none matches."""
+        """Up to k tokens that followed the source of a suffix of tokens (see the module);
+        [] when none matches."""
+        self.match_len = 0
         if k <= 0 or not tokens:
             return []
         self._index(tokens)
         length = len(tokens)
-        for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            start = self._after[n].get(tuple(tokens[length - n:]))
-            if start is not None:
-                return [int(t) for t in tokens[start:min(start + k, length)]]
-        return []
+        if self._follows(tokens):
+            grown = length - self._at
+            src, match = self._src + grown, min(self._match + grown, MAX_MATCH)
+        else:
+            src, match = self._search(tokens)
+        self._src, self._at, self._match = src, length, match
+        if src < 0:
+            return []
+        self.match_len = match
+        out: list[int] = []
+        for i in range(k):  # past the end, the source is the drafts themselves
+            at = src + i
+            out.append(int(tokens[at]) if at < length else out[at - length])
+        return out

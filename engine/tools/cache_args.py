@@ -17,7 +17,7 @@ __all__ = ["DEFAULT_KV_CACHE_TYPE", "KV_CACHE_TYPES", "DEVICE_OPTIONS", "add_dev
            "add_expert_cache_args", "add_kv_cache_type_arg", "device_from_args",
            "expert_cache_from_args"]
 
-DEVICE_OPTIONS = ("device", "gpu_memory_mb")
+DEVICE_OPTIONS = ("device", "gpu_memory_mb", "device_profile")
 
 
 def add_expert_cache_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:
@@ -37,11 +37,12 @@ def expert_cache_from_args(args: argparse.Namespace) -> ExpertCacheConfig:
 
 
 def add_device_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:
-    """Adds --device and --gpu-memory-mb (also read from COLIBRI_DEVICE and
-    COLIBRI_GPU_MEMORY_MB, see device_from_args)."""
+    """Adds --device, --gpu-memory-mb and --device-profile (also read from COLIBRI_DEVICE,
+    COLIBRI_GPU_MEMORY_MB and COLIBRI_DEVICE_PROFILE, see device_from_args)."""
     add_option_args(p, DEVICE_OPTIONS, suppress=suppress)
 
 
 def device_from_args(args: argparse.Namespace) -> dict[str, object]:
-    """{"device": ..., "gpu_memory_mb": ...}: flags over COLIBRI_* variables over defaults."""
+    """{"device": ..., "gpu_memory_mb": ..., "device_profile": ...}: flags over COLIBRI_*
+    variables over defaults."""
     return option_values(args, DEVICE_OPTIONS)

@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from colibri.engine import __version__
@@ -61,6 +62,10 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="output Colibri model folder (new)")
     add_option_args(p, ("quant",))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--add-mtp", action="store_true",
+                   help="OUT_DIR is an existing conversion of HF_DIR made without the "
+                        "checkpoint's multi-token-prediction layer: convert only that layer "
+                        "into it (for --speculative mtp)")
 
 
 @command("convert", "convert a Hugging Face checkpoint into a Colibri folder", _convert_args)
@@ -68,9 +73,27 @@ def _convert(args: argparse.Namespace) -> int:
     from colibri.engine.format.convert import convert
 
     check_model(args.hf_dir, flag="HF_DIR")
+    if args.add_mtp:
+        return _add_mtp(args.hf_dir, args.out_dir)
     out = convert(args.hf_dir, args.out_dir, quant=args.quant, progress=not args.no_progress)
     print(f"wrote {out}")
     return 0
+
+
+def _add_mtp(hf_dir: str, folder: str) -> int:
+    from colibri.engine.format.convert import MTP_DIR, add_mtp, is_colibri_dir
+
+    if not is_colibri_dir(folder):
+        raise ValueError(f"{folder}: not a Colibri model folder (--add-mtp adds to one)")
+    if add_mtp(hf_dir, folder):
+        print(f"added the multi-token-prediction layer to {folder}/{MTP_DIR}")
+        return 0
+    if (Path(folder) / MTP_DIR / "config.json").is_file():
+        print(f"{folder} has its multi-token-prediction layer already")
+        return 0
+    print(f"{hf_dir} ships no multi-token-prediction layer that Colibri runs: nothing added",
+          file=sys.stderr)
+    return 1
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -23,10 +23,11 @@ _FEATURES = ("router", "n_group", "topk_group", "routed_scale", "norm_topk_prob"
              "bos_token_id", "eos_token_ids")
 
 
-def describe(model_dir: str | Path, device: str = "auto",
-             gpu_memory_mb: float | None = None) -> dict[str, Any]:
+def describe(model_dir: str | Path, device: str = "auto", gpu_memory_mb: float | None = None,
+             device_profile: str | None = None) -> dict[str, Any]:
     """Architecture, dimensions, parameter counts (total, active per token), bytes by type,
-    and where a run on `device` (under gpu_memory_mb) would place its work."""
+    and where a run on `device` (under gpu_memory_mb, planned with device_profile or this
+    machine's measured one) would place its work."""
     from colibri.engine.tools.plan import placement_summary
 
     model_dir = Path(model_dir)
@@ -85,7 +86,7 @@ def describe(model_dir: str | Path, device: str = "auto",
         "n_files": len(files),
         "mtp": {"folder": mtp, "params": params_mtp} if mtp else None,
         "tokenizer": (model_dir / "tokenizer.json").is_file(),
-        "placement": placement_summary(model_dir, device, gpu_memory_mb),
+        "placement": placement_summary(model_dir, device, gpu_memory_mb, device_profile),
     }
 
 

@@ -10,11 +10,12 @@ and, when torch sees a CUDA device, that device (engine/executor/torch_backend/p
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from colibri.engine.executor.costmodel import DeviceProfile, Plan, make_plan, model_costs
-from colibri.engine.executor.placement import layer_placement, measure_profile
+from colibri.engine.executor.placement import measure_profile, plan_placement
 from colibri.engine.models.config import ModelConfig
 
 
@@ -33,10 +34,11 @@ def plan_for(model_dir: Path, profile: DeviceProfile, budget_mb: float | None,
     return plan, info
 
 
-def placement_summary(model_dir: Path, device: str, gpu_memory_mb: float | None) -> str:
+def placement_summary(model_dir: Path, device: str, gpu_memory_mb: float | None,
+                      device_profile: str | None = None) -> str:
     """What a run with these options would place where (`colibri info`): a device without
-    torch's figures is not measured; a budget is planned with this machine's measured
-    profile."""
+    torch's figures is not measured; a budget is planned with device_profile, or this
+    machine's measured profile."""
     from colibri.engine.executor.backend import resolve_device, torch_unsupported
 
     cfg = ModelConfig.from_dir(model_dir)
@@ -52,8 +54,8 @@ def placement_summary(model_dir: Path, device: str, gpu_memory_mb: float | None)
         return "everything on the CPU (the C core)"
     if gpu_memory_mb is None:
         return f"everything on {dev} (the torch backend)"
-    _p, text = layer_placement(model_dir, cfg, measure_profile(0, dev), gpu_memory_mb,
-                               cfg.default_n_ctx())
+    prof = DeviceProfile.load(device_profile) if device_profile else measure_profile(0, dev)
+    _p, text, _plan = plan_placement(model_dir, cfg, prof, gpu_memory_mb, cfg.default_n_ctx())
     return f"{dev} under {gpu_memory_mb:.0f} MB: {text}"
 
 
@@ -72,8 +74,13 @@ def render(plan: Plan, info: dict[str, Any]) -> str:
             + (", the lm_head" if plan.lm_head_on_gpu else ""),
             f"               {info['gpu_experts']} of {info['n_experts']} routed experts, "
             "hottest first",
-            "CPU            the rest (cold experts: CPU or upload, chosen per step)",
         ]
+        if plan.gpu_experts:
+            per = " ".join(f"{il}:{len(v)}" for il, v in sorted(plan.gpu_experts.items()))
+            lines += textwrap.wrap(per, 92, initial_indent="  by layer     ",
+                                   subsequent_indent=" " * 15)
+        lines.append("CPU            the rest: a GPU layer's other experts run on the CPU beside "
+                     "it, and move to the GPU by heat between steps")
     lines += [
         f"decode         {plan.decode_ms:.2f} ms per token predicted "
         f"(all on the CPU: {plan.cpu_decode_ms:.2f})",

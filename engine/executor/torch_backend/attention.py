@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from colibri.engine.errors import InputError
 from colibri.engine.executor.torch_backend.weights import TorchWeight, linear
 from colibri.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from colibri.engine.executor.torch_backend.linear import LinearState
 
 KV_BLOCK = 16
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16}
@@ -40,16 +45,19 @@ class TorchKV:
     """Paged K/V per attention layer: rows [n_blocks * 16, n_kv_heads, width], slot
     block * 16 + pos % 16 (the C cache's addressing through the same block tables).
     MLA keeps one latent row per position (values are its first kv_lora_rank elements).
-    layers: the attention layers it holds (None: all; a split placement keeps its own)."""
+    layers: the attention layers it holds (None: all; a split placement keeps its own).
+    state: the linear-attention layers' recurrent-state slots (linear.LinearState), if any."""
 
     def __init__(self, cfg: ModelConfig, n_blocks: int, kv_type: str, device: torch.device,
-                 n_state_slots: int = 0, layers: list[int] | None = None) -> None:
+                 n_state_slots: int = 0, layers: list[int] | None = None,
+                 state: LinearState | None = None) -> None:
         if kv_type not in KV_TYPES:
             raise ValueError(f"the torch backend keeps its KV cache as {' or '.join(KV_TYPES)}, "
                              f"not {kv_type!r}")
         self.kv_type = kv_type
         self.n_blocks = n_blocks
         self.n_state_slots = n_state_slots
+        self.state = state
         dt = KV_TYPES[kv_type]
         self.mla = cfg.attn == "mla"
         rd = cfg.rotary_dim or cfg.head_dim
@@ -78,6 +86,16 @@ class TorchKV:
         """Block src's rows into block dst, every layer (a forked prefix's last block)."""
         for rows in (*self.k.values(), *self.v.values()):
             rows[dst * KV_BLOCK:(dst + 1) * KV_BLOCK] = rows[src * KV_BLOCK:(src + 1) * KV_BLOCK]
+
+    def copy_state(self, dst: int, src: int) -> None:
+        """Make state slot dst what slot src is (a forked sequence, a saved state restored)."""
+        if self.state is None:
+            raise InputError("this cache keeps no recurrent-state slots")
+        self.state.copy(int(dst), int(src))
+
+    def state_len(self, slot: int) -> int:
+        """Positions state slot `slot` has absorbed (-1: none usable)."""
+        return -1 if self.state is None else self.state.positions(int(slot))
 
     def store(self, il: int, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None) -> None:

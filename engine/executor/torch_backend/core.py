@@ -4,8 +4,9 @@ engine.executor.backend.step_ops, over a paged KV cache in torch tensors.
 It stands where the C core's CoreModel stands under engine.executor.model.Model (the same
 forward signature, block tables and logits), so every caller of Model runs on it unchanged.
 "cpu" runs exactly the code a CUDA device runs; it is how the suite checks this path against
-the C core without a GPU. Refuses (FormatError at load) what it does not implement yet:
-linear-attention layers and a q8 KV cache.
+the C core without a GPU. Linear-attention layers keep their recurrent state in the cache's
+state slots (engine/executor/torch_backend/linear.py). Refuses (ValueError at load) a q8 KV
+cache, which it does not implement yet.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from colibri.engine.errors import ContextOverflowError, FormatError, InputError
 from colibri.engine.executor.backend import LayerOp, Op, step_ops, torch_unsupported
 from colibri.engine.executor.torch_backend import attention as att
 from colibri.engine.executor.torch_backend import ffn
-from colibri.engine.executor.torch_backend.weights import ModelWeights, load_weights
+from colibri.engine.executor.torch_backend import linear as lin
+from colibri.engine.executor.torch_backend.expert_split import ExpertSplit
+from colibri.engine.executor.torch_backend.weights import ModelWeights, linear, load_weights
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.models.rope import rope_frequencies
 
@@ -43,14 +46,16 @@ class StepState:
     routes: np.ndarray | None = None  # [T, n_layer, K] out
     logits: torch.Tensor | None = None
     want: np.ndarray | None = None
+    by_seq: lin.SeqLayout | None = None  # the tokens by sequence (linear-attention layers)
 
 
 class TorchCore:
     """A converted model's weights on a torch device and the step that runs on them."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device,
-                 n_ctx: int) -> None:
+                 n_ctx: int, layers: set[int] | None = None) -> None:
         self.cfg = cfg
+        self.mine = set(range(cfg.n_layer)) if layers is None else set(layers)
         self.w = weights
         self.device = device
         self._n_ctx = n_ctx
@@ -70,19 +75,22 @@ class TorchCore:
         }
         self.forward_ns = 0
         self.n_forward = 0
-        # per (layer, expert): whether another backend runs it (split placement)
-        self.skip_expert: Callable[[int, int], bool] | None = None
+        # routed experts split between this device and the C core (a split placement)
+        self.split: ExpertSplit | None = None
 
     @classmethod
     def load(cls, path: str | Path, cfg: ModelConfig, n_ctx: int,
-             device: str | torch.device = "cpu", layers: set[int] | None = None) -> TorchCore:
-        """The folder's weights on device: all, or only those of `layers` (a split)."""
+             device: str | torch.device = "cpu", layers: set[int] | None = None,
+             experts: dict[int, set[int]] | None = None) -> TorchCore:
+        """The folder's weights on device: all, or only those of `layers` (a split), with per
+        layer named in `experts` only those routed experts."""
         why = torch_unsupported(cfg)
         if why:
             raise FormatError(f"{path}: the torch backend does not run {', '.join(why)} yet; "
                               "use --device cpu")
         dev = torch.device(device)
-        return cls(cfg, load_weights(path, cfg, dev, layers=layers), dev, n_ctx)
+        return cls(cfg, load_weights(path, cfg, dev, layers=layers, experts=experts), dev,
+                   n_ctx, layers)
 
     @property
     def n_ctx(self) -> int:
@@ -98,9 +106,50 @@ class TorchCore:
     def product_stats(self) -> dict[str, float]:
         return {"forward_calls": float(self.n_forward), "forward_s": self.forward_ns / 1e9}
 
-    def new_kv(self, n_blocks: int, kv_type: str, n_state_slots: int = 0,
-               layers: list[int] | None = None) -> att.TorchKV:
-        return att.TorchKV(self.cfg, n_blocks, kv_type, self.device, n_state_slots, layers)
+    def linear_layers(self, a: int = 0, b: int | None = None) -> list[int]:
+        """Its linear-attention layers among layers [a, b) (b None: the last)."""
+        b = self.cfg.n_layer if b is None else b
+        mix = self.cfg.layer_mixer
+        return [il for il in sorted(self.mine) if a <= il < b and mix and mix[il] == "linear"]
+
+    def new_kv(self, n_blocks: int, kv_type: str, n_state_slots: int = 0) -> att.TorchKV:
+        """A paged KV cache for its attention layers and, with linear-attention layers,
+        n_state_slots recurrent-state slots for them."""
+        attn = [il for il in self.cfg.attention_layers if il in self.mine]
+        linear = self.linear_layers()
+        state = (lin.LinearState(self.cfg, n_state_slots, linear, self.device)
+                 if linear and n_state_slots > 0 else None)
+        return att.TorchKV(self.cfg, n_blocks, kv_type, self.device,
+                           n_state_slots if state else 0, attn, state)
+
+    def state_check(self, kv: att.TorchKV, lay: lin.SeqLayout | None,
+                    layers: list[int]) -> None:
+        """InputError, changing nothing, unless the step's sequences may run `layers` from
+        their state slots (linear.LinearState.check)."""
+        if not layers:
+            return
+        if kv.state is None:
+            raise InputError("this model has linear-attention layers: the call needs state "
+                             "slots (the cache has none)")
+        assert lay is not None
+        kv.state.check(lay, layers)
+
+    def run_layers(self, st: StepState, kv: att.TorchKV, ops: list[LayerOp],
+                   layers: list[int]) -> None:
+        """ops in order, the linear layers `layers` among them starting, advancing and
+        recording their state slots (unusable after an error midway)."""
+        if layers:
+            assert kv.state is not None and st.by_seq is not None
+            kv.state.begin(st.by_seq, layers)
+        ok = False
+        try:
+            for lop in ops:
+                self.run_op(lop, st, kv)
+            ok = True
+        finally:
+            if layers:
+                assert kv.state is not None and st.by_seq is not None
+                kv.state.end(st.by_seq, layers, ok)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -144,9 +193,10 @@ class TorchCore:
         self.check(kv, tok, seq, pos, tables)
         t0 = time.perf_counter_ns()
         with torch.inference_mode():
-            st = self.start(tok, seq, pos, tables, routes, want)
-            for lop in self.ops:
-                self.run_op(lop, st, kv)
+            st = self.start(tok, seq, pos, tables, routes, want, state_slots)
+            layers = self.linear_layers()
+            self.state_check(kv, st.by_seq, layers)
+            self.run_layers(st, kv, self.ops, layers)
             out = (st.logits.cpu().numpy() if st.logits is not None
                    else np.empty((0, self.cfg.n_vocab), np.float32))
         self.forward_ns += time.perf_counter_ns() - t0
@@ -155,19 +205,26 @@ class TorchCore:
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def start(self, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray, tables: np.ndarray,
-               routes: np.ndarray | None, want: np.ndarray | None) -> StepState:
+              routes: np.ndarray | None, want: np.ndarray | None,
+              state_slots: np.ndarray | None = None) -> StepState:
         dev = self.device
+        lay = (lin.seq_layout(seq, pos, state_slots, dev) if self.linear_layers() else None)
         p = torch.from_numpy(pos).to(dev)
         ang = p.float()[:, None] * self.inv_freq[None, :]
         ix = att.step_index(torch.from_numpy(tables).to(dev), torch.from_numpy(seq).to(dev), p)
         return StepState(x=torch.empty(0), ix=ix, cos=torch.cos(ang) * self.rope_scale,
                          sin=torch.sin(ang) * self.rope_scale,
-                         tokens=torch.from_numpy(tok).to(dev), routes=routes, want=want)
+                         tokens=torch.from_numpy(tok).to(dev), routes=routes, want=want,
+                         by_seq=lay)
 
     def run_op(self, lop: LayerOp, st: StepState, kv: att.TorchKV) -> None:
         """One operation of the step (the split placement drives the step op by op)."""
         if lop.op == Op.ATTENTION:
             self._attention(st, lop.layer, kv)
+        elif lop.op == Op.LINEAR_ATTENTION:
+            assert kv.state is not None and st.by_seq is not None
+            st.x = st.x + lin.gated_delta_net(self.cfg, self.w.layers[lop.layer].attn, st.x,
+                                              kv.state, lop.layer, st.by_seq)
         else:
             self.bound[lop.op](st, lop.layer)
 
@@ -193,9 +250,10 @@ class TorchCore:
 
     def _experts(self, st: StepState, il: int) -> None:
         assert st.xn is not None and st.routing is not None
-        skip = self.skip_expert
-        only = None if skip is None else (lambda e: not skip(il, e))
-        st.moe_out = ffn.experts(self.cfg, self.w.layers[il].experts, st.xn, st.routing, only)
+        if self.split is not None and il in self.split.layers:
+            st.moe_out = self.split.run(il, st.xn, st.routing)
+        else:
+            st.moe_out = ffn.experts(self.cfg, self.w.layers[il].experts, st.xn, st.routing)
         if self.cfg.n_ff_shared == 0:
             st.x = st.x + st.moe_out
 
@@ -219,4 +277,4 @@ class TorchCore:
             return
         assert self.w.output is not None and self.w.output_norm is not None
         xn = att.rmsnorm(x, self.w.output_norm, self.cfg.rms_eps)
-        st.logits = xn @ self.w.output.dense().T
+        st.logits = linear(xn, self.w.output)

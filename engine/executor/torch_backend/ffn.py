@@ -86,7 +86,7 @@ def ffn(cfg: ModelConfig, w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
     return linear(h, w.w2, w.b2)
 
 
-def experts(cfg: ModelConfig, ws: list[FFNWeights], xn: torch.Tensor, r: Routing,
+def experts(cfg: ModelConfig, ws: list[FFNWeights | None], xn: torch.Tensor, r: Routing,
             only: Callable[[int], bool] | None = None) -> torch.Tensor:
     """The routed experts' combined output [T, D]: each chosen expert once over its rows, in
     expert order; with route_input the weight scales the expert's input instead of its output.
@@ -97,9 +97,10 @@ def experts(cfg: ModelConfig, ws: list[FFNWeights], xn: torch.Tensor, r: Routing
     for e in chosen:
         if only is not None and not only(e):
             continue
+        w = ws[e]
+        assert w is not None, f"expert {e} is not on this device"
         tok, k = (r.ids == e).nonzero(as_tuple=True)
         wt = r.weights[tok, k][:, None]
-        w = ws[e]
         dev = w.w1.data.device
         x = xn[tok].to(dev)
         if cfg.route_input:

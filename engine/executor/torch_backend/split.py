@@ -3,9 +3,13 @@
 The layers run in order in runs of one backend: a C run is one clb_forward_span call over the
 hidden states, a torch run is TorchCore's operations for its layers; the hidden states move
 between them as float32 [T, n_embd]. The embeddings run where layer 0 runs, the final norm
-and lm_head where the last layer runs. Each backend keeps the KV rows of its own layers. On
+and lm_head where the last layer runs. Each backend keeps the KV rows and the recurrent-state
+slots of its own layers (both index one slot per sequence; each layer counts what it absorbed,
+so a step's layers may run in several calls). A torch layer may keep only some of its routed
+experts on the device: the C core runs the others beside it (expert_split.py), and between
+steps the GPU tier moves experts by heat. On
 torch's CPU device this gives the all-C tokens (the same math; float32 rounding aside); on a
-GPU the hidden states cross PCIe once per run.
+GPU the hidden states cross PCIe once per run (and a split layer's inputs once per layer).
 """
 
 from __future__ import annotations
@@ -21,22 +25,39 @@ from colibri.engine import _core
 from colibri.engine.executor.backend import LayerOp, Op, Placement, step_ops
 from colibri.engine.executor.torch_backend.attention import TorchKV
 from colibri.engine.executor.torch_backend.core import TorchCore
+from colibri.engine.executor.torch_backend.expert_split import ExpertSplit, TierConfig
+from colibri.engine.executor.torch_backend.linear import seq_layout as linear_state_layout
 from colibri.engine.models.config import ModelConfig
 
 
 def layer_backends(cfg: ModelConfig, placement: Placement) -> list[str]:
-    """Per layer the backend running all of it; ValueError when a placement splits a layer
-    (this step runs whole layers on one backend) or places an expert apart from its layer."""
+    """Per layer the backend running its work; a layer on the torch backend may leave some of
+    its routed experts to the C core (an expert split), but a layer on the C core runs whole:
+    ValueError when it places some of its work, or one of its experts, on the torch device."""
     out: list[str] = []
     ops = step_ops(cfg)
     for il in range(cfg.n_layer):
-        used = {placement.of(o) for o in ops if o.layer == il}
-        used |= {b for (l_, _e), b in placement.experts.items() if l_ == il}
+        used = {placement.of(o) for o in ops if o.layer == il and o.op != Op.EXPERTS}
         if len(used) != 1:
-            raise ValueError(f"layer {il} is placed on {sorted(used)}: a split step runs each "
-                             "layer whole on one backend")
-        out.append(used.pop())
+            raise ValueError(f"layer {il} is placed on {sorted(used)}: a split step runs a "
+                             "layer's attention, router, shared and dense work on one backend")
+        b = used.pop()
+        if b == "c" and il in cfg.moe_layers:
+            mine = {placement.of(LayerOp(il, Op.EXPERTS))}
+            mine |= {b_ for (l_, _e), b_ in placement.experts.items() if l_ == il}
+            if mine != {"c"}:
+                raise ValueError(f"layer {il} is placed on {sorted(mine | {'c'})}: routed "
+                                 "experts run on the torch device only in a layer whose other "
+                                 "work runs there")
+        out.append(b)
     return out
+
+
+def device_experts(cfg: ModelConfig, placement: Placement,
+                   backends: list[str]) -> dict[int, set[int]]:
+    """Per MoE layer on the torch backend, the routed experts it keeps on the device."""
+    return {il: {e for e in range(cfg.n_expert) if placement.of_expert(il, e) == "torch"}
+            for il in cfg.moe_layers if backends[il] == "torch"}
 
 
 def runs(backends: list[str]) -> list[tuple[str, int, int]]:
@@ -67,11 +88,21 @@ class SplitKV:
 
     @property
     def n_state_slots(self) -> int:
-        return 0
+        return int(self.c.n_state_slots)
 
     def copy_block(self, dst: int, src: int) -> None:
         self.c.copy_block(dst, src)
         self.t.copy_block(dst, src)
+
+    def copy_state(self, dst: int, src: int) -> None:
+        """State slot src into dst on both backends (a fork, or a saved state restored)."""
+        self.c.copy_state(dst, src)
+        if self.t.state is not None:
+            self.t.copy_state(dst, src)
+
+    def state_len(self, slot: int) -> int:
+        c = int(self.c.state_len(slot))
+        return c if self.t.state is None else min(c, self.t.state_len(slot))
 
 
 class SplitCore:
@@ -87,14 +118,24 @@ class SplitCore:
 
     @classmethod
     def load(cls, path: Path, cfg: ModelConfig, n_ctx: int, threads: int, device: str,
-             placement: Placement) -> SplitCore:
-        if cfg.hybrid:
-            raise ValueError("a model with linear-attention layers runs on one backend")
+             placement: Placement, tier: TierConfig | None = None) -> SplitCore:
+        """The C core and a TorchCore holding the placement's torch layers, with only their
+        device experts; the experts of those layers are split between the two (and moved by
+        heat as `tier` says)."""
         backends = layer_backends(cfg, placement)
         c = _core.CoreModel.load(str(path), cfg.to_hparams(n_ctx), threads)
         mine = {il for il, b in enumerate(backends) if b == "torch"}
-        t = TorchCore.load(path, cfg, n_ctx, device, layers=mine)
+        on_dev = device_experts(cfg, placement, backends)
+        t = TorchCore.load(path, cfg, n_ctx, device, layers=mine, experts=on_dev)
+        if on_dev:
+            t.split = ExpertSplit(Path(path), cfg, c, t.w, t.device, set(on_dev), tier)
         return cls(c, t, cfg, backends)
+
+    @property
+    def expert_split(self) -> ExpertSplit | None:
+        """The routed experts split between the device and the C core (None: no MoE layer
+        on the device)."""
+        return self.t.split
 
     @property
     def n_ctx(self) -> int:
@@ -110,10 +151,12 @@ class SplitCore:
     def product_stats(self) -> dict[str, float]:
         return dict(self.c.product_stats())
 
-    def new_kv(self, n_blocks: int, kv_type: str) -> SplitKV:
-        mine = [il for il in self.cfg.attention_layers if self.backends[il] == "torch"]
-        return SplitKV(_core.KVCache(self.c, n_blocks, kv_type, n_state_slots=0),
-                       self.t.new_kv(n_blocks, kv_type, layers=mine))
+    def new_kv(self, n_blocks: int, kv_type: str, n_state_slots: int = 0) -> SplitKV:
+        """Each backend's cache; with linear-attention layers n_state_slots state slots in
+        each (the C core's cache keeps a slot for every linear layer, its own or not)."""
+        n = n_state_slots if self.cfg.hybrid else 0
+        return SplitKV(_core.KVCache(self.c, n_blocks, kv_type, n_state_slots=n),
+                       self.t.new_kv(n_blocks, kv_type, n))
 
     def forward(self, kv: SplitKV, tokens: Any, seq_ids: Any, positions: Any, want_logits: Any,
                 block_tables: Any, *, routes: np.ndarray | None = None,
@@ -128,30 +171,37 @@ class SplitCore:
             return np.empty((0, self.cfg.n_vocab), np.float32)
         self.t.check(kv.t, tok.astype(np.int64), seq.astype(np.int64), pos.astype(np.int64),
                      tables.astype(np.int64))
+        if self.t.linear_layers():  # the torch layers' state slots, before any run changes one
+            with torch.inference_mode():
+                lay = linear_state_layout(seq, pos, state_slots, self.t.device)
+                self.t.state_check(kv.t, lay, self.t.linear_layers())
         h = np.zeros((n, self.cfg.n_embd), np.float32)
         logits = np.empty((0, self.cfg.n_vocab), np.float32)
         for backend, a, b in self.runs:
             if backend == "c":
                 out = self.c.forward(kv.c, tok, seq, pos, want_logits, tables, routes=routes,
-                                     span=(a, b), hidden=h)
+                                     state_slots=state_slots, span=(a, b), hidden=h)
             else:
-                out = self._torch_run(kv.t, tok, seq, pos, tables, routes, want, a, b, h)
+                out = self._torch_run(kv.t, tok, seq, pos, tables, routes, want, a, b, h,
+                                      state_slots)
             if b == L:
                 logits = out
+        if self.t.split is not None:  # between steps: heat, counters and the GPU tier
+            self.t.split.after_step()
         return logits
 
     def _torch_run(self, kv: TorchKV, tok: np.ndarray, seq: np.ndarray, pos: np.ndarray,
                    tables: np.ndarray, routes: np.ndarray | None, want: np.ndarray | None,
-                   a: int, b: int, h: np.ndarray) -> np.ndarray:
+                   a: int, b: int, h: np.ndarray,
+                   state_slots: np.ndarray | None) -> np.ndarray:
         t = self.t
         with torch.inference_mode():
             st = t.start(tok.astype(np.int64), seq.astype(np.int64), pos.astype(np.int64),
-                         tables.astype(np.int64), routes, want)
+                         tables.astype(np.int64), routes, want, state_slots)
             if a > 0:
                 st.x = torch.from_numpy(h).to(t.device)
-            for lop in self.ops:
-                if a <= lop.layer < b or (lop.op == Op.EMBED and a == 0):
-                    t.run_op(lop, st, kv)
+            t.run_layers(st, kv, [lop for lop in self.ops if a <= lop.layer < b
+                                  or (lop.op == Op.EMBED and a == 0)], t.linear_layers(a, b))
             if b == self.cfg.n_layer:
                 t.run_op(LayerOp(-1, Op.LM_HEAD), st, kv)
                 return (st.logits.cpu().numpy() if st.logits is not None
