@@ -2,20 +2,24 @@
 part alone (`pytest -m kernels`, `pytest -m "models and not slow"`), and files whose tests take
 long (browsers, real client libraries, whole-model references) are also marked `slow`, so
 `pytest -m "not slow"` is the quick pass. The session keeps converted models in a temporary
-folder (COLIBRI_CACHE_DIR), never in the user's ~/.cache/colibri. The `isa` fixture runs a
-test on the reference kernels and on the best this CPU has."""
+folder (COLIBRI_CACHE_DIR), never in the user's ~/.cache/colibri. The `checkpoints` fixture
+makes each tiny checkpoint once per session for every file that reads it. The `isa` fixture
+runs a test on the best kernels this CPU has and, in the whole suite, on the reference ones.
+docs/testing.md says how to run which part."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from colibri.engine import _core
+from tests.tiny_models import TinyCheckpoints
 
 # subsystem -> its test files (tests/test_markers.py checks that every file has exactly one)
 SUBSYSTEMS: dict[str, tuple[str, ...]] = {
@@ -86,10 +90,30 @@ def own_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["COLIBRI_CACHE_DIR"] = old
 
 
-@pytest.fixture(params=sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref"))
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
+    """Tiny checkpoints made once for the whole session (with their conversions and
+    transformers models) and shared by every file that asks for the same one."""
+    return TinyCheckpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+def quick_params(values: Iterable[str], quick: Iterable[str]) -> list[Any]:
+    """Parameters for a grid whose `quick` points run in the quick pass and the rest only in
+    the whole suite (marked slow): a representative few where every point costs seconds."""
+    keep = set(quick)
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+# the model tests on the reference kernels are slow ones where the CPU has faster kernels:
+# the kernel tests hold every ISA to the reference in the quick pass
+_ISAS = sorted({"ref", _core.isa_best()}, key=lambda n: n != "ref")
+
+
+@pytest.fixture(params=quick_params(_ISAS, _ISAS[-1:]))
 def isa(request: pytest.FixtureRequest):  # noqa: ANN201
     """The reference kernels, then the best this CPU runs, for tests that compare a model or
-    the cache across them (the kernel tests define their own, over every ISA)."""
+    the cache across them (the kernel tests define their own, over every ISA); the quick
+    pass runs the best only."""
     before = _core.isa_active()
     _core.isa_force(request.param)
     yield request.param
@@ -108,6 +132,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests.server_helpers import remove_tiny_models
+
+    remove_tiny_models()
     cache = getattr(config, "_colibri_cache", None)
     if cache:
         shutil.rmtree(cache, ignore_errors=True)

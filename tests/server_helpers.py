@@ -33,13 +33,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_TINY: dict[str, Path] = {}  # overrides -> an untouched build, copied to each caller
+
+
 def tiny_model(out_dir: Path, **overrides: Any) -> Path:
-    """A tiny random Mixtral checkpoint (real ChatML tokenizer) written to out_dir."""
+    """A tiny random Mixtral checkpoint (real ChatML tokenizer) written to out_dir: a copy of
+    one build per set of overrides (the caller may change its copy), as building one takes
+    seconds and a copy milliseconds. remove_tiny_models() deletes the builds."""
+    import json
+    import shutil
+    import tempfile
+
     from tests.tiny_models import make_checkpoint
 
-    if not (out_dir / "config.json").exists():
-        make_checkpoint("mixtral", out_dir, seed=0, **overrides)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    key = json.dumps(overrides, sort_keys=True)
+    if key not in _TINY:
+        build = Path(tempfile.mkdtemp(prefix="colibri-test-tiny-"))
+        _TINY[key] = make_checkpoint("mixtral", build, seed=0, **overrides)
+    shutil.copytree(_TINY[key], out_dir, dirs_exist_ok=True)
     return out_dir
+
+
+def remove_tiny_models() -> None:
+    """Delete the builds tiny_model copies from (at the end of the test session)."""
+    import shutil
+
+    for build in _TINY.values():
+        shutil.rmtree(build, ignore_errors=True)
+    _TINY.clear()
 
 
 # A Qwen-style template that renders tools, earlier calls and tool results (Hermes calls in

@@ -16,7 +16,6 @@ On tiny random checkpoints with a window (chunk) of 32 positions, two blocks:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,9 +26,9 @@ transformers = pytest.importorskip("transformers")
 
 from colibri.engine.core.block_manager import BLOCK_SIZE, BlockManager  # noqa: E402
 from colibri.engine.executor.model import Model, kv_split_block_bytes  # noqa: E402
-from colibri.engine.format.convert import convert  # noqa: E402
-from tests.parity_helpers import hf_model, rel_max  # noqa: E402
-from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
+from tests.conftest import quick_params  # noqa: E402
+from tests.parity_helpers import rel_max  # noqa: E402
+from tests.tiny_models import VOCAB_SIZE, TinyCheckpoints  # noqa: E402
 
 SPAN = 32  # the window (gpt-oss) or chunk (Llama 4): two blocks
 CASES = {"gpt_oss": {"sliding_window": SPAN}, "llama4": {"attention_chunk_size": SPAN}}
@@ -40,21 +39,24 @@ N_CTX = 256
 
 
 class Case:
-    def __init__(self, arch: str, root: Path) -> None:
+    def __init__(self, arch: str, checkpoints: TinyCheckpoints) -> None:
         self.arch = arch
-        self.hf_dir = make_checkpoint(arch, root / "hf", seed=3, **CASES[arch])
-        self.f32 = convert(self.hf_dir, root / "f32", quant="f32", progress=False)
+        self.ckpt = checkpoints.get(arch, seed=3, **CASES[arch])
+        self.hf_dir = self.ckpt.hf_dir
+        self.f32 = self.ckpt.converted("f32")
         self.prompt = np.random.default_rng(7).integers(0, VOCAB_SIZE, N_PROMPT).astype(np.int32)
 
 
-_CASES: dict[str, Case] = {}
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    if request.param not in _CASES:
-        _CASES[request.param] = Case(request.param, tmp_path_factory.mktemp(request.param))
-    return _CASES[request.param]
+def case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
+    return Case(request.param, checkpoints)
+
+
+# the longest engine tests run on the chunked layers in the whole suite only: the quick pass
+# runs them on the sliding window, and every raw-step test on both
+@pytest.fixture(scope="module", params=quick_params(CASES, ["gpt_oss"]))
+def engine_case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
+    return Case(request.param, checkpoints)
 
 
 def _manager(m: Model) -> BlockManager:
@@ -101,7 +103,7 @@ def _run(m: Model, prompt: np.ndarray, cuts: list[int], n_decode: int,
     return np.concatenate(out), gen
 
 
-def test_the_windowed_layers_are_split_off(case: Case, tmp_path: Path) -> None:
+def test_the_windowed_layers_are_split_off(case: Case, checkpoints: TinyCheckpoints) -> None:
     m = Model.load(case.f32, threads=2, n_ctx=N_CTX, n_seq=0, kv_blocks=20, kv_win_blocks=6)
     full, win = kv_split_block_bytes(m.config, "f32") or (0, 0)
     one = m.kv_block_bytes()
@@ -111,8 +113,7 @@ def test_the_windowed_layers_are_split_off(case: Case, tmp_path: Path) -> None:
         return
     # a model without windowed layers (or only windowed ones) has nothing to split
     for arch in ("llama", "mistral"):
-        dense = convert(make_checkpoint(arch, tmp_path / arch), tmp_path / f"{arch}-f32",
-                        quant="f32", progress=False)
+        dense = checkpoints.get(arch).converted("f32")
         assert kv_split_block_bytes(Model.load(dense, n_seq=0, kv_blocks=4).config) is None
         with pytest.raises(ValueError, match="no sliding-window or chunked layers"):
             Model.load(dense, n_seq=0, kv_blocks=4, kv_win_blocks=2)
@@ -138,7 +139,7 @@ def test_windowed_pool_gives_the_logits_of_one_pool_and_transformers(case: Case)
     # and its greedy choice at each generated one
     ids = np.concatenate([case.prompt, np.asarray(gen, np.int32)])
     with torch.no_grad():
-        ref = hf_model(case.hf_dir)(torch.tensor(ids[None].astype(np.int64))).logits[0]
+        ref = case.ckpt.hf(torch.tensor(ids[None].astype(np.int64))).logits[0]
     ref = ref.float().numpy()
     assert ref.shape == got.shape
     assert rel_max(got, ref) <= 1e-4
@@ -239,7 +240,8 @@ def _all_free(core: Any) -> None:
     assert b.n_free == b.n_blocks and b.n_win_free == b.n_win_blocks and not b.tables
 
 
-def test_engine_tokens_with_and_without_the_pool_and_transformers(case: Case) -> None:
+def test_engine_tokens_with_and_without_the_pool_and_transformers(engine_case: Case) -> None:
+    case = engine_case
     prompt = [int(t) for t in case.prompt]
     off = _llm(case, kv_window_pool=False, max_num_batched_tokens=48)
     on = _llm(case, max_num_batched_tokens=48)
@@ -250,8 +252,8 @@ def test_engine_tokens_with_and_without_the_pool_and_transformers(case: Case) ->
     assert got == want
     assert max(use) <= _bound(48)
     _all_free(on.core)
-    ref = hf_model(case.hf_dir).generate(torch.tensor([prompt]), max_new_tokens=N_DECODE,
-                                         do_sample=False, min_new_tokens=N_DECODE)
+    ref = case.ckpt.hf.generate(torch.tensor([prompt]), max_new_tokens=N_DECODE,
+                                do_sample=False, min_new_tokens=N_DECODE)
     assert got == ref[0, N_PROMPT:].tolist()
     # the whole pool costs less than one pool of every layer for as many tokens
     kv_on, kv_off = on.core.model.kv, off.core.model.kv
@@ -260,7 +262,8 @@ def test_engine_tokens_with_and_without_the_pool_and_transformers(case: Case) ->
             < kv_off.n_blocks * kv_off.block_bytes)
 
 
-def test_batches_preemption_forks_and_prefix_hits_give_the_tokens_alone(case: Case) -> None:
+def test_batches_preemption_forks_and_prefix_hits_give_the_tokens_alone(engine_case: Case) -> None:
+    case = engine_case
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, VOCAB_SIZE, n)] for n in (90, 37, 120, 64, 5)]
     prompts.append(prompts[2][:100] + prompts[0][:20])  # a cached prefix of 6 blocks

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.conftest import quick_params
 from tests.parity_helpers import hf_model, rel_max
 from tests.test_speculative import PROMPTS, _ids, _params, _run, _spec, _trace
 from tests.tiny_models import make_checkpoint
@@ -300,7 +301,9 @@ def test_engine_drafts_are_the_reference_layers_chained_drafts(ckpts: dict[str, 
                 x = torch.cat([x, ref.inputs([d], torch.from_numpy(h[-1:]), len(x))])
 
 
-@pytest.mark.parametrize("arch", [*MTP_ARCHS, *(f"{a}_rep" for a in MTP_ARCHS)])
+# each family and the repeated layer once in the quick pass, all four in the whole suite
+@pytest.mark.parametrize("arch", quick_params([*MTP_ARCHS, *(f"{a}_rep" for a in MTP_ARCHS)],
+                                              ["glm4_moe", "deepseek_v3_rep"]))
 def test_greedy_output_is_the_same_with_mtp_drafts(ckpts: dict[str, Path], arch: str) -> None:
     """Four prompts together, greedy with logprobs: with MTP drafts at k = 1, 2, 4 the
     outputs equal those without speculation, token for token and logprob for logprob; every

@@ -26,8 +26,7 @@ from colibri.engine import _core  # noqa: E402
 from colibri.engine.errors import ContextOverflowError, InputError  # noqa: E402
 from colibri.engine.executor.model import Model, kv_block_bytes, slot_kv_blocks  # noqa: E402
 from colibri.engine.executor.step_inputs import StepInputs  # noqa: E402
-from colibri.engine.format.convert import convert  # noqa: E402
-from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
+from tests.tiny_models import VOCAB_SIZE, TinyCheckpoints  # noqa: E402
 
 N_CTX = 96
 THREADS = 2
@@ -48,21 +47,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "num_key_value_heads": 3}),
     "qwen2_moe-hd4": ("qwen2_moe", {"num_attention_heads": 16, "num_key_value_heads": 4}),
 }
-_DIRS: dict[str, tuple[Path, Any]] = {}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def model_dir(request: pytest.FixtureRequest,
-              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    name = request.param
-    if name not in _DIRS:
-        arch, over = MODELS[name]
-        root = tmp_path_factory.mktemp(name)
-        hf_dir = make_checkpoint(arch, root / "hf", seed=11, **over)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()
-        _DIRS[name] = (convert(hf_dir, root / "f32", quant="f32", progress=False), hf)
-    return _DIRS[name]
+def model_dir(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> tuple[Path, Any]:
+    arch, over = MODELS[request.param]
+    ckpt = checkpoints.get(arch, seed=11, **over)
+    return ckpt.converted("f32"), ckpt.hf
 
 
 def _hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:

@@ -33,13 +33,12 @@ transformers = pytest.importorskip("transformers")
 
 from colibri.engine.executor.model import Model  # noqa: E402
 from colibri.engine.format import quant  # noqa: E402
-from colibri.engine.format.convert import convert  # noqa: E402
 from colibri.engine.models import archs  # noqa: E402
 from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
 from tests.parity_helpers import prefill as _prefill  # noqa: E402
 from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
 from tests.parity_helpers import rel_max as _rel_max  # noqa: E402
-from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
+from tests.tiny_models import VOCAB_SIZE, TinyCheckpoints  # noqa: E402
 
 PROMPT_LEN = 24
 N_GEN = 16
@@ -56,18 +55,20 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 class Case:
-    """One tiny checkpoint, its conversions (made on first use) and transformers references."""
+    """One tiny checkpoint of the session's (with its conversions and transformers model) and
+    transformers' references."""
 
-    def __init__(self, name: str, root: Path) -> None:
+    def __init__(self, name: str, checkpoints: TinyCheckpoints) -> None:
         self.name = name
         self.arch, overrides = CASES[name]
-        self.root = root
-        self.hf_dir = make_checkpoint(self.arch, root / "hf", seed=7, **overrides)
+        self._ckpt = checkpoints.get(self.arch, seed=7, **overrides)
+        self.root = self._ckpt.root / "parity"  # what this file derives from it
+        self.root.mkdir(exist_ok=True)
+        self.hf_dir = self._ckpt.hf_dir
         rng = np.random.default_rng(zlib.crc32(name.encode()))
         self.prompt = rng.integers(0, VOCAB_SIZE, PROMPT_LEN).astype(np.int32)
         self.prompt2 = rng.integers(0, VOCAB_SIZE, 17).astype(np.int32)
-        self._converted: dict[str, Path] = {}
-        self.hf = _hf_model(self.hf_dir)
+        self.hf = self._ckpt.hf
         with torch.no_grad():
             out = self.hf(torch.tensor(self.prompt[None].astype(np.int64)),
                           output_router_logits=True)
@@ -76,20 +77,17 @@ class Case:
         self.ref_logits2 = _hf_logits(self.hf, self.prompt2)
 
     def converted(self, preset: str) -> Path:
-        if preset not in self._converted:
-            self._converted[preset] = convert(self.hf_dir, self.root / preset, quant=preset,
-                                              progress=False)
-        return self._converted[preset]
+        return self._ckpt.converted(preset)
 
 
 _CACHE: dict[str, Case] = {}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+def case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
     name = request.param
     if name not in _CACHE:
-        _CACHE[name] = Case(name, tmp_path_factory.mktemp(name))
+        _CACHE[name] = Case(name, checkpoints)
     return _CACHE[name]
 
 

@@ -50,11 +50,12 @@ from colibri.engine.format import quant  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
 from colibri.engine.models import archs  # noqa: E402
 from colibri.engine.models.family import cols, transform, untransform  # noqa: E402
+from tests.conftest import quick_params  # noqa: E402
 from tests.parity_helpers import hf_model as _hf_model  # noqa: E402
 from tests.parity_helpers import prefill as _prefill  # noqa: E402
 from tests.parity_helpers import rel_l2 as _rel_l2  # noqa: E402
 from tests.parity_helpers import rel_max as _rel_max  # noqa: E402
-from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
+from tests.tiny_models import VOCAB_SIZE, TinyCheckpoints  # noqa: E402
 
 PROMPT_LEN = 24
 N_GEN = 16
@@ -214,52 +215,58 @@ def _ours_with_routes(path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 class Case:
-    """One tiny checkpoint, its conversions (made on first use) and transformers references."""
+    """One tiny checkpoint of the session's (with its conversions and transformers model) and
+    transformers' references."""
 
-    def __init__(self, name: str, root: Path) -> None:
+    def __init__(self, name: str, checkpoints: TinyCheckpoints) -> None:
         self.name = name
         self.arch, overrides = CASES[name]
-        self.root = root
-        self.hf_dir = make_checkpoint(self.arch, root / "hf", seed=11, **overrides)
+        ckpt = checkpoints.get(self.arch, seed=11, **overrides)
+        self.root = ckpt.root / "parity-families"  # what this file derives from it
+        self.root.mkdir(exist_ok=True)
+        self.hf_dir = ckpt.hf_dir
+        self._ckpt = ckpt
         rng = np.random.default_rng(zlib.crc32(name.encode()))
         self.prompt = rng.integers(0, VOCAB_SIZE, PROMPT_LEN).astype(np.int32)
         self.prompt2 = rng.integers(0, VOCAB_SIZE, 17).astype(np.int32)
-        self._converted: dict[str, Path] = {}
-        self.hf = _hf_model(self.hf_dir)
+        self.hf = ckpt.hf
         self.ref_logits, self.scores = _router_scores(self.hf, self.prompt)
 
     def converted(self, preset: str) -> Path:
-        if preset not in self._converted:
-            self._converted[preset] = convert(self.hf_dir, self.root / preset, quant=preset,
-                                              progress=False)
-        return self._converted[preset]
+        return self._ckpt.converted(preset)
 
 
 _CACHE: dict[str, Case] = {}
 
 
-def _case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Case:
+def _case(name: str, checkpoints: TinyCheckpoints) -> Case:
     if name not in _CACHE:
-        _CACHE[name] = Case(name, tmp_path_factory.mktemp(name))
+        _CACHE[name] = Case(name, checkpoints)
     return _CACHE[name]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    return _case(request.param, tmp_path_factory)
+# the second case of a family (another router or attention shape) runs in the whole suite
+VARIANTS = ("glm4_moe-one-group", "deepseek_v3-no-q-lora", "qwen3_next-interval")
+QUICK = [n for n in CASES if n not in VARIANTS]
 
 
-@pytest.fixture(scope="module", params=[n for n, (a, _) in CASES.items() if a in MOE_ARCHS])
-def moe_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+@pytest.fixture(scope="module", params=quick_params(CASES, QUICK))
+def case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
+    return _case(request.param, checkpoints)
+
+
+@pytest.fixture(scope="module",
+                params=quick_params([n for n, (a, _) in CASES.items() if a in MOE_ARCHS], QUICK))
+def moe_case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
     """The cases with routed experts."""
-    return _case(request.param, tmp_path_factory)
+    return _case(request.param, checkpoints)
 
 
 @pytest.fixture(scope="module",
                 params=[n for n, (a, _) in CASES.items() if a in MTP_ARCHS + ("minimax_m2",)])
-def mtp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+def mtp_case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
     """The cases whose checkpoints may carry multi-token-prediction layers."""
-    return _case(request.param, tmp_path_factory)
+    return _case(request.param, checkpoints)
 
 
 def test_the_family_module_recognised_the_checkpoint(case: Case) -> None:
@@ -428,11 +435,11 @@ def test_f32_prompt_in_several_chunks(case: Case) -> None:
     assert _rel_max(np.concatenate(parts), whole) <= 1e-5
 
 
-def test_gpt_oss_window_sinks_and_clamp_decide_the_reference(tmp_path_factory:
-                                                             pytest.TempPathFactory) -> None:
+def test_gpt_oss_window_sinks_and_clamp_decide_the_reference(
+        checkpoints: TinyCheckpoints) -> None:
     """Each gpt-oss feature the parity tests check moves transformers' own logits far past
     their 1e-4: without the sliding window, without the sinks, without the clamp."""
-    case = _case("gpt_oss", tmp_path_factory)
+    case = _case("gpt_oss", checkpoints)
     ids = torch.tensor(case.prompt[None].astype(np.int64))
     n = case.hf.config.num_hidden_layers
 
@@ -455,12 +462,12 @@ def test_gpt_oss_window_sinks_and_clamp_decide_the_reference(tmp_path_factory:
 
 
 def test_llama4_chunks_temperature_qk_norm_and_input_scaling_decide_the_reference(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        checkpoints: TinyCheckpoints) -> None:
     """Each Llama 4 feature the parity tests check moves transformers' own logits far past
     their 1e-4: without the attention chunks, without the query temperature, without the q/k
     L2 norm, and with the router weight applied to the experts' output instead of their
     input."""
-    case = _case("llama4", tmp_path_factory)
+    case = _case("llama4", checkpoints)
     ids = torch.tensor(case.prompt[None].astype(np.int64))
 
     def logits(model: Any = None, **overrides: Any) -> np.ndarray:
@@ -496,11 +503,11 @@ def test_llama4_chunks_temperature_qk_norm_and_input_scaling_decide_the_referenc
 
 
 def test_llama4_multimodal_checkpoint_converts_its_text_model(
-        tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+        checkpoints: TinyCheckpoints, capsys: pytest.CaptureFixture[str]) -> None:
     """A Llama4ForConditionalGeneration checkpoint (how Llama 4 ships) around the llama4
     case's text model: conversion says it leaves the vision tower out, and the result gives
     transformers' text logits of the multimodal model."""
-    case = _case("llama4", tmp_path_factory)
+    case = _case("llama4", checkpoints)
     out = case.root / "hf-multimodal"
     vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
                   num_hidden_layers=1, image_size=28, patch_size=14, vision_output_dim=32,
@@ -566,14 +573,14 @@ def _mxfp4_checkpoint(case: Case) -> Path:
 
 
 def test_gpt_oss_mxfp4_experts_match_their_dequantized_twin(
-        tmp_path_factory: pytest.TempPathFactory, isa: str,
+        checkpoints: TinyCheckpoints, isa: str,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Experts stored in MXFP4 are converted byte for byte (no second rounding, whatever the
     preset) and the model matches the same checkpoint as transformers dequantizes it (its own
     MXFP4 loader): only the activations' q8 rounding in the expert products differs."""
     from colibri.engine.format.wfile import read_wfile
 
-    case = _case("gpt_oss", tmp_path_factory)
+    case = _case("gpt_oss", checkpoints)
     mx = _mxfp4_checkpoint(case)
     out = case.root / f"mxfp4-{isa}"
     if not out.exists():

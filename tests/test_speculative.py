@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import quick_params
 from tests.tiny_models import make_checkpoint
 
 N_CTX = 256
@@ -19,6 +20,9 @@ N_CTX = 256
 # rotary) and a dense one
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
             "glm4_moe", "gpt_oss", "minimax_m2", "llama4", "llama")
+# a family each of softmax, grouped and MLA, sink and chunked models, and a dense one run in
+# the quick pass; every family runs in the whole suite
+QUICK = ("mixtral", "deepseek_v3", "gpt_oss", "llama4", "llama")
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
     "One, two, three, four, five, six, seven, eight, nine, ten. One, two, three,",
@@ -131,7 +135,9 @@ def _same_output_at_each_k(llm: Any, prompts: list[list[int]], want: dict[str, A
     return stats
 
 
-@pytest.mark.parametrize("arch,quant", [(a, "f32") for a in FAMILIES]
+@pytest.mark.parametrize("arch,quant", [(a, "f32") if a in QUICK else
+                                        pytest.param(a, "f32", marks=pytest.mark.slow)
+                                        for a in FAMILIES]
                          + [("mixtral", "q4"), ("qwen3_moe", "q8")])
 def test_greedy_output_is_the_same_with_prompt_lookup(ckpts: dict[str, Path], arch: str,
                                                       quant: str) -> None:
@@ -365,7 +371,8 @@ class TreeDrafter:
         return out
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 3), (0.7, 4)])
+@pytest.mark.parametrize("temperature,top_k",
+                         [(1.0, 3), pytest.param(0.7, 4, marks=pytest.mark.slow)])
 def test_sampled_tokens_follow_the_models_distribution(ckpts: dict[str, Path],
                                                        temperature: float, top_k: int) -> None:
     """3000 seeded requests whose second and third tokens are verified against drafts (the
@@ -495,7 +502,7 @@ def test_drafts_use_only_spare_budget_and_blocks_and_never_preempt(
     assert st.n_accepted == st.n_draft_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", quick_params(["qwen3_next", "qwen3_5_moe"], ["qwen3_next"]))
 def test_hybrid_models_speculate_with_the_same_greedy_output(tmp_path: Path, arch: str) -> None:
     """A model with linear-attention layers keeps a recurrent state per sequence that a
     verify step advances past rejected drafts: the state saved before the step comes back and

@@ -33,10 +33,11 @@ from colibri.engine.errors import InputError  # noqa: E402
 from colibri.engine.executor.backend import LayerOp, Placement, step_ops  # noqa: E402
 from colibri.engine.executor.model import Model  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
-from tests.parity_helpers import hf_model, prefill, rel_l2, rel_max  # noqa: E402
+from tests.conftest import quick_params  # noqa: E402
+from tests.parity_helpers import prefill, rel_l2, rel_max  # noqa: E402
 from tests.test_parity_families import CASES as FAMILY_CASES  # noqa: E402
-from tests.test_parity_families import HYBRID_ARCHS, _forced_routing  # noqa: E402
-from tests.tiny_models import ARCHS, VOCAB_SIZE, make_checkpoint  # noqa: E402
+from tests.test_parity_families import _forced_routing  # noqa: E402
+from tests.tiny_models import ARCHS, VOCAB_SIZE, TinyCheckpoints, make_checkpoint  # noqa: E402
 
 N_CTX = 64
 N_GEN = 16
@@ -47,61 +48,42 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     **{a: (a, {}) for a in ARCHS},
     **FAMILY_CASES,
 }
-# the linear-attention families beyond one small case run in the slow pass
-SLOW_CASES = tuple(k for k, v in FAMILY_CASES.items()
-                   if v[0] in HYBRID_ARCHS and k != "qwen3_next")
 
 
 class Case:
-    def __init__(self, name: str, root: Path) -> None:
+    def __init__(self, name: str, checkpoints: TinyCheckpoints) -> None:
         self.arch, overrides = CASES[name]
-        self.root = root
-        self.hf_dir = make_checkpoint(self.arch, root / "hf", seed=11, **overrides)
+        self.ckpt = checkpoints.get(self.arch, seed=11, **overrides)
         rng = np.random.default_rng(zlib.crc32(name.encode()))
         self.prompt = rng.integers(0, VOCAB_SIZE, 24).astype(np.int32)
-        self.hf = hf_model(self.hf_dir)
-        self._dirs: dict[str, Path] = {}
 
     def converted(self, preset: str) -> Path:
-        if preset not in self._dirs:
-            self._dirs[preset] = convert(self.hf_dir, self.root / preset, quant=preset,
-                                         progress=False)
-        return self._dirs[preset]
+        return self.ckpt.converted(preset)
 
     def reference(self, routes: np.ndarray | None = None) -> np.ndarray:
-        hooks = _forced_routing(self.hf, routes) if routes is not None else []
+        hf = self.ckpt.hf
+        hooks = _forced_routing(hf, routes) if routes is not None else []
         try:
             with torch.no_grad():
                 ids = torch.tensor(self.prompt[None].astype(np.int64))
-                return self.hf(ids).logits[0].float().numpy()
+                return hf(ids).logits[0].float().numpy()
         finally:
             for h in hooks:
                 h.remove()
 
 
-_CACHE: dict[str, Case] = {}
+# every family takes seconds: these run in the quick pass, the rest in the whole suite
+QUICK = ("mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_next")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow)
-                                        if n in SLOW_CASES else n for n in CASES])
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    if request.param not in _CACHE:
-        _CACHE[request.param] = Case(request.param, tmp_path_factory.mktemp(request.param))
-    return _CACHE[request.param]
+@pytest.fixture(scope="module", params=quick_params(CASES, QUICK))
+def case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
+    return Case(request.param, checkpoints)
 
 
-# the split test over every family is long: these run in the quick pass, the rest are slow
-QUICK_SPLIT = ("mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_next")
-
-
-@pytest.fixture(scope="module", params=[n if n in QUICK_SPLIT else
-                                        pytest.param(n, marks=pytest.mark.slow)
-                                        for n in CASES])
-def split_case(request: pytest.FixtureRequest,
-               tmp_path_factory: pytest.TempPathFactory) -> Case:
-    if request.param not in _CACHE:
-        _CACHE[request.param] = Case(request.param, tmp_path_factory.mktemp(request.param))
-    return _CACHE[request.param]
+@pytest.fixture(scope="module", params=quick_params(CASES, QUICK))
+def split_case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
+    return Case(request.param, checkpoints)
 
 
 def _greedy(m: Model, prompt: np.ndarray, n: int) -> list[int]:
@@ -190,9 +172,8 @@ def test_c_layer_spans_equal_the_whole_step_bit_for_bit(case: Case) -> None:
         parts.core.forward(parts.kv, *args, state_slots=slots, span=(1, L + 1), hidden=h)
 
 
-def test_a_placement_that_splits_a_layer_is_refused(tmp_path: Path) -> None:
-    hf = make_checkpoint("mixtral", tmp_path / "hf", seed=3)
-    path = convert(hf, tmp_path / "f32", quant="f32", progress=False)
+def test_a_placement_that_splits_a_layer_is_refused(checkpoints: TinyCheckpoints) -> None:
+    path = checkpoints.get("mixtral", seed=3).converted("f32")
     from colibri.engine.executor.backend import Op
 
     bad = Placement(default="c", ops={LayerOp(0, Op.EXPERTS): "torch"})
@@ -200,11 +181,10 @@ def test_a_placement_that_splits_a_layer_is_refused(tmp_path: Path) -> None:
         Model.load(path, n_ctx=N_CTX, device=TORCH, placement=bad)
 
 
-def test_paged_calls_are_batch_invariant(tmp_path: Path) -> None:
+def test_paged_calls_are_batch_invariant(checkpoints: TinyCheckpoints) -> None:
     """Two sequences in one call (in blocks of one shared pool, through block tables) give
     what each gives alone, and a prompt in two chunks gives one call's logits."""
-    hf = make_checkpoint("mixtral", tmp_path / "hf", seed=3)
-    path = convert(hf, tmp_path / "f32", quant="f32", progress=False)
+    path = checkpoints.get("mixtral", seed=3).converted("f32")
     m = Model.load(path, n_ctx=N_CTX, n_seq=0, kv_blocks=16, device=TORCH)
     rng = np.random.default_rng(0)
     a = rng.integers(0, VOCAB_SIZE, 20).astype(np.int32)
@@ -227,9 +207,8 @@ def test_paged_calls_are_batch_invariant(tmp_path: Path) -> None:
         m.forward_paged(a[:1], np.zeros(1), np.zeros(1), np.array([[99]], np.int32))
 
 
-def test_what_it_does_not_run_is_refused_by_name(tmp_path: Path) -> None:
-    hf = make_checkpoint("mixtral", tmp_path / "hf2", seed=3)
-    path = convert(hf, tmp_path / "m", quant="f32", progress=False)
+def test_what_it_does_not_run_is_refused_by_name(checkpoints: TinyCheckpoints) -> None:
+    path = checkpoints.get("mixtral", seed=3).converted("f32")
     with pytest.raises(ValueError, match="KV cache"):
         Model.load(path, n_ctx=N_CTX, device=TORCH, kv_type="q8")
 

@@ -5,10 +5,14 @@ with small dimensions, re-initialises every weight with a seeded generator
 (norm weights and biases too, so a norm or bias bug changes the output), trains a real
 byte-level BPE tokenizer of exactly the model's vocabulary size, and saves it all with
 `save_pretrained`. Deterministic for a seed; needs torch and transformers (test extras).
+`TinyCheckpoints` (the session's `checkpoints` fixture in tests/conftest.py) makes each
+(architecture, seed, overrides) once per session, with its conversions and its transformers
+model, for every test file that reads it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -309,6 +313,52 @@ def make_checkpoint(
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2) + "\n")
     return out
+
+
+class TinyCheckpoint:
+    """One tiny checkpoint in a folder of its own, its conversions and its transformers model,
+    each made on first use. Shared: a test reads them and writes what it derives elsewhere."""
+
+    def __init__(self, root: Path, arch: str, seed: int, overrides: dict[str, Any]) -> None:
+        self.arch = arch
+        self.root = root
+        self.hf_dir = make_checkpoint(arch, root / "hf", seed=seed, **overrides)
+        self._converted: dict[str, Path] = {}
+        self._hf: Any = None
+
+    def converted(self, preset: str) -> Path:
+        """The checkpoint converted with a quantization preset ("f32", "q8", "q4", ...)."""
+        if preset not in self._converted:
+            from colibri.engine.format.convert import convert
+
+            self._converted[preset] = convert(self.hf_dir, self.root / preset, quant=preset,
+                                              progress=False)
+        return self._converted[preset]
+
+    @property
+    def hf(self) -> Any:
+        """The checkpoint in transformers (float32, eager attention), loaded once."""
+        if self._hf is None:
+            from tests.parity_helpers import hf_model
+
+            self._hf = hf_model(self.hf_dir)
+        return self._hf
+
+
+class TinyCheckpoints:
+    """Tiny checkpoints under one folder, one per (architecture, seed, config overrides):
+    building and converting a checkpoint takes seconds, and many test files want the same."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._made: dict[str, TinyCheckpoint] = {}
+
+    def get(self, arch: str, seed: int = 0, **overrides: Any) -> TinyCheckpoint:
+        key = json.dumps([arch, seed, overrides], sort_keys=True)
+        if key not in self._made:
+            name = f"{arch}-{seed}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+            self._made[key] = TinyCheckpoint(self.root / name, arch, seed, overrides)
+        return self._made[key]
 
 
 def make_scripted_checkpoint(out_dir: str | Path, chat_template: str, prompt_tail: str,
