@@ -156,3 +156,12 @@ def test_bench_on_a_torch_device_counts_the_gpu_tier(
     assert f"steps {t['steps']}" in out and "products       not timed" in out
     assert main([*args, "--profile"]) == 2
     assert "--device cpu" in capsys.readouterr().err
+    # colibri info says where serve would put the same budget (at the model's own context)
+    _p, text, _plan = plan_placement(model, cfg, SIM, mb, cfg.default_n_ctx())
+    assert main(["info", str(model), "--device", "torch-cpu", "--gpu-memory-mb", str(mb),
+                 "--device-profile", str(prof)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines()
+                if ln.startswith("placement"))
+    assert line == (f"placement     torch-cpu under {mb:.3g} MB (a KV cache of "
+                    f"{cfg.default_n_ctx()} positions): {text}")
+    assert " routed experts (hottest first; by layer " in text
