@@ -228,8 +228,9 @@ function show(d) {
   document.body.classList.toggle("tier", tier !== null);
   document.body.classList.toggle("nogrid", !d.enabled && tier === null);
   $("off").hidden = d.enabled;
-  $("off").textContent = d.enabled ? "" : "The expert cache is off: every expert is resident" +
-    (tier ? ", in RAM or on the GPU" : "") + " (" + d.reason + ").";
+  $("off").textContent = d.enabled ? "" : tier
+    ? "The expert cache is off: every expert is resident, in RAM or on the GPU; " + d.reason + "."
+    : "The expert cache is off: every expert is resident (" + d.reason + ").";
   showNumbers(d);
   if (tier) showTier(tier, d);
   if (d.enabled || tier) drawGrid(d);
