@@ -232,22 +232,30 @@ class Metrics:
         if ts is None:
             return []
         out: list[str] = []
-        name = "colibri_gpu_tier_experts_on_device"
-        out += [f"# HELP {name} Routed experts held in GPU memory now.",
-                f"# TYPE {name} gauge", f"{name} {ts['experts_on_device']}"]
-        for key, doc in _TIER_COUNTERS:
+        for key, doc in _TIER_GAUGES:
+            name = f"colibri_gpu_tier_{key}"
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name} {ts[key]}"]
+        # every counter the tier keeps, those without a description here too
+        for key in mon.tier_counter_names():
             name = f"colibri_gpu_tier_{key}_total"
+            doc = _TIER_COUNTERS.get(key, f"The GPU tier's {key.replace('_', ' ')}, since start.")
             out += [f"# HELP {name} {doc}", f"# TYPE {name} counter", f"{name} {ts[key]}"]
         return out
 
 
-_TIER_COUNTERS = (
-    ("hits", "Expert selections computed by an expert in GPU memory."),
-    ("misses", "Expert selections computed on the CPU beside the GPU."),
-    ("uploads", "Experts copied to the GPU by heat."),
-    ("upload_bytes", "Bytes of experts copied to the GPU by heat."),
-    ("evictions", "Experts dropped from the GPU for hotter ones."),
+_TIER_GAUGES = (
+    ("experts_on_device", "Routed experts held in GPU memory now."),
+    ("device_expert_bytes", "Bytes of the routed experts held in GPU memory now."),
 )
+
+_TIER_COUNTERS = {
+    "hits": "Expert selections computed by an expert in GPU memory.",
+    "misses": "Expert selections computed on the CPU beside the GPU.",
+    "uploads": "Experts copied to the GPU by heat.",
+    "upload_bytes": "Bytes of experts copied to the GPU by heat.",
+    "evictions": "Experts dropped from the GPU for hotter ones.",
+    "steps": "Engine steps the GPU tier counted.",
+}
 
 _EXPERT_COUNTERS = (
     ("hits", "Expert uses found resident."),

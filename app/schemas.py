@@ -285,10 +285,14 @@ class ExpertCacheInfo(BaseModel):
                                            "selections")
     layers: list[dict[str, int]] | None = Field(None, description="counters of each layer")
     gpu_tier: dict[str, Any] | None = Field(None, description="with routed experts on a GPU "
-                                            "beside the CPU: experts_on_device, hits and "
-                                            "misses (selections computed on the GPU / the "
-                                            "CPU), uploads, upload_bytes, evictions, and "
-                                            "[layer][expert] on_device (1 GPU, 0 CPU) and heat")
+                                            "beside the CPU: experts_on_device and "
+                                            "device_expert_bytes (on the GPU now), its "
+                                            "counters since start (named in counter_names: "
+                                            "hits and misses, selections computed on the GPU "
+                                            "/ the CPU; uploads, upload_bytes, evictions, "
+                                            "steps), layers (those with experts on the GPU), "
+                                            "and [layer][expert] on_device (1 GPU, 0 CPU) and "
+                                            "heat")
 
 
 _MESSAGES = {

@@ -7,6 +7,10 @@ and the chat page does the same with its settings. After a few chats it must sho
 server reports, and its grid must show each expert in the colour of the state the server
 gives it (read back from the canvas' pixels), with resident experts among them. With every
 expert resident it says the cache is off and still draws the tokens/s and batch charts.
+With routed experts on a GPU (`--device torch-cpu --gpu-memory-mb`, the torch path on the CPU,
+on a tiny Mixtral), /v1/expert_cache lists the experts the placement put on the device, and
+the grid draws exactly those cells in the GPU's colour and every other one in RAM's, beside
+the GPU tier's counters (every counter the tier keeps, those the page has no label for too).
 """
 
 from __future__ import annotations
@@ -102,18 +106,21 @@ CELL_PIXELS = """(() => {
     }
     rows.push(row);
   }
-  return {pixels: rows, state: d.state};
+  return {pixels: rows, state: d.state, gpu_tier: d.gpu_tier};
 })()"""
 
 
+ON_GPU = 4  # after the cache's states 0 to 3
+
+
 def _state_of(rgb: list[int]) -> int:
-    """The residency a cell's colour says: grey absent, amber loading, blue resident,
-    green pinned (the shade, lighter or darker, is the heat)."""
+    """Where a cell's colour says its expert is: grey absent, amber loading, blue resident,
+    green pinned, purple on the GPU (the shade, lighter or darker, is the heat)."""
     r, g, b = rgb
     if max(rgb) - min(rgb) < 16:
         return 0
     if b >= r and b >= g:
-        return 2
+        return ON_GPU if r > g else 2
     if g >= r:
         return 3
     return 1
@@ -219,6 +226,129 @@ def test_chat_page_unfolds_its_settings_for_the_key(tmp_path: Path, cache_dir: P
         wait_for(lambda: "API key" not in page.eval(model), 30, "the model name")
         assert page.eval(model) == httpx.get(srv.url + "/v1/models", headers={
             "Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
+
+
+# -- routed experts on a GPU (the torch path on the CPU) -----------------------------------------
+
+N_CTX = 64
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny Mixtral (2 MoE layers of 4 experts), a simulated device profile, a budget that
+    fits the layers' always-used work and 3 routed experts, and the placement it plans."""
+    pytest.importorskip("torch")
+    from colibri.engine.executor.costmodel import (
+        CpuProfile,
+        DeviceProfile,
+        GpuProfile,
+        model_costs,
+    )
+    from colibri.engine.executor.placement import plan_placement
+    from colibri.engine.format.convert import convert
+    from colibri.engine.models.config import ModelConfig
+    from tests.tiny_models import make_checkpoint
+
+    root = tmp_path_factory.mktemp("gpu")
+    path = convert(make_checkpoint("mixtral", root / "hf", seed=3), root / "f32", quant="f32",
+                   progress=False)
+    cfg = ModelConfig.from_dir(path)
+    sim = DeviceProfile("sim", "simulated", CpuProfile(20.0, {"f32": 25.0}),
+                        GpuProfile("sim-gpu", 1000, 2000.0, 10000.0, 10.0, 0.0, 0.0))
+    profile = root / "sim.json"
+    profile.write_text(sim.to_json())
+    mc = model_costs(path, cfg, context=N_CTX)
+    per = mc.experts[cfg.moe_layers[0]].gpu_bytes
+    mb = (sum(i.gpu_bytes for i in mc.always) + 3 * per + per // 2) / 1e6
+    placement, _text, _plan = plan_placement(path, cfg, sim, mb, N_CTX)
+    assert placement is not None
+    want = [[int(il in cfg.moe_layers and placement.of_expert(il, e) == "torch")
+             for e in range(cfg.n_expert)] for il in range(cfg.n_layer)]
+    assert sum(map(sum, want)) == 3
+    return {"path": path, "profile": profile, "mb": mb, "want": want, "cfg": cfg}
+
+
+def _completions(url: str, n: int) -> None:
+    """n completions, the last one more than a second after the others (a history point)."""
+    for i in range(n):
+        if i == n - 1:
+            time.sleep(1.05)
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": "The river runs", "max_tokens": 16, "seed": i})
+        assert r.status_code == 200, r.text
+
+
+def _tier_numbers(page: DevTools) -> dict[str, str]:
+    return dict(page.eval("""(() => {
+      const out = {};
+      for (const el of document.querySelectorAll('#tier-numbers .num span:last-child'))
+        out[el.id] = el.textContent;
+      return out;
+    })()"""))
+
+
+def test_page_shows_the_experts_on_the_gpu(tmp_path: Path, gpu_model: dict[str, Any],
+                                           page: DevTools) -> None:
+    srv = SubprocessServer(gpu_model["path"], tmp_path / "run", "--api-key", KEY,
+                           "--device", "torch-cpu", "--gpu-memory-mb", str(gpu_model["mb"]),
+                           "--device-profile", str(gpu_model["profile"]),
+                           "--n-ctx", str(N_CTX), "--threads", "2").wait_ready()
+    try:
+        # before any step the device holds what the placement put there, and nothing else
+        first = _api(srv.url)
+        tier = first["gpu_tier"]
+        assert first["enabled"] is False and first.get("state") is None
+        assert tier["on_device"] == gpu_model["want"]
+        assert tier["experts_on_device"] == 3
+        assert tier["layers"] == gpu_model["cfg"].moe_layers
+        assert {"hits", "misses", "uploads", "upload_bytes", "evictions", "steps"} <= set(
+            tier["counter_names"])
+        assert all(tier[k] == 0 for k in tier["counter_names"])
+        assert "device: torch-cpu, placement under" in srv.log()
+
+        _open(page, srv.url)
+        _completions(srv.url, 3)
+        want = _api(srv.url)
+        wait_for(lambda: page.eval("window.expertData.gpu_tier") == want["gpu_tier"], 30,
+                 "the page to show the latest counters")
+        tier = want["gpu_tier"]
+        used = tier["hits"] + tier["misses"]
+        cfg = gpu_model["cfg"]
+        # every token chose n_expert_used experts in each layer on the GPU
+        assert used > 0 and used % (cfg.n_expert_used * len(cfg.moe_layers)) == 0
+        # the tier swaps experts, never adds one: 3 stay on the device
+        assert tier["experts_on_device"] == 3 == sum(map(sum, tier["on_device"]))
+        assert tier["uploads"] == tier["evictions"]
+
+        drawn = page.eval(CELL_PIXELS)
+        shown = [[_state_of(px) for px in row] for row in drawn["pixels"]]
+        expected = [[ON_GPU if on else 2 for on in row] for row in tier["on_device"]]
+        assert shown == expected, (shown, tier["on_device"])
+
+        visible = "(id) => document.getElementById(id).offsetParent !== null"
+        assert page.eval(f"({visible})('grid')") is True
+        assert page.eval(f"({visible})('tier-numbers')") is True
+        assert page.eval(f"({visible})('chart-hit')") is False  # the cache's own: off
+        legend = page.eval("""Array.from(document.querySelectorAll('.legend span'))
+            .filter((el) => el.offsetParent !== null).map((el) => el.textContent)""")
+        assert legend[:2] == ["in RAM (resident)", "on the GPU"], legend
+        text = page.eval("document.getElementById('off').textContent")
+        assert "in RAM or on the GPU" in text, text
+
+        nums = _tier_numbers(page)
+        n_experts = len(cfg.moe_layers) * cfg.n_expert
+        assert nums["tier-on-device"].startswith(f"3 of {n_experts} ("), nums
+        assert abs(float(nums["tier-hit-rate"][:-1]) - 100 * tier["hits"] / used) <= 0.05, nums
+        assert nums["tier-uploads"].startswith(f"{tier['uploads']} ("), nums
+        assert nums["tier-evictions"] == str(tier["evictions"])
+        # a counter the page has no label for is shown by its name
+        assert nums["tier-steps"] == str(tier["steps"]) and tier["steps"] > 0, nums
+        metrics = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        for key in tier["counter_names"]:
+            assert f"colibri_gpu_tier_{key}_total {tier[key]}" in metrics, key
+        assert "colibri_gpu_tier_experts_on_device 3" in metrics
     finally:
         code = srv.stop()
     assert code == 0, srv.log()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -356,7 +357,14 @@ def test_the_engine_places_experts_and_shows_the_tier(mixtral: Family, tmp_path:
         llm.core.close()
     assert "colibri_gpu_tier_experts_on_device 2" in metrics
     assert page["gpu_tier"]["hits"] == tier["hits"]  # no step ran in between
-    for key in ("hits", "misses", "uploads", "upload_bytes", "evictions"):
+    # every counter the tier keeps is named, on the page and on /metrics
+    names = page["gpu_tier"]["counter_names"]
+    assert names == list(asdict(split.counters))
+    assert {"hits", "misses", "uploads", "upload_bytes", "evictions", "steps"} <= set(names)
+    for key in names:
         assert f"colibri_gpu_tier_{key}_total {page['gpu_tier'][key]}" in metrics
+    assert (f"colibri_gpu_tier_device_expert_bytes {page['gpu_tier']['device_expert_bytes']}"
+            in metrics)
     assert page["gpu_tier"]["experts_on_device"] == 2
     assert page["gpu_tier"]["on_device"][cfg.moe_layers[0]][3] == 1
+    assert sum(map(sum, page["gpu_tier"]["on_device"])) == 2

@@ -1,19 +1,27 @@
 // Colibri's expert cache page: plain JavaScript, no build step. Polls /v1/expert_cache
 // every second and draws each layer's routed experts as one row of cells (the colour says
-// absent, loading, resident or pinned; the shade, how often the expert was chosen lately),
-// the cache's numbers, and the last minutes of hit rate, tokens/s and batch size.
+// where the expert is: on disk, loading, in RAM, pinned in RAM, or on the GPU; the shade,
+// how often it was chosen lately), the cache's and the GPU tier's numbers, and the last
+// minutes of hit rate, tokens/s and batch size.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const WINDOW_S = 300; // the history the server keeps
-const STATES = ["absent", "loading", "resident", "pinned"];
-// per state: the colour of a cold expert and of the hottest one
+// where an expert is: the cache's states (the server's numbers 0 to 3), then the GPU
+const PLACES = ["on disk (absent)", "loading", "in RAM (resident)", "pinned in RAM",
+  "on the GPU"];
+const RESIDENT = 2;
+const ON_GPU = 4;
+// per place: the colour of a cold expert and of the hottest one
 const COLOURS = [
   [[236, 236, 236], [150, 150, 150]],
   [[255, 233, 179], [232, 150, 0]],
   [[207, 224, 255], [25, 90, 210]],
   [[204, 236, 208], [20, 135, 60]],
+  [[233, 215, 250], [125, 40, 180]],
 ];
+// the GPU tier's counters drawn in the fixed numbers; any other it reports gets its own
+const TIER_SHOWN = new Set(["hits", "misses", "uploads", "upload_bytes", "evictions"]);
 window.expertData = null; // the last answer (the browser test reads it)
 window.gridGeometry = null; // where each cell was drawn, in canvas pixels
 
@@ -64,6 +72,19 @@ function sized(canvas, cssHeight) {
   return { ctx, w, h, dpr };
 }
 
+// Where expert e of layer l is: on the GPU when the GPU tier holds it there, else the
+// cache's state; without the cache every expert the GPU does not hold is in RAM.
+function placeOf(d, l, e) {
+  const onGpu = d.gpu_tier && d.gpu_tier.on_device[l];
+  if (onGpu && onGpu[e]) return ON_GPU;
+  return d.state ? d.state[l][e] : RESIDENT;
+}
+
+// The heat of each [layer][expert]: the cache's, else the GPU tier's.
+function heatOf(d) {
+  return d.heat || (d.gpu_tier && d.gpu_tier.heat) || [];
+}
+
 function drawGrid(d) {
   const canvas = $("grid");
   const labelW = 34;
@@ -71,8 +92,9 @@ function drawGrid(d) {
   const cw = Math.max(2, Math.min(24, Math.floor(avail / d.n_expert)));
   const ch = Math.max(4, Math.min(22, cw));
   const { ctx, dpr } = sized(canvas, d.n_layer * ch + 2);
+  const heat = heatOf(d);
   let hottest = 0;
-  for (const row of d.heat) for (const h of row) hottest = Math.max(hottest, h);
+  for (const row of heat) for (const h of row) hottest = Math.max(hottest, h);
   ctx.font = "11px system-ui, sans-serif";
   ctx.textBaseline = "middle";
   const gap = cw >= 6 ? 1 : 0;
@@ -92,8 +114,9 @@ function drawGrid(d) {
       continue;
     }
     for (let e = 0; e < d.n_expert; e++) {
-      const [cold, hot] = COLOURS[d.state[l][e]] || COLOURS[0];
-      const t = hottest > 0 ? Math.sqrt(d.heat[l][e] / hottest) : 0;
+      const [cold, hot] = COLOURS[placeOf(d, l, e)] || COLOURS[0];
+      const h = heat[l] ? heat[l][e] || 0 : 0;
+      const t = hottest > 0 ? Math.sqrt(h / hottest) : 0;
       const c = cold.map((v, i) => Math.round(v + (hot[i] - v) * t));
       ctx.fillStyle = `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
       ctx.fillRect(labelW + e * cw, l * ch, cw - gap, ch - gap);
@@ -166,13 +189,51 @@ function showNumbers(d) {
       ", always resident, not routed" : "") + "; size: " + d.reason;
 }
 
+// A number of the GPU tier's by its counter name, made the first time it is reported.
+function tierNumber(key) {
+  let value = $("tier-" + key);
+  if (!value) {
+    const box = document.createElement("div");
+    box.className = "num";
+    const label = document.createElement("span");
+    label.className = "label";
+    label.textContent = key.replaceAll("_", " ");
+    value = document.createElement("span");
+    value.id = "tier-" + key;
+    box.append(label, value);
+    $("tier-numbers").append(box);
+  }
+  return value;
+}
+
+function showTier(t, d) {
+  const used = t.hits + t.misses;
+  $("tier-on-device").textContent = t.experts_on_device + " of " +
+    t.layers.length * d.n_expert + " (" + mb(t.device_expert_bytes) + ")";
+  $("tier-on-device").title = "routed experts of the layers that run on the GPU";
+  $("tier-hit-rate").textContent = used ? percent(t.hits / used) : "–";
+  $("tier-hit-rate").title = t.hits + " of " + used +
+    " expert uses in the GPU's layers; the others ran on the CPU beside it";
+  $("tier-uploads").textContent = t.uploads + " (" + mb(t.upload_bytes) + ")";
+  $("tier-evictions").textContent = String(t.evictions);
+  for (const key of t.counter_names || []) {
+    if (TIER_SHOWN.has(key) || typeof t[key] !== "number") continue;
+    tierNumber(key).textContent = key.endsWith("bytes") ? mb(t[key]) : String(t[key]);
+  }
+}
+
 function show(d) {
+  const tier = d.gpu_tier || null;
   document.body.classList.toggle("off", !d.enabled);
+  document.body.classList.toggle("tier", tier !== null);
+  document.body.classList.toggle("nogrid", !d.enabled && tier === null);
   $("off").hidden = d.enabled;
-  $("off").textContent = d.enabled ? "" :
-    "The expert cache is off: every expert is resident (" + d.reason + ").";
+  $("off").textContent = d.enabled ? "" : tier
+    ? "The expert cache is off: every expert is resident, in RAM or on the GPU; " + d.reason + "."
+    : "The expert cache is off: every expert is resident (" + d.reason + ").";
   showNumbers(d);
-  if (d.enabled) drawGrid(d);
+  if (tier) showTier(tier, d);
+  if (d.enabled || tier) drawGrid(d);
   const h = d.history;
   const last = h.length ? h[h.length - 1] : null;
   if (d.enabled) {
@@ -212,7 +273,7 @@ async function poll() {
 $("grid").addEventListener("mousemove", (ev) => {
   const d = window.expertData;
   const g = window.gridGeometry;
-  if (!d || !d.enabled || !g) return;
+  if (!d || !(d.enabled || d.gpu_tier) || !g) return;
   const rect = $("grid").getBoundingClientRect();
   const e = Math.floor((ev.clientX - rect.left - g.x0) / g.cw);
   const l = Math.floor((ev.clientY - rect.top - g.y0) / g.ch);
@@ -221,8 +282,9 @@ $("grid").addEventListener("mousemove", (ev) => {
     $("cell-info").textContent = "layer " + l + ": dense (no experts)";
     return;
   }
-  $("cell-info").textContent = "layer " + l + ", expert " + e + ": " + STATES[d.state[l][e]] +
-    ", heat " + d.heat[l][e].toFixed(2);
+  const heat = heatOf(d);
+  $("cell-info").textContent = "layer " + l + ", expert " + e + ": " + PLACES[placeOf(d, l, e)] +
+    ", heat " + (heat[l] ? heat[l][e] || 0 : 0).toFixed(2);
 });
 window.addEventListener("resize", () => window.expertData && show(window.expertData));
 $("api-key").addEventListener("change", () => { $("status").textContent = "…"; });

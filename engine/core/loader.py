@@ -248,12 +248,13 @@ def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
         log.info("device: %s", device)
         return device, None
     from colibri.engine.executor.costmodel import DeviceProfile
-    from colibri.engine.executor.placement import measure_profile, plan_placement
+    from colibri.engine.executor.placement import budget_text, measure_profile, plan_placement
 
     profile = (DeviceProfile.load(config.device_profile) if config.device_profile
                else measure_profile(config.threads or 0, device))
     placement, text, _plan = plan_placement(folder, cfg, profile, config.gpu_memory_mb, n_ctx)
-    log.info("device: %s, placement under %.0f MB: %s", device, config.gpu_memory_mb, text)
+    log.info("device: %s, placement under %s: %s", device, budget_text(config.gpu_memory_mb),
+             text)
     return (device, placement) if placement is not None else ("cpu", None)
 
 

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -304,13 +304,25 @@ class ExpertCacheMonitor:
         """The GPU tier's counters and placement (ExpertSplit.stats), or None without one."""
         return None if self.gpu_tier is None else self.gpu_tier.stats()
 
+    def tier_counter_names(self) -> list[str]:
+        """The names of the GPU tier's counters (each a count since start, in tier_stats), in
+        the order its counters declare them; [] without a tier. Read from the counters
+        themselves, so that a counter the tier gains shows up wherever this list is read."""
+        counters = getattr(self.gpu_tier, "counters", None)
+        if counters is None:
+            return []
+        if is_dataclass(counters):
+            return [f.name for f in fields(counters)]
+        return list(counters)
+
     def tier_data(self) -> dict[str, Any] | None:
-        """tier_stats, JSON-ready: counters, and per layer and expert 1 on the GPU, 0 on the
-        CPU, and the heat."""
+        """tier_stats, JSON-ready: counters (named in counter_names), per layer and expert 1
+        on the GPU, 0 on the CPU, and the heat."""
         ts = self.tier_stats()
         if ts is None:
             return None
         out = {k: v for k, v in ts.items() if k not in ("on_device", "heat")}
+        out["counter_names"] = self.tier_counter_names()
         out["on_device"] = ts["on_device"].tolist()
         out["heat"] = [[round(float(h), 3) for h in row] for row in ts["heat"]]
         return out

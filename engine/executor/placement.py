@@ -82,11 +82,30 @@ def plan_placement(model_dir: Path, cfg: ModelConfig, profile: DeviceProfile,
             ops[LayerOp(il, Op.EXPERTS)] = "torch"
         else:
             experts.update({(il, e): "torch" for e in on})
-    n_on = sum(len(v) for v in plan.gpu_experts.values())
-    n_all = cfg.n_expert * len(cfg.moe_layers)
     text = (f"layers 0..{max(layers)} of {cfg.n_layer} on the GPU"
-            + (f" with {n_on} of {n_all} routed experts (hottest first; the others run on "
-               "the CPU beside them)" if n_all else "")
+            + _experts_text(cfg, plan)
             + (", the rest on the CPU" if len(layers) < cfg.n_layer else "")
             + f"; decode {plan.decode_ms:.2f} ms per token predicted")
     return Placement(default="c", ops=ops, experts=experts), text, plan
+
+
+def _experts_text(cfg: ModelConfig, plan: Plan) -> str:
+    """The routed experts a plan puts on the GPU, in words: how many, and how many of each
+    layer when some stay on the CPU ("" for a model without routed experts)."""
+    n_all = cfg.n_expert * len(cfg.moe_layers)
+    if not n_all:
+        return ""
+    n_on = sum(len(v) for v in plan.gpu_experts.values())
+    out = f" with {n_on} of {n_all} routed experts"
+    if 0 < n_on < n_all:
+        per = " ".join(f"{il}:{len(v)}" for il, v in sorted(plan.gpu_experts.items()) if v)
+        out += (f" (hottest first; by layer {per}; the others run on the CPU beside them, "
+                "and move by heat)")
+    elif n_on == 0:
+        out += " (they run on the CPU beside the GPU's layers)"
+    return out
+
+
+def budget_text(mb: float) -> str:
+    """A GPU memory budget in MB as people write it: whole MB, or 3 digits below 100 MB."""
+    return f"{mb:.0f} MB" if mb >= 100 else f"{mb:.3g} MB"

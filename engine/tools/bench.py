@@ -5,6 +5,8 @@ bandwidth / bytes-per-token. This module measures both sides of that inequality:
 (one forward call over a deterministic prompt, then greedy single-token calls, a fresh
 sequence per repeat) and the bound (weight bytes per decoded token, counted exactly from the
 tensor tables, and read bandwidth from the C probe). It makes no claim about speed itself.
+With --device and --gpu-memory-mb it loads the model where `serve` would place it and reports
+the GPU tier's counters beside the expert cache's (bench_device.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from colibri.engine.core.kv_types import resolve_kv_type
-from colibri.engine.core.loader import available_memory_bytes, start_expert_cache
+from colibri.engine.core.loader import EngineConfig, available_memory_bytes
 from colibri.engine.core.options import (
     OPTION,
     ExpertCacheConfig,
@@ -42,6 +44,13 @@ from colibri.engine.executor.expert_cache import ExpertCacheMonitor
 from colibri.engine.format.convert import DEFAULT_QUANT
 from colibri.engine.format.modelcheck import check_model
 from colibri.engine.models.config import ModelConfig
+from colibri.engine.tools.bench_device import (
+    device_experts,
+    gpu_tier_report,
+    load_bench_model,
+    placement_text,
+    render_gpu_tier,
+)
 from colibri.engine.tools.bench_profile import decode_profile, render_profile
 from colibri.engine.tools.bench_spec import render_speculative, speculative_report
 from colibri.engine.tools.cache_args import (
@@ -190,7 +199,9 @@ class RunTiming:
 def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
     """Prefill prompt in one forward call, then n_gen greedy single-token calls (EOS ignored).
 
-    model is an engine.executor.model.Model; sequence 0 is cleared before and after.
+    model is an engine.executor.model.Model; sequence 0 is cleared before and after. On a
+    torch device the C core times only the products it runs (none with every layer on the
+    device): decode_phases then holds those, and may be empty.
     """
     n = int(prompt.size)
     seq0 = np.zeros(1, dtype=np.int32)
@@ -214,8 +225,9 @@ def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
     finally:
         model.reset(0)
     phases = {name: {k: v - p1["phases"][name][k] for k, v in ph.items()}
-              for name, ph in p2["phases"].items()}
-    return RunTiming(t1 - t0, t2 - t1, tokens, phases, p2["attention_s"] - p1["attention_s"],
+              for name, ph in p2.get("phases", {}).items()}
+    return RunTiming(t1 - t0, t2 - t1, tokens, phases,
+                     p2.get("attention_s", 0.0) - p1.get("attention_s", 0.0),
                      p2["forward_s"] - p1["forward_s"])
 
 
@@ -245,15 +257,25 @@ class BenchSettings:
     # this method (engine.tools.bench_spec)
     speculative: str = default("speculative")
     num_speculative_tokens: int = default("num_speculative_tokens")
+    # where the step runs, as `serve` places it (engine.core.loader.choose_placement)
+    device: str = default("device")
+    gpu_memory_mb: float | None = None
+    device_profile: str | None = None
 
     def check(self) -> None:
-        """Refuse counts below 1, named by their `colibri bench` option."""
+        """Refuse counts below 1, named by their `colibri bench` option, and --profile on a
+        torch device (its products are timed in the C core)."""
         for name in ("prompt_tokens", "gen_tokens", "repeat", "probe_mib", "probe_passes",
                      "threads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         check_flag(OPTION["num_speculative_tokens"], self.num_speculative_tokens)
+        # an unknown device, or a CUDA device this machine lacks, before anything is read
+        if resolve_device(self.device) != "cpu" and self.profile:
+            raise ValueError(f"--profile times the C core's products in place: the torch "
+                             f"device of --device {self.device} runs them untimed; profile "
+                             "with --device cpu")
 
 
 def expert_cache_report(monitor: ExpertCacheMonitor, before: dict[str, Any] | None,
@@ -333,7 +355,6 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
 def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
     """run_bench's measurements; bar names each phase as it starts and counts it when done."""
     from colibri.engine import _core
-    from colibri.engine.executor.model import Model
 
     # the memory's read rate drifts on shared machines: probe before loading and again after
     # the runs (with the model freed, so the buffer never competes with it) and take the
@@ -344,11 +365,14 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
     bar.update()
     bar.set_postfix_str("loading the model")
     t0 = time.perf_counter()
-    model = Model.load(path, threads=n_threads, n_ctx=s.prompt_tokens + s.gen_tokens,
-                       kv_type=resolve_kv_type(s.kv_cache_type, ModelConfig.from_dir(path).quant))
-    monitor = start_expert_cache(model, path, s.expert_cache or ExpertCacheConfig.from_env(),
-                                 model.n_kv_blocks * model.kv_block_bytes())
+    model, monitor = load_bench_model(
+        path, EngineConfig(threads=n_threads, device=s.device, gpu_memory_mb=s.gpu_memory_mb,
+                           device_profile=s.device_profile),
+        s.prompt_tokens + s.gen_tokens,
+        resolve_kv_type(s.kv_cache_type, ModelConfig.from_dir(path).quant),
+        s.expert_cache or ExpertCacheConfig.from_env())
     load_s = time.perf_counter() - t0
+    placed = device_experts(monitor)  # before the tier moves any
     bar.update()
     cfg = model.config
     prompt = bench_prompt(cfg.n_vocab, s.prompt_tokens)
@@ -356,7 +380,8 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
     bar.set_postfix_str("warm-up")
     timed_greedy_run(model, prompt, min(s.gen_tokens, 8))  # warm-up: page in, spin up
     bar.update()
-    before = monitor.stats()
+    before = monitor.stats() if monitor is not None else None
+    tier_before = monitor.tier_stats() if monitor is not None else None
     # a read just before every run and after the last, where the probe's buffer fits beside
     # the model with room to spare (a model that fills the memory is never pushed out)
     free = available_memory_bytes()
@@ -373,10 +398,14 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
     bar.set_postfix_str("reading memory")
     if between:
         reads.append(_core.bandwidth_probe(s.probe_mib << 20, n_threads, s.probe_passes))
-    cache = expert_cache_report(monitor, before, s.repeat * (s.prompt_tokens + s.gen_tokens))
+    n_tokens = s.repeat * (s.prompt_tokens + s.gen_tokens)
+    cache = (expert_cache_report(monitor, before, n_tokens) if monitor is not None else
+             {"enabled": False, "reason": f"every routed expert on the device, {model.device}"})
+    tier = gpu_tier_report(monitor, tier_before, placed)
     prefill = summarize([s.prompt_tokens / r.prefill_s for r in runs])
     decode = summarize([s.gen_tokens / r.decode_s for r in runs])
-    products = decode_products(runs, s.gen_tokens)
+    # the C core times the products it runs; a torch device runs some or all of them untimed
+    products = decode_products(runs, s.gen_tokens) if model.device == "cpu" else None
     spec = None
     if s.speculative != "off":
         from colibri.engine.text.tokenizer import Tokenizer
@@ -387,8 +416,9 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
                                                               s.num_speculative_tokens))
     rss = peak_rss_bytes()  # before the probe, whose buffer is not the model's memory
     n_threads = model.n_threads  # what the model runs on (the core caps very large counts)
-    n_repacked = model.core.n_repacked
+    n_repacked = getattr(model.core, "n_repacked", 0)  # only the C core repacks
     kv_type = model.kv_type
+    device, placement = model.device, placement_text(model)
     del model
 
     per_token = weight_bytes_per_token(path)
@@ -407,6 +437,8 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
         "prefetch": _core.stream_hint_active(),
         "repacked_matrices": n_repacked,
         "threads": n_threads,
+        "device": device,
+        "placement": placement,
         "kv_cache_type": kv_type,
         "prompt_tokens": s.prompt_tokens,
         "gen_tokens": s.gen_tokens,
@@ -428,6 +460,7 @@ def _measure(s: BenchSettings, path: Path, bar: tqdm) -> dict[str, Any]:
         "decode_products": products,
         "greedy_tokens": runs[0].tokens[:16],
         "expert_cache": cache,
+        "gpu_tier": tier,
     }
     if spec is not None:
         result["speculative"] = spec
@@ -462,6 +495,7 @@ def render(r: dict[str, Any]) -> str:
         + (f", prefetch {r['prefetch']}" if r["isa"] == "avx512" else "")
         + (f" ({r['repacked_matrices']} matrices repacked)" if r["repacked_matrices"] else "")
         + f", loaded in {r['load_s']:.2f} s",
+        f"device         {r.get('device', 'cpu')}: {r.get('placement', '')}",
         f"workload       {r['prompt_tokens']}-token prompt, {r['gen_tokens']} greedy tokens, "
         f"{r['repeat']} repeats, {r['kv_cache_type']} KV cache",
         f"{'':15}{'median':>10}{'min':>10}{'max':>10}",
@@ -473,7 +507,8 @@ def render(r: dict[str, Any]) -> str:
         f"and after the runs ({', '.join(f'{g:.1f}' for g in r['bandwidth_probes_gb_s'])}; "
         f"{_threads(r['threads'])}, {r['probe_bytes'] >> 20} MiB)",
         f"decode bound   {r['bound_tok_s']:.1f} tok/s; median decode is "
-        f"{r['percent_of_bound']:.1f}% of it",
+        f"{r['percent_of_bound']:.1f}% of it"
+        + ("" if r.get("device", "cpu") == "cpu" else " (the bound of the CPU's memory)"),
     ]
     sm = r["percent_of_read_same_minute"]
     if sm is None:
@@ -486,11 +521,14 @@ def render(r: dict[str, Any]) -> str:
             f"after it ({', '.join(f'{g:.1f}' for g in r['bandwidth_between_runs_gb_s'])} "
             "GB/s)")
     pr = r["decode_products"]
-    lines.append(
-        f"products       {pr['s_per_token'] * 1e3:.3f} of {pr['step_s'] * 1e3:.3f} ms per decoded "
-        f"token, {_mb(pr['bytes_per_token'])} at {pr['gb_s']:.1f} GB/s; the other "
-        f"{pr['other_s_per_token'] * 1e3:.3f} ms: attention over the cache, norms, routing, "
-        "Python (timed in place, median run)")
+    if pr is None:
+        lines.append(f"products       not timed: {r['device']} runs them on the torch device")
+    else:
+        lines.append(
+            f"products       {pr['s_per_token'] * 1e3:.3f} of {pr['step_s'] * 1e3:.3f} ms per "
+            f"decoded token, {_mb(pr['bytes_per_token'])} at {pr['gb_s']:.1f} GB/s; the other "
+            f"{pr['other_s_per_token'] * 1e3:.3f} ms: attention over the cache, norms, "
+            "routing, Python (timed in place, median run)")
     xc = r.get("expert_cache") or {}
     if xc.get("enabled"):
         lines.append(
@@ -503,6 +541,8 @@ def render(r: dict[str, Any]) -> str:
             f"{xc['overlapped']:.0f} experts run while others of their wave loaded")
     elif xc:
         lines.append(f"expert cache   off: every expert resident ({xc['reason']})")
+    if r.get("gpu_tier"):
+        lines.append(render_gpu_tier(r["gpu_tier"]))
     if "speculative" in r:
         lines.append(render_speculative(r["speculative"]))
     if "profile" in r:
@@ -541,12 +581,9 @@ def bench_main(args: argparse.Namespace) -> int:
         threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
         profile=args.profile, expert_cache=expert_cache_from_args(args),
         kv_cache_type=args.kv_cache_type, progress=not args.no_progress,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        **device_from_args(args))  # type: ignore[arg-type]
     settings.check()  # before anything is read, timed or converted
-    dev = device_from_args(args)
-    if resolve_device(str(dev["device"])) != "cpu":
-        raise ValueError(f"--device {dev['device']}: colibri bench times the C core on the CPU; "
-                         "time a GPU with scripts/device_check.sh, or plan with colibri plan")
     check_model(args.model)
     check_trace_args(args)
     result = run_bench(settings)

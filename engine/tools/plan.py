@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from colibri.engine.executor.costmodel import DeviceProfile, Plan, make_plan, model_costs
-from colibri.engine.executor.placement import measure_profile, plan_placement
+from colibri.engine.executor.placement import budget_text, measure_profile, plan_placement
 from colibri.engine.models.config import ModelConfig
 
 
@@ -55,8 +55,9 @@ def placement_summary(model_dir: Path, device: str, gpu_memory_mb: float | None,
     if gpu_memory_mb is None:
         return f"everything on {dev} (the torch backend)"
     prof = DeviceProfile.load(device_profile) if device_profile else measure_profile(0, dev)
-    _p, text, _plan = plan_placement(model_dir, cfg, prof, gpu_memory_mb, cfg.default_n_ctx())
-    return f"{dev} under {gpu_memory_mb:.0f} MB: {text}"
+    n_ctx = cfg.default_n_ctx()  # what serve holds without --n-ctx
+    _p, text, _plan = plan_placement(model_dir, cfg, prof, gpu_memory_mb, n_ctx)
+    return f"{dev} under {budget_text(gpu_memory_mb)} (a KV cache of {n_ctx} positions): {text}"
 
 
 def render(plan: Plan, info: dict[str, Any]) -> str:
