@@ -51,11 +51,11 @@ from its own log). A DeepSeek checkpoint's converter expects DeepSeek's BPE toke
 random model has a sentencepiece one, so its GGUF vocabulary is written as sentencepiece
 (the vocabulary does not change speed).
 
-Pitfalls met on a 2-vCPU Xeon with AMX: a GGML_NATIVE build of llama.cpp dies with SIGILL in
-its AMX matmul (the script checks in a child process first and prints how to build without
-AMX; run with PYTHONPATH=that build); and OpenMP's spinning workers made two-thread decode ~30x
-slower whenever other work shared the cores: run on a quiet machine (the load average is
-printed), or set OMP_WAIT_POLICY=PASSIVE yourself to see llama.cpp under load.
+Pitfalls met on 2-vCPU Xeons with AMX: a GGML_NATIVE build of llama.cpp dies with SIGILL or
+SIGSEGV in its AMX matmul (the script checks in a child process first and prints how to build
+without AMX; run with PYTHONPATH=that build); and OpenMP's spinning workers made two-thread
+decode ~30x slower whenever other work shared the cores: run on a quiet machine (the load
+average is printed), or set OMP_WAIT_POLICY=PASSIVE yourself to see llama.cpp under load.
 """
 
 from __future__ import annotations
@@ -432,8 +432,9 @@ def _stderr_to(path: Path) -> Iterator[None]:
         os.close(saved)
 
 
-AMX_HINT = """llama.cpp died with SIGILL evaluating the model. Where this was seen, the cause
-was ggml's AMX path (tileloadd in ggml_backend_amx_mul_mat) of a GGML_NATIVE build. Build
+AMX_HINT = """llama.cpp died with {signal} evaluating the model. Where this was seen (SIGILL on
+one Xeon, SIGSEGV on another), the cause was ggml's AMX path (ggml_backend_amx_mul_mat) of a
+GGML_NATIVE build. Build
 llama-cpp-python without AMX but with the other native features, e.g. into a folder of its own:
 
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\
@@ -452,8 +453,8 @@ def llama_preflight(path: Path, threads: int) -> None:
             "lm.eval([1, 2, 3, 4, 5, 6, 7, 8]); lm.eval([9])\n")
     r = subprocess.run([sys.executable, "-c", code, str(path), str(threads)],
                        capture_output=True, text=True)
-    if r.returncode == -signal.SIGILL:
-        raise SystemExit(AMX_HINT)
+    if r.returncode in (-signal.SIGILL, -signal.SIGSEGV):
+        raise SystemExit(AMX_HINT.format(signal=signal.Signals(-r.returncode).name))
     if r.returncode != 0:
         raise SystemExit(f"llama.cpp cannot evaluate {path} (exit {r.returncode}):\n"
                          + r.stderr[-2000:])
