@@ -434,13 +434,14 @@ def _stderr_to(path: Path) -> Iterator[None]:
 
 AMX_HINT = """llama.cpp died with {signal} evaluating the model. Where this was seen (SIGILL on
 one Xeon, SIGSEGV on another), the cause was ggml's AMX path (ggml_backend_amx_mul_mat) of a
-GGML_NATIVE build. Build
-llama-cpp-python without AMX but with the other native features, e.g. into a folder of its own:
+GGML_NATIVE build. Build llama-cpp-python without AMX but with the other native features, e.g.
+into a folder of its own (--no-cache-dir: otherwise pip reuses the wheel it built natively):
 
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\
     -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \\
     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \\
-    -DGGML_AMX_BF16=OFF" pip install --no-deps --target DIR llama-cpp-python==0.3.36
+    -DGGML_AMX_BF16=OFF" pip install --no-cache-dir --no-deps --target DIR \\
+    llama-cpp-python==0.3.36
 
 and run this script with PYTHONPATH=DIR."""
 
