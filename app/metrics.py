@@ -247,6 +247,11 @@ _TIER_COUNTERS = (
     ("uploads", "Experts copied to the GPU by heat."),
     ("upload_bytes", "Bytes of experts copied to the GPU by heat."),
     ("evictions", "Experts dropped from the GPU for hotter ones."),
+    ("step_uploads", "Experts on the CPU copied to the GPU for one step, where the cost model "
+                     "predicted their rows repay the copy."),
+    ("step_upload_bytes", "Bytes of experts copied to the GPU for one step."),
+    ("step_upload_rows", "Expert selections computed by experts copied to the GPU for their "
+                         "step."),
 )
 
 _EXPERT_COUNTERS = (

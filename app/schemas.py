@@ -287,8 +287,12 @@ class ExpertCacheInfo(BaseModel):
     gpu_tier: dict[str, Any] | None = Field(None, description="with routed experts on a GPU "
                                             "beside the CPU: experts_on_device, hits and "
                                             "misses (selections computed on the GPU / the "
-                                            "CPU), uploads, upload_bytes, evictions, and "
-                                            "[layer][expert] on_device (1 GPU, 0 CPU) and heat")
+                                            "CPU), uploads, upload_bytes, evictions, "
+                                            "step_uploads, step_upload_bytes and "
+                                            "step_upload_rows (CPU experts copied to the GPU "
+                                            "for one step, where the cost model says their "
+                                            "rows repay it), and [layer][expert] on_device "
+                                            "(1 GPU, 0 CPU) and heat")
 
 
 _MESSAGES = {

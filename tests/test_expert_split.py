@@ -14,6 +14,11 @@ and the GPU tier that moves experts between them by heat, on tiny random checkpo
 - batch invariance: two sequences in one paged call give what each gives alone;
 - the tier: hysteresis and the bound on uploads per step, experts moving toward the hot ones
   while the tokens stay the all-C tokens, and counters that add up;
+- the per-step choice for experts on the CPU: under a profile where uploading is cheap and the
+  CPU slow, a prefill chunk uploads exactly the cold experts whose rows reach the crossing the
+  profile predicts (found here by scanning cold_expert_choice over rows, and checked against
+  the closed form) and a decode token uploads none; under the opposite profile nothing
+  uploads; the tokens are the all-C tokens either way and the counters add up;
 - the engine under --gpu-memory-mb with a device profile places experts hottest first and
   shows the tier on /metrics and /v1/expert_cache.
 """
@@ -38,6 +43,8 @@ from colibri.engine.executor.costmodel import (  # noqa: E402
     CpuProfile,
     DeviceProfile,
     GpuProfile,
+    Item,
+    cold_expert_choice,
     model_costs,
 )
 from colibri.engine.executor.model import Model  # noqa: E402
@@ -306,6 +313,112 @@ def test_the_tier_keeps_its_hysteresis_and_bound(mixtral: Family) -> None:
     assert rel_max(prefill(s, PROMPT), prefill(c, PROMPT)) <= 1e-4
 
 
+def _profile(ex: Item, cpu_gmacs: float, h2d_gb_s: float) -> DeviceProfile:
+    """A simulated machine whose CPU is compute-bound at cpu_gmacs for these experts (its
+    bandwidth is no limit) beside a GPU that computes almost for free behind a h2d_gb_s link."""
+    return DeviceProfile("sim", "simulated", CpuProfile(1e6, {ex.wtype: cpu_gmacs}),
+                         GpuProfile("sim-gpu", 1000, 1e6, 1e6, h2d_gb_s, 0.0, 0.0))
+
+
+def _crossing(prof: DeviceProfile, ex: Item, most: int) -> int | None:
+    """The fewest rows for which cold_expert_choice uploads (None: none up to `most`), after
+    checking that it stays "upload" above that (one flip)."""
+    ups = [r for r in range(1, most + 1) if cold_expert_choice(prof, ex, r) == "upload"]
+    if not ups:
+        return None
+    assert ups == list(range(ups[0], most + 1)), "the choice flips once"
+    return ups[0]
+
+
+def _greedy_steps(s: Model) -> tuple[np.ndarray, np.ndarray, list[int], list[list[Any]]]:
+    """A greedy run of PROMPT in slot 0, one call a step: the prompt's logits and routes
+    [T, n_layer, K], the tokens, and per step the split's transient uploads."""
+    cfg = s.config
+    split = s.core.expert_split
+    s.reset(0)
+    routes = np.full((PROMPT.size, cfg.n_layer, cfg.n_expert_used), -1, np.int32)
+    first = s.forward(PROMPT, np.zeros(PROMPT.size, np.int32),
+                      np.arange(PROMPT.size, dtype=np.int32), routes=routes)
+    ups = [list(split.last_step_uploads)]
+    out = [int(first[-1].argmax())]
+    for i in range(N_GEN - 1):
+        logits = s.forward(np.array([out[-1]], np.int32), np.zeros(1, np.int32),
+                           np.array([PROMPT.size + i], np.int32))
+        ups.append(list(split.last_step_uploads))
+        out.append(int(logits[-1].argmax()))
+    return first, routes, out, ups
+
+
+# Mixtral in the quick pass; gpt-oss (expert biases from the router file) and Llama 4 (the
+# routing weight scales the experts' input) in the slow one
+@pytest.fixture(scope="module", params=["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow),
+                                        pytest.param("llama4", marks=pytest.mark.slow)])
+def upload_family(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return _family(request.param, tmp_path_factory)
+
+
+def test_cold_experts_upload_for_a_step_where_the_profile_says(upload_family: Family) -> None:
+    path = upload_family.path("f32")
+    c = Model.load(path, threads=2, n_ctx=N_CTX)
+    want_tokens = greedy(c, PROMPT, N_GEN)
+    c.reset(0)
+    want = prefill(c, PROMPT)
+    cfg = c.config
+    moe, K = cfg.moe_layers, cfg.n_expert_used
+    ex = model_costs(path, cfg, context=N_CTX).experts[moe[0]]
+    on = {il: {0} for il in moe}  # the other experts of each layer are on the CPU
+    s = split_model(path, placement(cfg, set(range(cfg.n_layer)), on))
+    split = s.core.expert_split
+    split.tier = TierConfig(max_uploads=0)  # the placement stays: only per-step uploads
+    per = split._expert_bytes[moe[0]]  # f32: the same bytes on the device
+    n_sel = (PROMPT.size + N_GEN - 1) * K * len(moe)  # selections of one greedy run
+
+    # where the prompt's rows fall (no profile: nothing uploads, and routing is unchanged)
+    _l, routes, _t, ups = _greedy_steps(s)
+    assert ups == [[]] * N_GEN
+    rows = {(il, e): int((routes[:, il] == e).sum()) for il in moe for e in range(cfg.n_expert)
+            if e not in on[il]}
+    used = sorted({n for n in rows.values() if n > 0})
+    assert len(used) >= 2, "the prompt should give cold experts different row counts"
+    r_want = used[len(used) // 2]  # a crossing inside the prompt's counts, above 1 row
+    # CPU at 1 GMAC/s: r rows cost r * macs ns; the link takes (r_want - 0.5) * macs ns for
+    # the expert's bytes, so the copy (and the near-free GPU product) pays from r_want rows on
+    cheap = _profile(ex, 1.0, ex.gpu_bytes / ((r_want - 0.5) * ex.macs))
+    dear = _profile(ex, 1.0, ex.gpu_bytes / (1e4 * ex.macs))  # the copy: 10^4 rows of CPU
+    r_up = _crossing(cheap, ex, PROMPT.size)
+    assert r_up == r_want == int(np.floor(ex.gpu_bytes / (cheap.gpu.h2d_gb_s * 1e9)  # closed
+                                          / (ex.macs / 1e9))) + 1  # form
+    assert _crossing(dear, ex, N_CTX) is None
+    base = split.stats()
+
+    split.profile = cheap
+    logits, routes2, toks, ups = _greedy_steps(s)
+    assert rel_max(logits, want) <= 1e-4 and toks == want_tokens
+    np.testing.assert_array_equal(routes2, routes)
+    expect = {(il, e, n) for (il, e), n in rows.items() if n >= r_up}
+    below = {(il, e) for (il, e), n in rows.items() if 0 < n < r_up}
+    assert expect and below, "the prompt's chunk should route on both sides of the crossing"
+    assert set(ups[0]) == expect
+    assert ups[1:] == [[]] * (N_GEN - 1)  # a decode token gives a cold expert 1 row: the CPU
+    st = split.stats()
+    n_up, n_rows = len(expect), sum(n for _l, _e, n in expect)
+    assert (st["step_uploads"], st["step_upload_rows"]) == (n_up, n_rows)
+    assert st["step_upload_bytes"] == n_up * per
+    assert st["uploads"] == st["evictions"] == 0 and st["experts_on_device"] == len(moe)
+    assert st["hits"] + st["misses"] + st["step_upload_rows"] == 2 * n_sel
+    assert st["hits"] == 2 * base["hits"] and st["misses"] == 2 * base["misses"] - n_rows
+    assert st["upload_buffer_bytes"] == 2 * per  # one ring of two, reused for every upload
+
+    split.profile = dear
+    logits, _routes, toks, ups = _greedy_steps(s)
+    assert rel_max(logits, want) <= 1e-4 and toks == want_tokens
+    assert ups == [[]] * N_GEN
+    st = split.stats()
+    assert (st["step_uploads"], st["step_upload_rows"]) == (n_up, n_rows)
+    assert st["hits"] + st["misses"] + st["step_upload_rows"] == 3 * n_sel
+
+
 SIM = DeviceProfile("sim", "simulated", CpuProfile(20.0, {"f32": 25.0, "q8": 50.0}),
                     GpuProfile("sim-gpu", 1000, 2000.0, 10000.0, 10.0, 0.0, 0.0))
 
@@ -356,7 +469,8 @@ def test_the_engine_places_experts_and_shows_the_tier(mixtral: Family, tmp_path:
         llm.core.close()
     assert "colibri_gpu_tier_experts_on_device 2" in metrics
     assert page["gpu_tier"]["hits"] == tier["hits"]  # no step ran in between
-    for key in ("hits", "misses", "uploads", "upload_bytes", "evictions"):
+    for key in ("hits", "misses", "uploads", "upload_bytes", "evictions", "step_uploads",
+                "step_upload_bytes", "step_upload_rows"):
         assert f"colibri_gpu_tier_{key}_total {page['gpu_tier'][key]}" in metrics
     assert page["gpu_tier"]["experts_on_device"] == 2
     assert page["gpu_tier"]["on_device"][cfg.moe_layers[0]][3] == 1

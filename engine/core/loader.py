@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colibri.engine.core.block_manager import BLOCK_SIZE
 from colibri.engine.core.engine import EngineCore, win_pool_need
@@ -35,6 +35,9 @@ from colibri.engine.executor.model import Model, kv_block_bytes, kv_split_block_
 from colibri.engine.format.convert import ensure_converted
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from colibri.engine.executor.costmodel import DeviceProfile
 
 log = logging.getLogger("colibri.engine")
 
@@ -199,7 +202,7 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     cfg = ModelConfig.from_dir(folder)
     n_ctx = cfg.default_n_ctx() if config.n_ctx is None else config.n_ctx
     kv_type = resolve_kv_type(config.kv_cache_type, cfg.quant)
-    device, placement = choose_placement(folder, cfg, config, n_ctx)
+    device, placement, profile = choose_placement(folder, cfg, config, n_ctx)
     # the windowed KV pool is the C core's: a torch device keeps one pool
     pools = (kv_pools(cfg, kv_type, n_ctx, config) if device == "cpu"
              else one_kv_pool(cfg, kv_type, n_ctx, config))
@@ -211,6 +214,9 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
                        kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states,
                        kv_win_blocks=pools.n_win, device=device, placement=placement)
+    split = getattr(model.core, "expert_split", None)
+    if split is not None:  # its per-step choice for cold experts predicts with the same profile
+        split.profile = profile
     monitor = (start_expert_cache(model, folder, config.expert_cache, pools.total_bytes)
                if device == "cpu" else gpu_tier_monitor(model, folder))
     tokenizer = Tokenizer.from_dir(folder)
@@ -234,19 +240,19 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     return core
 
 
-def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
-                     n_ctx: int) -> tuple[str, Placement | None]:
+def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig, n_ctx: int
+                     ) -> tuple[str, Placement | None, DeviceProfile | None]:
     """The device the step runs on and, under --gpu-memory-mb, the layers the cost model
-    puts on it (the others run on the C core). auto keeps models the torch backend does not
-    run on the C core."""
+    puts on it (the others run on the C core), with the device profile it planned with.
+    auto keeps models the torch backend does not run on the C core."""
     device = resolve_device(config.device)
     if device != "cpu" and config.device == "auto" and torch_unsupported(cfg):
         log.info("device: cpu (auto; the GPU path does not run %s)",
                  ", ".join(torch_unsupported(cfg)))
-        return "cpu", None
+        return "cpu", None, None
     if device == "cpu" or config.gpu_memory_mb is None:
         log.info("device: %s", device)
-        return device, None
+        return device, None, None
     from colibri.engine.executor.costmodel import DeviceProfile
     from colibri.engine.executor.placement import measure_profile, plan_placement
 
@@ -254,7 +260,7 @@ def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
                else measure_profile(config.threads or 0, device))
     placement, text, _plan = plan_placement(folder, cfg, profile, config.gpu_memory_mb, n_ctx)
     log.info("device: %s, placement under %.0f MB: %s", device, config.gpu_memory_mb, text)
-    return (device, placement) if placement is not None else ("cpu", None)
+    return (device, placement, profile) if placement is not None else ("cpu", None, None)
 
 
 def gpu_tier_monitor(model: Model, folder: Path) -> ExpertCacheMonitor | None:
