@@ -20,13 +20,18 @@ and the GPU tier that moves experts between them by heat, on tiny random checkpo
   the closed form) and a decode token uploads none; under the opposite profile nothing
   uploads; the tokens are the all-C tokens either way and the counters add up;
 - the engine under --gpu-memory-mb with a device profile places experts hottest first and
-  shows the tier on /metrics and /v1/expert_cache.
+  shows the tier on /metrics and /v1/expert_cache;
+- a split's C side (its layers, and the experts a device layer leaves to it) reads through
+  the expert cache under a budget and gives the bits it gives without one; the cache sees only
+  the C side's selections, and the routing history saved at close takes the tier's counts for
+  the device layers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from colibri.engine.core.loader import start_expert_cache  # noqa: E402
+from colibri.engine.core.options import ExpertCacheConfig  # noqa: E402
 from colibri.engine.errors import InputError  # noqa: E402
 from colibri.engine.executor.backend import Op, Placement, step_ops  # noqa: E402
 from colibri.engine.executor.costmodel import (  # noqa: E402
@@ -474,3 +481,73 @@ def test_the_engine_places_experts_and_shows_the_tier(mixtral: Family, tmp_path:
         assert f"colibri_gpu_tier_{key}_total {page['gpu_tier'][key]}" in metrics
     assert page["gpu_tier"]["experts_on_device"] == 2
     assert page["gpu_tier"]["on_device"][cfg.moe_layers[0]][3] == 1
+
+
+@pytest.mark.parametrize("preset", ["f32", pytest.param("q8", marks=pytest.mark.slow)])
+def test_the_split_c_side_reads_through_the_expert_cache(mixtral: Family, preset: str) -> None:
+    path = mixtral.path(preset)
+    cfg = ModelConfig.from_dir(path)
+    moe, E, K = cfg.moe_layers, cfg.n_expert, cfg.n_expert_used
+    # a split layer with two experts on the device beside a whole C layer
+    on = {il: {0, E - 1} for il in moe[:-1]}
+    p = placement(cfg, set(range(cfg.n_layer)) - {moe[-1]}, on)
+    plain = split_model(path, p)
+    plain.core.expert_split.tier = TierConfig(max_uploads=0)
+    want_tokens = greedy(plain, PROMPT, N_GEN)
+    plain.reset(0)
+    want = prefill(plain, PROMPT)
+    assert plain.core.c.expert_cache_stats() is None
+    cached = split_model(path, p)
+    split = cached.core.expert_split
+    split.tier = TierConfig(max_uploads=0)
+    mon = start_expert_cache(cached, path, ExpertCacheConfig(expert_cache_size=K,
+                                                             expert_pin=False), 0,
+                             core=cached.core.c, repack=False)
+    assert mon.plan.per_layer == K
+    assert greedy(cached, PROMPT, N_GEN) == want_tokens
+    cached.reset(0)
+    np.testing.assert_array_equal(prefill(cached, PROMPT), want)  # the same bits
+    st = cached.core.c.expert_cache_stats()
+    assert st is not None and st["loads"][moe].min() > 0 and st["evictions"][moe].sum() > 0
+    n_sel = (2 * PROMPT.size + N_GEN - 1) * K
+    assert st["selections"][moe[-1]].sum() == n_sel  # the C layer: every selection
+    for il in moe[:-1]:  # the split layers: only the experts left to the C core
+        cold = ~split.on_device[il]
+        assert st["selections"][il, ~cold].sum() == 0 and split.selections[il].sum() == n_sel
+        np.testing.assert_array_equal(st["selections"][il, cold], split.selections[il, cold])
+
+
+def test_the_engine_runs_a_split_with_an_expert_cache(mixtral: Family, tmp_path: Path) -> None:
+    from colibri.engine import LLM, EngineConfig
+    from colibri.engine.sample.sampler import SamplingParams
+
+    path = Path(shutil.copytree(mixtral.path("f32"), tmp_path / "m"))  # close() writes here
+    cfg = ModelConfig.from_dir(path)
+    K = cfg.n_expert_used
+    prof = tmp_path / "sim.json"
+    prof.write_text(SIM.to_json())
+    mc = model_costs(path, cfg, context=N_CTX)
+    mb = (sum(i.gpu_bytes for i in mc.always) + 2.5 * mc.experts[cfg.moe_layers[0]].gpu_bytes
+          ) / 1e6  # every layer, two experts
+    prompts = [PROMPT.tolist(), PROMPT[:7].tolist()]
+    greedy_p = SamplingParams(max_tokens=8, temperature=0.0)
+    cpu = LLM(path, threads=2, n_ctx=N_CTX, config=EngineConfig(device="cpu"))
+    want = cpu.generate_batch(prompts, greedy_p)
+    cpu.core.close()
+    assert not (path / "expert_routing.json").exists()  # no cache on the CPU run: nothing saved
+    llm = LLM(path, threads=2, n_ctx=N_CTX, config=EngineConfig(
+        device="torch-cpu", gpu_memory_mb=mb, device_profile=str(prof), max_num_seqs=4,
+        expert_cache=ExpertCacheConfig(expert_cache_size=K, expert_pin=False)))
+    mon = llm.core.expert_cache
+    split = llm.model.core.expert_split
+    assert split is not None and mon.gpu_tier is split and mon.plan.per_layer == K
+    assert llm.generate_batch(prompts, greedy_p) == want
+    assert mon.stats() is not None and mon.totals()["misses"] > 0
+    assert mon.page_data()["gpu_tier"]["hits"] == split.stats()["hits"]
+    tier_sel = split.stats()["selections"]
+    c_sel = mon.stats()["selections"]
+    llm.core.close()
+    saved = np.array(json.loads((path / "expert_routing.json").read_text())["selections"])
+    for il in range(cfg.n_layer):
+        np.testing.assert_array_equal(saved[il], tier_sel[il] if il in split.layers
+                                      else c_sel[il])

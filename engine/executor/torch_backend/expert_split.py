@@ -126,6 +126,7 @@ class ExpertSplit:
         self.tracked = np.zeros((L, E), dtype=bool)
         self.tracked[self.layers] = True
         self.heat = np.zeros((L, E), dtype=np.float64)
+        self.selections = np.zeros((L, E), dtype=np.int64)  # since start, wherever computed
         self.counters = TierCounters()
         self._sel = torch.zeros((L, max(E, 1)), dtype=torch.int64, device=device)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-c-experts")
@@ -224,6 +225,7 @@ class ExpertSplit:
                                      - self._step_rows)
             self.counters.steps += 1
             self.heat = self.heat * decay + sel
+            self.selections += sel.astype(np.int64)
         self._step_rows = 0
         self.last_step_uploads, self._step_log = self._step_log, []
         self.rebalance()
@@ -278,11 +280,12 @@ class ExpertSplit:
         """Counters (hits, misses, uploads, upload_bytes, evictions, steps, step_uploads,
         step_upload_bytes, step_upload_rows), the experts on the device and their bytes, the
         bytes of the step uploads' buffers, and per layer and expert where each is
-        ([layer][expert]: 1 on the device, 0 on the CPU) and its heat."""
+        ([layer][expert]: 1 on the device, 0 on the CPU), its heat and its selections."""
         with self._lock:
             on = self.on_device.copy()
             out: dict[str, Any] = asdict(self.counters)
             heat = self.heat.copy()
+            sel = self.selections.copy()
         out["experts_on_device"] = int(on.sum())
         out["device_expert_bytes"] = int(sum(self._expert_bytes[il] * int(on[il].sum())
                                              for il in self.layers))
@@ -290,4 +293,5 @@ class ExpertSplit:
         out["layers"] = list(self.layers)
         out["on_device"] = on.astype(np.int8)
         out["heat"] = heat
+        out["selections"] = sel
         return out
