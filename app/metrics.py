@@ -235,6 +235,9 @@ class Metrics:
         name = "colibri_gpu_tier_experts_on_device"
         out += [f"# HELP {name} Routed experts held in GPU memory now.",
                 f"# TYPE {name} gauge", f"{name} {ts['experts_on_device']}"]
+        name = "colibri_gpu_tier_upload_buffer_bytes"
+        out += [f"# HELP {name} GPU memory of the buffers that experts copied for one step "
+                "go through.", f"# TYPE {name} gauge", f"{name} {ts['upload_buffer_bytes']}"]
         for key, doc in _TIER_COUNTERS:
             name = f"colibri_gpu_tier_{key}_total"
             out += [f"# HELP {name} {doc}", f"# TYPE {name} counter", f"{name} {ts[key]}"]

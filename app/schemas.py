@@ -291,7 +291,9 @@ class ExpertCacheInfo(BaseModel):
                                             "step_uploads, step_upload_bytes and "
                                             "step_upload_rows (CPU experts copied to the GPU "
                                             "for one step, where the cost model says their "
-                                            "rows repay it), and [layer][expert] on_device "
+                                            "rows repay it) and upload_buffer_bytes (the "
+                                            "GPU buffers they go through), and "
+                                            "[layer][expert] on_device "
                                             "(1 GPU, 0 CPU) and heat")
 
 

@@ -480,6 +480,9 @@ def test_the_engine_places_experts_and_shows_the_tier(mixtral: Family, tmp_path:
                 "step_upload_bytes", "step_upload_rows"):
         assert f"colibri_gpu_tier_{key}_total {page['gpu_tier'][key]}" in metrics
     assert page["gpu_tier"]["experts_on_device"] == 2
+    ub = page["gpu_tier"]["upload_buffer_bytes"]
+    assert f"colibri_gpu_tier_upload_buffer_bytes {ub}" in metrics
+    assert (ub > 0) == (page["gpu_tier"]["step_uploads"] > 0)
     assert page["gpu_tier"]["on_device"][cfg.moe_layers[0]][3] == 1
 
 
