@@ -246,6 +246,8 @@ class Metrics:
 _TIER_GAUGES = (
     ("experts_on_device", "Routed experts held in GPU memory now."),
     ("device_expert_bytes", "Bytes of the routed experts held in GPU memory now."),
+    ("upload_buffer_bytes", "GPU memory of the buffers that experts copied for one step go "
+                            "through."),
 )
 
 _TIER_COUNTERS = {
@@ -255,6 +257,10 @@ _TIER_COUNTERS = {
     "upload_bytes": "Bytes of experts copied to the GPU by heat.",
     "evictions": "Experts dropped from the GPU for hotter ones.",
     "steps": "Engine steps the GPU tier counted.",
+    "step_uploads": "Experts on the CPU copied to the GPU for one step, where the cost model "
+                    "predicted their rows repay the copy.",
+    "step_upload_bytes": "Bytes of experts copied to the GPU for one step.",
+    "step_upload_rows": "Expert selections computed by experts copied to the GPU for their step.",
 }
 
 _EXPERT_COUNTERS = (

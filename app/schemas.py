@@ -290,9 +290,13 @@ class ExpertCacheInfo(BaseModel):
                                             "counters since start (named in counter_names: "
                                             "hits and misses, selections computed on the GPU "
                                             "/ the CPU; uploads, upload_bytes, evictions, "
-                                            "steps), layers (those with experts on the GPU), "
-                                            "and [layer][expert] on_device (1 GPU, 0 CPU) and "
-                                            "heat")
+                                            "steps; step_uploads, step_upload_bytes and "
+                                            "step_upload_rows, CPU experts copied to the GPU "
+                                            "for one step where the cost model says their "
+                                            "rows repay it), upload_buffer_bytes (the GPU "
+                                            "buffers they go through), layers (those with "
+                                            "experts on the GPU), and [layer][expert] "
+                                            "on_device (1 GPU, 0 CPU) and heat")
 
 
 _MESSAGES = {

@@ -14,9 +14,11 @@ typedef struct clb_xcache clb_xcache;
 
 void clb_xc_free(clb_xcache *xc);
 
-/* Start of layer il in a chunk: counts[e] tokens routed to each expert (heat, selections),
- * and drops queued prefetches for il (the forward pass loads what it still misses itself). */
-void clb_xc_begin_layer(clb_xcache *xc, int64_t il, const int64_t *e_start);
+/* Start of layer il in a chunk of n_tokens tokens: e_start[e + 1] - e_start[e] rows routed to
+ * each expert run here (heat, selections; with experts run on another backend, only a share
+ * of the chunk's rows, so the heat decays by n_tokens, not by the rows), and drops queued
+ * prefetches for il (the forward pass loads what it still misses itself). */
+void clb_xc_begin_layer(clb_xcache *xc, int64_t il, const int64_t *e_start, int64_t n_tokens);
 
 /* Acquires expert e of layer il for the current wave: 1 when it is resident, 2 when it is the
  * wave's but still loading (counted as a miss; clb_xc_wait_any gives it), 0 when no slot can

@@ -293,7 +293,7 @@ static clb_status routed_experts(clb_model *m, int64_t il, int64_t T, const uint
     /* run each chosen expert once over its gathered rows, as many experts per dispatch as
      * fit in one batch of rows (and, with the expert cache, in the layer's slots); combine in
      * expert order, as HF does, so waves change no bit of the result */
-    if (xc) clb_xc_begin_layer(xc, il, m->e_start);
+    if (xc) clb_xc_begin_layer(xc, il, m->e_start, T);
     memset(out, 0, (size_t)(T * D) * sizeof(float));
     const clb_ffn_w **ws = m->ffn_list;
     uint8_t *wait = m->xc_wait, *skip = m->xc_wait + E;

@@ -380,11 +380,9 @@ void clb_xc_release(clb_xcache *xc, int64_t l) {
     pthread_mutex_unlock(&xc->mu);
 }
 
-void clb_xc_begin_layer(clb_xcache *xc, int64_t l, const int64_t *e_start) {
+void clb_xc_begin_layer(clb_xcache *xc, int64_t l, const int64_t *e_start, int64_t n_tokens) {
     const int64_t E = xc->E;
-    int64_t rows = e_start[E] - e_start[0];
-    int64_t tokens = rows / xc->m->hp.n_expert_used;
-    float d = powf(xc->decay, (float)tokens);
+    float d = powf(xc->decay, (float)n_tokens);
     pthread_mutex_lock(&xc->mu);
     xc->step[l]++;
     memcpy(xc->cur_start, e_start, (size_t)(E + 1) * sizeof(int64_t));

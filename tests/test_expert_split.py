@@ -14,14 +14,24 @@ and the GPU tier that moves experts between them by heat, on tiny random checkpo
 - batch invariance: two sequences in one paged call give what each gives alone;
 - the tier: hysteresis and the bound on uploads per step, experts moving toward the hot ones
   while the tokens stay the all-C tokens, and counters that add up;
+- the per-step choice for experts on the CPU: under a profile where uploading is cheap and the
+  CPU slow, a prefill chunk uploads exactly the cold experts whose rows reach the crossing the
+  profile predicts (found here by scanning cold_expert_choice over rows, and checked against
+  the closed form) and a decode token uploads none; under the opposite profile nothing
+  uploads; the tokens are the all-C tokens either way and the counters add up;
 - the engine under --gpu-memory-mb with a device profile places experts hottest first and
-  shows the tier on /metrics and /v1/expert_cache.
+  shows the tier on /metrics and /v1/expert_cache;
+- a split's C side (its layers, and the experts a device layer leaves to it) reads through
+  the expert cache under a budget and gives the bits it gives without one; the cache sees only
+  the C side's selections, and the routing history saved at close takes the tier's counts for
+  the device layers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,12 +43,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from colibri.engine.core.loader import start_expert_cache  # noqa: E402
+from colibri.engine.core.options import ExpertCacheConfig  # noqa: E402
 from colibri.engine.errors import InputError  # noqa: E402
 from colibri.engine.executor.backend import Op, Placement, step_ops  # noqa: E402
 from colibri.engine.executor.costmodel import (  # noqa: E402
     CpuProfile,
     DeviceProfile,
     GpuProfile,
+    Item,
+    cold_expert_choice,
     model_costs,
 )
 from colibri.engine.executor.model import Model  # noqa: E402
@@ -307,6 +321,112 @@ def test_the_tier_keeps_its_hysteresis_and_bound(mixtral: Family) -> None:
     assert rel_max(prefill(s, PROMPT), prefill(c, PROMPT)) <= 1e-4
 
 
+def _profile(ex: Item, cpu_gmacs: float, h2d_gb_s: float) -> DeviceProfile:
+    """A simulated machine whose CPU is compute-bound at cpu_gmacs for these experts (its
+    bandwidth is no limit) beside a GPU that computes almost for free behind a h2d_gb_s link."""
+    return DeviceProfile("sim", "simulated", CpuProfile(1e6, {ex.wtype: cpu_gmacs}),
+                         GpuProfile("sim-gpu", 1000, 1e6, 1e6, h2d_gb_s, 0.0, 0.0))
+
+
+def _crossing(prof: DeviceProfile, ex: Item, most: int) -> int | None:
+    """The fewest rows for which cold_expert_choice uploads (None: none up to `most`), after
+    checking that it stays "upload" above that (one flip)."""
+    ups = [r for r in range(1, most + 1) if cold_expert_choice(prof, ex, r) == "upload"]
+    if not ups:
+        return None
+    assert ups == list(range(ups[0], most + 1)), "the choice flips once"
+    return ups[0]
+
+
+def _greedy_steps(s: Model) -> tuple[np.ndarray, np.ndarray, list[int], list[list[Any]]]:
+    """A greedy run of PROMPT in slot 0, one call a step: the prompt's logits and routes
+    [T, n_layer, K], the tokens, and per step the split's transient uploads."""
+    cfg = s.config
+    split = s.core.expert_split
+    s.reset(0)
+    routes = np.full((PROMPT.size, cfg.n_layer, cfg.n_expert_used), -1, np.int32)
+    first = s.forward(PROMPT, np.zeros(PROMPT.size, np.int32),
+                      np.arange(PROMPT.size, dtype=np.int32), routes=routes)
+    ups = [list(split.last_step_uploads)]
+    out = [int(first[-1].argmax())]
+    for i in range(N_GEN - 1):
+        logits = s.forward(np.array([out[-1]], np.int32), np.zeros(1, np.int32),
+                           np.array([PROMPT.size + i], np.int32))
+        ups.append(list(split.last_step_uploads))
+        out.append(int(logits[-1].argmax()))
+    return first, routes, out, ups
+
+
+# Mixtral in the quick pass; gpt-oss (expert biases from the router file) and Llama 4 (the
+# routing weight scales the experts' input) in the slow one
+@pytest.fixture(scope="module", params=["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow),
+                                        pytest.param("llama4", marks=pytest.mark.slow)])
+def upload_family(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return _family(request.param, tmp_path_factory)
+
+
+def test_cold_experts_upload_for_a_step_where_the_profile_says(upload_family: Family) -> None:
+    path = upload_family.path("f32")
+    c = Model.load(path, threads=2, n_ctx=N_CTX)
+    want_tokens = greedy(c, PROMPT, N_GEN)
+    c.reset(0)
+    want = prefill(c, PROMPT)
+    cfg = c.config
+    moe, K = cfg.moe_layers, cfg.n_expert_used
+    ex = model_costs(path, cfg, context=N_CTX).experts[moe[0]]
+    on = {il: {0} for il in moe}  # the other experts of each layer are on the CPU
+    s = split_model(path, placement(cfg, set(range(cfg.n_layer)), on))
+    split = s.core.expert_split
+    split.tier = TierConfig(max_uploads=0)  # the placement stays: only per-step uploads
+    per = split._expert_bytes[moe[0]]  # f32: the same bytes on the device
+    n_sel = (PROMPT.size + N_GEN - 1) * K * len(moe)  # selections of one greedy run
+
+    # where the prompt's rows fall (no profile: nothing uploads, and routing is unchanged)
+    _l, routes, _t, ups = _greedy_steps(s)
+    assert ups == [[]] * N_GEN
+    rows = {(il, e): int((routes[:, il] == e).sum()) for il in moe for e in range(cfg.n_expert)
+            if e not in on[il]}
+    used = sorted({n for n in rows.values() if n > 0})
+    assert len(used) >= 2, "the prompt should give cold experts different row counts"
+    r_want = used[len(used) // 2]  # a crossing inside the prompt's counts, above 1 row
+    # CPU at 1 GMAC/s: r rows cost r * macs ns; the link takes (r_want - 0.5) * macs ns for
+    # the expert's bytes, so the copy (and the near-free GPU product) pays from r_want rows on
+    cheap = _profile(ex, 1.0, ex.gpu_bytes / ((r_want - 0.5) * ex.macs))
+    dear = _profile(ex, 1.0, ex.gpu_bytes / (1e4 * ex.macs))  # the copy: 10^4 rows of CPU
+    r_up = _crossing(cheap, ex, PROMPT.size)
+    assert r_up == r_want == int(np.floor(ex.gpu_bytes / (cheap.gpu.h2d_gb_s * 1e9)  # closed
+                                          / (ex.macs / 1e9))) + 1  # form
+    assert _crossing(dear, ex, N_CTX) is None
+    base = split.stats()
+
+    split.profile = cheap
+    logits, routes2, toks, ups = _greedy_steps(s)
+    assert rel_max(logits, want) <= 1e-4 and toks == want_tokens
+    np.testing.assert_array_equal(routes2, routes)
+    expect = {(il, e, n) for (il, e), n in rows.items() if n >= r_up}
+    below = {(il, e) for (il, e), n in rows.items() if 0 < n < r_up}
+    assert expect and below, "the prompt's chunk should route on both sides of the crossing"
+    assert set(ups[0]) == expect
+    assert ups[1:] == [[]] * (N_GEN - 1)  # a decode token gives a cold expert 1 row: the CPU
+    st = split.stats()
+    n_up, n_rows = len(expect), sum(n for _l, _e, n in expect)
+    assert (st["step_uploads"], st["step_upload_rows"]) == (n_up, n_rows)
+    assert st["step_upload_bytes"] == n_up * per
+    assert st["uploads"] == st["evictions"] == 0 and st["experts_on_device"] == len(moe)
+    assert st["hits"] + st["misses"] + st["step_upload_rows"] == 2 * n_sel
+    assert st["hits"] == 2 * base["hits"] and st["misses"] == 2 * base["misses"] - n_rows
+    assert st["upload_buffer_bytes"] == 2 * per  # one ring of two, reused for every upload
+
+    split.profile = dear
+    logits, _routes, toks, ups = _greedy_steps(s)
+    assert rel_max(logits, want) <= 1e-4 and toks == want_tokens
+    assert ups == [[]] * N_GEN
+    st = split.stats()
+    assert (st["step_uploads"], st["step_upload_rows"]) == (n_up, n_rows)
+    assert st["hits"] + st["misses"] + st["step_upload_rows"] == 3 * n_sel
+
+
 SIM = DeviceProfile("sim", "simulated", CpuProfile(20.0, {"f32": 25.0, "q8": 50.0}),
                     GpuProfile("sim-gpu", 1000, 2000.0, 10000.0, 10.0, 0.0, 0.0))
 
@@ -366,5 +486,78 @@ def test_the_engine_places_experts_and_shows_the_tier(mixtral: Family, tmp_path:
     assert (f"colibri_gpu_tier_device_expert_bytes {page['gpu_tier']['device_expert_bytes']}"
             in metrics)
     assert page["gpu_tier"]["experts_on_device"] == 2
+    ub = page["gpu_tier"]["upload_buffer_bytes"]
+    assert f"colibri_gpu_tier_upload_buffer_bytes {ub}" in metrics
+    assert (ub > 0) == (page["gpu_tier"]["step_uploads"] > 0)
     assert page["gpu_tier"]["on_device"][cfg.moe_layers[0]][3] == 1
     assert sum(map(sum, page["gpu_tier"]["on_device"])) == 2
+
+
+@pytest.mark.parametrize("preset", ["f32", pytest.param("q8", marks=pytest.mark.slow)])
+def test_the_split_c_side_reads_through_the_expert_cache(mixtral: Family, preset: str) -> None:
+    path = mixtral.path(preset)
+    cfg = ModelConfig.from_dir(path)
+    moe, E, K = cfg.moe_layers, cfg.n_expert, cfg.n_expert_used
+    # a split layer with two experts on the device beside a whole C layer
+    on = {il: {0, E - 1} for il in moe[:-1]}
+    p = placement(cfg, set(range(cfg.n_layer)) - {moe[-1]}, on)
+    plain = split_model(path, p)
+    plain.core.expert_split.tier = TierConfig(max_uploads=0)
+    want_tokens = greedy(plain, PROMPT, N_GEN)
+    plain.reset(0)
+    want = prefill(plain, PROMPT)
+    assert plain.core.c.expert_cache_stats() is None
+    cached = split_model(path, p)
+    split = cached.core.expert_split
+    split.tier = TierConfig(max_uploads=0)
+    mon = start_expert_cache(cached, path, ExpertCacheConfig(expert_cache_size=K,
+                                                             expert_pin=False), 0,
+                             core=cached.core.c, repack=False)
+    assert mon.plan.per_layer == K
+    assert greedy(cached, PROMPT, N_GEN) == want_tokens
+    cached.reset(0)
+    np.testing.assert_array_equal(prefill(cached, PROMPT), want)  # the same bits
+    st = cached.core.c.expert_cache_stats()
+    assert st is not None and st["loads"][moe].min() > 0 and st["evictions"][moe].sum() > 0
+    n_sel = (2 * PROMPT.size + N_GEN - 1) * K
+    assert st["selections"][moe[-1]].sum() == n_sel  # the C layer: every selection
+    for il in moe[:-1]:  # the split layers: only the experts left to the C core
+        cold = ~split.on_device[il]
+        assert st["selections"][il, ~cold].sum() == 0 and split.selections[il].sum() == n_sel
+        np.testing.assert_array_equal(st["selections"][il, cold], split.selections[il, cold])
+
+
+def test_the_engine_runs_a_split_with_an_expert_cache(mixtral: Family, tmp_path: Path) -> None:
+    from colibri.engine import LLM, EngineConfig
+    from colibri.engine.sample.sampler import SamplingParams
+
+    path = Path(shutil.copytree(mixtral.path("f32"), tmp_path / "m"))  # close() writes here
+    cfg = ModelConfig.from_dir(path)
+    K = cfg.n_expert_used
+    prof = tmp_path / "sim.json"
+    prof.write_text(SIM.to_json())
+    mc = model_costs(path, cfg, context=N_CTX)
+    mb = (sum(i.gpu_bytes for i in mc.always) + 2.5 * mc.experts[cfg.moe_layers[0]].gpu_bytes
+          ) / 1e6  # every layer, two experts
+    prompts = [PROMPT.tolist(), PROMPT[:7].tolist()]
+    greedy_p = SamplingParams(max_tokens=8, temperature=0.0)
+    cpu = LLM(path, threads=2, n_ctx=N_CTX, config=EngineConfig(device="cpu"))
+    want = cpu.generate_batch(prompts, greedy_p)
+    cpu.core.close()
+    assert not (path / "expert_routing.json").exists()  # no cache on the CPU run: nothing saved
+    llm = LLM(path, threads=2, n_ctx=N_CTX, config=EngineConfig(
+        device="torch-cpu", gpu_memory_mb=mb, device_profile=str(prof), max_num_seqs=4,
+        expert_cache=ExpertCacheConfig(expert_cache_size=K, expert_pin=False)))
+    mon = llm.core.expert_cache
+    split = llm.model.core.expert_split
+    assert split is not None and mon.gpu_tier is split and mon.plan.per_layer == K
+    assert llm.generate_batch(prompts, greedy_p) == want
+    assert mon.stats() is not None and mon.totals()["misses"] > 0
+    assert mon.page_data()["gpu_tier"]["hits"] == split.stats()["hits"]
+    tier_sel = split.stats()["selections"]
+    c_sel = mon.stats()["selections"]
+    llm.core.close()
+    saved = np.array(json.loads((path / "expert_routing.json").read_text())["selections"])
+    for il in range(cfg.n_layer):
+        np.testing.assert_array_equal(saved[il], tier_sel[il] if il in split.layers
+                                      else c_sel[il])

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colibri.engine.core.block_manager import BLOCK_SIZE
 from colibri.engine.core.engine import EngineCore, win_pool_need
@@ -35,6 +35,9 @@ from colibri.engine.executor.model import Model, kv_block_bytes, kv_split_block_
 from colibri.engine.format.convert import ensure_converted
 from colibri.engine.models.config import ModelConfig
 from colibri.engine.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from colibri.engine.executor.costmodel import DeviceProfile
 
 log = logging.getLogger("colibri.engine")
 
@@ -199,7 +202,7 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     cfg = ModelConfig.from_dir(folder)
     n_ctx = cfg.default_n_ctx() if config.n_ctx is None else config.n_ctx
     kv_type = resolve_kv_type(config.kv_cache_type, cfg.quant)
-    device, placement = choose_placement(folder, cfg, config, n_ctx)
+    device, placement, profile = choose_placement(folder, cfg, config, n_ctx)
     # the windowed KV pool is the C core's: a torch device keeps one pool
     pools = (kv_pools(cfg, kv_type, n_ctx, config) if device == "cpu"
              else one_kv_pool(cfg, kv_type, n_ctx, config))
@@ -211,8 +214,12 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
                        kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states,
                        kv_win_blocks=pools.n_win, device=device, placement=placement)
+    split = getattr(model.core, "expert_split", None)
+    if split is not None:  # its per-step choice for cold experts predicts with the same profile
+        split.profile = profile
     monitor = (start_expert_cache(model, folder, config.expert_cache, pools.total_bytes)
-               if device == "cpu" else gpu_tier_monitor(model, folder))
+               if device == "cpu" else split_monitor(model, folder, config.expert_cache,
+                                                     pools.total_bytes))
     tokenizer = Tokenizer.from_dir(folder)
     mb = pools.total_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
@@ -234,19 +241,19 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     return core
 
 
-def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
-                     n_ctx: int) -> tuple[str, Placement | None]:
+def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig, n_ctx: int
+                     ) -> tuple[str, Placement | None, DeviceProfile | None]:
     """The device the step runs on and, under --gpu-memory-mb, the layers the cost model
-    puts on it (the others run on the C core). auto keeps models the torch backend does not
-    run on the C core."""
+    puts on it (the others run on the C core), with the device profile it planned with.
+    auto keeps models the torch backend does not run on the C core."""
     device = resolve_device(config.device)
     if device != "cpu" and config.device == "auto" and torch_unsupported(cfg):
         log.info("device: cpu (auto; the GPU path does not run %s)",
                  ", ".join(torch_unsupported(cfg)))
-        return "cpu", None
+        return "cpu", None, None
     if device == "cpu" or config.gpu_memory_mb is None:
         log.info("device: %s", device)
-        return device, None
+        return device, None, None
     from colibri.engine.executor.costmodel import DeviceProfile
     from colibri.engine.executor.placement import budget_text, measure_profile, plan_placement
 
@@ -255,23 +262,22 @@ def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig,
     placement, text, _plan = plan_placement(folder, cfg, profile, config.gpu_memory_mb, n_ctx)
     log.info("device: %s, placement under %s: %s", device, budget_text(config.gpu_memory_mb),
              text)
-    return (device, placement) if placement is not None else ("cpu", None)
+    return (device, placement, profile) if placement is not None else ("cpu", None, None)
 
 
-def gpu_tier_monitor(model: Model, folder: Path) -> ExpertCacheMonitor | None:
-    """The monitor of a run whose routed experts are split between a torch device and the C
-    core (the GPU tier's counters on /metrics and /v1/expert_cache); None otherwise. The C
-    core keeps its experts resident: it has no expert cache of its own then."""
-    split = getattr(model.core, "expert_split", None)
-    if split is None:
+def split_monitor(model: Model, folder: Path, xc: ExpertCacheConfig,
+                  kv_bytes: int) -> ExpertCacheMonitor | None:
+    """The monitor of a run split between a torch device and the C core: the C core's expert
+    cache, planned and enabled as on the CPU (its layers, and the experts a GPU layer leaves
+    to it, read through the cache), and the GPU tier's counters when routed experts are
+    split (/metrics and /v1/expert_cache). None for a run all on the torch device."""
+    c = getattr(model.core, "c", None)
+    if c is None:
         return None
-    cfg = model.config
-    plan = CachePlan(None, int(model.core.c.expert_bytes), len(cfg.moe_layers), cfg.n_expert,
-                     "routed experts split between the GPU (by heat) and the CPU",
-                     dense_layers=tuple(i for i in range(cfg.n_layer)
-                                        if i not in cfg.moe_layers))
-    monitor = ExpertCacheMonitor(model.core.c, plan, folder)
-    monitor.gpu_tier = split
+    # the C core's weights stay in the files' rows: most of them are the device layers', which
+    # it never reads
+    monitor = start_expert_cache(model, folder, xc, kv_bytes, core=c, repack=False)
+    monitor.gpu_tier = getattr(model.core, "expert_split", None)
     return monitor
 
 
@@ -282,11 +288,15 @@ def repack_enabled() -> bool:
     return os.environ.get("COLIBRI_REPACK", "1").strip().lower() not in ("0", "false", "no")
 
 
-def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
-                       kv_bytes: int) -> ExpertCacheMonitor:
+def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig, kv_bytes: int,
+                       core: Any = None, repack: bool = True) -> ExpertCacheMonitor:
     """Decides the expert budget (printed), enables the cache when one is needed and returns
-    its monitor. ValueError when an explicit budget is below the minimum."""
+    its monitor. ValueError when an explicit budget is below the minimum. core: the C core
+    whose cache it is (None: the model's; a split names its C side); repack False keeps the
+    weights in the files' rows whatever COLIBRI_REPACK says."""
     cfg = model.config
+    core = model.core if core is None else core
+    repack = repack and repack_enabled()
     # every weight file but the experts' (which may be thousands: not even listed)
     other_files = [folder / "embeddings.bin"] + [
         p for d in ("attention", "router", "shared", "dense") for p in (folder / d).glob("*.bin")]
@@ -296,22 +306,22 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
         if xc.expert_cache_size is not None or xc.expert_cache_mb is not None:
             log.warning("expert cache: a dense model has no routed experts; the expert cache "
                         "budget is ignored")
-        repacked = model.core.repack(experts=False) if repack_enabled() else 0
+        repacked = core.repack(experts=False) if repack else 0
         if repacked:
             log.info("weights: %d matrices repacked for this CPU's kernels", repacked)
         log.info("expert cache: none (a dense model has no routed experts)")
-        return ExpertCacheMonitor(model.core, CachePlan(
+        return ExpertCacheMonitor(core, CachePlan(
             None, 0, 0, 0, "a dense model has no routed experts",
             dense_layers=tuple(range(cfg.n_layer))), folder)
     # budgets count the layers with experts: a dense layer's slots are never filled
-    plan = plan_cache(model.core, xc, n_moe, cfg.n_expert, cfg.n_expert_used, other,
+    plan = plan_cache(core, xc, n_moe, cfg.n_expert, cfg.n_expert_used, other,
                       memory_free(available_memory_bytes()))
     shared = sum(p.stat().st_size for p in (folder / "shared").glob("*.bin"))
     plan = replace(plan, shared_bytes=shared,
                    dense_layers=tuple(i for i in range(cfg.n_layer) if i not in cfg.moe_layers))
     # the layout this CPU's kernels read fastest; the cache repacks the experts it loads, and
     # resident experts are copied only when they fit (else the OS pages their mappings)
-    repacked = model.core.repack(experts=plan.fits) if repack_enabled() else 0
+    repacked = core.repack(experts=plan.fits) if repack else 0
     if repacked:
         log.info("weights: %d matrices repacked for this CPU's kernels", repacked)
     if plan.per_layer is None:
@@ -327,12 +337,11 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
             readers, why = xc.expert_readers, "--expert-readers"
         plan = replace(plan, readers=readers, readers_reason=why)
         depth = xc.expert_prefetch_depth
-        model.core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.expert_prefetch,
-                                       huge_pages=xc.expert_huge_pages,
-                                       prefetch_window=xc.prefetch_window, pinned=pinned,
-                                       read_timeout_s=xc.expert_read_timeout_s,
-                                       readers=readers,
-                                       prefetch_depth=0 if depth == "auto" else int(depth))
+        core.enable_expert_cache(plan.per_layer, load=load, prefetch=xc.expert_prefetch,
+                                 huge_pages=xc.expert_huge_pages,
+                                 prefetch_window=xc.prefetch_window, pinned=pinned,
+                                 read_timeout_s=xc.expert_read_timeout_s, readers=readers,
+                                 prefetch_depth=0 if depth == "auto" else int(depth))
         pages = "" if load == "mmap" else (", slots on 2 MiB pages where granted"
                                            if xc.expert_huge_pages else ", slots on 4 KiB pages")
         ahead = (f"on, {depth} layer{'s' if depth == '2' else ''} ahead" if depth != "auto"
@@ -343,4 +352,4 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig,
                  n_moe * cfg.n_expert * plan.expert_bytes / 1e6, plan.reason, load, pages,
                  readers, why, ahead if xc.expert_prefetch else "off",
                  0 if pinned is None else int(pinned.sum()))
-    return ExpertCacheMonitor(model.core, plan, folder)
+    return ExpertCacheMonitor(core, plan, folder)

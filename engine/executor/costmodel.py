@@ -180,9 +180,7 @@ def model_costs(folder: str | Path, cfg: ModelConfig, context: int = 1024,
             files.append(p / "router" / f"layer_{il}.bin")
             if cfg.n_ff_shared > 0:
                 files.append(p / "shared" / f"layer_{il}.bin")
-            f = read_wfile(p / "experts" / f"layer_{il}_expert_0.bin")
-            cb, macs, wt = _tensor_bytes(f, False)
-            experts[il] = Item("expert", il, -1, cb, _tensor_bytes(f, True)[0], macs, wt, 3)
+            experts[il] = expert_item(p, il)
         else:
             files.append(p / "dense" / f"layer_{il}.bin")
         parts = [read_wfile(x) for x in files]
@@ -201,6 +199,14 @@ def model_costs(folder: str | Path, cfg: ModelConfig, context: int = 1024,
     always.append(Item("lm_head", -1, -1, t.nbytes, gb, n, t.type_name, 2))
     return ModelCosts(cfg, always, experts, _heat(p, cfg),
                       kv_pos * context * n_seq * len(cfg.attention_layers))
+
+
+def expert_item(folder: str | Path, il: int) -> Item:
+    """The item of one routed expert of MoE layer il (every expert of a layer has one shape:
+    expert 0's header stands for all of them)."""
+    f = read_wfile(Path(folder) / "experts" / f"layer_{il}_expert_0.bin")
+    cb, macs, wt = _tensor_bytes(f, False)
+    return Item("expert", il, -1, cb, _tensor_bytes(f, True)[0], macs, wt, 3)
 
 
 def _state_bytes_per_sequence(cfg: ModelConfig) -> int:

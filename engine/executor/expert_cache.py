@@ -321,7 +321,7 @@ class ExpertCacheMonitor:
         ts = self.tier_stats()
         if ts is None:
             return None
-        out = {k: v for k, v in ts.items() if k not in ("on_device", "heat")}
+        out = {k: v for k, v in ts.items() if k not in ("on_device", "heat", "selections")}
         out["counter_names"] = self.tier_counter_names()
         out["on_device"] = ts["on_device"].tolist()
         out["heat"] = [[round(float(h), 3) for h in row] for row in ts["heat"]]
@@ -398,9 +398,16 @@ class ExpertCacheMonitor:
         return out
 
     def close(self) -> None:
-        """Saves the routing history (once)."""
+        """Saves the routing history (once). Beside a GPU tier, the cache sees only the
+        selections of the experts the C core computed: the tier's layers take the tier's
+        counts, which are every selection of those layers."""
         st = self.stats()
         if st is None or self.model_dir is None or self._saved:
             return
         self._saved = True
-        save_routing(self.model_dir, st["selections"])
+        sel = st["selections"]
+        ts = self.tier_stats()
+        if ts is not None:
+            sel = sel.copy()
+            sel[ts["layers"]] = ts["selections"][ts["layers"]]
+        save_routing(self.model_dir, sel)

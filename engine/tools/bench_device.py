@@ -15,7 +15,7 @@ import numpy as np
 from colibri.engine.core.loader import (
     EngineConfig,
     choose_placement,
-    gpu_tier_monitor,
+    split_monitor,
     start_expert_cache,
 )
 from colibri.engine.core.options import ExpertCacheConfig
@@ -30,13 +30,16 @@ def load_bench_model(path: Path, config: EngineConfig, n_ctx: int, kv_type: str,
     and its monitor: the expert cache's on the C core, the GPU tier's when routed experts are
     split between a torch device and the C core, None with every expert on the device."""
     cfg = ModelConfig.from_dir(path)
-    device, placement = choose_placement(path, cfg, config, n_ctx)
+    device, placement, profile = choose_placement(path, cfg, config, n_ctx)
     model = Model.load(path, threads=config.threads, n_ctx=n_ctx, kv_type=kv_type,
                        device=device, placement=placement)
+    split = getattr(model.core, "expert_split", None)
+    if split is not None:  # its per-step choice for cold experts predicts with the same profile
+        split.profile = profile
+    kv_bytes = model.n_kv_blocks * model.kv_block_bytes()
     if device == "cpu":
-        return model, start_expert_cache(model, path, xc,
-                                         model.n_kv_blocks * model.kv_block_bytes())
-    return model, gpu_tier_monitor(model, path)
+        return model, start_expert_cache(model, path, xc, kv_bytes)
+    return model, split_monitor(model, path, xc, kv_bytes)
 
 
 def device_experts(monitor: ExpertCacheMonitor | None) -> list[list[int]] | None:

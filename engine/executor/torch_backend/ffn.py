@@ -87,10 +87,13 @@ def ffn(cfg: ModelConfig, w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def experts(cfg: ModelConfig, ws: list[FFNWeights | None], xn: torch.Tensor, r: Routing,
-            only: Callable[[int], bool] | None = None) -> torch.Tensor:
+            only: Callable[[int], bool] | None = None,
+            fetch: Callable[[int], FFNWeights] | None = None) -> torch.Tensor:
     """The routed experts' combined output [T, D]: each chosen expert once over its rows, in
     expert order; with route_input the weight scales the expert's input instead of its output.
-    only(e) False: expert e's rows are left out (another backend computes them)."""
+    only(e) False: expert e's rows are left out (another backend computes them). fetch(e):
+    the weights of an expert not in ws (None there), called just before its rows run, so it
+    may reuse one buffer for several experts in turn."""
     out = torch.zeros_like(xn)
     flat = r.ids.reshape(-1)
     chosen = torch.unique(flat).tolist()
@@ -98,6 +101,8 @@ def experts(cfg: ModelConfig, ws: list[FFNWeights | None], xn: torch.Tensor, r: 
         if only is not None and not only(e):
             continue
         w = ws[e]
+        if w is None and fetch is not None:
+            w = fetch(e)
         assert w is not None, f"expert {e} is not on this device"
         tok, k = (r.ids == e).nonzero(as_tuple=True)
         wt = r.weights[tok, k][:, None]

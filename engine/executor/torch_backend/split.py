@@ -6,8 +6,9 @@ between them as float32 [T, n_embd]. The embeddings run where layer 0 runs, the 
 and lm_head where the last layer runs. Each backend keeps the KV rows and the recurrent-state
 slots of its own layers (both index one slot per sequence; each layer counts what it absorbed,
 so a step's layers may run in several calls). A torch layer may keep only some of its routed
-experts on the device: the C core runs the others beside it (expert_split.py), and between
-steps the GPU tier moves experts by heat. On
+experts on the device: the C core runs the others beside it (expert_split.py), unless the
+cost model says a step's rows repay uploading one; between steps the GPU tier moves experts
+by heat. On
 torch's CPU device this gives the all-C tokens (the same math; float32 rounding aside); on a
 GPU the hidden states cross PCIe once per run (and a split layer's inputs once per layer).
 """
@@ -23,6 +24,7 @@ import torch
 
 from colibri.engine import _core
 from colibri.engine.executor.backend import LayerOp, Op, Placement, step_ops
+from colibri.engine.executor.costmodel import DeviceProfile
 from colibri.engine.executor.torch_backend.attention import TorchKV
 from colibri.engine.executor.torch_backend.core import TorchCore
 from colibri.engine.executor.torch_backend.expert_split import ExpertSplit, TierConfig
@@ -118,17 +120,19 @@ class SplitCore:
 
     @classmethod
     def load(cls, path: Path, cfg: ModelConfig, n_ctx: int, threads: int, device: str,
-             placement: Placement, tier: TierConfig | None = None) -> SplitCore:
+             placement: Placement, tier: TierConfig | None = None,
+             profile: DeviceProfile | None = None) -> SplitCore:
         """The C core and a TorchCore holding the placement's torch layers, with only their
-        device experts; the experts of those layers are split between the two (and moved by
-        heat as `tier` says)."""
+        device experts; the experts of those layers are split between the two (moved by heat
+        as `tier` says, and uploaded for a step when `profile` predicts it pays)."""
         backends = layer_backends(cfg, placement)
         c = _core.CoreModel.load(str(path), cfg.to_hparams(n_ctx), threads)
         mine = {il for il, b in enumerate(backends) if b == "torch"}
         on_dev = device_experts(cfg, placement, backends)
         t = TorchCore.load(path, cfg, n_ctx, device, layers=mine, experts=on_dev)
         if on_dev:
-            t.split = ExpertSplit(Path(path), cfg, c, t.w, t.device, set(on_dev), tier)
+            t.split = ExpertSplit(Path(path), cfg, c, t.w, t.device, set(on_dev), tier,
+                                   profile)
         return cls(c, t, cfg, backends)
 
     @property
@@ -177,6 +181,8 @@ class SplitCore:
                 self.t.state_check(kv.t, lay, self.t.linear_layers())
         h = np.zeros((n, self.cfg.n_embd), np.float32)
         logits = np.empty((0, self.cfg.n_vocab), np.float32)
+        if self.t.split is not None:
+            self.t.split.begin_step()
         for backend, a, b in self.runs:
             if backend == "c":
                 out = self.c.forward(kv.c, tok, seq, pos, want_logits, tables, routes=routes,

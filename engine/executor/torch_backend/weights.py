@@ -91,6 +91,19 @@ class TorchWeight:
         return TorchWeight(self.type_name, self.shape, self.data.to(device),
                            None if self.scale is None else self.scale.to(device))
 
+    def copy_(self, src: TorchWeight) -> None:
+        """src's values into this matrix's storage (one type and shape; any devices)."""
+        assert (src.type_name, src.shape) == (self.type_name, self.shape)
+        self.data.copy_(src.data)
+        if self.scale is not None:
+            assert src.scale is not None
+            self.scale.copy_(src.scale)
+
+    @property
+    def form(self) -> tuple[str, tuple[int, ...]]:
+        """(type, shape): matrices of one form fit one buffer."""
+        return self.type_name, self.shape
+
 
 class _Scratch(threading.local):
     """Per thread and device, one float32 buffer that a quantized matrix is widened into
@@ -196,14 +209,25 @@ def _attention(f: WFile, device: torch.device) -> dict[str, TorchWeight | torch.
     return out
 
 
-def load_expert(folder: Path, cfg: ModelConfig, il: int, e: int, device: torch.device,
-                router: dict[str, torch.Tensor]) -> FFNWeights:
-    """Routed expert e of layer il on device (its biases from the layer's router tensors)."""
-    ew = _ffn(read_wfile(folder / "experts" / f"layer_{il}_expert_{e}.bin"), device)
+def expert_matrices(folder: Path, il: int, e: int, device: torch.device) -> FFNWeights:
+    """Routed expert e of layer il's three matrices on device, without biases."""
+    return _ffn(read_wfile(folder / "experts" / f"layer_{il}_expert_{e}.bin"), device)
+
+
+def set_expert_bias(cfg: ModelConfig, ew: FFNWeights, e: int,
+                    router: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Expert e's biases (models with expert biases keep them in the layer's router file)."""
     if cfg.expert_bias:
         ew.b1 = router["exp_b1"][e].to(device)
         ew.b3 = router["exp_b3"][e].to(device)
         ew.b2 = router["exp_b2"][e].to(device)
+
+
+def load_expert(folder: Path, cfg: ModelConfig, il: int, e: int, device: torch.device,
+                router: dict[str, torch.Tensor]) -> FFNWeights:
+    """Routed expert e of layer il on device (its biases from the layer's router tensors)."""
+    ew = expert_matrices(folder, il, e, device)
+    set_expert_bias(cfg, ew, e, router, device)
     return ew
 
 
