@@ -157,7 +157,7 @@ def test_greedy_output_is_the_same_with_prompt_lookup(ckpts: dict[str, Path], ar
         "no draft was ever accepted: the test would not check acceptance"
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, 2, 4, 16])
 def test_accepted_and_rejected_drafts_give_the_same_tokens(ckpts: dict[str, Path],
                                                            k: int) -> None:
     """Drafts that are the model's own tokens are all accepted (fewer steps), drafts that are
