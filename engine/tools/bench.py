@@ -244,7 +244,7 @@ class BenchSettings:
     # off: no step-engine runs; else greedy decode through the step engine with and without
     # this method (engine.tools.bench_spec)
     speculative: str = default("speculative")
-    num_speculative_tokens: int = default("num_speculative_tokens")
+    num_speculative_tokens: int | None = default("num_speculative_tokens")
 
     def check(self) -> None:
         """Refuse counts below 1, named by their `colibri bench` option."""
