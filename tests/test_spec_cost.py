@@ -207,6 +207,31 @@ def test_match_prior_is_optimistic_only_while_little_is_known() -> None:
     assert _k(cost, union, mp.upper(b)) == 0
 
 
+def test_match_prior_bounds_close_in_on_the_rate_as_drafts_are_tested() -> None:
+    """lower and upper sit one standard error of the rate either side of it, sqrt(r (1 - r) /
+    n) for n tested drafts and the prior's weight. A bucket at even odds, untested, drafts on
+    upper and not on lower; once many of its drafts were tested and 60% kept, lower drafts."""
+    cost = StepCost(step_s=2e-3, expert_s=1.8e-4, token_s=1e-5)
+    union = UnionMeter(MIXTRAL)
+    for n in range(1, 6):
+        union.observe(n, MIXTRAL.experts_read(n) * (1.0 if n == 1 else 0.9))
+    mp = MatchPrior()
+    b = mp.bucket(2)
+    err = np.sqrt(0.5 * 0.5 / mp.weight)
+    assert (mp.lower(b), mp.rate(b), mp.upper(b)) == \
+        pytest.approx((0.5 - err, 0.5, 0.5 + err))
+    assert _k(cost, union, mp.lower(b)) == 0 < _k(cost, union, mp.upper(b))
+    widths = []
+    for i in range(100):
+        mp.observe(2, 1, int(i % 5 < 3))  # three of every five kept
+        widths.append(mp.upper(b) - mp.lower(b))
+        assert mp.lower(b) <= mp.rate(b) <= mp.upper(b)
+    assert widths[-1] < widths[0] / 2
+    assert mp.rate(b) == pytest.approx(0.6, abs=0.03)
+    assert _k(cost, union, mp.lower(b)) > 0
+    assert MatchPrior().upper(1) > MatchPrior().rate(1) > MatchPrior().lower(1) >= 0.0
+
+
 def test_a_long_match_drafts_where_the_even_prior_would_not() -> None:
     """Before any verify step: at the even prior the uniform bound says drafts do not pay on
     the benchmark-like profile, a match of 40 tokens says they do."""

@@ -168,7 +168,8 @@ class DraftPlanner:
 
     def _choose(self, req: Request, cost: StepCost | None, batch: BatchPlan) -> int:
         """How many of req's drafts to verify: what the cost model finds best for the chance
-        of each draft given its evidence (at most draft_cap), else one draft where only the
+        of each draft given its evidence (MatchPrior.lower as the prior of the request's own
+        rate; at most draft_cap), else one draft where only the
         optimism about little-tested evidence pays for it and the request may try (see
         RequestAcceptance); 0 before any step was measured (the first steps measure one
         token)."""
@@ -184,7 +185,7 @@ class DraftPlanner:
         alphas, rates = [], {}  # type: ignore[var-annotated]
         for b in mp.buckets(match, cap):
             if b not in rates:
-                rates[b] = ra.of(b).rate_given(mp.rate(b))
+                rates[b] = ra.of(b).rate_given(mp.lower(b))
             alphas.append(rates[b])
         k = choose_k(cost, self.union, alphas, cap, batch)
         if k == 0 and ra.may_explore(match):

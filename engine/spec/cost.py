@@ -9,7 +9,8 @@ over its context, products, sampling its row). Drafting k tokens for a sequence 
 a_1 + a_1 a_2 + ... + a_1...a_k more tokens on average, a_i being the chance that draft i is
 kept once those before it were: the request's smoothed acceptance (Acceptance) at draft i's
 evidence, whose prior is what drafts with as much evidence were kept over all requests
-(MatchPrior). A draft's evidence is the prompt-lookup match length before it: the match the
+(MatchPrior), less one standard error of it (a little-measured rate near break-even does not
+draft). A draft's evidence is the prompt-lookup match length before it: the match the
 drafter reported plus the drafts before it, so a match that keeps being confirmed drafts
 longer. k is the one maximising (tokens the step yields) / (its cost), 0 when none beats
 decoding one token, and at most draft_cap: twice the match length or twice what the request's
@@ -235,12 +236,21 @@ class MatchPrior:
         return ((self._kept[bucket] + self.weight * self.priors[bucket])
                 / (self._tested[bucket] + self.weight))
 
+    def _error(self, bucket: int) -> float:
+        r = self.rate(bucket)
+        return math.sqrt(r * (1.0 - r) / (self._tested[bucket] + self.weight))
+
     def upper(self, bucket: int) -> float:
         """rate plus one standard error of it: optimism where little was tested, so a bucket
-        whose prior says no is still tried, cheaply (one draft: Exploration), until enough
-        verify steps say what its drafts are worth."""
-        r = self.rate(bucket)
-        return min(1.0, r + math.sqrt(r * (1.0 - r) / (self._tested[bucket] + self.weight)))
+        whose prior says no is still tried, cheaply (one draft: RequestAcceptance), until
+        enough verify steps say what its drafts are worth."""
+        return min(1.0, self.rate(bucket) + self._error(bucket))
+
+    def lower(self, bucket: int) -> float:
+        """rate less one standard error of it: what the cost model drafts on, so that drafts
+        whose worth is near break-even and little measured (short matches in free text) are
+        left out, while well-measured copies are drafted at their rate."""
+        return max(0.0, self.rate(bucket) - self._error(bucket))
 
     def add(self, bucket: int, kept: float, tested: float) -> None:
         """Of one verify step's drafts in bucket, `tested` were tested and `kept` kept."""
