@@ -496,3 +496,21 @@ def test_no_draft_on_one_token_matches_until_they_are_known_to_be_kept() -> None
     for _ in range(50):
         planner.match_prior.observe(1, 1, 1)
     assert any(k for _, k, _ in _decode(planner, prompt, output))
+
+
+def test_without_waiting_requests_a_draft_is_worth_what_its_token_adds_to_a_step() -> None:
+    """Eight sequences and none waiting: one that finishes sooner saves only what its token
+    adds to the steps the others run anyway, so a draft kept half the time does not pay where
+    it would with requests waiting (its place then goes to one of them); the more of the others
+    draft too (the steps themselves end sooner), the more it is worth. Alone, a sequence's
+    share is the whole step either way; a draft almost surely kept pays in every case."""
+    for alpha in (0.5, 0.7):
+        assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(8, 8, refill=True)) > 0
+        assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(8, 8, refill=False)) == 0
+        ks = [choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(8, 8, False, w))
+              for w in np.linspace(0, 1, 11)]
+        assert ks == sorted(ks) and ks[-1] > 0
+    for alpha in (0.3, 0.6, 0.9):
+        assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=False)) == \
+            choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=True))
+    assert choose_k(BOUND, MIXTRAL, 0.97, 8, BatchPlan(8, 8, refill=False)) > 0

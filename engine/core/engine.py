@@ -237,7 +237,8 @@ class EngineCore:
             self._mtp_propose(mtp)
         elif self.speculates:
             self.planner.plan(self.scheduler.running, self.speculative,
-                              len(self.snapshot_slots) if self.hybrid else None)
+                              len(self.snapshot_slots) if self.hybrid else None,
+                              waiting=bool(self.scheduler.waiting))
         sched = self.scheduler.schedule()
         if self.blocks.pending_copies:  # hybrid forks: blocks and states they start from
             self._copy_forks()

@@ -148,11 +148,13 @@ class DraftPlanner:
         self.last_ks: list[int] = []  # the k chosen for each drafting sequence, last step
 
     def plan(self, running: list[Request], config: SpeculativeConfig,
-             max_drafting: int | None = None) -> None:
+             max_drafting: int | None = None, waiting: bool = False) -> None:
         """Set req.drafts of every running request (empty where it does not draft); at most
-        max_drafting of them draft (None: any number)."""
+        max_drafting of them draft (None: any number). waiting: whether requests wait for a
+        place (a sequence that finishes sooner then makes room: see BatchPlan)."""
         cost = self.meter.cost() if config.adaptive else None
-        batch = BatchPlan(float(len(running)), float(len(running)))
+        together = (sum(k > 0 for k in self.last_ks) / len(running)) if running else 0.0
+        batch = BatchPlan(float(len(running)), float(len(running)), waiting, min(together, 1.0))
         self.last_ks = []
         n_drafting = 0
         for req in running:

@@ -12,8 +12,10 @@ evidence, whose prior is what drafts with as much evidence were kept over all re
 (MatchPrior), less one standard error of it (a little-measured rate near break-even does not
 draft). A draft's evidence is the prompt-lookup match length before it: the match the
 drafter reported plus the drafts before it, so a match that keeps being confirmed drafts
-longer. k is the one maximising (tokens the step yields) / (its cost), 0 when none beats
-decoding one token, and at most draft_cap: twice the match length or twice what the request's
+longer. k is the one maximising (tokens the step yields) / (its cost) — in a batch with no
+request waiting, the sequence's tokens over its share of the step (what its token adds to it,
+plus the rest of a token's share as far as the others draft too: BatchPlan) — 0 when none
+beats decoding one token, and at most draft_cap: twice the match length or twice what the request's
 last verify step kept, at least two, so a fresh match drafts a little and a confirmed copy
 doubles its drafts step by step up to the configured maximum. Drafts that only optimism
 about a little-tested evidence would pay for are tried one at a time, from a match of two
@@ -96,23 +98,38 @@ def expected_accepted(alpha: float | Sequence[float], k: int) -> float:
 
 @dataclass
 class BatchPlan:
-    """The step being planned: tokens it carries so far and tokens it yields on average."""
+    """The step being planned: tokens it carries so far and tokens it yields on average, and
+    whether a token saved is worth a whole token's share of a step. It is while requests wait
+    (a sequence that finishes sooner frees its place for one of them: throughput) and for a
+    sequence alone; otherwise a sequence that finishes sooner saves what its token adds to the
+    steps the others run anyway (the marginal cost), and the rest of its share only as far as
+    the others finish sooner too (`together`: the share of them that drafted at the last
+    step), since the steps themselves end only when every sequence's do."""
 
     n_tokens: float
     n_yield: float
+    refill: bool = True
+    together: float = 0.0  # the share of the other sequences that draft too (last step's)
 
 
 def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float], k_max: int,
              batch: BatchPlan, resident: float = 1.0, miss_s: float = 0.0) -> int:
-    """Drafts (0..k_max) for one more sequence of `batch` that maximise the step's expected
-    tokens per second; updates batch with the choice. alpha: the chance each draft is kept
-    once those before it were, one for all or one per draft (then at most len(alpha) drafts).
-    Ties go to fewer drafts."""
+    """Drafts (0..k_max) for one more sequence of `batch` that maximise the expected tokens per
+    second: of the whole step where batch.refill (or the sequence is alone), else of the
+    sequence, whose share of the step is what its token adds to it. Updates batch with the
+    choice. alpha: the chance each draft is kept once those before it were, one for all or
+    one per draft (then at most len(alpha) drafts). Ties go to fewer drafts."""
     per_draft = not isinstance(alpha, (int, float))
     if per_draft:
         k_max = min(k_max, len(alpha))  # type: ignore[arg-type]
     base_s = cost.seconds(shape, batch.n_tokens, resident, miss_s)
-    best_k, best_rate = 0, batch.n_yield / base_s if base_s > 0 else 0.0
+    if batch.refill or batch.n_tokens <= 1:
+        n_yield, share = batch.n_yield, base_s
+    else:  # the others' tokens, and the step without this sequence's own, are paid anyway
+        n_yield = 1.0
+        marginal = base_s - cost.seconds(shape, batch.n_tokens - 1, resident, miss_s)
+        share = marginal + batch.together * (base_s / batch.n_tokens - marginal)
+    best_k, best_rate = 0, n_yield / share if share > 0 else 0.0
     best_yield, gained, run = 0.0, 0.0, 1.0
     for k in range(1, max(k_max, 0) + 1):
         if per_draft:
@@ -120,8 +137,8 @@ def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float],
             gained += run
         else:
             gained = expected_accepted(alpha, k)  # type: ignore[arg-type]
-        s = cost.seconds(shape, batch.n_tokens + k, resident, miss_s)
-        rate = (batch.n_yield + gained) / s if s > 0 else 0.0
+        s = share + cost.seconds(shape, batch.n_tokens + k, resident, miss_s) - base_s
+        rate = (n_yield + gained) / s if s > 0 else 0.0
         if rate > best_rate * (1.0 + 1e-9):
             best_k, best_rate, best_yield = k, rate, gained
     batch.n_tokens += best_k
