@@ -514,3 +514,51 @@ def test_without_waiting_requests_a_draft_is_worth_what_its_token_adds_to_a_step
         assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=False)) == \
             choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=True))
     assert choose_k(BOUND, MIXTRAL, 0.97, 8, BatchPlan(8, 8, refill=False)) > 0
+
+
+def _decode_batch(planner: DraftPlanner, prompts: list[list[int]], outputs: list[list[int]],
+                  waiting: bool) -> list[tuple[int, int]]:
+    """_decode for requests decoded together (requests waiting to join or not): per step,
+    (sequences that verified drafts, drafts verified)."""
+    reqs = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        req = Request(f"r{i}", 0, list(prompt), SamplingParams(max_tokens=len(output)), None,
+                      None, None, len(output), frozenset())  # type: ignore[arg-type]
+        req.output.append(output[0])
+        req.num_computed = len(prompt)
+        reqs.append((req, output))
+    config = SpeculativeConfig("auto", 16)
+    steps = []
+    while running := [(r, o) for r, o in reqs if len(r.output) < len(o)]:
+        planner.plan([r for r, _ in running], config, waiting=waiting)
+        n = sum(1 + len(r.drafts) for r, _ in running)
+        planner.observe_step(n, planner.union.experts_read(n), BENCH.seconds(planner.union, n))
+        steps.append((sum(bool(r.drafts) for r, _ in running),
+                      sum(len(r.drafts) for r, _ in running)))
+        for req, output in running:
+            at, k = len(req.output), len(req.drafts)
+            kept = 0
+            while kept < k and req.drafts[kept] == output[at + kept]:
+                kept += 1
+            if k:
+                planner.observe_verify(req, k, kept)
+            new = output[at:at + kept + 1]
+            req.output += new
+            req.num_computed += len(new)
+            req.drafts = []
+    return steps
+
+
+def test_a_batch_of_copies_drafts_together_with_no_request_waiting() -> None:
+    """Eight requests decoded together, none waiting, each copying its prompt: every one of
+    them would draft were a token saved worth a whole share of the step, so together they
+    draft (the steps themselves end sooner), up to 16 drafts a sequence."""
+    rng = np.random.default_rng(9)
+    prompts, copies = [], []
+    for i in range(8):
+        prompt = _tokens(rng, 150, low=1000 + 20000 * i)
+        prompts.append(prompt)
+        copies.append(_tokens(rng, 3, low=800000 + 1000 * i) + prompt[10:130])
+    together = _decode_batch(_planner(), prompts, copies, waiting=False)
+    assert sum(n >= 6 for n, _ in together) >= len(together) // 2, together
+    assert max(d for _, d in together) >= 8 * 12 and len(together) < 123 / 4

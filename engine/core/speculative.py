@@ -152,36 +152,47 @@ class DraftPlanner:
         """Set req.drafts of every running request (empty where it does not draft); at most
         max_drafting of them draft (None: any number). waiting: whether requests wait for a
         place (a sequence that finishes sooner then makes room: see BatchPlan)."""
-        cost = self.meter.cost() if config.adaptive else None
-        together = (sum(k > 0 for k in self.last_ks) / len(running)) if running else 0.0
-        batch = BatchPlan(float(len(running)), float(len(running)), waiting, min(together, 1.0))
         self.last_ks = []
-        n_drafting = 0
+        if not config.adaptive:
+            n_drafting = 0
+            for req in running:
+                full = max_drafting is not None and n_drafting >= max_drafting
+                req.drafts = [] if full else propose(req, config)
+                n_drafting += bool(req.drafts)
+            return
+        cost = self.meter.cost()
+        offered: list[tuple[Request, list[float], int]] = []
         for req in running:
+            req.drafts = propose(req, config)
+            if req.drafts:
+                offered.append((req, *self._chances(req)))
+        n = float(len(running))
+        together = 0.0
+        if cost is not None and offered and not waiting and len(running) > 1:
+            # the share of the batch that would draft if each token saved were worth a whole
+            # token's share of the step: drafting together, they end the steps sooner
+            together = sum(choose_k(cost, self.union, alphas, cap, BatchPlan(n, n)) > 0
+                           for _, alphas, cap in offered) / n
+        batch = BatchPlan(n, n, waiting, together)
+        n_drafting = 0
+        for req, alphas, cap in offered:
             if max_drafting is not None and n_drafting >= max_drafting:
                 req.drafts = []
                 continue
-            req.drafts = propose(req, config)
-            if config.adaptive and req.drafts:
-                k = self._choose(req, cost, batch)
-                del req.drafts[k:]
-                self.last_ks.append(k)
-            n_drafting += bool(req.drafts)
+            k = self._choose(req, cost, batch, alphas, cap)
+            del req.drafts[k:]
+            self.last_ks.append(k)
+            n_drafting += k > 0
 
-    def _choose(self, req: Request, cost: StepCost | None, batch: BatchPlan) -> int:
-        """How many of req's drafts to verify: what the cost model finds best for the chance
-        of each draft given its evidence (MatchPrior.lower as the prior of the request's own
-        rate; at most draft_cap), else one draft where only the
-        optimism about little-tested evidence pays for it and the request may try (see
-        RequestAcceptance); 0 before any step was measured (the first steps measure one
-        token)."""
+    def _chances(self, req: Request) -> tuple[list[float], int]:
+        """The chance that each of req's drafts is kept once those before it were (the
+        request's own rate at the draft's evidence, MatchPrior.lower its prior), as many as
+        draft_cap allows."""
         if req.acceptance is None:
             req.acceptance = RequestAcceptance()
         ra = req.acceptance
         match = int(getattr(req.drafter, "match_len", 0) or 0)
         ra.evidence, ra.exploring = match, False
-        if cost is None:
-            return 0
         mp = self.match_prior
         cap = draft_cap(match, ra.last_kept, len(req.drafts))
         alphas, rates = [], {}  # type: ignore[var-annotated]
@@ -189,6 +200,18 @@ class DraftPlanner:
             if b not in rates:
                 rates[b] = ra.of(b).rate_given(mp.lower(b))
             alphas.append(rates[b])
+        return alphas, cap
+
+    def _choose(self, req: Request, cost: StepCost | None, batch: BatchPlan,
+                alphas: list[float], cap: int) -> int:
+        """How many of req's drafts to verify: what the cost model finds best for their
+        chances (at most cap), else one draft where only the optimism about little-tested
+        evidence pays for it and the request may try (see RequestAcceptance); 0 before any
+        step was measured (the first steps measure one token)."""
+        if cost is None:
+            return 0
+        ra, mp = req.acceptance, self.match_prior
+        match = ra.evidence
         k = choose_k(cost, self.union, alphas, cap, batch)
         if k == 0 and ra.may_explore(match):
             b = mp.bucket(match)

@@ -103,13 +103,14 @@ class BatchPlan:
     (a sequence that finishes sooner frees its place for one of them: throughput) and for a
     sequence alone; otherwise a sequence that finishes sooner saves what its token adds to the
     steps the others run anyway (the marginal cost), and the rest of its share only as far as
-    the others finish sooner too (`together`: the share of them that drafted at the last
-    step), since the steps themselves end only when every sequence's do."""
+    the others finish sooner too (`together`: the share of the batch that drafts this step,
+    were a token saved worth a whole share), since the steps end only when every sequence's
+    do."""
 
     n_tokens: float
     n_yield: float
     refill: bool = True
-    together: float = 0.0  # the share of the other sequences that draft too (last step's)
+    together: float = 0.0  # the share of the batch that drafts too (0..1)
 
 
 def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float], k_max: int,
