@@ -69,7 +69,7 @@ class Settings(BaseSettings):
 
     # -- speculative decoding ---------------------------------------------------------
     speculative: Literal["off", "auto", "ngram", "mtp"] = _option("speculative")
-    num_speculative_tokens: int = _option("num_speculative_tokens")
+    num_speculative_tokens: int | None = _option("num_speculative_tokens")
 
     # -- network ----------------------------------------------------------------------
     host: str = _option("host")

@@ -1,24 +1,26 @@
 """Greedy decode with and without speculative decoding (prompt lookup), one stream and eight.
 
     python scripts/bench_speculative.py [--model DIR] [--quant q8] [--threads N]
-        [--gen-tokens 128] [--num-speculative-tokens 4] [--repeat 3] [--streams 1,8]
+        [--gen-tokens 128] [--num-speculative-tokens N] [--repeat 3] [--streams 1,8]
         [--modes off,ngram,auto] [--json] [--out results/bench_speculative/DATE-NAME.json]
 
 Two workloads: an edit (the prompt holds a block of code the answer largely repeats) and free
 text (the answer repeats nothing it was given); with several streams each gets its own variant
 (another identifier to rename, another subject). For each workload and stream count, runs
 alternate between the modes (off, ngram: always num_speculative_tokens drafts, auto: the cost
-model's k, oracle: num_speculative_tokens drafts that are the tokens the baseline run gave, so
-every draft is accepted; the ceiling of an edit the model copies perfectly, which neither the
-demo model nor a random-weight model does) on one loaded model, through the step engine
+model's k up to a cap that grows with the prompt-lookup match, oracle: num_speculative_tokens
+drafts that are the tokens the baseline run gave, so every draft is accepted; the ceiling of an
+edit the model copies perfectly, which neither the demo model nor a random-weight model does)
+on one loaded model, through the step engine
 (scheduler, batched sampler, detokenizer), prefix cache off. Reports decode tok/s of all
 streams together (from the step where the last stream got its first token to the end), the
 steps and how many verified drafts, the mean accepted length of the drafts per verify, the
 expert weight bytes (counted by the C products) of a step that verified drafts against a step
 of the baseline (on a MoE model a verify step reads the union of its tokens' experts), and the
-expert bytes per decoded token against the baseline's. The greedy tokens must be the same in
-every mode (it stops if not). A benchmark, not a test; it prints the CPU model with the
-figures.
+expert bytes per decoded token against the baseline's. num_speculative_tokens is each mode's
+default unless given (16 for auto, 4 for ngram and oracle), as the server's is. The greedy
+tokens must be the same in every mode (it stops if not). A benchmark, not a test; it prints the
+CPU model with the figures.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ def decode_run(llm: Any, prompts: list[list[int]], n_gen: int,
 def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> dict[str, Any]:
     """Alternating runs of every mode on one workload and stream count."""
     from colibri.engine.core.speculative import SpecStats, SpeculativeConfig
+    from colibri.engine.spec import default_num_tokens
 
     prompts = [_prompt(llm, workload(name, i)) for i in range(n_streams)]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -158,8 +161,8 @@ def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> d
     for _ in range(args.repeat):
         for mode in modes:
             oracle = mode == "oracle"
-            llm.core.speculative = SpeculativeConfig("ngram" if oracle else mode,
-                                                     args.num_speculative_tokens)
+            k = args.num_speculative_tokens or default_num_tokens(mode)
+            llm.core.speculative = SpeculativeConfig("ngram" if oracle else mode, k)
             llm.core.spec_stats = SpecStats()
             answers = runs[modes[0]][-1]["tokens"] if oracle else None
             runs[mode].append(decode_run(llm, prompts, args.gen_tokens, answers))
@@ -184,7 +187,9 @@ def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> d
                    "mean_accepted": st.mean_accepted,
                    "drafts_per_verify": st.n_draft_tokens / st.n_drafts if st.n_drafts else 0.0,
                    "acceptance_rate": (st.n_accepted / st.n_draft_tokens
-                                       if st.n_draft_tokens else 0.0)}
+                                       if st.n_draft_tokens else 0.0),
+                   "num_speculative_tokens": args.num_speculative_tokens
+                   or default_num_tokens(mode)}
     # a step of the baseline (one token per stream) against a step that verified drafts
     one = statistics.median(r["expert_bytes_per_plain_step"] for r in runs[modes[0]])
     per_token = w[modes[0]]["expert_bytes_per_token"]
@@ -203,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", default="q8")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per step at most (default: 16 for auto, 4 for the others)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--streams", default="1,8", help="stream counts, comma-separated")
     p.add_argument("--modes", default="off,ngram,auto",
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, threads=args.threads, quant=args.quant,
               config=EngineConfig(max_num_seqs=max(streams), prefix_cache=False,
                                   speculative="ngram",
-                                  num_speculative_tokens=args.num_speculative_tokens))
+                                  num_speculative_tokens=args.num_speculative_tokens or 16))
     result: dict[str, Any] = {**measured_on(argv), "model": str(llm.path),
                               "threads": llm.model.n_threads, "gen_tokens": args.gen_tokens,
                               "num_speculative_tokens": args.num_speculative_tokens,
@@ -242,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{result['cpu']}, {result['threads']} threads, {result['model']}, "
-          f"{args.gen_tokens} greedy tokens per stream, up to {args.num_speculative_tokens} "
-          f"drafts, {args.repeat} runs each way, alternating")
+          f"{args.gen_tokens} greedy tokens per stream, up to "
+          f"{args.num_speculative_tokens or '16 (auto) or 4 (ngram, oracle)'} drafts, "
+          f"{args.repeat} runs each way, alternating")
     for w in result["runs"]:
         line = [f"{w['workload']:5} x{w['streams']}:"]
         for mode in modes:

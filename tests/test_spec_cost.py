@@ -1,22 +1,32 @@
 """The cost model that decides how many drafts a sequence verifies per step (engine.spec.cost):
 its decisions on made-up profiles, its expectations against simulations in numpy, its fit of
 a step's cost against known coefficients, the measured union of experts, the smoothed
-acceptance rate and the acceptance learned by the drafter's evidence."""
+acceptance rate, the acceptance learned by each draft's evidence, the draft cap and the
+exploration rules, these last through auto's planner and prompt lookup decoding known
+outputs (a long copy, text whose matches are never kept, matches of one token)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from colibri.engine import SamplingParams
+from colibri.engine.core.request import Request
+from colibri.engine.core.speculative import DraftPlanner, SpeculativeConfig
 from colibri.engine.spec.cost import (
+    CAP_MIN,
+    EXPLORE_MIN_MATCH,
+    EXPLORE_WAIT,
     Acceptance,
     BatchPlan,
     MatchPrior,
     MoEShape,
+    RequestAcceptance,
     StepCost,
     StepCostMeter,
     UnionMeter,
     choose_k,
+    draft_cap,
     expected_accepted,
     speedup,
 )
@@ -144,7 +154,7 @@ def test_acceptance_follows_the_request_and_drifts_back_to_the_prior() -> None:
         acc.observe(4, 0)
     assert acc.rate < 0.1
     low = acc.rate
-    for _ in range(200):
+    for _ in range(800):
         acc.idle()
     assert low < acc.rate == pytest.approx(0.5, abs=0.01)
 
@@ -157,7 +167,7 @@ def test_acceptance_takes_the_prior_of_the_step_until_its_own_steps_outweigh_it(
         acc.observe(4, 0)
     # three rejected verify steps: even a confident prior is outweighed
     assert acc.rate_given(0.95) < 0.3
-    for _ in range(300):
+    for _ in range(800):
         acc.idle()
     assert acc.rate_given(0.95) == pytest.approx(0.95, abs=0.01)
 
@@ -170,11 +180,11 @@ def test_match_prior_starts_from_the_match_length_and_learns_by_bucket() -> None
     assert rates == sorted(rates) and rates[0] < 0.5 < rates[-1]  # longer: likelier kept
     long = mp.bucket(40)
     for _ in range(100):  # long matches that are never kept (a model that does not copy)
-        mp.observe(long, 8, 0)
+        mp.observe(40, 8, 0)
     assert mp.rate(long) < 0.1
     assert mp.rate(mp.bucket(3)) == pytest.approx(MatchPrior().rate(mp.bucket(3)))  # unaffected
     for _ in range(200):
-        mp.observe(long, 8, 8)
+        mp.observe(40, 8, 8)
     assert mp.rate(long) > 0.95
 
 
@@ -191,10 +201,35 @@ def test_match_prior_is_optimistic_only_while_little_is_known() -> None:
     assert _k(cost, union, mp.rate(b)) == 0 < _k(cost, union, mp.upper(b))
     gaps = []
     for _ in range(40):
-        mp.observe(b, 1, 0)
+        mp.observe(1, 1, 0)
         gaps.append(mp.upper(b) - mp.rate(b))
     assert gaps == sorted(gaps, reverse=True) and gaps[-1] < gaps[0] / 2
     assert _k(cost, union, mp.upper(b)) == 0
+
+
+def test_match_prior_bounds_close_in_on_the_rate_as_drafts_are_tested() -> None:
+    """lower and upper sit one standard error of the rate either side of it, sqrt(r (1 - r) /
+    n) for n tested drafts and the prior's weight. A bucket at even odds, untested, drafts on
+    upper and not on lower; once many of its drafts were tested and 60% kept, lower drafts."""
+    cost = StepCost(step_s=2e-3, expert_s=1.8e-4, token_s=1e-5)
+    union = UnionMeter(MIXTRAL)
+    for n in range(1, 6):
+        union.observe(n, MIXTRAL.experts_read(n) * (1.0 if n == 1 else 0.9))
+    mp = MatchPrior()
+    b = mp.bucket(2)
+    err = np.sqrt(0.5 * 0.5 / mp.weight)
+    assert (mp.lower(b), mp.rate(b), mp.upper(b)) == \
+        pytest.approx((0.5 - err, 0.5, 0.5 + err))
+    assert _k(cost, union, mp.lower(b)) == 0 < _k(cost, union, mp.upper(b))
+    widths = []
+    for i in range(100):
+        mp.observe(2, 1, int(i % 5 < 3))  # three of every five kept
+        widths.append(mp.upper(b) - mp.lower(b))
+        assert mp.lower(b) <= mp.rate(b) <= mp.upper(b)
+    assert widths[-1] < widths[0] / 2
+    assert mp.rate(b) == pytest.approx(0.6, abs=0.03)
+    assert _k(cost, union, mp.lower(b)) > 0
+    assert MatchPrior().upper(1) > MatchPrior().rate(1) > MatchPrior().lower(1) >= 0.0
 
 
 def test_a_long_match_drafts_where_the_even_prior_would_not() -> None:
@@ -268,3 +303,262 @@ def test_the_meter_separates_the_experts_read_from_the_tokens_they_multiply() ->
     assert _k(got, MIXTRAL, alpha=0.5, n_running=8) == 0
     ratio_only = StepCost(got.step_s, meter._te / meter._e, 0.0)
     assert _k(ratio_only, MIXTRAL, alpha=0.5, n_running=8) > 0
+
+
+def test_expected_accepted_per_draft_matches_a_simulation() -> None:
+    """One keep probability per draft (each once those before it were kept): the mean of the
+    longest kept prefix in numpy; a constant list gives the geometric sum."""
+    rng = np.random.default_rng(5)
+    for alphas in ([0.3, 0.5, 0.5, 0.7], [0.9, 0.2, 0.95], [1.0, 1.0, 0.0, 1.0]):
+        keep = rng.random((20000, len(alphas))) < np.array(alphas)
+        run = np.cumprod(keep, axis=1).sum(axis=1)
+        assert expected_accepted(alphas, len(alphas)) == pytest.approx(run.mean(), abs=0.05)
+        assert expected_accepted(alphas, 10) == expected_accepted(alphas, len(alphas))
+    for a in (0.2, 0.7):
+        assert expected_accepted([a] * 6, 6) == pytest.approx(expected_accepted(a, 6))
+        for k_max in (3, 6):
+            assert choose_k(BOUND, MIXTRAL, [a] * 6, k_max, BatchPlan(1, 1)) == \
+                choose_k(BOUND, MIXTRAL, a, k_max, BatchPlan(1, 1))
+    # never more drafts than it has probabilities for
+    assert choose_k(StepCost(1e-3, 0.0, 0.0), MIXTRAL, [1.0, 1.0], 8, BatchPlan(1, 1)) == 2
+
+
+def test_match_prior_counts_each_draft_at_its_own_evidence() -> None:
+    """A proposal on a match of m tokens drafts its draft i on m + i tokens of evidence; the
+    first rejected draft is tested, those after it are not; no evidence stays none."""
+    mp = MatchPrior()
+
+    def reference(m: int, n: int, a: int) -> dict[int, tuple[int, int]]:
+        out: dict[int, list[int]] = {}
+        for i in range(n):
+            if i > a:
+                break
+            b = mp.bucket(m + i) if m else 0
+            out.setdefault(b, [0, 0])
+            out[b][0] += i < a
+            out[b][1] += 1
+        return {b: (k, t) for b, (k, t) in out.items()}
+
+    for m in (0, 1, 2, 3, 7, 14, 40):
+        for n in (1, 4, 16):
+            for a in range(n + 1):
+                assert mp.outcomes(m, n, a) == reference(m, n, a), (m, n, a)
+    assert mp.outcomes(3, 6, 4) == {2: (1, 1), 3: (3, 4)}  # kept at 3..6, rejected at 7
+    mp.observe(3, 6, 4)
+    fresh = MatchPrior()
+    w = fresh.weight  # the prior counts as w tested drafts
+    assert mp.rate(2) == pytest.approx((1 + w * fresh.rate(2)) / (1 + w))
+    assert mp.rate(3) == pytest.approx((3 + w * fresh.rate(3)) / (4 + w))
+    assert mp.rate(4) == fresh.rate(4)  # draft 6 (evidence 8) was not tested
+
+
+def test_draft_cap_grows_with_the_match_and_with_what_was_kept() -> None:
+    assert [draft_cap(m, 0, 16) for m in (0, 1, 2, 3, 5, 8, 40)] == [2, 2, 4, 6, 10, 16, 16]
+    assert draft_cap(1, 5, 16) == 10  # the last verify step kept five
+    assert draft_cap(40, 0, 4) == 4 and draft_cap(0, 0, 1) == 1 and draft_cap(3, 3, 0) == 0
+    # a copy whose every draft is kept: its match grows by the drafts and the model's token,
+    # so the cap doubles (and more) from step to step up to the maximum
+    m, caps = 1, []
+    for _ in range(4):
+        caps.append(draft_cap(m, 0, 16))
+        m += caps[-1] + 1
+    assert caps == [CAP_MIN, 8, 16, 16]
+
+
+# a step-cost profile like the benchmark Mixtral's on two cores (9.6 ms a token, a verify step
+# of 5 tokens 1.8 times that) and the experts its verify steps of copied drafts read (measured:
+# tokens -> distinct experts over its 8 MoE layers of 16)
+BENCH = StepCost(step_s=4.8e-3, expert_s=1.4e-4, token_s=2.85e-4)
+BENCH_UNION = {1: 32.0, 2: 50.6, 3: 63.6, 4: 72.6, 5: 76.9, 7: 86.3, 9: 90.7, 13: 97.3,
+               17: 99.4}
+
+
+def _planner() -> DraftPlanner:
+    planner = DraftPlanner(MIXTRAL, StepCostMeter(BENCH, prior_weight=float("inf")))
+    for n, experts in BENCH_UNION.items():
+        planner.union.observe(n, experts)
+    return planner
+
+
+def _decode(planner: DraftPlanner, prompt: list[int], output: list[int],
+            k_max: int = 16) -> list[tuple[int, int, int]]:
+    """Greedy decoding whose tokens are known (output) with auto's planner and prompt lookup,
+    one request: per step where prompt lookup offered drafts, (match length, drafts verified,
+    drafts kept)."""
+    req = Request("r", 0, list(prompt), SamplingParams(max_tokens=len(output), temperature=0.0),
+                  None, None, None, len(output), frozenset())  # type: ignore[arg-type]
+    req.output.append(output[0])  # the prompt's step gave the first token
+    req.num_computed = len(prompt)
+    config = SpeculativeConfig("auto", k_max)
+    steps = []
+    while len(req.output) < len(output):
+        planner.plan([req], config)
+        at, k = len(req.output), len(req.drafts)
+        kept = 0
+        while kept < k and req.drafts[kept] == output[at + kept]:
+            kept += 1
+        n = 1 + k
+        planner.observe_step(n, planner.union.experts_read(n), BENCH.seconds(planner.union, n))
+        if k:
+            planner.observe_verify(req, k, kept)
+        if req.drafter.match_len:
+            steps.append((req.drafter.match_len, k, kept))
+        new = output[at:at + kept + 1]
+        req.output += new
+        req.num_computed += len(new)
+    return steps
+
+
+def _tokens(rng: np.random.Generator, n: int, low: int = 1000) -> list[int]:
+    return [int(t) for t in rng.choice(np.arange(low, low + 20 * n), n, replace=False)]
+
+
+def test_a_long_copy_drafts_up_to_the_cap_and_the_cap_bounds_every_step() -> None:
+    """Five new tokens, then 120 copied from the prompt: drafting starts small on the fresh
+    match and doubles as the copy is confirmed, up to 16 drafts a step, every one kept; each
+    step's drafts stay within draft_cap of its match and of what the step before kept; with
+    num_speculative_tokens 4, never more than 4."""
+    rng = np.random.default_rng(6)
+    prompt = _tokens(rng, 300)
+    output = _tokens(rng, 5, low=100) + prompt[100:220]
+    steps = _decode(_planner(), prompt, output)
+    ks = [k for _, k, _ in steps]
+    assert max(ks) == 16 and all(kept == k for _, k, kept in steps)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert ks[first] <= 2 * steps[first][0]  # a fresh match: a short verify step
+    assert ks[first:ks.index(16)] == sorted(ks[first:ks.index(16)])  # growing to 16
+    last_kept = 0
+    for match, k, kept in steps:
+        assert k <= draft_cap(match, last_kept, 16)
+        last_kept = kept if k else last_kept
+    assert len(steps) < len(output) / 6  # a copy of 120 tokens in well under 20 steps
+    assert max(k for _, k, _ in _decode(_planner(), prompt, output, k_max=4)) == 4
+
+
+def test_rejected_matches_stop_drafting_and_tries_back_off() -> None:
+    """Text whose every match of two tokens is followed by something else than in the prompt
+    (x y z earlier, x y w now): after the first rejections the cost model drafts no more; what
+    optimism still tries is one draft at a time, further apart after each failure."""
+    rng = np.random.default_rng(7)
+    triples = [_tokens(rng, 3, low=1000 + 100 * i) for i in range(200)]
+    prompt = [t for tr in triples for t in tr]
+    novel = iter(_tokens(rng, 200, low=500000))
+    output = [t for x, y, _ in triples for t in (x, y, next(novel))]
+    steps = _decode(_planner(), prompt, output)
+    tried = [i for i, (_, k, _) in enumerate(steps) if k]
+    assert sum(m >= EXPLORE_MIN_MATCH for m, _, _ in steps) >= 190
+    assert all(kept == 0 for _, _, kept in steps)
+    assert 3 <= len(tried) <= 6, tried
+    assert all(steps[i][1] == 1 for i in tried[1:])  # tries on optimism: one draft each
+    gaps = list(np.diff(tried[1:]))
+    assert gaps == sorted(gaps) and gaps[0] >= EXPLORE_WAIT, tried
+
+
+def test_exploration_waits_longer_after_each_failed_try() -> None:
+    """RequestAcceptance's tries: none below EXPLORE_MIN_MATCH; after a try that keeps
+    nothing, EXPLORE_WAIT steps without drafts before the next, then twice as many each time;
+    a kept draft resets the wait; drafts the cost model chose never start a wait."""
+    ra = RequestAcceptance()
+    assert not ra.may_explore(EXPLORE_MIN_MATCH - 1) and ra.may_explore(EXPLORE_MIN_MATCH)
+    waits = []
+    for _ in range(4):
+        ra.exploring = True
+        ra.verified(1, 0)
+        n = 0
+        while not ra.may_explore(5):
+            ra.no_drafts()
+            n += 1
+        waits.append(n)
+    assert waits == [EXPLORE_WAIT, 2 * EXPLORE_WAIT, 4 * EXPLORE_WAIT, 8 * EXPLORE_WAIT]
+    ra.exploring = True
+    ra.verified(1, 1)  # a kept draft
+    ra.exploring = True
+    ra.verified(1, 0)
+    assert ra.wait == EXPLORE_WAIT and ra.last_kept == 0
+    ra.wait = 0
+    ra.verified(4, 0)  # the cost model's choice, not a try
+    assert ra.may_explore(5)
+
+
+def test_no_draft_on_one_token_matches_until_they_are_known_to_be_kept() -> None:
+    """Output tokens that each occur once in the prompt, never after the one before them:
+    every match is of one token, below the length optimism tries, and the prior of such
+    matches says drafts do not pay: no verify step. Where such matches were kept over other
+    requests, the same request drafts."""
+    rng = np.random.default_rng(8)
+    prompt = _tokens(rng, 400)
+    picks = rng.choice(np.arange(0, 400, 3), 100, replace=False)
+    output = [prompt[int(j)] for j in picks]
+    steps = _decode(_planner(), prompt, output)
+    assert len(steps) > 90 and {m for m, _, _ in steps} == {1}
+    assert all(k == 0 for _, k, _ in steps)
+    planner = _planner()
+    for _ in range(50):
+        planner.match_prior.observe(1, 1, 1)
+    assert any(k for _, k, _ in _decode(planner, prompt, output))
+
+
+def test_without_waiting_requests_a_draft_is_worth_what_its_token_adds_to_a_step() -> None:
+    """Eight sequences and none waiting: one that finishes sooner saves only what its token
+    adds to the steps the others run anyway, so a draft kept half the time does not pay where
+    it would with requests waiting (its place then goes to one of them); the more of the others
+    draft too (the steps themselves end sooner), the more it is worth. Alone, a sequence's
+    share is the whole step either way; a draft almost surely kept pays in every case."""
+    for alpha in (0.5, 0.7):
+        assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(8, 8, refill=True)) > 0
+        assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(8, 8, refill=False)) == 0
+        ks = [choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(8, 8, False, w))
+              for w in np.linspace(0, 1, 11)]
+        assert ks == sorted(ks) and ks[-1] > 0
+    for alpha in (0.3, 0.6, 0.9):
+        assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=False)) == \
+            choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=True))
+    assert choose_k(BOUND, MIXTRAL, 0.97, 8, BatchPlan(8, 8, refill=False)) > 0
+
+
+def _decode_batch(planner: DraftPlanner, prompts: list[list[int]], outputs: list[list[int]],
+                  waiting: bool) -> list[tuple[int, int]]:
+    """_decode for requests decoded together (requests waiting to join or not): per step,
+    (sequences that verified drafts, drafts verified)."""
+    reqs = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        req = Request(f"r{i}", 0, list(prompt), SamplingParams(max_tokens=len(output)), None,
+                      None, None, len(output), frozenset())  # type: ignore[arg-type]
+        req.output.append(output[0])
+        req.num_computed = len(prompt)
+        reqs.append((req, output))
+    config = SpeculativeConfig("auto", 16)
+    steps = []
+    while running := [(r, o) for r, o in reqs if len(r.output) < len(o)]:
+        planner.plan([r for r, _ in running], config, waiting=waiting)
+        n = sum(1 + len(r.drafts) for r, _ in running)
+        planner.observe_step(n, planner.union.experts_read(n), BENCH.seconds(planner.union, n))
+        steps.append((sum(bool(r.drafts) for r, _ in running),
+                      sum(len(r.drafts) for r, _ in running)))
+        for req, output in running:
+            at, k = len(req.output), len(req.drafts)
+            kept = 0
+            while kept < k and req.drafts[kept] == output[at + kept]:
+                kept += 1
+            if k:
+                planner.observe_verify(req, k, kept)
+            new = output[at:at + kept + 1]
+            req.output += new
+            req.num_computed += len(new)
+            req.drafts = []
+    return steps
+
+
+def test_a_batch_of_copies_drafts_together_with_no_request_waiting() -> None:
+    """Eight requests decoded together, none waiting, each copying its prompt: every one of
+    them would draft were a token saved worth a whole share of the step, so together they
+    draft (the steps themselves end sooner), up to 16 drafts a sequence."""
+    rng = np.random.default_rng(9)
+    prompts, copies = [], []
+    for i in range(8):
+        prompt = _tokens(rng, 150, low=1000 + 20000 * i)
+        prompts.append(prompt)
+        copies.append(_tokens(rng, 3, low=800000 + 1000 * i) + prompt[10:130])
+    together = _decode_batch(_planner(), prompts, copies, waiting=False)
+    assert sum(n >= 6 for n, _ in together) >= len(together) // 2, together
+    assert max(d for _, d in together) >= 8 * 12 and len(together) < 123 / 4

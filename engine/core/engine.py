@@ -38,6 +38,7 @@ from colibri.engine.sample.verify import sample_with_draft
 
 log = logging.getLogger("colibri.engine")
 _EXPERT_PHASES = ("experts gate+up", "experts down")  # the product phases of routed experts
+MEASURE_EVERY = 4  # auto measures one in this many steps that verify no drafts
 
 
 class ContextLengthError(ValueError):
@@ -229,15 +230,21 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        measure = self.speculates and self.speculative.adaptive
-        products = self._product_totals() if measure else None
         mtp = (self._mtp_drafter() if self.speculative.method == "mtp" and self.speculates
                else None)
         if mtp is not None:
             self._mtp_propose(mtp)
         elif self.speculates:
             self.planner.plan(self.scheduler.running, self.speculative,
-                              len(self.snapshot_slots) if self.hybrid else None)
+                              len(self.snapshot_slots) if self.hybrid else None,
+                              waiting=bool(self.scheduler.waiting))
+        # auto's cost model reads the products' counters around every step that verifies
+        # drafts, and one in MEASURE_EVERY of the others: enough to follow what a plain step
+        # costs, at a fraction of the reads where nothing is drafted (free text)
+        measure = self.speculates and self.speculative.adaptive and (
+            self.stats.n_steps % MEASURE_EVERY == 0 or self.planner.meter.n_obs == 0
+            or any(r.drafts for r in self.scheduler.running))
+        products = self._product_totals() if measure else None
         sched = self.scheduler.schedule()
         if self.blocks.pending_copies:  # hybrid forks: blocks and states they start from
             self._copy_forks()

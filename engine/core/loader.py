@@ -68,7 +68,7 @@ class EngineConfig:
     prefix_cache: bool = default("prefix_cache")
     kv_window_pool: bool = default("kv_window_pool")
     speculative: str = default("speculative")  # off | ngram
-    num_speculative_tokens: int = default("num_speculative_tokens")
+    num_speculative_tokens: int | None = default("num_speculative_tokens")
     progress: bool = True  # show the conversion progress bar
     expert_cache: ExpertCacheConfig = field(default_factory=ExpertCacheConfig.from_env)
 

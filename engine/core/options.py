@@ -295,8 +295,14 @@ OPTIONS: tuple[Option, ...] = (
                 "experts. auto weighs that cost, measured on this machine's own steps, against "
                 "each request's acceptance so far and the batch's size: on free text and in "
                 "large batches it drafts little or nothing."),
-    Option("num_speculative_tokens", int, 4, "tokens drafted per sequence and step at most",
-           _SPEC, commands=("serve", "generate", "bench"), ge=1, le=16),
+    Option("num_speculative_tokens", int, None, "tokens drafted per sequence and step at most",
+           _SPEC, commands=("serve", "generate", "bench"), ge=1, le=16,
+           unset="4 with ngram and mtp, 16 with auto",
+           note="ngram and mtp draft this many at every step. auto verifies at most twice the "
+                "length of the sequence's prompt-lookup match (at least 2, or twice what its "
+                "last verify step kept) and at most what the cost model finds worth it, so a "
+                "copy that keeps being confirmed drafts up to this many.",
+           example="8", metavar="N"),
     # -- network ------------------------------------------------------------------------
     Option("host", str, "127.0.0.1", "address to bind", _NET,
            note="127.0.0.1 keeps the server local; 0.0.0.0 exposes it (set an API key)."),

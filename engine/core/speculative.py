@@ -20,7 +20,7 @@ from typing import Any
 
 from colibri.engine.core.options import default
 from colibri.engine.core.request import Request
-from colibri.engine.spec import SPECULATIVE_METHODS
+from colibri.engine.spec import SPECULATIVE_METHODS, default_num_tokens
 from colibri.engine.spec.cost import (
     BatchPlan,
     MatchPrior,
@@ -30,6 +30,7 @@ from colibri.engine.spec.cost import (
     StepCostMeter,
     UnionMeter,
     choose_k,
+    draft_cap,
 )
 from colibri.engine.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 
@@ -39,7 +40,8 @@ class SpeculativeConfig:
     """How the step engine speculates (options speculative, num_speculative_tokens)."""
 
     method: str = default("speculative")
-    num_tokens: int = default("num_speculative_tokens")  # drafts per sequence and step, at most
+    # drafts per sequence and step, at most (None: the method's default_num_tokens)
+    num_tokens: int = default("num_speculative_tokens")
     ngram_min: int = DEFAULT_MIN_N
     ngram_max: int = DEFAULT_MAX_N
 
@@ -47,6 +49,8 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; choose one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.num_tokens is None:
+            self.num_tokens = default_num_tokens(self.method)
         if self.num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_tokens}")
 
@@ -131,9 +135,10 @@ class DraftPlanner:
     scheduling order, each one's choice counting the tokens the step already carries. Learns
     the step's cost and the experts steps of each size read from the steps the engine
     reports (observe_step), and acceptance from verify steps (observe_verify): each
-    request's own, and over all requests by the drafter's evidence (the match length), which
-    is each request's prior at the step — so a request whose match is long drafts at its first
-    step, and one whose drafts keep being rejected stops."""
+    request's own, and over all requests by each draft's evidence (the match length before
+    it), which is each request's prior at the step — so a request whose match is long drafts
+    at its first step, a copy that goes on drafts longer each step (up to draft_cap), and one
+    whose drafts keep being rejected stops."""
 
     def __init__(self, shape: MoEShape, meter: StepCostMeter | None = None) -> None:
         self.shape = shape
@@ -143,36 +148,78 @@ class DraftPlanner:
         self.last_ks: list[int] = []  # the k chosen for each drafting sequence, last step
 
     def plan(self, running: list[Request], config: SpeculativeConfig,
-             max_drafting: int | None = None) -> None:
+             max_drafting: int | None = None, waiting: bool = False) -> None:
         """Set req.drafts of every running request (empty where it does not draft); at most
-        max_drafting of them draft (None: any number)."""
-        cost = self.meter.cost() if config.adaptive else None
-        batch = BatchPlan(float(len(running)), float(len(running)))
+        max_drafting of them draft (None: any number). waiting: whether requests wait for a
+        place (a sequence that finishes sooner then makes room: see BatchPlan)."""
         self.last_ks = []
-        n_drafting = 0
+        if not config.adaptive:
+            n_drafting = 0
+            for req in running:
+                full = max_drafting is not None and n_drafting >= max_drafting
+                req.drafts = [] if full else propose(req, config)
+                n_drafting += bool(req.drafts)
+            return
+        cost = self.meter.cost()
+        offered: list[tuple[Request, list[float], int]] = []
         for req in running:
+            req.drafts = propose(req, config)
+            if req.drafts:
+                offered.append((req, *self._chances(req)))
+        n = float(len(running))
+        together = 0.0
+        if cost is not None and offered and not waiting and len(running) > 1:
+            # the share of the batch that would draft if each token saved were worth a whole
+            # token's share of the step: drafting together, they end the steps sooner
+            together = sum(choose_k(cost, self.union, alphas, cap, BatchPlan(n, n)) > 0
+                           for _, alphas, cap in offered) / n
+        batch = BatchPlan(n, n, waiting, together)
+        n_drafting = 0
+        for req, alphas, cap in offered:
             if max_drafting is not None and n_drafting >= max_drafting:
                 req.drafts = []
                 continue
-            req.drafts = propose(req, config)
-            if config.adaptive and req.drafts:
-                k = self._choose(req, cost, batch)
-                del req.drafts[k:]
-                self.last_ks.append(k)
-            n_drafting += bool(req.drafts)
+            k = self._choose(req, cost, batch, alphas, cap)
+            del req.drafts[k:]
+            self.last_ks.append(k)
+            n_drafting += k > 0
 
-    def _choose(self, req: Request, cost: StepCost | None, batch: BatchPlan) -> int:
-        """How many of req's drafts to verify, from its acceptance given the drafter's
-        evidence; 0 before any step was measured (the first steps measure one token)."""
+    def _chances(self, req: Request) -> tuple[list[float], int]:
+        """The chance that each of req's drafts is kept once those before it were (the
+        request's own rate at the draft's evidence, MatchPrior.lower its prior), as many as
+        draft_cap allows."""
         if req.acceptance is None:
             req.acceptance = RequestAcceptance()
-        req.acceptance.evidence = b = self.match_prior.bucket(getattr(req.drafter, "match_len",
-                                                                      None))
-        acc = req.acceptance.of(b)
-        alpha = acc.rate_given(self.match_prior.upper(b))
-        k = 0 if cost is None else choose_k(cost, self.union, alpha, len(req.drafts), batch)
+        ra = req.acceptance
+        match = int(getattr(req.drafter, "match_len", 0) or 0)
+        ra.evidence, ra.exploring = match, False
+        mp = self.match_prior
+        cap = draft_cap(match, ra.last_kept, len(req.drafts))
+        alphas, rates = [], {}  # type: ignore[var-annotated]
+        for b in mp.buckets(match, cap):
+            if b not in rates:
+                rates[b] = ra.of(b).rate_given(mp.lower(b))
+            alphas.append(rates[b])
+        return alphas, cap
+
+    def _choose(self, req: Request, cost: StepCost | None, batch: BatchPlan,
+                alphas: list[float], cap: int) -> int:
+        """How many of req's drafts to verify: what the cost model finds best for their
+        chances (at most cap), else one draft where only the optimism about little-tested
+        evidence pays for it and the request may try (see RequestAcceptance); 0 before any
+        step was measured (the first steps measure one token)."""
+        if cost is None:
+            return 0
+        ra, mp = req.acceptance, self.match_prior
+        match = ra.evidence
+        k = choose_k(cost, self.union, alphas, cap, batch)
+        if k == 0 and ra.may_explore(match):
+            b = mp.bucket(match)
+            k = choose_k(cost, self.union, [ra.of(b).rate_given(mp.upper(b))], 1, batch)
+            ra.exploring = k > 0
         if k == 0:
-            acc.idle()
+            ra.of(mp.bucket(match)).idle()
+            ra.no_drafts()
         return k
 
     def observe_step(self, n_tokens: int, n_experts: float, seconds: float,
@@ -181,7 +228,11 @@ class DraftPlanner:
         self.union.observe(n_tokens, n_experts)
 
     def observe_verify(self, req: Request, n_drafts: int, n_accepted: int) -> None:
-        if req.acceptance is not None:
-            b = req.acceptance.evidence
-            req.acceptance.of(b).observe(n_drafts, n_accepted)
-            self.match_prior.observe(b, n_drafts, n_accepted)
+        ra = req.acceptance
+        if ra is None:
+            return
+        for b, (kept, tested) in self.match_prior.outcomes(ra.evidence, n_drafts,
+                                                           n_accepted).items():
+            ra.of(b).add(kept, tested)
+            self.match_prior.add(b, kept, tested)
+        ra.verified(n_drafts, n_accepted)

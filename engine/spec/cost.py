@@ -5,21 +5,32 @@ A step costs step_s (whatever it carries: the weights every token reads once, Py
 plus expert_s per distinct routed expert it reads (a verify step reads the union of its tokens'
 experts: UnionMeter, what steps of as many tokens read here, measured; before that the bound
 E(1 - (1 - top_k/E)^T) per MoE layer for T tokens) plus token_s per token (compute: attention
-over its context, products, sampling its row). Drafting k tokens for a sequence yields alpha +
-alpha^2 + ... + alpha^k more tokens on average (alpha: that request's smoothed acceptance rate,
-Acceptance, whose prior at each step is what drafts with as long a match were kept over all
-requests, MatchPrior). k is the one maximising (tokens the step yields) / (its cost), 0 when
-none beats decoding one token. StepCostMeter measures the three parts on the engine's own
-steps (the expert products and attention as the C core times them, the rest fitted), weighted
-toward recent ones, so the model follows what this machine, this context length and this
-expert cache (its loads fall in the expert products' time) actually cost. Guarantees: never
-more drafts than offered; k = 0 whenever drafts do not pay by the model. Refuses nothing; it
-only decides speed, never tokens.
+over its context, products, sampling its row). Drafting k tokens for a sequence yields
+a_1 + a_1 a_2 + ... + a_1...a_k more tokens on average, a_i being the chance that draft i is
+kept once those before it were: the request's smoothed acceptance (Acceptance) at draft i's
+evidence, whose prior is what drafts with as much evidence were kept over all requests
+(MatchPrior), less one standard error of it (a little-measured rate near break-even does not
+draft). A draft's evidence is the prompt-lookup match length before it: the match the
+drafter reported plus the drafts before it, so a match that keeps being confirmed drafts
+longer. k is the one maximising (tokens the step yields) / (its cost) — in a batch with no
+request waiting, the sequence's tokens over its share of the step (what its token adds to it,
+plus the rest of a token's share as far as the others draft too: BatchPlan) — 0 when none
+beats decoding one token, and at most draft_cap: twice the match length or twice what the request's
+last verify step kept, at least two, so a fresh match drafts a little and a confirmed copy
+doubles its drafts step by step up to the configured maximum. Drafts that only optimism
+about a little-tested evidence would pay for are tried one at a time, from a match of two
+tokens on, and a request waits longer after each such try that fails (Exploration).
+StepCostMeter measures the three parts on the engine's own steps (the expert products and
+attention as the C core times them, the rest fitted), weighted toward recent ones, so the
+model follows what this machine, this context length and this expert cache (its loads fall in
+the expert products' time) actually cost. Guarantees: never more drafts than offered; k = 0
+whenever drafts do not pay by the model. Refuses nothing; it only decides speed, never tokens.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,10 +77,19 @@ class StepCost:
                 + self.token_s * n_tokens)
 
 
-def expected_accepted(alpha: float, k: int) -> float:
-    """Mean drafts kept of k when each is kept with probability alpha once those before it
-    were (the longest agreeing prefix): alpha + alpha^2 + ... + alpha^k."""
-    if k <= 0 or alpha <= 0.0:
+def expected_accepted(alpha: float | Sequence[float], k: int) -> float:
+    """Mean drafts kept of k when each is kept once those before it were (the longest
+    agreeing prefix): with probability alpha each, alpha + alpha^2 + ... + alpha^k; with one
+    probability per draft (alpha[i] for draft i), a_0 + a_0 a_1 + ... (k at most len(alpha))."""
+    if k <= 0:
+        return 0.0
+    if not isinstance(alpha, (int, float)):
+        total, run = 0.0, 1.0
+        for a in alpha[:k]:
+            run *= a
+            total += run
+        return total
+    if alpha <= 0.0:
         return 0.0
     if alpha >= 1.0:
         return float(k)
@@ -78,25 +98,52 @@ def expected_accepted(alpha: float, k: int) -> float:
 
 @dataclass
 class BatchPlan:
-    """The step being planned: tokens it carries so far and tokens it yields on average."""
+    """The step being planned: tokens it carries so far and tokens it yields on average, and
+    whether a token saved is worth a whole token's share of a step. It is while requests wait
+    (a sequence that finishes sooner frees its place for one of them: throughput) and for a
+    sequence alone; otherwise a sequence that finishes sooner saves what its token adds to the
+    steps the others run anyway (the marginal cost), and the rest of its share only as far as
+    the others finish sooner too (`together`: the share of the batch that drafts this step,
+    were a token saved worth a whole share), since the steps end only when every sequence's
+    do."""
 
     n_tokens: float
     n_yield: float
+    refill: bool = True
+    together: float = 0.0  # the share of the batch that drafts too (0..1)
 
 
-def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float, k_max: int, batch: BatchPlan,
-             resident: float = 1.0, miss_s: float = 0.0) -> int:
-    """Drafts (0..k_max) for one more sequence of `batch` that maximise the step's expected
-    tokens per second; updates batch with the choice. Ties go to fewer drafts."""
+def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float], k_max: int,
+             batch: BatchPlan, resident: float = 1.0, miss_s: float = 0.0) -> int:
+    """Drafts (0..k_max) for one more sequence of `batch` that maximise the expected tokens per
+    second: of the whole step where batch.refill (or the sequence is alone), else of the
+    sequence, whose share of the step is what its token adds to it. Updates batch with the
+    choice. alpha: the chance each draft is kept once those before it were, one for all or
+    one per draft (then at most len(alpha) drafts). Ties go to fewer drafts."""
+    per_draft = not isinstance(alpha, (int, float))
+    if per_draft:
+        k_max = min(k_max, len(alpha))  # type: ignore[arg-type]
     base_s = cost.seconds(shape, batch.n_tokens, resident, miss_s)
-    best_k, best_rate = 0, batch.n_yield / base_s if base_s > 0 else 0.0
+    if batch.refill or batch.n_tokens <= 1:
+        n_yield, share = batch.n_yield, base_s
+    else:  # the others' tokens, and the step without this sequence's own, are paid anyway
+        n_yield = 1.0
+        marginal = base_s - cost.seconds(shape, batch.n_tokens - 1, resident, miss_s)
+        share = marginal + batch.together * (base_s / batch.n_tokens - marginal)
+    best_k, best_rate = 0, n_yield / share if share > 0 else 0.0
+    best_yield, gained, run = 0.0, 0.0, 1.0
     for k in range(1, max(k_max, 0) + 1):
-        s = cost.seconds(shape, batch.n_tokens + k, resident, miss_s)
-        rate = (batch.n_yield + expected_accepted(alpha, k)) / s if s > 0 else 0.0
+        if per_draft:
+            run *= alpha[k - 1]  # type: ignore[index]
+            gained += run
+        else:
+            gained = expected_accepted(alpha, k)  # type: ignore[arg-type]
+        s = share + cost.seconds(shape, batch.n_tokens + k, resident, miss_s) - base_s
+        rate = (n_yield + gained) / s if s > 0 else 0.0
         if rate > best_rate * (1.0 + 1e-9):
-            best_k, best_rate = k, rate
+            best_k, best_rate, best_yield = k, rate, gained
     batch.n_tokens += best_k
-    batch.n_yield += expected_accepted(alpha, best_k)
+    batch.n_yield += best_yield
     return best_k
 
 
@@ -120,7 +167,7 @@ class Acceptance:
     prior: float = 0.5
     weight: float = 2.0  # the prior counts as this many tested drafts
     decay: float = 0.8  # per verify step: a request's last ~5 steps count most
-    relax: float = 0.97  # per step without drafts: back toward the prior
+    relax: float = 0.99  # per step without drafts: back toward the prior
     kept: float = field(init=False, default=0.0)  # the request's own, decayed
     tested: float = field(init=False, default=0.0)
     prior_mass: float = field(init=False)
@@ -140,10 +187,13 @@ class Acceptance:
 
     def observe(self, n_drafts: int, n_accepted: int) -> None:
         """A verify step that carried n_drafts drafts kept n_accepted of them."""
-        if n_drafts <= 0:
-            return
-        self.kept = self.decay * self.kept + n_accepted
-        self.tested = self.decay * self.tested + n_accepted + (n_accepted < n_drafts)
+        if n_drafts > 0:
+            self.add(n_accepted, n_accepted + (n_accepted < n_drafts))
+
+    def add(self, kept: float, tested: float) -> None:
+        """Of one verify step's drafts, `tested` were tested and `kept` of those kept."""
+        self.kept = self.decay * self.kept + kept
+        self.tested = self.decay * self.tested + tested
         self.prior_mass *= self.decay
 
     def idle(self) -> None:
@@ -154,18 +204,21 @@ class Acceptance:
         self.prior_mass = r * self.prior_mass + (1 - r) * self.weight
 
 
-# what a drafter's evidence (the match length of prompt lookup, engine.spec.ngram) predicts
+# what a draft's evidence (the prompt-lookup match before it, engine.spec.ngram) predicts
 # before anything was measured: a long match is a copy, and copies are kept. Bucket 0: no
 # evidence (a drafter that gives none); then match lengths 1, 2-3, 4-7, 8-15, 16-31, 32+.
 MATCH_PRIORS = (0.5, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
 
 
 class MatchPrior:
-    """Acceptance by the drafter's evidence, learned over every request's verify steps: per
+    """Acceptance by a draft's evidence, learned over every request's verify steps: per
     bucket of match length, drafts kept over drafts tested (counted as in Acceptance) beside
-    MATCH_PRIORS[bucket] counting as `weight` tested drafts, older steps weighing less. It is
-    the prior of each request's Acceptance at the step: a request starts drafting at once
-    where its match is long, and stops sooner where such matches are not kept (free text)."""
+    MATCH_PRIORS[bucket] counting as `weight` tested drafts, older steps weighing less. A
+    proposal of match length m drafts its draft i on the evidence m + i (the drafts before it,
+    once kept, extend the match), so the chance that a copy goes on is learned at every
+    length it reaches. It is the prior of each request's Acceptance at the step: a request
+    drafts at once and long where its match is long, and stops sooner where such matches are
+    not kept (free text)."""
 
     def __init__(self, priors: tuple[float, ...] = MATCH_PRIORS, weight: float = 4.0,
                  decay: float = 0.98) -> None:
@@ -181,36 +234,105 @@ class MatchPrior:
             return 0
         return min(int(match_len).bit_length(), len(self.priors) - 1)
 
+    def buckets(self, match_len: int | None, k: int) -> list[int]:
+        """The buckets of k drafts proposed on a match of match_len (no evidence stays none)."""
+        if not match_len or match_len <= 0:
+            return [0] * k
+        return [self.bucket(match_len + i) for i in range(k)]
+
+    def outcomes(self, match_len: int | None, n_drafts: int,
+                 n_accepted: int) -> dict[int, tuple[int, int]]:
+        """Per bucket, (kept, tested) of one verify step's drafts."""
+        out: dict[int, tuple[int, int]] = {}
+        tested = min(n_accepted + 1, n_drafts)
+        for i, b in enumerate(self.buckets(match_len, max(tested, 0))):
+            kept, n = out.get(b, (0, 0))
+            out[b] = (kept + (i < n_accepted), n + 1)
+        return out
+
     def rate(self, bucket: int) -> float:
         return ((self._kept[bucket] + self.weight * self.priors[bucket])
                 / (self._tested[bucket] + self.weight))
 
+    def _error(self, bucket: int) -> float:
+        r = self.rate(bucket)
+        return math.sqrt(r * (1.0 - r) / (self._tested[bucket] + self.weight))
+
     def upper(self, bucket: int) -> float:
         """rate plus one standard error of it: optimism where little was tested, so a bucket
-        whose prior says no is still tried, cheaply (one draft where that is all it
-        pays for), until enough verify steps say what its drafts are worth."""
-        r = self.rate(bucket)
-        return min(1.0, r + math.sqrt(r * (1.0 - r) / (self._tested[bucket] + self.weight)))
+        whose prior says no is still tried, cheaply (one draft: RequestAcceptance), until
+        enough verify steps say what its drafts are worth."""
+        return min(1.0, self.rate(bucket) + self._error(bucket))
 
-    def observe(self, bucket: int, n_drafts: int, n_accepted: int) -> None:
-        if n_drafts <= 0:
-            return
-        self._kept[bucket] = self.decay * self._kept[bucket] + n_accepted
-        self._tested[bucket] = (self.decay * self._tested[bucket] + n_accepted
-                                + (n_accepted < n_drafts))
+    def lower(self, bucket: int) -> float:
+        """rate less one standard error of it: what the cost model drafts on, so that drafts
+        whose worth is near break-even and little measured (short matches in free text) are
+        left out, while well-measured copies are drafted at their rate."""
+        return max(0.0, self.rate(bucket) - self._error(bucket))
+
+    def add(self, bucket: int, kept: float, tested: float) -> None:
+        """Of one verify step's drafts in bucket, `tested` were tested and `kept` kept."""
+        self._kept[bucket] = self.decay * self._kept[bucket] + kept
+        self._tested[bucket] = self.decay * self._tested[bucket] + tested
+
+    def observe(self, match_len: int | None, n_drafts: int, n_accepted: int) -> None:
+        """A verify step: n_drafts drafts proposed on a match of match_len, n_accepted kept."""
+        for b, (kept, tested) in self.outcomes(match_len, n_drafts, n_accepted).items():
+            self.add(b, kept, tested)
+
+
+CAP_MIN = 2  # drafts a fresh match may verify at most, before the cap grows
+CAP_GROWTH = 2  # the cap: this many times the match length, or what the last step kept
+
+
+def draft_cap(match_len: int | None, last_kept: int, k_max: int) -> int:
+    """The most drafts a sequence verifies this step: twice its match length or twice what its
+    last verify step kept, at least CAP_MIN, at most k_max. A confirmed copy's match grows by
+    every token kept, so its cap doubles from step to step: a long copy drafts long after a
+    few steps, and a fresh match risks a short verify step only."""
+    return max(0, min(k_max, max(CAP_MIN, CAP_GROWTH * (match_len or 0),
+                                 CAP_GROWTH * last_kept)))
+
+
+EXPLORE_MIN_MATCH = 2  # a match this long at least before drafts are tried on optimism alone
+EXPLORE_WAIT = 4  # steps a request waits after a failed try; doubled by each further one
 
 
 @dataclass
 class RequestAcceptance:
     """A request's Acceptance per MatchPrior bucket (its copies and its guesses are kept at
-    different rates: rejected short matches say little about its long ones), and the bucket of
-    the drafts it has in flight."""
+    different rates: rejected short matches say little about its long ones), the evidence of
+    the drafts it has in flight, what its last verify step kept, and its exploration: drafts
+    that only the optimism of MatchPrior.upper pays for are one draft at a time, on a match
+    of EXPLORE_MIN_MATCH at least, and after a try that keeps nothing the request waits
+    EXPLORE_WAIT steps before the next, twice as long after each further failure (a kept
+    draft resets the wait), so free text pays for few tries."""
 
     by_bucket: dict[int, Acceptance] = field(default_factory=dict)
-    evidence: int = 0
+    evidence: int = 0  # the match length of the drafts in flight
+    exploring: bool = False  # whether they are a try on optimism alone
+    last_kept: int = 0  # drafts the last verify step kept
+    wait: int = 0  # steps before the next try may come
+    backoff: int = EXPLORE_WAIT  # the wait after the next failed try
 
     def of(self, bucket: int) -> Acceptance:
         return self.by_bucket.setdefault(bucket, Acceptance())
+
+    def may_explore(self, match_len: int | None) -> bool:
+        return (match_len or 0) >= EXPLORE_MIN_MATCH and self.wait <= 0
+
+    def no_drafts(self) -> None:
+        """A step in which the request had drafts offered and verified none."""
+        self.wait -= 1
+
+    def verified(self, n_drafts: int, n_accepted: int) -> None:
+        """The verify step of the drafts in flight: n_accepted of n_drafts kept."""
+        self.last_kept = n_accepted
+        if n_accepted > 0:
+            self.backoff = EXPLORE_WAIT
+        elif self.exploring:
+            self.wait, self.backoff = self.backoff, 2 * self.backoff
+        self.exploring = False
 
 
 class UnionMeter:

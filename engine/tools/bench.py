@@ -256,7 +256,7 @@ class BenchSettings:
     # off: no step-engine runs; else greedy decode through the step engine with and without
     # this method (engine.tools.bench_spec)
     speculative: str = default("speculative")
-    num_speculative_tokens: int = default("num_speculative_tokens")
+    num_speculative_tokens: int | None = default("num_speculative_tokens")
     # where the step runs, as `serve` places it (engine.core.loader.choose_placement)
     device: str = default("device")
     gpu_memory_mb: float | None = None
