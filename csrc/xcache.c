@@ -152,14 +152,15 @@ static void demand_add(clb_xcache *xc, int d) {
     if (xc->demand == 0) xc->busy_ns += now - xc->busy_since;
 }
 
-/* Whether the storage is busy with loads the forward waits for: one is queued or being read,
- * or they kept it busy more than prefetch_busy_pct of the recent time. A prefetch read starts
- * only while it is not. */
-static int storage_busy(clb_xcache *xc) {
-    if (xc->demand > 0) return 1;
+/* Whether loads the forward waits for kept the storage busy more than prefetch_busy_pct of
+ * the recent time (storage_busy_share), or that or one is queued or being read now
+ * (storage_busy). A prefetch read starts only while storage_busy is not. */
+static int storage_busy_share(clb_xcache *xc) {
     busy_roll(xc, clb_now_ns());
     return xc->busy * 100.0f > (float)xc->cfg.prefetch_busy_pct;
 }
+
+static int storage_busy(clb_xcache *xc) { return xc->demand > 0 || storage_busy_share(xc); }
 
 int clb_xc_prefetch_yields(const clb_xcache *xc, const clb_xslot *s) {
     return xc->failed || (clb_xreaders_waiting(xc->pool) > 0 && !s->in_use);
@@ -518,9 +519,11 @@ void clb_xc_prefetch(clb_xcache *xc, int64_t l, const int32_t *ids, int64_t n, i
     for (int64_t k = 0; k < n; k++) xc->pf_keep[ids[k]] = 1;
     xc->st[l].prefetch_cancelled += clb_xreaders_drop(xc->pool, (int32_t)(l * E),
                                                       (int32_t)((l + 1) * E), xc->pf_keep);
-    /* storage busy with loads the forward waits for: nothing is queued (the readers would
-     * drop it at its start anyway), and no reader is woken */
-    int busy = storage_busy(xc), added = 0;
+    /* storage kept busy by loads the forward waits for: nothing is queued (the readers would
+     * drop it at its start anyway), and no reader is woken. A demand load in flight right now
+     * is not enough to refuse: the layer's own loads are about to end, and a reader checks
+     * again when it would start the read */
+    int busy = storage_busy_share(xc), added = 0;
     for (int64_t k = 0; k < n; k++) {
         int64_t idx = l * E + ids[k];
         if (xc->slot_of[idx] >= 0 || clb_xreaders_queued(xc->pool, (int32_t)idx)) continue;
