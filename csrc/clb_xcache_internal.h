@@ -65,13 +65,14 @@ struct clb_xcache {
     int64_t *pf_skips;  /* [L] requests skipped while the layer's prefetches mostly waste */
     uint8_t *pf_keep;   /* [E] scratch of clb_xc_prefetch: the experts it was asked for */
     int64_t *step;      /* [L] chunks the layer has begun */
-    /* the precision of the read-ahead predictions: pred marks the experts the last prediction
-     * for layer l picked for its step pred_step[l] (2: not resident then, what a prefetch
-     * reads; 1: resident); when that step begins, pf_right / pf_pred (halved past 64) count
-     * how many of the former it routed to */
-    uint8_t *pred;      /* [L * E] */
-    int64_t *pred_step; /* [L] */
-    float *pf_right, *pf_pred; /* [L] */
+    /* the precision of the read-ahead predictions, one layer ahead (first half of each table)
+     * and two: pred marks the experts the last such prediction for layer l picked for its
+     * step pred_step[l] (2: not resident then, what a prefetch reads; 1: resident); when that
+     * step begins, pf_right / pf_pred (halved past 64) count how many of the former it routed
+     * to */
+    uint8_t *pred;      /* [2][L * E] */
+    int64_t *pred_step; /* [2][L] */
+    float *pf_right, *pf_pred; /* [2][L] */
     float *heat_sum;    /* [L] the layer's total heat: K times the tokens it stands for */
     /* storage idle time: demand counts the loads the forward waits for that the readers hold
      * (queued or being read); busy_ns the time within the current window (since win_ns) with

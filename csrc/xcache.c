@@ -32,14 +32,18 @@
  * spare_predicted: not one the latest prediction picked for the layer's coming step. */
 static int64_t pick_slot_among(const clb_xcache *xc, int64_t l, int spare_prefetched,
                                int spare_predicted) {
-    spare_predicted = spare_predicted && xc->pred_step[l] > xc->step[l];
+    const int64_t LE = xc->L * xc->E;
+    const int near = spare_predicted && xc->pred_step[l] > xc->step[l];
+    const int far = spare_predicted && xc->pred_step[xc->L + l] > xc->step[l];
     int64_t best = -1;
     for (int64_t i = 0; i < xc->N; i++) {
         const clb_xslot *s = &xc->slots[l * xc->N + i];
         if (s->state == CLB_XS_EMPTY) return i;
         if (s->state != CLB_XS_READY || s->in_use || xc->pinned[l * xc->E + s->owner]) continue;
         if (spare_prefetched && s->prefetched && s->pf_step >= xc->step[l]) continue;
-        if (spare_predicted && xc->pred[l * xc->E + s->owner]) continue;
+        if ((near && xc->pred[l * xc->E + s->owner]) ||
+            (far && xc->pred[LE + l * xc->E + s->owner]))
+            continue;
         if (best < 0) {
             best = i;
             continue;
@@ -454,30 +458,36 @@ void clb_xc_begin_layer(clb_xcache *xc, int64_t l, const int64_t *e_start) {
     pthread_mutex_lock(&xc->mu);
     xc->step[l]++;
     memcpy(xc->cur_start, e_start, (size_t)(E + 1) * sizeof(int64_t));
-    const int judge = xc->pred_step[l] == xc->step[l]; /* a prediction was made for this step */
-    int64_t n_pred = 0, n_right = 0, n_cand = 0, n_cand_right = 0;
     float hs = 0.0f;
     for (int64_t e = 0; e < E; e++) {
         int64_t c = e_start[e + 1] - e_start[e];
         xc->heat[l * E + e] = xc->heat[l * E + e] * d + (float)c;
         hs += xc->heat[l * E + e];
         xc->sel[l * E + e] += c;
-        if (judge && xc->pred[l * E + e]) {
-            n_pred++;
-            n_right += c > 0;
-            n_cand += xc->pred[l * E + e] == 2;
-            n_cand_right += xc->pred[l * E + e] == 2 && c > 0;
-        }
     }
     xc->heat_sum[l] = hs;
-    if (judge) {
-        xc->st[l].predicted += n_pred;
-        xc->st[l].predicted_right += n_right;
-        xc->pf_pred[l] += (float)n_cand;
-        xc->pf_right[l] += (float)n_cand_right;
-        if (xc->pf_pred[l] > 64.0f) {
-            xc->pf_pred[l] *= 0.5f;
-            xc->pf_right[l] *= 0.5f;
+    /* the predictions made for this step (one layer ahead, and two), judged now */
+    for (int64_t far = 0; far < 2; far++) {
+        const int64_t k = far * xc->L + l;
+        if (xc->pred_step[k] != xc->step[l]) continue;
+        const uint8_t *pr = xc->pred + k * E;
+        int64_t n_pred = 0, n_right = 0, n_cand = 0, n_cand_right = 0;
+        for (int64_t e = 0; e < E; e++) {
+            int used = e_start[e + 1] > e_start[e];
+            n_pred += pr[e] != 0;
+            n_right += pr[e] != 0 && used;
+            n_cand += pr[e] == 2;
+            n_cand_right += pr[e] == 2 && used;
+        }
+        if (!far) { /* what the readers were last told for this step */
+            xc->st[l].predicted += n_pred;
+            xc->st[l].predicted_right += n_right;
+        }
+        xc->pf_pred[k] += (float)n_cand;
+        xc->pf_right[k] += (float)n_cand_right;
+        if (xc->pf_pred[k] > 64.0f) {
+            xc->pf_pred[k] *= 0.5f;
+            xc->pf_right[k] *= 0.5f;
         }
     }
     /* what is still queued for this layer is late: the forward pass loads its misses itself */
@@ -501,10 +511,11 @@ void clb_xc_prefetch(clb_xcache *xc, int64_t l, const int32_t *ids, int64_t n, i
     const int64_t E = xc->E;
     pthread_mutex_lock(&xc->mu);
     /* the prediction is judged when the step it is for begins (the nearer one, when two are) */
-    memset(xc->pred + l * E, 0, (size_t)E);
+    const int64_t pk = (far ? xc->L : 0) + l;
+    memset(xc->pred + pk * E, 0, (size_t)E);
     for (int64_t k = 0; k < n; k++) /* 2: not resident, what a prefetch would read */
-        xc->pred[l * E + ids[k]] = xc->slot_of[l * E + ids[k]] < 0 ? 2 : 1;
-    xc->pred_step[l] = xc->step[l] + 1;
+        xc->pred[pk * E + ids[k]] = xc->slot_of[l * E + ids[k]] < 0 ? 2 : 1;
+    xc->pred_step[pk] = xc->step[l] + 1;
     /* a layer whose prefetches are mostly evicted unused (predictions that miss, or a budget
      * too small to hold them) reads ahead only one step in eight, to notice when that
      * changes, and never two layers ahead */
@@ -574,15 +585,21 @@ void clb_xc_reader_run(void *ctx, const clb_xjob *j, int loader) {
     finish(xc, j->l, j->i, j->got, "");
 }
 
-/* Whether evicting expert v of layer l for a prefetch loses more than it may gain: v's chance
- * of a use in the next step (K of the layer's experts per token: its share of the layer's
- * heat, times K) is at least the layer's measured chance that a predicted expert is used
- * (right / predicted, with one of each assumed, so an unmeasured layer starts at one half). */
-static int likelier_kept(const clb_xcache *xc, int64_t l, int64_t v) {
+/* Whether evicting expert v of layer l to prefetch e loses more than it may gain. The chance
+ * that e is used is the layer's measured share of right predictions of missing experts (one
+ * layer ahead when the latest such prediction named e, else two; one right and one wrong
+ * assumed, so an unmeasured layer starts at one half). Kept when that chance is at most one
+ * half (a wrong prediction costs two reads, e's and v's back, a right one saves none: it
+ * only moves e's read ahead of its use), or at most v's chance of a use in the next step (its
+ * share of the layer's heat, times K experts per token). */
+static int likelier_kept(const clb_xcache *xc, int64_t l, int64_t e, int64_t v) {
+    const int64_t E = xc->E;
+    int near = xc->pred_step[l] > xc->step[l] && xc->pred[l * E + e];
+    int64_t k = near ? l : xc->L + l;
+    float p_pred = (xc->pf_right[k] + 1.0f) / (xc->pf_pred[k] + 2.0f);
     float hs = xc->heat_sum[l];
-    float p_v = hs > 0.0f ? (float)xc->m->hp.n_expert_used * xc->heat[l * xc->E + v] / hs : 0.0f;
-    float p_pred = (xc->pf_right[l] + 1.0f) / (xc->pf_pred[l] + 2.0f);
-    return p_v >= p_pred;
+    float p_v = hs > 0.0f ? (float)xc->m->hp.n_expert_used * xc->heat[l * E + v] / hs : 0.0f;
+    return p_pred <= 0.5f || p_v >= p_pred;
 }
 
 /* A read-ahead, claimed only now that it starts: skipped when its expert got resident or
@@ -603,7 +620,7 @@ void clb_xc_reader_prefetch(void *ctx, int32_t key, int loader) {
         return;
     }
     const clb_xslot *s = &xc->slots[l * xc->N + i];
-    if (s->state == CLB_XS_READY && likelier_kept(xc, l, s->owner)) {
+    if (s->state == CLB_XS_READY && likelier_kept(xc, l, e, s->owner)) {
         xc->st[l].prefetch_spared++;
         return;
     }

@@ -180,12 +180,12 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->pf_skips = calloc((size_t)L, sizeof(int64_t));
     xc->pf_keep = calloc((size_t)E, 1);
     xc->step = calloc((size_t)L, sizeof(int64_t));
-    xc->pred = calloc(LE, 1);
-    xc->pred_step = malloc((size_t)L * sizeof(int64_t));
-    xc->pf_right = calloc((size_t)L, sizeof(float));
-    xc->pf_pred = calloc((size_t)L, sizeof(float));
+    xc->pred = calloc(2 * LE, 1);
+    xc->pred_step = malloc((size_t)(2 * L) * sizeof(int64_t));
+    xc->pf_right = calloc((size_t)(2 * L), sizeof(float));
+    xc->pf_pred = calloc((size_t)(2 * L), sizeof(float));
     xc->heat_sum = calloc((size_t)L, sizeof(float));
-    for (int64_t l = 0; xc->pred_step && l < L; l++) xc->pred_step[l] = -1;
+    for (int64_t l = 0; xc->pred_step && l < 2 * L; l++) xc->pred_step[l] = -1;
     xc->fd_of = malloc(LE * sizeof(int));
     xc->fd_use = calloc(LE, sizeof(uint64_t));
     xc->fd_ref = calloc(LE, sizeof(int32_t));
