@@ -280,6 +280,14 @@ _EXPERT_COUNTERS = (
      "first, or a nearer layer's prediction left them out)."),
     ("prefetch_far", "Prefetches queued two layers ahead."),
     ("overlapped", "Experts computed while another expert of their wave was still loading."),
+    ("prefetch_busy", "Prefetches not started because loads the forward pass waits for kept "
+     "the storage busy."),
+    ("prefetch_aborted", "Prefetch reads stopped part-way for a load the forward pass waits "
+     "for."),
+    ("prefetch_spared", "Prefetches not started because the expert they would evict was "
+     "likelier to be used."),
+    ("predicted", "Experts a layer's router picked ahead, on an earlier layer's input."),
+    ("predicted_right", "Experts picked ahead that the layer then routed to."),
 )
 
 

@@ -348,7 +348,12 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * (and L+2's, when prefetch_depth says so), queued behind the loads a layer waits for; those
  * not started when their layer begins, or no longer predicted by a nearer layer, are dropped.
  * A layer whose prefetches are mostly evicted unused prefetches only one step in eight until
- * that changes. */
+ * that changes. Prefetch reads fill only the storage's idle time: none starts while a load the
+ * forward pass waits for is queued or being read, or while such loads kept the storage busy
+ * more than prefetch_busy_pct of the recent time; one in flight (pread, direct) stops between
+ * chunks when such a load waits for a reader; and none evicts an expert the prediction picked
+ * too, or likelier to be used in the next step (by its heat) than the prediction is to be
+ * right (the layer's measured precision), or for a prediction right at most half the time. */
 typedef enum {
     CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */
@@ -368,6 +373,9 @@ typedef struct {
     int32_t readers;         /* reader threads that load in parallel, 1..64; 0: 4 */
     int32_t prefetch_depth;  /* layers read ahead, 1 or 2; 0: 2 while a read takes longer
                               * than a layer's compute, else 1 */
+    int32_t prefetch_busy_pct; /* 1..100: no prefetch read starts while loads the forward
+                                * waits for kept the storage busy more than this share (%) of
+                                * the recent time; 0: 50 */
 } clb_xc_config;
 
 typedef struct {
@@ -387,6 +395,15 @@ typedef struct {
     int64_t prefetch_far;         /* prefetches queued two layers ahead */
     int64_t overlapped;           /* experts whose rows ran while another expert of their
                                    * wave was still loading */
+    int64_t prefetch_busy;        /* prefetches not started: a load the forward waits for was
+                                   * queued or being read, or such loads kept the storage busy */
+    int64_t prefetch_aborted;     /* prefetch reads stopped part-way for such a load (their
+                                   * slot freed, the bytes read so far in bytes_read) */
+    int64_t prefetch_spared;      /* prefetches not started: every expert they could evict
+                                   * was likelier to be used next than the prediction right */
+    int64_t predicted;            /* experts the layer's router, run ahead on an earlier
+                                   * layer's input, picked for the layer's next step */
+    int64_t predicted_right;      /* of those, the experts that step then routed to */
 } clb_xc_stats;
 
 /* Copies the q8/q4 matrices the forward pass multiplies into the interleaved layout the active

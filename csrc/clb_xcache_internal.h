@@ -20,6 +20,9 @@
  * CLB_XC_URING_DEPTH of them in flight (4 MiB a reader) */
 #define CLB_XC_URING_CHUNK (512u << 10)
 #define CLB_XC_URING_DEPTH 8u
+/* a prefetch read (pread, direct) goes in pieces of this size, checking between two whether a
+ * load the forward waits for arrived (then it stops) */
+#define CLB_XC_PF_CHUNK (1u << 20)
 
 enum { CLB_XS_EMPTY = 0, CLB_XS_LOADING = 1, CLB_XS_READY = 2 };
 
@@ -62,6 +65,21 @@ struct clb_xcache {
     int64_t *pf_skips;  /* [L] requests skipped while the layer's prefetches mostly waste */
     uint8_t *pf_keep;   /* [E] scratch of clb_xc_prefetch: the experts it was asked for */
     int64_t *step;      /* [L] chunks the layer has begun */
+    /* the precision of the read-ahead predictions, one layer ahead (first half of each table)
+     * and two: pred marks the experts the last such prediction for layer l picked for its
+     * step pred_step[l] (2: not resident then, what a prefetch reads; 1: resident); when that
+     * step begins, pf_right / pf_pred (halved past 64) count how many of the former it routed
+     * to */
+    uint8_t *pred;      /* [2][L * E] */
+    int64_t *pred_step; /* [2][L] */
+    float *pf_right, *pf_pred; /* [2][L] */
+    float *heat_sum;    /* [L] the layer's total heat: K times the tokens it stands for */
+    /* storage idle time: demand counts the loads the forward waits for that the readers hold
+     * (queued or being read); busy_ns the time within the current window (since win_ns) with
+     * demand > 0, counted up to busy_since while it is; busy the share of time busy, averaged
+     * over windows */
+    int64_t demand, busy_since, busy_ns, win_ns;
+    float busy;
     uint64_t tick;
     float decay;
     pthread_mutex_t mu;
@@ -97,15 +115,24 @@ int clb_xread_direct(const clb_xcache *xc); /* O_DIRECT reads (direct and uring)
 size_t clb_xread_slot_base(const clb_xcache *xc, int64_t idx);
 int clb_xread_repacks(const clb_xcache *xc, int64_t idx);
 void clb_xread_repack(clb_xcache *xc, int64_t idx, unsigned char *at, void *scratch);
+/* *blocked: 1 nowait and storage would have to answer; 2 a prefetch read (abortable) stopped
+ * for a load the forward waits for */
 size_t clb_xread_expert(clb_xcache *xc, int64_t idx, clb_xslot *s, int loader, int nowait,
-                        int repack, int *blocked, char *msg);
+                        int repack, int abortable, int *blocked, char *msg);
 int clb_xread_drop_mapped(clb_xcache *xc, int64_t idx, int nowait);
 
 /* xcache.c, lock held */
 int64_t clb_xc_pick_slot(const clb_xcache *xc, int64_t l);
 int64_t clb_xc_claim(clb_xcache *xc, int64_t l, int64_t i, int64_t e, int prefetch);
+/* abortable: a prefetch, stopped part-way (its slot freed, 0 returned) when a load the
+ * forward waits for arrives meanwhile */
 int clb_xc_load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
-                        int nowait);
+                        int nowait, int abortable);
+/* Whether a prefetch read into slot s should stop now: a load the forward waits for is queued
+ * for a reader (every reader is busy) and s is not one of the running wave's. Stopping frees
+ * the slot (the expert it evicted is gone), so a read that merely shares the storage with
+ * demand loads goes on: those are kept from starting instead (storage_busy). */
+int clb_xc_prefetch_yields(const clb_xcache *xc, const clb_xslot *s);
 /* the reader pool's callbacks (ctx: the cache) */
 void clb_xc_reader_run(void *ctx, const clb_xjob *j, int loader);
 void clb_xc_reader_prefetch(void *ctx, int32_t key, int loader);

@@ -39,13 +39,16 @@ int clb_xreaders_started(const clb_xreaders *p);
 
 /* Mutex held: a load for the next free reader, ahead of every read-ahead. */
 void clb_xreaders_push(clb_xreaders *p, const clb_xjob *j);
-/* Mutex held: queues read-ahead key unless queued already (1 queued, 0 not); wake after. */
+/* Mutex held: queues read-ahead key unless queued already (1 queued, 0 not); then wake as
+ * many readers as keys were queued (n; none for 0). */
 int clb_xreaders_queue(clb_xreaders *p, int32_t key);
 int clb_xreaders_queued(const clb_xreaders *p, int32_t key);
-void clb_xreaders_wake(clb_xreaders *p);
+void clb_xreaders_wake(clb_xreaders *p, int n);
 /* Mutex held: drops the queued read-aheads with keys in [lo, hi), except those whose keep[key -
  * lo] is set (keep may be NULL); returns how many were dropped. */
 int64_t clb_xreaders_drop(clb_xreaders *p, int32_t lo, int32_t hi, const uint8_t *keep);
+/* Mutex held: pushed loads not yet taken by a reader. */
+int64_t clb_xreaders_waiting(const clb_xreaders *p);
 /* Mutex held: loader (0..n) is inside a read (on = 1) or out of it. */
 void clb_xreaders_busy(clb_xreaders *p, int loader, int on);
 

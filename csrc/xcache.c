@@ -28,14 +28,22 @@
 /* ---- slot bookkeeping (lock held) ------------------------------------------------------ */
 
 /* A slot of layer l that may take a new expert: an empty one, else the resident, unpinned,
- * unused expert with the least heat, the least recently used on ties; -1 if none. */
-static int64_t pick_slot_among(const clb_xcache *xc, int64_t l, int spare_prefetched) {
+ * unused expert with the least heat, the least recently used on ties; -1 if none.
+ * spare_predicted: not one the latest prediction picked for the layer's coming step. */
+static int64_t pick_slot_among(const clb_xcache *xc, int64_t l, int spare_prefetched,
+                               int spare_predicted) {
+    const int64_t LE = xc->L * xc->E;
+    const int near = spare_predicted && xc->pred_step[l] > xc->step[l];
+    const int far = spare_predicted && xc->pred_step[xc->L + l] > xc->step[l];
     int64_t best = -1;
     for (int64_t i = 0; i < xc->N; i++) {
         const clb_xslot *s = &xc->slots[l * xc->N + i];
         if (s->state == CLB_XS_EMPTY) return i;
         if (s->state != CLB_XS_READY || s->in_use || xc->pinned[l * xc->E + s->owner]) continue;
         if (spare_prefetched && s->prefetched && s->pf_step >= xc->step[l]) continue;
+        if ((near && xc->pred[l * xc->E + s->owner]) ||
+            (far && xc->pred[LE + l * xc->E + s->owner]))
+            continue;
         if (best < 0) {
             best = i;
             continue;
@@ -50,8 +58,8 @@ static int64_t pick_slot_among(const clb_xcache *xc, int64_t l, int spare_prefet
 /* A prefetched expert has no heat yet: it is spared until the step it was read for has
  * begun (or no other slot is free), so a miss of that step does not evict it first. */
 int64_t clb_xc_pick_slot(const clb_xcache *xc, int64_t l) {
-    int64_t i = pick_slot_among(xc, l, 1);
-    return i >= 0 ? i : pick_slot_among(xc, l, 0);
+    int64_t i = pick_slot_among(xc, l, 1, 0);
+    return i >= 0 ? i : pick_slot_among(xc, l, 0, 0);
 }
 
 /* Records whether a prefetch of layer l was used; the last few dozen outcomes decide
@@ -120,11 +128,56 @@ static void finish(clb_xcache *xc, int64_t l, int64_t i, size_t got, const char 
     pthread_cond_broadcast(&xc->loaded);
 }
 
+/* ---- storage idle time (lock held) ----------------------------------------------------- */
+
+#define BUSY_WINDOW_NS 50000000 /* the busy share is averaged over windows of 50 ms */
+
+/* Closes the busy window when it has run its length: the share of it with demand loads held
+ * by the readers goes into the average (halved once per window elapsed, so a long idle time
+ * brings it to zero). */
+static void busy_roll(clb_xcache *xc, int64_t now) {
+    int64_t span = now - xc->win_ns;
+    if (span < BUSY_WINDOW_NS) return;
+    int64_t b = xc->busy_ns + (xc->demand > 0 ? now - xc->busy_since : 0);
+    float share = (float)b / (float)span, keep = 1.0f;
+    for (int64_t k = span / BUSY_WINDOW_NS; k > 0 && keep > 1e-6f; k--) keep *= 0.5f;
+    xc->busy = xc->busy * keep + share * (1.0f - keep);
+    xc->win_ns = now;
+    xc->busy_ns = 0;
+    if (xc->demand > 0) xc->busy_since = now;
+}
+
+/* A load the forward waits for was handed to the readers (d = 1) or left them (d = -1). */
+static void demand_add(clb_xcache *xc, int d) {
+    int64_t now = clb_now_ns();
+    busy_roll(xc, now);
+    if (xc->demand == 0 && d > 0) xc->busy_since = now;
+    xc->demand += d;
+    if (xc->demand == 0) xc->busy_ns += now - xc->busy_since;
+}
+
+/* Whether loads the forward waits for kept the storage busy more than prefetch_busy_pct of
+ * the recent time (storage_busy_share), or that or one is queued or being read now
+ * (storage_busy). A prefetch read starts only while storage_busy is not. */
+static int storage_busy_share(clb_xcache *xc) {
+    busy_roll(xc, clb_now_ns());
+    return xc->busy * 100.0f > (float)xc->cfg.prefetch_busy_pct;
+}
+
+static int storage_busy(clb_xcache *xc) { return xc->demand > 0 || storage_busy_share(xc); }
+
+int clb_xc_prefetch_yields(const clb_xcache *xc, const clb_xslot *s) {
+    return xc->failed || (clb_xreaders_waiting(xc->pool) > 0 && !s->in_use);
+}
+
 /* Hands a claimed load to the readers, ahead of every prefetch (lock held); repack_got > 0:
  * its bytes are in the slot already, only the repack is left. */
 static void push_job(clb_xcache *xc, int64_t l, int64_t i, int64_t old, size_t repack_got) {
     const clb_xjob j = {.l = l, .i = i, .old = old, .got = repack_got, .repack = repack_got > 0};
-    if (!j.repack) xc->st[l].reader_loads++;
+    if (!j.repack) {
+        xc->st[l].reader_loads++;
+        demand_add(xc, 1);
+    }
     clb_xreaders_push(xc->pool, &j);
 }
 
@@ -140,7 +193,7 @@ static void note_read(clb_xcache *xc, int64_t ns) {
  * claimed, for a reader to load. Else 1 loaded (on the forward's thread: copied, and maybe
  * still loading while a reader repacks it), 0 failed. */
 int clb_xc_load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
-                        int nowait) {
+                        int nowait, int abortable) {
     clb_xslot *s = &xc->slots[l * xc->N + i];
     int64_t idx = l * xc->E + s->owner;
     char msg[CLB_ERR_LEN];
@@ -154,9 +207,26 @@ int clb_xc_load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int l
      * forward goes on copying (or computing) while the readers repack */
     int defer = nowait && loader == 0 && clb_xreaders_started(xc->pool) > 0 &&
                 xc->cfg.load != CLB_XC_MMAP && clb_xread_repacks(xc, idx);
-    if (!blocked) got = clb_xread_expert(xc, idx, s, loader, nowait, !defer, &blocked, msg);
+    if (!blocked)
+        got = clb_xread_expert(xc, idx, s, loader, nowait, !defer, abortable, &blocked, msg);
     pthread_mutex_lock(&xc->mu);
+    if (blocked == 2 && s->in_use) { /* the wave took it meanwhile: it is a demand load now */
+        clb_xreaders_busy(xc->pool, loader, 1);
+        pthread_mutex_unlock(&xc->mu);
+        got = clb_xread_expert(xc, idx, s, loader, 0, 1, 0, &blocked, msg);
+        pthread_mutex_lock(&xc->mu);
+    }
     clb_xreaders_busy(xc->pool, loader, 0);
+    if (blocked == 2) { /* a prefetch stopped for a demand load: its slot is free again */
+        xc->st[l].prefetch_aborted++;
+        xc->st[l].bytes_read += (int64_t)got;
+        xc->slot_of[idx] = -1;
+        s->owner = -1;
+        s->state = CLB_XS_EMPTY;
+        s->prefetched = 0;
+        pthread_cond_broadcast(&xc->loaded);
+        return 0;
+    }
     if (blocked) return -1;
     if (loader > 0 && got > 0) note_read(xc, clb_now_ns() - t0);
     if (defer && got > 0) {
@@ -235,7 +305,7 @@ static void plan_wave(clb_xcache *xc, int64_t l, int64_t e0) {
         xc->plan_old[n++] = old;
     }
     for (int64_t k = 0; k < n && !xc->failed; k++)
-        if (clb_xc_load_claimed(xc, l, xc->plan_i[k], xc->plan_old[k], 0, 1) < 0)
+        if (clb_xc_load_claimed(xc, l, xc->plan_i[k], xc->plan_old[k], 0, 1, 0) < 0)
             push_job(xc, l, xc->plan_i[k], xc->plan_old[k], 0);
     if (n > 0) xc->st[l].stall_ns += clb_now_ns() - t0;
 }
@@ -307,7 +377,7 @@ int clb_xc_take(clb_xcache *xc, int64_t l, int64_t e, clb_status *st) {
         int64_t old = clb_xc_claim(xc, l, i, e, 0);
         xc->slots[l * xc->N + i].in_use = 1;
         xc->wave_of[idx] = xc->wave;
-        int done = clb_xc_load_claimed(xc, l, i, old, 0, 1);
+        int done = clb_xc_load_claimed(xc, l, i, old, 0, 1, 0);
         if (done == 0) break;
         if (done < 0) push_job(xc, l, i, old, 0);
     }
@@ -386,10 +456,37 @@ void clb_xc_begin_layer(clb_xcache *xc, int64_t l, const int64_t *e_start, int64
     pthread_mutex_lock(&xc->mu);
     xc->step[l]++;
     memcpy(xc->cur_start, e_start, (size_t)(E + 1) * sizeof(int64_t));
+    float hs = 0.0f;
     for (int64_t e = 0; e < E; e++) {
         int64_t c = e_start[e + 1] - e_start[e];
         xc->heat[l * E + e] = xc->heat[l * E + e] * d + (float)c;
+        hs += xc->heat[l * E + e];
         xc->sel[l * E + e] += c;
+    }
+    xc->heat_sum[l] = hs;
+    /* the predictions made for this step (one layer ahead, and two), judged now */
+    for (int64_t far = 0; far < 2; far++) {
+        const int64_t k = far * xc->L + l;
+        if (xc->pred_step[k] != xc->step[l]) continue;
+        const uint8_t *pr = xc->pred + k * E;
+        int64_t n_pred = 0, n_right = 0, n_cand = 0, n_cand_right = 0;
+        for (int64_t e = 0; e < E; e++) {
+            int used = e_start[e + 1] > e_start[e];
+            n_pred += pr[e] != 0;
+            n_right += pr[e] != 0 && used;
+            n_cand += pr[e] == 2;
+            n_cand_right += pr[e] == 2 && used;
+        }
+        if (!far) { /* what the readers were last told for this step */
+            xc->st[l].predicted += n_pred;
+            xc->st[l].predicted_right += n_right;
+        }
+        xc->pf_pred[k] += (float)n_cand;
+        xc->pf_right[k] += (float)n_cand_right;
+        if (xc->pf_pred[k] > 64.0f) {
+            xc->pf_pred[k] *= 0.5f;
+            xc->pf_right[k] *= 0.5f;
+        }
     }
     /* what is still queued for this layer is late: the forward pass loads its misses itself */
     xc->st[l].prefetch_cancelled += clb_xreaders_drop(xc->pool, (int32_t)(l * E),
@@ -411,6 +508,12 @@ void clb_xc_prefetch(clb_xcache *xc, int64_t l, const int32_t *ids, int64_t n, i
     if (!xc->cfg.prefetch) return;
     const int64_t E = xc->E;
     pthread_mutex_lock(&xc->mu);
+    /* the prediction is judged when the step it is for begins (the nearer one, when two are) */
+    const int64_t pk = (far ? xc->L : 0) + l;
+    memset(xc->pred + pk * E, 0, (size_t)E);
+    for (int64_t k = 0; k < n; k++) /* 2: not resident, what a prefetch would read */
+        xc->pred[pk * E + ids[k]] = xc->slot_of[l * E + ids[k]] < 0 ? 2 : 1;
+    xc->pred_step[pk] = xc->step[l] + 1;
     /* a layer whose prefetches are mostly evicted unused (predictions that miss, or a budget
      * too small to hold them) reads ahead only one step in eight, to notice when that
      * changes, and never two layers ahead */
@@ -425,14 +528,22 @@ void clb_xc_prefetch(clb_xcache *xc, int64_t l, const int32_t *ids, int64_t n, i
     for (int64_t k = 0; k < n; k++) xc->pf_keep[ids[k]] = 1;
     xc->st[l].prefetch_cancelled += clb_xreaders_drop(xc->pool, (int32_t)(l * E),
                                                       (int32_t)((l + 1) * E), xc->pf_keep);
-    int added = 0;
+    /* storage kept busy by loads the forward waits for: nothing is queued (the readers would
+     * drop it at its start anyway), and no reader is woken. A demand load in flight right now
+     * is not enough to refuse: the layer's own loads are about to end, and a reader checks
+     * again when it would start the read */
+    int busy = storage_busy_share(xc), added = 0;
     for (int64_t k = 0; k < n; k++) {
         int64_t idx = l * E + ids[k];
-        if (xc->slot_of[idx] >= 0 || !clb_xreaders_queue(xc->pool, (int32_t)idx)) continue;
-        added++;
+        if (xc->slot_of[idx] >= 0 || clb_xreaders_queued(xc->pool, (int32_t)idx)) continue;
+        if (busy) {
+            xc->st[l].prefetch_busy++;
+            continue;
+        }
+        added += clb_xreaders_queue(xc->pool, (int32_t)idx);
     }
     if (far) xc->st[l].prefetch_far += added;
-    if (added) clb_xreaders_wake(xc->pool);
+    clb_xreaders_wake(xc->pool, added);
     pthread_mutex_unlock(&xc->mu);
 }
 
@@ -460,7 +571,8 @@ clb_status clb_xc_failed(const clb_xcache *xc, char *err) {
 void clb_xc_reader_run(void *ctx, const clb_xjob *j, int loader) {
     clb_xcache *xc = ctx;
     if (!j->repack) {
-        clb_xc_load_claimed(xc, j->l, j->i, j->old, loader, 0);
+        clb_xc_load_claimed(xc, j->l, j->i, j->old, loader, 0, 0);
+        demand_add(xc, -1);
         return;
     }
     clb_xslot *s = &xc->slots[j->l * xc->N + j->i];
@@ -471,14 +583,45 @@ void clb_xc_reader_run(void *ctx, const clb_xjob *j, int loader) {
     finish(xc, j->l, j->i, j->got, "");
 }
 
-/* A read-ahead, claimed only now that it starts (skipped when its expert got resident or
- * claimed meanwhile, or no slot can take it). */
+/* Whether evicting expert v of layer l to prefetch e loses more than it may gain. The chance
+ * that e is used is the layer's measured share of right predictions of missing experts (one
+ * layer ahead when the latest such prediction named e, else two; one right and one wrong
+ * assumed, so an unmeasured layer starts at one half). Kept when that chance is at most one
+ * half (a wrong prediction costs two reads, e's and v's back, a right one saves none: it
+ * only moves e's read ahead of its use), or at most v's chance of a use in the next step (its
+ * share of the layer's heat, times K experts per token). */
+static int likelier_kept(const clb_xcache *xc, int64_t l, int64_t e, int64_t v) {
+    const int64_t E = xc->E;
+    int near = xc->pred_step[l] > xc->step[l] && xc->pred[l * E + e];
+    int64_t k = near ? l : xc->L + l;
+    float p_pred = (xc->pf_right[k] + 1.0f) / (xc->pf_pred[k] + 2.0f);
+    float hs = xc->heat_sum[l];
+    float p_v = hs > 0.0f ? (float)xc->m->hp.n_expert_used * xc->heat[l * E + v] / hs : 0.0f;
+    return p_pred <= 0.5f || p_v >= p_pred;
+}
+
+/* A read-ahead, claimed only now that it starts: skipped when its expert got resident or
+ * claimed meanwhile, no slot can take it, the storage is busy with loads the forward waits
+ * for, or the expert it would evict is likelier to be used. */
 void clb_xc_reader_prefetch(void *ctx, int32_t key, int loader) {
     clb_xcache *xc = ctx;
     int64_t l = key / xc->E, e = key % xc->E;
     if (xc->failed || xc->slot_of[key] >= 0) return;
-    int64_t i = clb_xc_pick_slot(xc, l);
-    if (i < 0) return;
+    if (storage_busy(xc)) {
+        xc->st[l].prefetch_busy++;
+        return;
+    }
+    /* never an expert the prediction picked too, nor one it just read for that step */
+    int64_t i = pick_slot_among(xc, l, 1, 1);
+    if (i < 0) {
+        xc->st[l].prefetch_spared += clb_xc_pick_slot(xc, l) >= 0;
+        return;
+    }
+    const clb_xslot *s = &xc->slots[l * xc->N + i];
+    if (s->state == CLB_XS_READY && likelier_kept(xc, l, e, s->owner)) {
+        xc->st[l].prefetch_spared++;
+        return;
+    }
     int64_t old = clb_xc_claim(xc, l, i, e, 1);
-    clb_xc_load_claimed(xc, l, i, old, loader, 0);
+    clb_xc_load_claimed(xc, l, i, old, loader, 0, 1);
 }

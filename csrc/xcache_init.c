@@ -86,6 +86,11 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->pf_skips);
     free(xc->pf_keep);
     free(xc->step);
+    free(xc->pred);
+    free(xc->pred_step);
+    free(xc->pf_right);
+    free(xc->pf_pred);
+    free(xc->heat_sum);
     for (int64_t j = 0; xc->fd_of && j < xc->L * xc->E; j++)
         if (xc->fd_of[j] >= 0) close(xc->fd_of[j]);
     free(xc->fd_of);
@@ -112,13 +117,15 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     if (cfg->per_layer < 1 || cfg->per_layer > E || cfg->load < CLB_XC_PREAD ||
         cfg->load > CLB_XC_URING || cfg->prefetch_window < 1 || cfg->read_timeout_ms < 0 ||
         cfg->read_timeout_ms > 86400000 || cfg->readers < 0 || cfg->readers > 64 ||
-        cfg->prefetch_depth < 0 || cfg->prefetch_depth > 2) {
+        cfg->prefetch_depth < 0 || cfg->prefetch_depth > 2 || cfg->prefetch_busy_pct < 0 ||
+        cfg->prefetch_busy_pct > 100) {
         clb_set_err(err,
                     "expert cache: %lld slots per layer must be in 1..%lld (load mode %d, "
-                    "prefetch window %lld, %d readers: 1..64, prefetch depth %d: 0..2)",
+                    "prefetch window %lld, %d readers: 1..64, prefetch depth %d: 0..2, "
+                    "prefetch busy share %d%%: 0..100)",
                     (long long)cfg->per_layer, (long long)E, (int)cfg->load,
                     (long long)cfg->prefetch_window, (int)cfg->readers,
-                    (int)cfg->prefetch_depth);
+                    (int)cfg->prefetch_depth, (int)cfg->prefetch_busy_pct);
         return CLB_E_ARG;
     }
     const int64_t N = cfg->per_layer;
@@ -153,6 +160,8 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     pthread_condattr_destroy(&monotonic);
     if (xc->cfg.read_timeout_ms == 0) xc->cfg.read_timeout_ms = 30000;
     if (xc->cfg.readers == 0) xc->cfg.readers = 4;
+    if (xc->cfg.prefetch_busy_pct == 0) xc->cfg.prefetch_busy_pct = 50;
+    xc->win_ns = clb_now_ns();
     const int R = xc->cfg.readers;
     xc->n_readers = R;
     xc->wave_s0 = -1;
@@ -171,6 +180,12 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->pf_skips = calloc((size_t)L, sizeof(int64_t));
     xc->pf_keep = calloc((size_t)E, 1);
     xc->step = calloc((size_t)L, sizeof(int64_t));
+    xc->pred = calloc(2 * LE, 1);
+    xc->pred_step = malloc((size_t)(2 * L) * sizeof(int64_t));
+    xc->pf_right = calloc((size_t)(2 * L), sizeof(float));
+    xc->pf_pred = calloc((size_t)(2 * L), sizeof(float));
+    xc->heat_sum = calloc((size_t)L, sizeof(float));
+    for (int64_t l = 0; xc->pred_step && l < 2 * L; l++) xc->pred_step[l] = -1;
     xc->fd_of = malloc(LE * sizeof(int));
     xc->fd_use = calloc(LE, sizeof(uint64_t));
     xc->fd_ref = calloc(LE, sizeof(int32_t));
@@ -203,7 +218,8 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span || !xc->tens ||
         !xc->st || !xc->pf_keep || !xc->fd_of || !xc->fd_use || !xc->fd_ref || !xc->scratch ||
         !xc->pool || !xc->wave_of || !xc->plan_miss || !xc->cur_start || !xc->plan_i ||
-        !xc->plan_old) {
+        !xc->plan_old || !xc->pred || !xc->pred_step || !xc->pf_right || !xc->pf_pred ||
+        !xc->heat_sum) {
         clb_xc_free(xc);
         clb_set_err(err, "out of memory for the expert cache tables");
         return CLB_E_NOMEM;
@@ -305,7 +321,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
                 if (!pinned[l * E + e] || !has_expert(m, l * E + e)) continue;
                 int64_t i = clb_xc_pick_slot(xc, l); /* an empty slot: fewer pinned than slots */
                 int64_t old = clb_xc_claim(xc, l, i, e, 0);
-                if (clb_xc_load_claimed(xc, l, i, old, 0, 0) == 0) {
+                if (clb_xc_load_claimed(xc, l, i, old, 0, 0, 0) == 0) {
                     clb_set_err(err, "%s", xc->fail_msg);
                     pthread_mutex_unlock(&xc->mu);
                     return CLB_E_IO; /* m->xc stays: the model frees it */

@@ -129,9 +129,11 @@ static void fd_put(clb_xcache *xc, int64_t idx) {
  * loader's scratch. Returns the bytes read, or 0 with msg set. Called without the lock.
  * nowait: only from what memory already holds (the page cache, RWF_NOWAIT; in mmap mode
  * pages mincore finds resident); where storage would have to answer it returns 0 with
- * *blocked set and no message, and the caller hands the load to the readers. */
+ * *blocked set and no message, and the caller hands the load to the readers. abortable (a
+ * prefetch; pread and direct): read in CLB_XC_PF_CHUNK pieces, and where the cache says so
+ * between two, stopped with *blocked 2, returning the bytes read so far. */
 size_t clb_xread_expert(clb_xcache *xc, int64_t idx, clb_xslot *s, int loader, int nowait,
-                        int repack, int *blocked, char *msg) {
+                        int repack, int abortable, int *blocked, char *msg) {
     const clb_xspan *sp = &xc->span[idx];
     const char *path = clb_wfile_path(xc->m->expert_files[idx]);
     size_t len = sp->hi - sp->lo;
@@ -172,7 +174,20 @@ size_t clb_xread_expert(clb_xcache *xc, int64_t idx, clb_xslot *s, int loader, i
         got = (size_t)r;
     }
     while (!ring && got < want) {
-        struct iovec iov = {.iov_base = s->mem + got, .iov_len = want - got};
+        /* a prefetch reads in chunks and stops between two when a load the forward waits for
+         * arrives: it never holds the storage against one for a whole expert */
+        if (abortable && got > 0) {
+            pthread_mutex_lock(&xc->mu);
+            int yield = clb_xc_prefetch_yields(xc, s);
+            pthread_mutex_unlock(&xc->mu);
+            if (yield) {
+                *blocked = 2;
+                fd_put(xc, idx);
+                return got;
+            }
+        }
+        size_t part = abortable && want - got > CLB_XC_PF_CHUNK ? CLB_XC_PF_CHUNK : want - got;
+        struct iovec iov = {.iov_base = s->mem + got, .iov_len = part};
         ssize_t r = nowait ? preadv2(fd, &iov, 1, (off_t)(off + got), RWF_NOWAIT)
                            : pread(fd, iov.iov_base, iov.iov_len, (off_t)(off + got));
         if (r < 0 && errno == EINTR) continue;

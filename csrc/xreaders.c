@@ -106,8 +106,14 @@ int clb_xreaders_queue(clb_xreaders *p, int32_t key) {
 
 int clb_xreaders_queued(const clb_xreaders *p, int32_t key) { return p->queued[key]; }
 
-void clb_xreaders_wake(clb_xreaders *p) {
-    pthread_cond_broadcast(&p->work); /* as many readers as there are reads */
+int64_t clb_xreaders_waiting(const clb_xreaders *p) { return p->j_len; }
+
+void clb_xreaders_wake(clb_xreaders *p, int n) {
+    /* as many readers as there are new reads: the others sleep on */
+    if (n >= p->n_started)
+        pthread_cond_broadcast(&p->work);
+    else
+        for (int k = 0; k < n; k++) pthread_cond_signal(&p->work);
 }
 
 int64_t clb_xreaders_drop(clb_xreaders *p, int32_t lo, int32_t hi, const uint8_t *keep) {

@@ -145,12 +145,14 @@ cdef extern from "clb_model.h" nogil:
         int64_t read_timeout_ms
         int32_t readers
         int32_t prefetch_depth
+        int32_t prefetch_busy_pct
 
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
         int64_t prefetch_issued, prefetch_used, prefetch_wasted, prefetch_late
         int64_t bytes_read, stall_ns, reader_loads, prefetch_cancelled
-        int64_t prefetch_far, overlapped
+        int64_t prefetch_far, overlapped, prefetch_busy, prefetch_aborted, prefetch_spared
+        int64_t predicted, predicted_right
 
     size_t clb_expert_bytes(const clb_model *m)
     clb_status clb_model_repack(clb_model *m, int experts, int64_t *n_repacked, char *err)
@@ -170,7 +172,9 @@ cdef extern from "clb_model.h" nogil:
 XC_LOADS = ("pread", "direct", "mmap", "uring")
 XC_COUNTERS = ("hits", "misses", "loads", "evictions", "prefetch_issued", "prefetch_used",
                "prefetch_wasted", "prefetch_late", "bytes_read", "stall_ns",
-               "reader_loads", "prefetch_cancelled", "prefetch_far", "overlapped")
+               "reader_loads", "prefetch_cancelled", "prefetch_far", "overlapped",
+               "prefetch_busy", "prefetch_aborted", "prefetch_spared", "predicted",
+               "predicted_right")
 
 # the types a weight file may hold, by the id it stores
 _TYPE_NAMES = {t: name for name, t in PRODUCT_TYPES.items() if clb_type_valid_for_file(t)}
@@ -603,7 +607,7 @@ cdef class CoreModel:
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
                             bint huge_pages=False, int prefetch_window=16, pinned=None,
                             double read_timeout_s=30.0, int readers=4,
-                            int prefetch_depth=0) -> None:
+                            int prefetch_depth=0, int prefetch_busy_pct=50) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
         load: "pread", "direct" (O_DIRECT), "mmap" (madvise on the mappings) or "uring"
@@ -612,8 +616,10 @@ cdef class CoreModel:
         one read that takes longer fails the model (a forward raises, naming the file) instead
         of blocking; readers: threads that load experts in parallel (1..64), the prefetches
         included; prefetch_depth: layers read ahead, 1 or 2, or 0 for two while one read takes
-        longer than a layer's compute (see expert_cache_timing). Call once, before the first forward. Outputs do not change; only speed
-        and memory do.
+        longer than a layer's compute (see expert_cache_timing); prefetch_busy_pct (1..100): no
+        prefetch read starts while loads the forward waits for kept the storage busy more than
+        this share of the recent time (nor while one is queued or being read). Call once,
+        before the first forward. Outputs do not change; only speed and memory do.
         """
         cdef clb_xc_config cfg
         if load not in XC_LOADS:
@@ -632,6 +638,9 @@ cdef class CoreModel:
         if not 0 <= prefetch_depth <= 2:
             raise ValueError(f"prefetch_depth must be 0 (automatic), 1 or 2, got {prefetch_depth}")
         cfg.prefetch_depth = prefetch_depth
+        if not 1 <= prefetch_busy_pct <= 100:
+            raise ValueError(f"prefetch_busy_pct must be in 1..100, got {prefetch_busy_pct}")
+        cfg.prefetch_busy_pct = prefetch_busy_pct
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef uint8_t[::1] pv
         cdef const uint8_t *pp = NULL
@@ -655,7 +664,8 @@ cdef class CoreModel:
         """None without an expert cache; else a dict of numpy arrays: per-layer counters
         (hits, misses, loads, evictions, prefetch_issued, prefetch_used, prefetch_wasted,
         prefetch_late, bytes_read, stall_ns, reader_loads, prefetch_cancelled, prefetch_far,
-        overlapped: int64 [n_layer]) and per expert ([n_layer,
+        overlapped, prefetch_busy, prefetch_aborted, prefetch_spared, predicted,
+        predicted_right: int64 [n_layer]) and per expert ([n_layer,
         n_expert]) state (0 absent, 1 loading, 2 resident, 3 pinned), heat and selections."""
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef int64_t L = hp.n_layer, E = hp.n_expert

@@ -327,14 +327,19 @@ def main(argv: list[str] | None = None) -> int:
 
     # prefetch on a warm cache (no limit, every expert but one per layer fits): does the
     # prefetch thread cost tokens/s when misses are rare?
-    warm_rows = {}
-    for pf in (True, False):
-        w = [spawn(args, "colibri", model, None, size=args.experts - 1, prefetch=pf, warm=True)
-             for _ in range(args.repeat)]
-        warm_rows["on" if pf else "off"] = args.gen_tokens / statistics.median(
-            r["decode_s"] for r in w)
+    warm_s: dict[str, list[float]] = {"on": [], "off": []}
+    warm_loads: dict[str, float] = {}
+    for _ in range(args.repeat):  # on and off in turns, so a drift reaches both alike
+        for pf in (True, False):
+            r = spawn(args, "colibri", model, None, size=args.experts - 1, prefetch=pf,
+                      warm=True)
+            key = "on" if pf else "off"
+            warm_s[key].append(r["decode_s"])
+            warm_loads[key] = r["cache"].get("loads", 0.0) / args.gen_tokens
+    warm_rows = {k: args.gen_tokens / statistics.median(v) for k, v in warm_s.items()}
     print(f"warm cache ({args.experts - 1} of {args.experts} per layer, no limit): prefetch on "
-          f"{warm_rows['on']:.1f} tok/s, off {warm_rows['off']:.1f} tok/s", flush=True)
+          f"{warm_rows['on']:.1f} tok/s ({warm_loads['on']:.2f} loads per token), off "
+          f"{warm_rows['off']:.1f} tok/s ({warm_loads['off']:.2f})", flush=True)
 
     rows: list[dict[str, Any]] = []
     remove_group()
@@ -412,7 +417,16 @@ def main(argv: list[str] | None = None) -> int:
                        same_tokens=ok[0]["tokens"] == ref_tokens if name.startswith(
                            "colibri") else None)
             rows.append(row)
-            hit = (f", hit rate {row['cache']['hit_rate']:.3f}" if row["cache"] else "")
+            c = row["cache"]
+            hit = (f", hit rate {c['hit_rate']:.3f}" if c else "")
+            if c and c.get("prefetch_issued", 0) + c.get("prefetch_busy", 0) > 0:
+                n_tok = args.prompt_tokens + args.gen_tokens
+                hit += (f"; per token: {c['loads'] / n_tok:.2f} loads, prefetch "
+                        f"{c['prefetch_issued'] / n_tok:.2f} issued, "
+                        f"{c['prefetch_used'] / n_tok:.2f} used, "
+                        f"{c.get('prefetch_busy', 0) / n_tok:.2f} held back by busy storage, "
+                        f"{c.get('prefetch_aborted', 0) / n_tok:.2f} stopped part-way, "
+                        f"{c.get('prefetch_spared', 0) / n_tok:.2f} spared")
             print(f"  {name:40} {row['decode_tok_s']:8.2f} tok/s, read "
                   f"{row['read_mb_per_token']:6.2f} MB/token from storage, "
                   f"{row['majflt']:.0f} major faults{hit}; floor "

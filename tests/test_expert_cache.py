@@ -7,7 +7,8 @@ every step, pinned experts stay, counters add up, the reader pool stops cleanly 
 reads in flight), a file cut short under a running cache fails the call with the file's name,
 and the start-up plan refuses budgets below one layer's top-k. Experts run as they land while
 others load, read-ahead one or two layers deep is cancelled when no longer needed, and the
-reader pool is sized from a storage probe.
+reader pool is sized from a storage probe. Prefetch reads fill only the storage's idle
+time and never evict an expert likelier to be used than the one they read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gc
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -530,7 +532,10 @@ def test_far_prefetches_no_longer_predicted_are_cancelled(demo_dir: Path,
     every read-ahead is accounted for."""
     load = _storage_loads(demo_dir)
     cfg = Model.load(demo_dir).config
-    m = _cached(demo_dir, cfg.n_expert // 2, load=load, readers=1, prefetch_depth=2)
+    # queued whatever share of the time demand loads keep the storage busy (a slow run, as
+    # under a sanitizer, would otherwise hold every prefetch back before it is queued)
+    m = _cached(demo_dir, cfg.n_expert // 2, load=load, readers=1, prefetch_depth=2,
+                prefetch_busy_pct=100)
     tokens, logits = _decode(m)
     _assert_resident_bits(logits, tokens, demo_ref)
     st = m.core.expert_cache_stats()
@@ -559,6 +564,82 @@ def test_automatic_depth_follows_the_measured_read_and_layer_times(demo_dir: Pat
     assert Model.load(demo_dir).core.expert_cache_timing() is None
     with pytest.raises(ValueError, match="prefetch_depth must be 0"):
         Model.load(demo_dir).core.enable_expert_cache(8, prefetch_depth=3)
+
+
+# busy_pct 1: once demand loads kept the storage busy (nearly any time), no prefetch starts;
+# 100: only a demand load queued or being read holds one back (which of them happen depends on
+# timing; the bits never do)
+@pytest.mark.parametrize("busy_pct", [1, 100])
+@pytest.mark.parametrize("load, readers, depth", [("direct", 1, 2), ("direct", 2, 1),
+                                                  ("pread", 1, 2), ("uring", 2, 2)])
+def test_prefetch_fills_only_idle_storage_and_gives_the_resident_output(
+        demo_dir: Path, demo_ref: tuple, busy_pct: int, load: str, readers: int,
+        depth: int) -> None:
+    """Prefetches skipped while demand loads hold the storage, stopped part-way for a demand
+    load waiting for a reader, or not started because the expert they would evict is likelier
+    to be used: the same bits as the resident model, and every prefetch accounted for."""
+    if load != "pread":
+        _storage_loads(demo_dir)
+    cfg = Model.load(demo_dir).config
+    per_layer = cfg.n_expert // 4
+    _evict_page_cache(demo_dir)  # pread misses need the storage too
+    m = _cached(demo_dir, per_layer, load=load, readers=readers, prefetch_depth=depth,
+                prefetch_busy_pct=busy_pct)
+    tokens, logits = _decode(m)
+    _assert_resident_bits(logits, tokens, demo_ref)
+    st = m.core.expert_cache_stats()
+    assert st is not None
+    assert ((st["state"] >= 1).sum(axis=1) <= per_layer).all()
+    # an aborted prefetch frees its slot: never used, never evicted as wasted
+    assert (st["prefetch_used"] + st["prefetch_wasted"] + st["prefetch_aborted"]
+            <= st["prefetch_issued"]).all()
+    assert (st["loads"] >= st["prefetch_issued"]).all()
+    if load == "uring":  # a uring read is one submission: nothing stops it part-way
+        assert st["prefetch_aborted"].sum() == 0
+    # every layer but the first is predicted (by the one before), and most of it right
+    assert st["predicted"][0] == 0 and (st["predicted"][1:] > 0).all()
+    assert (st["predicted_right"] <= st["predicted"]).all()
+    assert st["predicted_right"].sum() > st["predicted"].sum() // 2
+
+
+def test_prefetch_held_back_while_demand_loads_keep_the_storage_busy(demo_dir: Path) -> None:
+    """The smallest budget reads at every token, so once the first 50 ms window of the busy
+    share has passed, demand loads kept the storage busy more than 1% of the time: from then on
+    no prediction is queued, and the bits are still the resident model's."""
+    load = _storage_loads(demo_dir)
+    cfg = Model.load(demo_dir).config
+    n = 6 * N_DECODE
+    m = _cached(demo_dir, cfg.n_expert_used, load=load, readers=2, prefetch_busy_pct=1)
+    t0 = time.perf_counter()
+    tokens, logits = _decode(m, n)
+    elapsed = time.perf_counter() - t0
+    assert elapsed > 0.1  # past the first window
+    _assert_resident_bits(logits, tokens, _decode(Model.load(demo_dir, n_seq=1), n))
+    st = m.core.expert_cache_stats()
+    assert st is not None
+    assert st["stall_ns"].sum() > 0.01 * elapsed * 1e9  # busy well over 1% of the time
+    assert st["prefetch_busy"].sum() > 0
+
+
+def test_prefetch_busy_share_is_checked(demo_dir: Path) -> None:
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match="prefetch_busy_pct must be in 1..100"):
+            Model.load(demo_dir).core.enable_expert_cache(8, prefetch_busy_pct=bad)
+
+
+def test_prefetch_spares_experts_likelier_to_be_used(demo_dir: Path, demo_ref: tuple) -> None:
+    """The smallest budget (one token's experts) on a skewed router: the slots hold the hot
+    experts of the running steps, and a prediction that names them too never evicts them,
+    so prefetches are spared; the bits are the resident model's."""
+    cfg = Model.load(demo_dir).config
+    m = _cached(demo_dir, cfg.n_expert_used, load="pread", readers=2, prefetch_depth=1,
+                prefetch_busy_pct=100)
+    tokens, logits = _decode(m, 24)
+    ref = _decode(Model.load(demo_dir, n_seq=1), 24)
+    _assert_resident_bits(logits, tokens, ref)
+    st = m.core.expert_cache_stats()
+    assert st is not None
+    assert st["prefetch_spared"].sum() > 0
 
 
 def test_storage_probe_reads_what_it_says(tmp_path: Path) -> None:

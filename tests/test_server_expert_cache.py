@@ -129,11 +129,14 @@ def test_shape_and_counters_with_12_slots(server: InProcessServer) -> None:
 
     samples = parse_metrics(httpx.get(server.url + "/metrics", headers=_auth()).text)
     for key in ("prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_cancelled",
-                "reader_loads", "misses"):
+                "reader_loads", "misses", "prefetch_busy", "prefetch_aborted",
+                "prefetch_spared", "predicted", "predicted_right"):
         per_layer = [v for k, v in samples.items()
                      if k.startswith(f"colibri_expert_cache_{key}_total{{layer=")]
         assert len(per_layer) == 4 and sum(per_layer) == later[key], key
-    assert later["prefetch_used"] + later["prefetch_wasted"] <= later["prefetch_issued"]
+    assert (later["prefetch_used"] + later["prefetch_wasted"] + later["prefetch_aborted"]
+            <= later["prefetch_issued"])
+    assert later["predicted_right"] <= later["predicted"]
 
 
 def test_in_openapi_schema(server: InProcessServer) -> None:

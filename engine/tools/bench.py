@@ -537,7 +537,10 @@ def render(r: dict[str, Any]) -> str:
             f"{_mb(xc['bytes_read_per_token'])} read per token, stalled "
             f"{xc['stall_ns'] / 1e9:.2f} s, prefetch used {xc['prefetch_used']:.0f} of "
             f"{xc['prefetch_issued']:.0f} ({xc['prefetch_wasted']:.0f} wasted, "
-            f"{xc['prefetch_cancelled']:.0f} cancelled before their read), "
+            f"{xc['prefetch_cancelled']:.0f} cancelled before their read; "
+            f"{xc.get('prefetch_busy', 0):.0f} held back by busy storage, "
+            f"{xc.get('prefetch_aborted', 0):.0f} stopped part-way, "
+            f"{xc.get('prefetch_spared', 0):.0f} spared a likelier expert), "
             f"{xc['overlapped']:.0f} experts run while others of their wave loaded")
     elif xc:
         lines.append(f"expert cache   off: every expert resident ({xc['reason']})")
