@@ -363,6 +363,10 @@ class TinyCheckpoints:
             self._made[key] = TinyCheckpoint(self.root / name, arch, seed, overrides)
         return self._made[key]
 
+    def folders(self, seed: int) -> dict[str, Path]:
+        """Architecture -> the Hugging Face folder of get(arch, seed), made on first lookup."""
+        return _Folders(self, seed)
+
     def derived(self, name: str, build: Callable[[Path], Path]) -> Path:
         """The checkpoint build(folder) writes into a new folder (one that no architecture,
         seed and overrides describe, such as a model with an extra layer), made once per
@@ -370,6 +374,19 @@ class TinyCheckpoints:
         if name not in self._derived:
             self._derived[name] = build(self.root / "derived" / name)
         return self._derived[name]
+
+
+class _Folders(dict[str, Path]):
+    """TinyCheckpoints.folders: a dict that makes a missing architecture's checkpoint."""
+
+    def __init__(self, checkpoints: TinyCheckpoints, seed: int) -> None:
+        super().__init__()
+        self.checkpoints = checkpoints
+        self.seed = seed
+
+    def __missing__(self, arch: str) -> Path:
+        self[arch] = self.checkpoints.get(arch, seed=self.seed).hf_dir
+        return self[arch]
 
 
 def make_scripted_checkpoint(out_dir: str | Path, chat_template: str, prompt_tail: str,
