@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from tests import mtp_helpers
+from tests.conftest import quick_params
 from tests.mtp_helpers import TOL, MtpCheckpoints, mtp_llm
 from tests.parity_helpers import hf_model, rel_max
 from tests.test_speculative import PROMPTS, _ids, _params, _run, _spec, _trace
@@ -198,7 +199,9 @@ def test_engine_drafts_are_the_reference_modules_chained_drafts(ckpts: MtpCheckp
                                                  hf_model(ckpts[arch]), ref, min_steps=3)
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, *(f"{a}_rep" for a in ARCHS)])
+# the hybrid family whose layer repeats (drafts kept and rejected) in the quick pass
+@pytest.mark.parametrize("arch", quick_params([*ARCHS, *(f"{a}_rep" for a in ARCHS)],
+                                              ["qwen3_5_moe_rep"]))
 def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: MtpCheckpoints,
                                                         arch: str) -> None:
     """Four prompts together, greedy with logprobs: with the module's drafts at k = 1, 2, 4
@@ -239,6 +242,7 @@ def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: MtpCheckpoints,
         assert accepted > 0 and rejected > 0
 
 
+@pytest.mark.slow  # seconds; MTP drafts under a budget run quick in tests/test_mtp.py
 def test_qwen_mtp_drafts_under_an_expert_budget(ckpts: MtpCheckpoints) -> None:
     """With three of eight experts per layer resident, greedy output with the module's drafts
     at k = 1, 2, 4 is the output with every expert resident and no drafts."""

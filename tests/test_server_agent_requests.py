@@ -164,6 +164,7 @@ def test_cut_calls_in_chat(oai: openai.OpenAI) -> None:
         _scan(probe)
 
 
+@pytest.mark.slow  # dozens of requests; the cut call in chat is the quick one
 def test_cut_call_in_responses(oai: openai.OpenAI) -> None:
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 
@@ -188,6 +189,7 @@ def test_cut_call_in_responses(oai: openai.OpenAI) -> None:
     _scan(probe)
 
 
+@pytest.mark.slow  # dozens of requests; the cut call in chat is the quick one
 def test_cut_call_in_messages(server: SubprocessServer) -> None:
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
 

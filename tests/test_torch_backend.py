@@ -77,8 +77,11 @@ class Case:
                 h.remove()
 
 
-# every family takes seconds: these run in the quick pass, the rest in the whole suite
-QUICK = ("mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_next")
+# every family takes seconds: a softmax MoE, MLA, sinks and linear attention run in the quick
+# pass (where the C core's parity of every family runs too), the rest in the whole suite
+QUICK = ("mixtral", "deepseek_v3", "gpt_oss", "qwen3_next")
+# split placements: a plain MoE and a linear-attention model (each split takes seconds)
+QUICK_SPLIT = ("mixtral", "qwen3_next")
 
 
 @pytest.fixture(scope="module", params=quick_params(CASES, QUICK))
@@ -86,7 +89,7 @@ def case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
     return Case(request.param, checkpoints)
 
 
-@pytest.fixture(scope="module", params=quick_params(CASES, QUICK))
+@pytest.fixture(scope="module", params=quick_params(CASES, QUICK_SPLIT))
 def split_case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
     return Case(request.param, checkpoints)
 
@@ -348,6 +351,7 @@ def test_linear_attention_long_prefill_takes_the_chunked_form(hybrid: Path) -> N
     assert rel_max(prefill(t, p[n:], start=n), prefill(c, p[n:], start=n)) <= 1e-4
 
 
+@pytest.mark.slow  # seconds; the engine on torch-cpu is quick in tests/test_device_option.py
 def test_the_engine_on_torch_speculates_on_a_linear_attention_model(hybrid: Path) -> None:
     """Through the step engine (scheduler, state slots, speculation's save and restore of a
     sequence's recurrent state around a verify step): greedy tokens on the torch backend
