@@ -286,6 +286,7 @@ def test_mtp_drafts_under_an_expert_budget(ckpts: MtpCheckpoints) -> None:
     assert llm.core.expert_cache.totals()["misses"] > 0  # the budget was in play
 
 
+@pytest.mark.slow  # seconds; the speculative tests' rollback, prefix and budget are quick
 def test_mtp_with_prefix_cache_preemption_and_choices(ckpts: MtpCheckpoints) -> None:
     """A KV pool too small for all four requests (so some are preempted and computed again),
     the prefix cache on (the second round hits the first one's blocks) and two choices on
