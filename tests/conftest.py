@@ -97,7 +97,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
     return TinyCheckpoints(tmp_path_factory.mktemp("checkpoints"))
 
 
-def quick_params(values: Iterable[str], quick: Iterable[str]) -> list[Any]:
+def quick_params(values: Iterable[Any], quick: Iterable[Any]) -> list[Any]:
     """Parameters for a grid whose `quick` points run in the quick pass and the rest only in
     the whole suite (marked slow): a representative few where every point costs seconds."""
     keep = set(quick)

@@ -1,5 +1,5 @@
 """What the parity tests share (a helper module, not a test file): transformers' reference
-model, Colibri's prompt forward and the error measures."""
+model, Colibri's prompt forward, the error measures and the paged batch-invariance check."""
 
 from __future__ import annotations
 
@@ -32,3 +32,24 @@ def rel_max(x: np.ndarray, ref: np.ndarray) -> float:
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def assert_paged_batch_invariant(both: Model, alone: Model,
+                                 seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two random prompts (20 and 9 tokens, from seed) in one paged call of `both` (blocks of
+    one shared pool, through block tables) give the logits each gives alone in sequence slot 0
+    of `alone`, within 1e-5 of each one's largest logit. The first prompt and its logits
+    alone, for further checks."""
+    rng = np.random.default_rng(seed)
+    vocab = both.config.n_vocab
+    a = rng.integers(0, vocab, 20).astype(np.int32)
+    b = rng.integers(0, vocab, 9).astype(np.int32)
+    tables = np.array([[5, 2, -1, -1], [7, -1, -1, -1]], np.int32)
+    logits = both.forward_paged(np.concatenate([a, b]), np.r_[np.zeros(20), np.ones(9)],
+                                np.r_[np.arange(20), np.arange(9)], tables)
+    ra = prefill(alone, a)
+    alone.reset(0)
+    rb = prefill(alone, b)
+    np.testing.assert_allclose(logits[:20], ra, rtol=0, atol=1e-5 * np.abs(ra).max())
+    np.testing.assert_allclose(logits[20:], rb, rtol=0, atol=1e-5 * np.abs(rb).max())
+    return a, ra

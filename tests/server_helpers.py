@@ -2,10 +2,11 @@
 in this process, metrics.
 
 Subprocess servers run `python -m colibri.app serve` (what `colibri serve` runs) on 127.0.0.1 with
-a free port, in a temporary working folder (so no stray .env applies) and a temporary
-conversion cache. In-process servers run the real app and the real LLM in a uvicorn thread;
-`PacedLLM` wraps the real LLM so a test decides when each engine step may run
-(deterministic queueing and disconnect tests), `fail_next` makes the next step fail.
+a free port, in a temporary working folder (so no stray .env applies), with a temporary
+conversion cache, on the C core (COLIBRI_DEVICE=cpu unless a test sets it). In-process
+servers run the real app and the real LLM in a uvicorn thread; `PacedLLM` wraps the real LLM
+so a test decides when each engine step may run (deterministic queueing and disconnect tests),
+`fail_next` makes the next step fail.
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ class SubprocessServer:
         full_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)
         full_env.setdefault("COLIBRI_CACHE_DIR", str(workdir / "cache"))
+        # the C core on any machine, a GPU one included (the torch backend has tests of its
+        # own); --device auto would also import torch at each start to look for a GPU, which
+        # costs more than the rest of a tiny model's start
+        full_env.setdefault("COLIBRI_DEVICE", "cpu")
         full_env.update(env or {})
         cmd = [sys.executable, "-m", "colibri.app", "serve", "--port", str(self.port), *args]
         if model is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import quick_params
 from tests.server_helpers import SubprocessServer
 
 PROMPTS = ["ROMEO.\n", "KING HENRY.\nNow, lords, "]
@@ -42,7 +43,8 @@ def test_bundled_model_routes_like_a_many_expert_moe() -> None:
     assert cfg["moe_intermediate_size"] < cfg["hidden_size"]
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+# one prompt in the quick pass (the chat test there runs a second), both in the whole suite
+@pytest.mark.parametrize("prompt", quick_params(PROMPTS, PROMPTS[:1]))
 def test_greedy_f32_matches_transformers(cache_dir: Path, prompt: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM

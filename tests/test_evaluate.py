@@ -145,6 +145,7 @@ def printed_perplexity(out: str) -> float:
     return float(lines[0].split(": ")[1])
 
 
+@pytest.mark.slow  # a transformers run; the command's quick test is on the demo data set
 def test_eval_command_matches_transformers(tiny_hf, cache, tmp_path, capsys) -> None:
     import torch
     from tokenizers import Tokenizer

@@ -48,6 +48,7 @@ from colibri.engine.llm import LLM
 
 pytest.importorskip("transformers")
 
+from tests.conftest import quick_params  # noqa: E402
 from tests.tiny_models import make_checkpoint  # noqa: E402
 
 PROMPT = (np.arange(1, 41, dtype=np.int32) * 7) % 300
@@ -98,8 +99,8 @@ def demo_ref(demo_dir: Path) -> tuple[list[int], list[np.ndarray]]:
 # slots on 4 KiB or 2 MiB pages (mmap mode reads the mappings: no slots)
 @pytest.mark.parametrize("load, huge", [("pread", False), ("pread", True), ("direct", False),
                                         ("direct", True), ("mmap", False)])
-@pytest.mark.parametrize("share", [1.0, 0.5, 0.25, 0.0])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("share", quick_params([1.0, 0.5, 0.25, 0.0], [0.25, 0.0]))
+@pytest.mark.parametrize("prefetch", quick_params([False, True], [True]))
 def test_every_budget_gives_the_resident_output(demo_dir: Path, demo_ref: tuple, load: str,
                                                 huge: bool, share: float,
                                                 prefetch: bool) -> None:
@@ -135,8 +136,9 @@ def _evict_page_cache(path: Path) -> None:
 
 
 # any number of reads in flight, in any order of arrival, gives the same bits
-@pytest.mark.parametrize("readers", [1, 2, 4])
-@pytest.mark.parametrize("load", ["pread", "direct", "uring", "mmap"])
+@pytest.mark.parametrize("readers", quick_params([1, 2, 4], [2]))
+@pytest.mark.parametrize("load", quick_params(["pread", "direct", "uring", "mmap"],
+                                              ["pread", "uring"]))
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_reader_pool_sizes_give_the_resident_output(demo_dir: Path, demo_ref: tuple,
                                                     readers: int, load: str,

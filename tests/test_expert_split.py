@@ -60,7 +60,12 @@ from colibri.engine.executor.torch_backend.expert_split import TierConfig  # noq
 from colibri.engine.format.convert import convert  # noqa: E402
 from colibri.engine.format.wfile import read_wfile  # noqa: E402
 from colibri.engine.models.config import ModelConfig  # noqa: E402
-from tests.parity_helpers import prefill, rel_l2, rel_max  # noqa: E402
+from tests.parity_helpers import (  # noqa: E402
+    assert_paged_batch_invariant,
+    prefill,
+    rel_l2,
+    rel_max,
+)
 from tests.tiny_models import VOCAB_SIZE, make_checkpoint  # noqa: E402
 
 N_CTX = 64
@@ -236,19 +241,8 @@ def test_split_calls_are_batch_invariant(mixtral: Family) -> None:
     path = mixtral.path("f32")
     cfg = ModelConfig.from_dir(path)
     p = placement(cfg, set(range(cfg.n_layer)), {il: {1, 2} for il in cfg.moe_layers})
-    m = split_model(path, p, n_seq=0, kv_blocks=16)
-    rng = np.random.default_rng(1)
-    a = rng.integers(0, VOCAB_SIZE, 20).astype(np.int32)
-    b = rng.integers(0, VOCAB_SIZE, 9).astype(np.int32)
-    tables = np.array([[5, 2, -1, -1], [7, -1, -1, -1]], np.int32)
-    both = m.forward_paged(np.concatenate([a, b]), np.r_[np.zeros(20), np.ones(9)],
-                           np.r_[np.arange(20), np.arange(9)], tables)
-    alone = split_model(path, p)
-    ra = prefill(alone, a)
-    alone.reset(0)
-    rb = prefill(alone, b)
-    np.testing.assert_allclose(both[:20], ra, rtol=0, atol=1e-5 * np.abs(ra).max())
-    np.testing.assert_allclose(both[20:], rb, rtol=0, atol=1e-5 * np.abs(rb).max())
+    assert_paged_batch_invariant(split_model(path, p, n_seq=0, kv_blocks=16),
+                                 split_model(path, p), seed=1)
 
 
 def _routes(m: Model, prompt: np.ndarray, n: int) -> np.ndarray:

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@cache
+def _tree(path: Path) -> ast.Module:
+    """The file's syntax tree, parsed once for every test here (the sources do not change
+    while the tests run)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@cache
 def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
     names: list[str] = []
-    for node in ast.walk(tree):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -46,8 +54,7 @@ def test_app_never_imports_engine_modules_by_name() -> None:
     """`from colibri.engine import _core` (or any submodule) reaches past the exports too."""
     modules = _engine_module_names()
     for path in (ROOT / "app").rglob("*.py"):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
+        for node in ast.walk(_tree(path)):
             if (isinstance(node, ast.ImportFrom) and node.module == "colibri.engine"
                     and node.level == 0):
                 bad = [a.name for a in node.names if a.name in modules]
@@ -65,7 +72,7 @@ def test_every_engine_export_is_used() -> None:
 
     used: set[str] = set()
     for path in (ROOT / "app").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and node.module == "colibri.engine":
                 used |= {a.name for a in node.names}
     assert PYTHON_API <= set(engine.__all__)
@@ -148,6 +155,7 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
+@cache
 def _import_graph() -> dict[str, set[str]]:
     """module -> the colibri modules it imports, relative imports resolved; `from package
     import name` counts as importing the submodule when name is one, else the package."""
@@ -158,7 +166,7 @@ def _import_graph() -> dict[str, set[str]]:
         if path is None:
             continue
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+        for node in _runtime_nodes(_tree(path)):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -266,6 +274,7 @@ _C_DEF = re.compile(r"^(?!static\b)[A-Za-z_][\w \t*]*?\b([A-Za-z_]\w*)\s*\([^;{]
 _C_MACRO_DEF = re.compile(r"^[A-Z][A-Z0-9_]*\(\s*([a-z_]\w*)\s*,", re.MULTILINE)
 
 
+@cache
 def _c_code(path: Path) -> str:
     """The file's code without comments, string and character literals."""
     text = path.read_text()

@@ -22,13 +22,21 @@ import numpy as np
 import pytest
 
 from tests.conftest import quick_params
+from tests.mtp_helpers import (
+    N_CTX,
+    TOL,
+    MtpCheckpoints,
+    assert_drafts_are_the_references,
+    mtp_llm,
+    paged,
+    silence_layer,
+    watch_drafts,
+)
 from tests.parity_helpers import hf_model, rel_max
 from tests.test_speculative import PROMPTS, _ids, _params, _run, _spec, _trace
-from tests.tiny_models import make_checkpoint
+from tests.tiny_models import TinyCheckpoints, make_checkpoint
 
 MTP_ARCHS = ("deepseek_v3", "glm4_moe")
-N_CTX = 256
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,27 +77,19 @@ def make_mtp_checkpoint(arch: str, out: Path, seed: int = 11, repeat: bool = Fal
         tensors[p + "eh_proj.weight"] = torch.cat([torch.zeros(D, D), torch.eye(D)], dim=1)
         for name in (p + "hnorm.weight", p + "shared_head.norm.weight"):
             tensors[name] = torch.ones(D)
-        for name in tensors:
-            if name.startswith(p) and name.endswith(("o_proj.weight", "down_proj.weight",
-                                                     "experts.down_proj")):
-                tensors[name] = torch.zeros_like(tensors[name])
+        silence_layer(tensors, p)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Per family a random MTP layer (arch) and one that repeats the last token (arch_rep)."""
-    root = tmp_path_factory.mktemp("mtp")
-    out = {a: make_mtp_checkpoint(a, root / a) for a in MTP_ARCHS}
-    out.update({f"{a}_rep": make_mtp_checkpoint(a, root / f"{a}_rep", repeat=True)
-                for a in MTP_ARCHS})
-    return out
+def ckpts(checkpoints: TinyCheckpoints) -> MtpCheckpoints:
+    return MtpCheckpoints(checkpoints, make_mtp_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def converted(ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def converted(ckpts: MtpCheckpoints, tmp_path_factory: pytest.TempPathFactory
               ) -> dict[str, Path]:
     from colibri.engine.format.convert import convert
 
@@ -178,21 +178,8 @@ def _fuse_experts(state: dict[str, Any], e: str) -> None:
     state[e + "down_proj"] = torch.stack(w["down"])
 
 
-def _paged(model: Any, tokens: list[int], start: int, hidden_in: np.ndarray | None = None,
-           normed: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """One call over tokens at positions start.. of sequence slot 0: logits and the hidden
-    states before the final norm (after it when normed)."""
-    n = len(tokens)
-    hidden = np.empty((n, model.config.n_embd), np.float32)
-    logits = model.forward_paged(np.asarray(tokens, np.int32), np.zeros(n, np.int32),
-                                 np.arange(start, start + n, dtype=np.int32),
-                                 model.slot_tables[:1], None, hidden_in=hidden_in,
-                                 hidden_out=hidden, hidden_normed=normed)
-    return logits, hidden
-
-
 @pytest.mark.parametrize("arch", MTP_ARCHS)
-def test_mtp_layer_matches_a_torch_reference(ckpts: dict[str, Path],
+def test_mtp_layer_matches_a_torch_reference(ckpts: MtpCheckpoints,
                                              converted: dict[str, Path], arch: str) -> None:
     """The main model's output after its final norm (hidden_out, normed) equals
     transformers'; the converted MTP layer run on it gives the reference layer's logits at
@@ -216,13 +203,13 @@ def test_mtp_layer_matches_a_torch_reference(ckpts: dict[str, Path],
     with torch.no_grad():
         hf(torch.tensor([ids]))
     h_ref = captured[-1][0].numpy()
-    _, h = _paged(main, ids, 0, normed=True)
+    _, h = paged(main, ids, 0, normed=True)
     assert rel_max(h, h_ref) < TOL
 
     ref = MtpReference(ckpts[arch], arch)
     x = ref.inputs(ids[1:], torch.from_numpy(h_ref[:-1]), 0)
     want, want_h = ref.run(x)
-    got, got_h = _paged(layer, ids[1:], 0, hidden_in=h[:-1].copy())
+    got, got_h = paged(layer, ids[1:], 0, hidden_in=h[:-1].copy())
     assert rel_max(got, want) < TOL
     assert rel_max(got_h, want_h) < TOL
 
@@ -230,92 +217,43 @@ def test_mtp_layer_matches_a_torch_reference(ckpts: dict[str, Path],
     draft = int(np.argmax(got[-1]))
     x2 = torch.cat([x, ref.inputs([draft], torch.from_numpy(want_h[-1:]), len(ids) - 1)])
     want2, _ = ref.run(x2)
-    got2, _ = _paged(layer, [draft], len(ids) - 1, hidden_in=got_h[-1:].copy())
+    got2, _ = paged(layer, [draft], len(ids) - 1, hidden_in=got_h[-1:].copy())
     assert rel_max(got2[0], want2[-1]) < TOL
-
-
-def _llm(hf: Path, **cfg: Any) -> Any:
-    from colibri.engine import LLM, EngineConfig
-
-    cfg.setdefault("max_num_seqs", 8)
-    cfg.setdefault("max_num_batched_tokens", 64)
-    cfg.setdefault("prefix_cache", False)
-    return LLM(hf, threads=2, quant="f32", n_ctx=N_CTX, config=EngineConfig(**cfg))
-
-
-def _watch_drafts(core: Any) -> list[tuple[list[int], list[int]]]:
-    """Each step's MTP drafts with the tokens they follow, as the engine proposes them."""
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = core._mtp_propose
-
-    def watched(mtp: Any) -> None:
-        propose(mtp)
-        seen.extend((list(r.drafts), list(r.tokens)) for r in core.scheduler.running
-                    if r.drafts)
-
-    core._mtp_propose = watched
-    return seen
 
 
 @pytest.mark.slow  # a torch reference run per checked draft
 @pytest.mark.parametrize("arch", MTP_ARCHS)
-def test_engine_drafts_are_the_reference_layers_chained_drafts(ckpts: dict[str, Path],
+def test_engine_drafts_are_the_reference_layers_chained_drafts(ckpts: MtpCheckpoints,
                                                                arch: str) -> None:
     """Four requests decoding together with k = 4: at every step each request's first draft
     is what the torch reference layer gives over its tokens so far (every position from the
     main model's outputs), and at its first steps the chained drafts are the reference's
     chained on its own hidden state and drafts; each draft a largest reference logit within
     1e-4: the catch-up, the chained positions and the scratch blocks hold the right rows."""
-    import torch
-
-    llm = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=4)
+    llm = mtp_llm(ckpts[arch], speculative="mtp", num_speculative_tokens=4)
     prompts = [_ids(llm, p) for p in PROMPTS]
-    seen = _watch_drafts(llm.core)
-    _run(llm, prompts, _params(max_tokens=12))
+    seen = assert_drafts_are_the_references(llm, prompts, _params(max_tokens=12),
+                                            hf_model(ckpts[arch]), MtpReference(ckpts[arch], arch),
+                                            min_steps=10)
     assert len(seen) >= 4 * 10
-    hf = hf_model(ckpts[arch])
-    captured: list[Any] = []
-    hf.model.norm.register_forward_hook(lambda _m, _a, out: captured.append(out))
-    ref = MtpReference(ckpts[arch], arch)
-
-    def is_top(logits: np.ndarray, d: int) -> bool:
-        return bool(logits[d] >= logits.max() - TOL * np.abs(logits).max())
-
-    for prompt in prompts:
-        mine = [(d, t) for d, t in seen if t[:len(prompt)] == prompt]
-        assert len(mine) >= 10
-        full = max((t for _, t in mine), key=len)
-        with torch.no_grad():  # causal: one pass gives every prefix's rows
-            hf(torch.tensor([full[:-1]]))
-        x_full = ref.inputs(full[1:], captured[-1][0], 0)
-        first, _ = ref.run(x_full)
-        for n_step, (drafts, tokens) in enumerate(mine):
-            c = len(tokens) - 1
-            assert is_top(first[c - 1], drafts[0]), (prompt, c)
-            if n_step >= 2:
-                continue
-            x = x_full[:c]
-            for d in drafts:
-                logits, h = ref.run(x)
-                assert is_top(logits[-1], d), (prompt, c, drafts)
-                x = torch.cat([x, ref.inputs([d], torch.from_numpy(h[-1:]), len(x))])
 
 
-# each family and the repeated layer once in the quick pass, all four in the whole suite
+# the repeated layer in the quick pass (each family's layer is checked against its
+# reference there), all four in the whole suite
 @pytest.mark.parametrize("arch", quick_params([*MTP_ARCHS, *(f"{a}_rep" for a in MTP_ARCHS)],
-                                              ["glm4_moe", "deepseek_v3_rep"]))
-def test_greedy_output_is_the_same_with_mtp_drafts(ckpts: dict[str, Path], arch: str) -> None:
+                                              ["deepseek_v3_rep"]))
+def test_greedy_output_is_the_same_with_mtp_drafts(ckpts: MtpCheckpoints, arch: str) -> None:
     """Four prompts together, greedy with logprobs: with MTP drafts at k = 1, 2, 4 the
     outputs equal those without speculation, token for token and logprob for logprob; every
     decode step after the first drafted, and the counters add up. The layer that repeats the
     last token drafts exactly that, k times, at every step (so each catch-up read the hidden
     state of the last verified position), and some drafts are accepted."""
-    base = _llm(ckpts[arch])
+    base = mtp_llm(ckpts[arch])
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
-    spec = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=2)
+    spec = mtp_llm(ckpts[arch], speculative="mtp", num_speculative_tokens=2)
     assert spec.core._mtp is not None  # loaded at start
-    seen = _watch_drafts(spec.core)
+    seen = watch_drafts(spec.core)
     accepted = 0
     for k in (1, 2, 4):
         _spec(spec, k, "mtp")
@@ -332,15 +270,15 @@ def test_greedy_output_is_the_same_with_mtp_drafts(ckpts: dict[str, Path], arch:
         assert accepted > 0
 
 
-def test_mtp_drafts_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
+def test_mtp_drafts_under_an_expert_budget(ckpts: MtpCheckpoints) -> None:
     """With three of eight experts per layer resident, greedy output with MTP drafts is the
     output with every expert resident and no drafts."""
     from colibri.engine.core.options import ExpertCacheConfig
 
-    base = _llm(ckpts["deepseek_v3_rep"])
+    base = mtp_llm(ckpts["deepseek_v3_rep"])
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
-    llm = _llm(ckpts["deepseek_v3_rep"], speculative="mtp", num_speculative_tokens=3,
+    llm = mtp_llm(ckpts["deepseek_v3_rep"], speculative="mtp", num_speculative_tokens=3,
                expert_cache=ExpertCacheConfig(expert_cache_size=3, expert_pin=False))
     got = _run(llm, prompts, _params())
     assert all(_trace(got[r]) == _trace(want[r]) for r in want)
@@ -348,7 +286,8 @@ def test_mtp_drafts_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
     assert llm.core.expert_cache.totals()["misses"] > 0  # the budget was in play
 
 
-def test_mtp_with_prefix_cache_preemption_and_choices(ckpts: dict[str, Path]) -> None:
+@pytest.mark.slow  # seconds; the speculative tests' rollback, prefix and budget are quick
+def test_mtp_with_prefix_cache_preemption_and_choices(ckpts: MtpCheckpoints) -> None:
     """A KV pool too small for all four requests (so some are preempted and computed again),
     the prefix cache on (the second round hits the first one's blocks) and two choices on
     one request: greedy output with MTP drafts is the output of an engine with room for
@@ -356,7 +295,7 @@ def test_mtp_with_prefix_cache_preemption_and_choices(ckpts: dict[str, Path]) ->
     from colibri.engine import LLM, EngineConfig
 
     arch = "glm4_moe_rep"
-    base = _llm(ckpts[arch])
+    base = mtp_llm(ckpts[arch])
     prompts = [_ids(base, p) for p in PROMPTS]
     two = [_params(), _params()]
     plist: list[Any] = [_params(), two, _params(), _params()]
@@ -383,13 +322,13 @@ def test_models_without_a_usable_mtp_layer_are_refused(tmp_path: Path) -> None:
     for arch in ("glm4_moe", "qwen3_next"):
         plain = make_checkpoint(arch, tmp_path / arch, seed=5)
         with pytest.raises(NoMtpLayer, match="no multi-token-prediction layer.*--add-mtp"):
-            _llm(plain, speculative="mtp")
+            mtp_llm(plain, speculative="mtp")
     plain = make_checkpoint("mixtral", tmp_path / "mixtral", seed=5)
     with pytest.raises(NoMtpLayer, match="only DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5"):
-        _llm(plain, speculative="mtp")
+        mtp_llm(plain, speculative="mtp")
 
 
-def test_converted_folder_keeps_the_mtp_layer(ckpts: dict[str, Path],
+def test_converted_folder_keeps_the_mtp_layer(ckpts: MtpCheckpoints,
                                               converted: dict[str, Path],
                                               tmp_path: Path) -> None:
     """The converter says it keeps the layer, the folder lists mtp/'s files (verify checks
@@ -418,6 +357,7 @@ def test_converted_folder_keeps_the_mtp_layer(ckpts: dict[str, Path],
         verify(folder)
 
 
+@pytest.mark.slow  # the bench's speculative report is quick in tests/test_bench.py
 def test_bench_speculative_mtp(converted: dict[str, Path],
                                capsys: pytest.CaptureFixture[str]) -> None:
     """`colibri bench --speculative mtp` runs the step engine with and without MTP drafts

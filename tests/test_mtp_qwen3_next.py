@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests import mtp_helpers
+from tests.conftest import quick_params
+from tests.mtp_helpers import TOL, MtpCheckpoints, mtp_llm
 from tests.parity_helpers import hf_model, rel_max
-from tests.test_mtp import _llm, _watch_drafts
 from tests.test_speculative import PROMPTS, _ids, _params, _run, _spec, _trace
-from tests.tiny_models import make_checkpoint
+from tests.tiny_models import TinyCheckpoints, make_checkpoint
 
 ARCHS = ("qwen3_next", "qwen3_5_moe")
-N_CTX = 256
-TOL = 1e-4
 MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 
 
@@ -78,38 +78,15 @@ def make_qwen_mtp_checkpoint(arch: str, out: Path, seed: int = 11,
         tensors["mtp.fc.weight"] = torch.cat([torch.zeros(D, D), torch.eye(D)], dim=1)
         for n in MTP_NORMS:
             tensors[f"mtp.{n}.weight"] = torch.zeros(D)
-        for name in tensors:
-            if name.startswith("mtp.layers.0.") and name.endswith(
-                    ("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                tensors[name] = torch.zeros_like(tensors[name])
+        mtp_helpers.silence_layer(tensors, "mtp.layers.0.")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Per family a random module (arch) and one that repeats the last token (arch_rep)."""
-    root = tmp_path_factory.mktemp("qmtp")
-    out = {a: make_qwen_mtp_checkpoint(a, root / a) for a in ARCHS}
-    out.update({f"{a}_rep": make_qwen_mtp_checkpoint(a, root / f"{a}_rep", repeat=True)
-                for a in ARCHS})
-    return out
-
-
-def _paged(model: Any, tokens: list[int], start: int, hidden_in: np.ndarray | None = None,
-           normed: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """One call over tokens at positions start.. of sequence slot 0 (state slot 0 in a model
-    with linear-attention layers): logits and the hidden states before the final norm (after
-    it when normed)."""
-    n = len(tokens)
-    hidden = np.empty((n, model.config.n_embd), np.float32)
-    slots = np.zeros(1, np.int32) if model.config.hybrid else None
-    logits = model.forward_paged(np.asarray(tokens, np.int32), np.zeros(n, np.int32),
-                                 np.arange(start, start + n, dtype=np.int32),
-                                 model.slot_tables[:1], None, state_slots=slots,
-                                 hidden_in=hidden_in, hidden_out=hidden, hidden_normed=normed)
-    return logits, hidden
+def ckpts(checkpoints: TinyCheckpoints) -> MtpCheckpoints:
+    return MtpCheckpoints(checkpoints, make_qwen_mtp_checkpoint)
 
 
 class QwenMtpReference:
@@ -147,8 +124,9 @@ class QwenMtpReference:
             lambda _m, _a, out: self.normed.append(out.detach()))
         self.torch = torch
 
-    def inputs(self, next_tokens: list[int], hidden: Any) -> Any:
-        """The module's input rows for tokens t_{i+1} and hidden states h_i ([n, D])."""
+    def inputs(self, next_tokens: list[int], hidden: Any, first: int = 0) -> Any:
+        """The module's input rows for tokens t_{i+1} and hidden states h_i ([n, D]) (at
+        any position: the embedding is not zeroed at position 0)."""
         with self.torch.no_grad():
             e = self.norm_e(self.embed[next_tokens])
             h = self.norm_h(hidden.float())
@@ -163,7 +141,7 @@ class QwenMtpReference:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_qwen_mtp_layer_matches_a_transformers_reference(ckpts: dict[str, Path], arch: str,
+def test_qwen_mtp_layer_matches_a_transformers_reference(ckpts: MtpCheckpoints, arch: str,
                                                          tmp_path: Path) -> None:
     """The converted module, run on the main model's normed output, gives the reference's
     logits and normed hidden states at every position of a prompt (position 0 included,
@@ -177,8 +155,8 @@ def test_qwen_mtp_layer_matches_a_transformers_reference(ckpts: dict[str, Path],
     folder = convert(ckpts[arch], tmp_path / "conv", quant="f32", progress=False)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["mtp"] == "mtp" and "mtp/embeddings.bin" in cfg["files"]
-    main = Model.load(folder, threads=2, n_ctx=N_CTX)
-    layer = Model.load(folder / "mtp", threads=2, n_ctx=N_CTX)
+    main = Model.load(folder, threads=2, n_ctx=mtp_helpers.N_CTX)
+    layer = Model.load(folder / "mtp", threads=2, n_ctx=mtp_helpers.N_CTX)
     lc = layer.config
     assert lc.mtp_input and lc.mtp_keep_first and lc.mtp_chain_normed
     assert lc.n_layer == 1 and not lc.hybrid and lc.layer_ffn == ("moe",)
@@ -190,76 +168,51 @@ def test_qwen_mtp_layer_matches_a_transformers_reference(ckpts: dict[str, Path],
     with torch.no_grad():
         hf(torch.tensor([ids]))
     h_ref = captured[-1][0]
-    _, h = _paged(main, ids, 0, normed=True)
+    _, h = mtp_helpers.paged(main, ids, 0, normed=True)
     assert rel_max(h, h_ref.numpy()) < TOL
 
     ref = QwenMtpReference(ckpts[arch], arch)
     x = ref.inputs(ids[1:], h_ref[:-1])
     want, want_h = ref.run(x)
-    got, got_h = _paged(layer, ids[1:], 0, hidden_in=h[:-1].copy(), normed=True)
+    got, got_h = mtp_helpers.paged(layer, ids[1:], 0, hidden_in=h[:-1].copy(), normed=True)
     assert rel_max(got, want) < TOL
     assert rel_max(got_h, want_h) < TOL
 
     draft = int(np.argmax(got[-1]))
     x2 = torch.cat([x, ref.inputs([draft], torch.from_numpy(want_h[-1:]))])
     want2, _ = ref.run(x2)
-    got2, _ = _paged(layer, [draft], len(ids) - 1, hidden_in=got_h[-1:].copy())
+    got2, _ = mtp_helpers.paged(layer, [draft], len(ids) - 1, hidden_in=got_h[-1:].copy())
     assert rel_max(got2[0], want2[-1]) < TOL
 
 
-def test_engine_drafts_are_the_reference_modules_chained_drafts(ckpts: dict[str, Path]) -> None:
+def test_engine_drafts_are_the_reference_modules_chained_drafts(ckpts: MtpCheckpoints) -> None:
     """Two requests decoding together with k = 4: at every step each request's first draft
     is what the reference module gives over its tokens so far (every position from the main
     model's outputs), and at its first steps the chained drafts are the reference's chained
     on its own output after mtp.norm and its drafts; each draft a largest reference logit
     within 1e-4."""
-    import torch
-
     arch = "qwen3_next"
-    llm = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=4)
+    llm = mtp_llm(ckpts[arch], speculative="mtp", num_speculative_tokens=4)
     prompts = [_ids(llm, p) for p in PROMPTS[:2]]
-    seen = _watch_drafts(llm.core)
-    _run(llm, prompts, _params(max_tokens=10))
-    hf = hf_model(ckpts[arch])
-    captured: list[Any] = []
-    hf.model.norm.register_forward_hook(lambda _m, _a, out: captured.append(out))
     ref = QwenMtpReference(ckpts[arch], arch)
-
-    def is_top(logits: np.ndarray, d: int) -> bool:
-        return bool(logits[d] >= logits.max() - TOL * np.abs(logits).max())
-
-    for prompt in prompts:
-        mine = [(d, t) for d, t in seen if t[:len(prompt)] == prompt]
-        assert len(mine) >= 3
-        full = max((t for _, t in mine), key=len)
-        with torch.no_grad():  # causal: one pass gives every prefix's rows
-            hf(torch.tensor([full[:-1]]))
-        x_full = ref.inputs(full[1:], captured[-1][0])
-        first, _ = ref.run(x_full)
-        for n_step, (drafts, tokens) in enumerate(mine):
-            c = len(tokens) - 1
-            assert is_top(first[c - 1], drafts[0]), (prompt, c)
-            if n_step >= 2:
-                continue
-            x = x_full[:c]
-            for d in drafts:
-                logits, h = ref.run(x)
-                assert is_top(logits[-1], d), (prompt, c, drafts)
-                x = torch.cat([x, ref.inputs([d], torch.from_numpy(h[-1:]))])
+    mtp_helpers.assert_drafts_are_the_references(llm, prompts, _params(max_tokens=10),
+                                                 hf_model(ckpts[arch]), ref, min_steps=3)
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, *(f"{a}_rep" for a in ARCHS)])
-def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: dict[str, Path],
+# the hybrid family whose layer repeats (drafts kept and rejected) in the quick pass
+@pytest.mark.parametrize("arch", quick_params([*ARCHS, *(f"{a}_rep" for a in ARCHS)],
+                                              ["qwen3_5_moe_rep"]))
+def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: MtpCheckpoints,
                                                         arch: str) -> None:
     """Four prompts together, greedy with logprobs: with the module's drafts at k = 1, 2, 4
     the outputs equal those without speculation, token for token and logprob for logprob;
     no more sequences draft in a step than there are spare state slots to save their
     linear-attention states in. The module that repeats the last token drafts exactly that,
     and some of its drafts are accepted, some rejected (so states were restored)."""
-    base = _llm(ckpts[arch])
+    base = mtp_llm(ckpts[arch])
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
-    spec = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=2)
+    spec = mtp_llm(ckpts[arch], speculative="mtp", num_speculative_tokens=2)
     core = spec.core
     assert core._mtp is not None and core.hybrid and core.speculates
     n_slots = len(core.snapshot_slots)
@@ -272,7 +225,7 @@ def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: dict[str, Path],
         per_step.append(sum(1 for r in core.scheduler.running if r.drafts))
 
     core._mtp_propose = counted
-    seen = _watch_drafts(core)
+    seen = mtp_helpers.watch_drafts(core)
     accepted = rejected = 0
     for k in (1, 2, 4):
         _spec(spec, k, "mtp")
@@ -289,16 +242,17 @@ def test_greedy_output_is_the_same_with_qwen_mtp_drafts(ckpts: dict[str, Path],
         assert accepted > 0 and rejected > 0
 
 
-def test_qwen_mtp_drafts_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
+@pytest.mark.slow  # seconds; MTP drafts under a budget run quick in tests/test_mtp.py
+def test_qwen_mtp_drafts_under_an_expert_budget(ckpts: MtpCheckpoints) -> None:
     """With three of eight experts per layer resident, greedy output with the module's drafts
     at k = 1, 2, 4 is the output with every expert resident and no drafts."""
     from colibri.engine.core.options import ExpertCacheConfig
 
     arch = "qwen3_next_rep"
-    base = _llm(ckpts[arch])
+    base = mtp_llm(ckpts[arch])
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
-    llm = _llm(ckpts[arch], speculative="mtp", num_speculative_tokens=3,
+    llm = mtp_llm(ckpts[arch], speculative="mtp", num_speculative_tokens=3,
                expert_cache=ExpertCacheConfig(expert_cache_size=3, expert_pin=False))
     for k in (1, 2, 4):
         _spec(llm, k, "mtp")
@@ -308,7 +262,7 @@ def test_qwen_mtp_drafts_under_an_expert_budget(ckpts: dict[str, Path]) -> None:
     assert llm.core.expert_cache.totals()["misses"] > 0  # the budget was in play
 
 
-def test_converter_says_it_keeps_the_module(ckpts: dict[str, Path]) -> None:
+def test_converter_says_it_keeps_the_module(ckpts: MtpCheckpoints) -> None:
     """The conversion plan says the mtp.* module goes into mtp/ and skips nothing."""
     from colibri.engine.format.convert import describe_plan
     from colibri.engine.format.safetensors_io import Checkpoint
@@ -334,7 +288,7 @@ def _strip_mtp(folder: Path) -> None:
 
 
 def test_cached_conversion_without_the_module_gets_only_the_module(
-        ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        ckpts: MtpCheckpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """A cache entry converted without the mtp.* module (as before it was kept) gets just the
     module added at the next start, its other files untouched; `--speculative mtp` then drafts
@@ -358,10 +312,10 @@ def test_cached_conversion_without_the_module_gets_only_the_module(
     assert json.loads((dest / "config.json").read_text())["mtp"] == "mtp"
     verify(dest, full=True, deep=True)
 
-    base = _llm(hf)
+    base = mtp_llm(hf)
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
-    spec = _llm(hf, speculative="mtp", num_speculative_tokens=3)
+    spec = mtp_llm(hf, speculative="mtp", num_speculative_tokens=3)
     got = _run(spec, prompts, _params())
     assert all(_trace(got[r]) == _trace(want[r]) for r in want)
     assert spec.core.spec_stats.n_accepted > 0
@@ -369,11 +323,11 @@ def test_cached_conversion_without_the_module_gets_only_the_module(
     mine = Path(shutil.copytree(dest, tmp_path / "mine"))
     _strip_mtp(mine)
     with pytest.raises(NoMtpLayer, match="colibri convert --add-mtp HF_DIR"):
-        _llm(mine, speculative="mtp")
+        mtp_llm(mine, speculative="mtp")
     assert main(["convert", "--add-mtp", str(hf), str(mine)]) == 0
     verify(mine, full=True, deep=True)
     assert main(["convert", "--add-mtp", str(hf), str(mine)]) == 0  # there already
-    got = _run(_llm(mine, speculative="mtp", num_speculative_tokens=3), prompts, _params())
+    got = _run(mtp_llm(mine, speculative="mtp", num_speculative_tokens=3), prompts, _params())
     assert all(_trace(got[r]) == _trace(want[r]) for r in want)
     _strip_mtp(mine)  # and another model's checkpoint cannot give it
     other = make_checkpoint("qwen3_next", tmp_path / "other", seed=5, num_experts=4)
@@ -385,7 +339,7 @@ def test_cached_conversion_without_the_module_gets_only_the_module(
 
 
 def test_multimodal_qwen3_5_keeps_the_module_with_the_text_models_embeddings(
-        ckpts: dict[str, Path]) -> None:
+        ckpts: MtpCheckpoints) -> None:
     """A multimodal Qwen3.5 checkpoint keeps its text model under model.language_model. and
     the module at the top level (mtp.*): the module's plan takes the text model's
     embeddings and the lm_head, and everything else from mtp.*."""

@@ -76,6 +76,7 @@ def test_runaway_schema_is_refused_and_the_refusal_kept(compiler: ConstraintComp
         compiler.compile(spec, timeout_s=60.0)
 
 
+@pytest.mark.slow  # seconds of compiling up to the limit; the refusal is quick just above
 def test_runaway_schema_past_the_memory_bound_is_refused(compiler: ConstraintCompiler) -> None:
     # 2,000 patterns: past 9 GB unbounded; the child stops at its memory limit (or the time)
     spec = ConstraintSpec("json_schema", runaway(2000), SCHEMA_PARAM)

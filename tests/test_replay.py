@@ -34,6 +34,7 @@ from colibri.engine.tools.replay import (
     split_chunk,
 )
 from colibri.engine.tools.routing_trace import RouteRecorder, RoutingTrace, greedy_run
+from tests.conftest import quick_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,7 +228,7 @@ def _cached_run(folder: Path, ids: np.ndarray, n_slots: int,
     return rec.trace(), model.core.expert_cache_stats()
 
 
-@pytest.mark.parametrize("n_slots", [4, 8, 12, 16, 32])
+@pytest.mark.parametrize("n_slots", quick_params([4, 8, 12, 16, 32], [8]))
 def test_core_cache_hits_are_the_replays(demo: tuple[Path, np.ndarray], n_slots: int) -> None:
     folder, ids = demo
     tr, st = _cached_run(folder, ids, n_slots, None)
@@ -240,7 +241,7 @@ def test_core_cache_hits_are_the_replays(demo: tuple[Path, np.ndarray], n_slots:
         assert simulate(tr, n_slots, "lru").hits.tolist() != st["hits"].tolist()
 
 
-@pytest.mark.parametrize("n_slots", [8, 16])
+@pytest.mark.parametrize("n_slots", quick_params([8, 16], [8]))
 def test_core_cache_hits_with_pinned_experts(demo: tuple[Path, np.ndarray],
                                              n_slots: int) -> None:
     folder, ids = demo

@@ -28,7 +28,6 @@ import pytest
 from colibri.app.replicas.launch import port_outside_ray
 from tests.server_helpers import SubprocessServer, parse_metrics, wait_for
 
-pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
 KEY = "sk-replicas"
@@ -95,6 +94,7 @@ class ReplicaServer(SubprocessServer):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaServer]:
+    pytest.importorskip("ray.serve")  # here, not at collection: importing Ray takes seconds
     s = ReplicaServer(tmp_path_factory.mktemp("replicas"))
     try:
         s.wait_ready(240.0)

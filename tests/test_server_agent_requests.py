@@ -138,6 +138,7 @@ def _scan(probe: Probe) -> None:
     raise AssertionError("no budget ended inside a call")
 
 
+@pytest.mark.slow  # dozens of requests; the parsers keep a cut call a call in the quick pass
 def test_cut_calls_in_chat(oai: openai.OpenAI) -> None:
     for choice in (NAMED, "required"):
         def probe(max_tokens: int, stream: bool, choice: Any = choice
@@ -164,6 +165,7 @@ def test_cut_calls_in_chat(oai: openai.OpenAI) -> None:
         _scan(probe)
 
 
+@pytest.mark.slow  # dozens of requests, as in chat
 def test_cut_call_in_responses(oai: openai.OpenAI) -> None:
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 
@@ -188,6 +190,7 @@ def test_cut_call_in_responses(oai: openai.OpenAI) -> None:
     _scan(probe)
 
 
+@pytest.mark.slow  # dozens of requests, as in chat
 def test_cut_call_in_messages(server: SubprocessServer) -> None:
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
 

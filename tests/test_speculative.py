@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 
 from tests.conftest import quick_params
-from tests.tiny_models import make_checkpoint
+from tests.tiny_models import TinyCheckpoints
 
 N_CTX = 256
 # every MoE family (softmax and grouped routers, MLA, sliding windows with sinks, partial
 # rotary) and a dense one
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
             "glm4_moe", "gpt_oss", "minimax_m2", "llama4", "llama")
-# a family each of softmax, grouped and MLA, sink and chunked models, and a dense one run in
-# the quick pass; every family runs in the whole suite
-QUICK = ("mixtral", "deepseek_v3", "gpt_oss", "llama4", "llama")
+# a family each of softmax, grouped and MLA, and sink models, and a dense one run in the quick
+# pass; every family (the chunked one too) runs in the whole suite
+QUICK = ("mixtral", "deepseek_v3", "gpt_oss", "llama")
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
     "One, two, three, four, five, six, seven, eight, nine, ten. One, two, three,",
@@ -37,9 +37,8 @@ def _cache(own_cache_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec")
-    return {a: make_checkpoint(a, root / a, seed=7) for a in FAMILIES}
+def ckpts(checkpoints: TinyCheckpoints) -> dict[str, Path]:
+    return checkpoints.folders(seed=7)
 
 
 def _llm(hf: Path, quant: str = "f32", **cfg: Any) -> Any:
@@ -371,8 +370,10 @@ class TreeDrafter:
         return out
 
 
+# 3000 requests each; the rule on one row is the quick test below
 @pytest.mark.parametrize("temperature,top_k",
-                         [(1.0, 3), pytest.param(0.7, 4, marks=pytest.mark.slow)])
+                         [pytest.param(1.0, 3, marks=pytest.mark.slow),
+                          pytest.param(0.7, 4, marks=pytest.mark.slow)])
 def test_sampled_tokens_follow_the_models_distribution(ckpts: dict[str, Path],
                                                        temperature: float, top_k: int) -> None:
     """3000 seeded requests whose second and third tokens are verified against drafts (the
@@ -503,14 +504,15 @@ def test_drafts_use_only_spare_budget_and_blocks_and_never_preempt(
 
 
 @pytest.mark.parametrize("arch", quick_params(["qwen3_next", "qwen3_5_moe"], ["qwen3_next"]))
-def test_hybrid_models_speculate_with_the_same_greedy_output(tmp_path: Path, arch: str) -> None:
+def test_hybrid_models_speculate_with_the_same_greedy_output(ckpts: dict[str, Path],
+                                                              arch: str) -> None:
     """A model with linear-attention layers keeps a recurrent state per sequence that a
     verify step advances past rejected drafts: the state saved before the step comes back and
     the kept tokens run again; as many sequences draft per step as there are spare state
     slots to save them in. Greedy output with ngram drafts at k = 1, 2, 4 (some drafts
     kept, some rejected), with drafts all kept and with drafts all rejected, is token for
     token and logprob for logprob the output without speculation."""
-    hf = make_checkpoint(arch, tmp_path / arch, seed=7)
+    hf = ckpts[arch]
     base = _llm(hf, prefix_cache=False)
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())
@@ -532,9 +534,9 @@ def test_hybrid_models_speculate_with_the_same_greedy_output(tmp_path: Path, arc
         assert st.n_accepted == (0 if wrong else st.n_draft_tokens) and st.n_draft_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", quick_params(["mixtral", "qwen3_moe", "qwen3_next"], ["mixtral"]))
 def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
-        ckpts: dict[str, Path], tmp_path: Path, arch: str) -> None:
+        ckpts: dict[str, Path], arch: str) -> None:
     """--speculative auto: greedy output equals the output without speculation, token for
     token, whatever k the cost model picks from the steps it measures (its choices vary with
     this machine's timings, the tokens must not). With a cost pinned to free drafts and a
@@ -543,7 +545,7 @@ def test_auto_keeps_greedy_output_and_lets_the_cost_model_choose_k(
     from colibri.engine.core.engine import MEASURE_EVERY
     from colibri.engine.spec.cost import StepCost, StepCostMeter
 
-    hf = ckpts[arch] if arch in ckpts else make_checkpoint(arch, tmp_path / arch, seed=7)
+    hf = ckpts[arch]
     base = _llm(hf, prefix_cache=False)
     prompts = [_ids(base, p) for p in PROMPTS]
     want = _run(base, prompts, _params())

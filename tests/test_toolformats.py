@@ -14,6 +14,7 @@ import pytest
 from colibri.engine.text.toolcalls import ToolCallParser, template_tools
 from colibri.engine.text.toolformats import family_of
 from colibri.engine.text.toolformats.common import typed_value
+from tests.conftest import quick_params
 from tests.test_reasoning import every_split
 
 NAMES = {"get_weather", "run", "edit"}
@@ -271,7 +272,9 @@ def demo():  # noqa: ANN201
     return LLM(None)
 
 
-@pytest.mark.parametrize("family", sorted(XML_TEMPLATES))
+# every family's markup is parsed in the quick pass (test_calls_in_every_split); one family
+# of each style runs through the model there, the rest in the whole suite
+@pytest.mark.parametrize("family", quick_params(sorted(XML_TEMPLATES), ["qwen3_coder"]))
 def test_forced_xml_calls_render_back_as_written(demo, family: str) -> None:  # noqa: ANN001
     """Forced calls on an XML-style template: the model writes the family's markup, the
     calls validate, and the template renders them back into the next prompt verbatim."""
@@ -376,7 +379,7 @@ JSON_MARKUP_TEMPLATES = {"deepseek": DEEPSEEK_TEMPLATE, "kimi": KIMI_TEMPLATE,
                          "harmony": HARMONY_TEMPLATE}
 
 
-@pytest.mark.parametrize("family", sorted(JSON_MARKUP_TEMPLATES))
+@pytest.mark.parametrize("family", quick_params(sorted(JSON_MARKUP_TEMPLATES), ["harmony"]))
 def test_forced_json_markup_calls_render_back_as_written(demo, family: str) -> None:  # noqa: ANN001
     """DeepSeek's, Kimi's and gpt-oss's forced calls: the model writes the family's markup
     (Kimi's id numbered, gpt-oss's recipient), the calls validate, and the template renders

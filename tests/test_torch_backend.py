@@ -34,7 +34,12 @@ from colibri.engine.executor.backend import LayerOp, Placement, step_ops  # noqa
 from colibri.engine.executor.model import Model  # noqa: E402
 from colibri.engine.format.convert import convert  # noqa: E402
 from tests.conftest import quick_params  # noqa: E402
-from tests.parity_helpers import prefill, rel_l2, rel_max  # noqa: E402
+from tests.parity_helpers import (  # noqa: E402
+    assert_paged_batch_invariant,
+    prefill,
+    rel_l2,
+    rel_max,
+)
 from tests.test_parity_families import CASES as FAMILY_CASES  # noqa: E402
 from tests.test_parity_families import _forced_routing  # noqa: E402
 from tests.tiny_models import ARCHS, VOCAB_SIZE, TinyCheckpoints, make_checkpoint  # noqa: E402
@@ -72,8 +77,11 @@ class Case:
                 h.remove()
 
 
-# every family takes seconds: these run in the quick pass, the rest in the whole suite
-QUICK = ("mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_next")
+# every family takes seconds: a softmax MoE, MLA, sinks and linear attention run in the quick
+# pass (where the C core's parity of every family runs too), the rest in the whole suite
+QUICK = ("mixtral", "deepseek_v3", "gpt_oss", "qwen3_next")
+# split placements: a plain MoE and a linear-attention model (each split takes seconds)
+QUICK_SPLIT = ("mixtral", "qwen3_next")
 
 
 @pytest.fixture(scope="module", params=quick_params(CASES, QUICK))
@@ -81,7 +89,7 @@ def case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
     return Case(request.param, checkpoints)
 
 
-@pytest.fixture(scope="module", params=quick_params(CASES, QUICK))
+@pytest.fixture(scope="module", params=quick_params(CASES, QUICK_SPLIT))
 def split_case(request: pytest.FixtureRequest, checkpoints: TinyCheckpoints) -> Case:
     return Case(request.param, checkpoints)
 
@@ -186,18 +194,8 @@ def test_paged_calls_are_batch_invariant(checkpoints: TinyCheckpoints) -> None:
     what each gives alone, and a prompt in two chunks gives one call's logits."""
     path = checkpoints.get("mixtral", seed=3).converted("f32")
     m = Model.load(path, n_ctx=N_CTX, n_seq=0, kv_blocks=16, device=TORCH)
-    rng = np.random.default_rng(0)
-    a = rng.integers(0, VOCAB_SIZE, 20).astype(np.int32)
-    b = rng.integers(0, VOCAB_SIZE, 9).astype(np.int32)
-    tables = np.array([[5, 2, -1, -1], [7, -1, -1, -1]], np.int32)
-    both = m.forward_paged(np.concatenate([a, b]), np.r_[np.zeros(20), np.ones(9)],
-                           np.r_[np.arange(20), np.arange(9)], tables)
     alone = Model.load(path, n_ctx=N_CTX, device=TORCH)
-    ra = prefill(alone, a)
-    alone.reset(0)
-    rb = prefill(alone, b)
-    np.testing.assert_allclose(both[:20], ra, rtol=0, atol=1e-5 * np.abs(ra).max())
-    np.testing.assert_allclose(both[20:], rb, rtol=0, atol=1e-5 * np.abs(rb).max())
+    a, ra = assert_paged_batch_invariant(m, alone, seed=0)
     alone.reset(0)
     first = prefill(alone, a[:13])
     rest = prefill(alone, a[13:], start=13)
@@ -353,6 +351,7 @@ def test_linear_attention_long_prefill_takes_the_chunked_form(hybrid: Path) -> N
     assert rel_max(prefill(t, p[n:], start=n), prefill(c, p[n:], start=n)) <= 1e-4
 
 
+@pytest.mark.slow  # seconds; the engine on torch-cpu is quick in tests/test_device_option.py
 def test_the_engine_on_torch_speculates_on_a_linear_attention_model(hybrid: Path) -> None:
     """Through the step engine (scheduler, state slots, speculation's save and restore of a
     sequence's recurrent state around a verify step): greedy tokens on the torch backend

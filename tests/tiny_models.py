@@ -7,7 +7,8 @@ byte-level BPE tokenizer of exactly the model's vocabulary size, and saves it al
 `save_pretrained`. Deterministic for a seed; needs torch and transformers (test extras).
 `TinyCheckpoints` (the session's `checkpoints` fixture in tests/conftest.py) makes each
 (architecture, seed, overrides) once per session, with its conversions and its transformers
-model, for every test file that reads it.
+model, for every test file that reads it, and each derived checkpoint (a folder a test's
+builder writes, such as a model with an MTP layer) once too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +354,7 @@ class TinyCheckpoints:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._made: dict[str, TinyCheckpoint] = {}
+        self._derived: dict[str, Path] = {}
 
     def get(self, arch: str, seed: int = 0, **overrides: Any) -> TinyCheckpoint:
         key = json.dumps([arch, seed, overrides], sort_keys=True)
@@ -359,6 +362,31 @@ class TinyCheckpoints:
             name = f"{arch}-{seed}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
             self._made[key] = TinyCheckpoint(self.root / name, arch, seed, overrides)
         return self._made[key]
+
+    def folders(self, seed: int) -> dict[str, Path]:
+        """Architecture -> the Hugging Face folder of get(arch, seed), made on first lookup."""
+        return _Folders(self, seed)
+
+    def derived(self, name: str, build: Callable[[Path], Path]) -> Path:
+        """The checkpoint build(folder) writes into a new folder (one that no architecture,
+        seed and overrides describe, such as a model with an extra layer), made once per
+        session under name."""
+        if name not in self._derived:
+            self._derived[name] = build(self.root / "derived" / name)
+        return self._derived[name]
+
+
+class _Folders(dict[str, Path]):
+    """TinyCheckpoints.folders: a dict that makes a missing architecture's checkpoint."""
+
+    def __init__(self, checkpoints: TinyCheckpoints, seed: int) -> None:
+        super().__init__()
+        self.checkpoints = checkpoints
+        self.seed = seed
+
+    def __missing__(self, arch: str) -> Path:
+        self[arch] = self.checkpoints.get(arch, seed=self.seed).hf_dir
+        return self[arch]
 
 
 def make_scripted_checkpoint(out_dir: str | Path, chat_template: str, prompt_tail: str,
