@@ -77,6 +77,29 @@ def test_devices_are_checked() -> None:
         resolve_device("cuda:0")
 
 
+def test_auto_asks_torch_only_where_a_gpu_driver_is(tmp_path: Path) -> None:
+    """--device auto on a Linux machine with no GPU driver's device file answers cpu without
+    importing torch (a second of every start); with one, torch is asked."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "nvidiactl"
+    marker.write_text("")
+    code = ("import sys\n"
+            "from colibri.engine.executor import backend\n"
+            "backend.GPU_DEVICE_FILES = (sys.argv[1],)\n"
+            "print(backend.resolve_device('auto'), 'torch' in sys.modules)\n")
+
+    def run(device_file: Path) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code, str(device_file)], check=True,
+                             capture_output=True, text=True).stdout
+        return out.split()
+
+    assert run(tmp_path / "missing") == ["cpu", "False"]
+    got, imported = run(marker)
+    assert imported == "True" and got in ("cpu", "cuda:0")
+
+
 def test_commands_take_the_device(model: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     base = ["generate", "--model", str(model), "--prompt", "hello", "--max-tokens", "8",

@@ -11,6 +11,8 @@ This module imports neither torch nor the C extension.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -138,8 +140,23 @@ def check_device(name: str) -> str:
     raise ValueError(f"unknown device {name!r}; choose one of {DEVICES_HELP}")
 
 
+# device files a GPU driver creates on Linux (NVIDIA, WSL's GPU, ROCm): without any of them
+# torch sees no CUDA device, and the second or so that importing torch takes is saved
+GPU_DEVICE_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_driver_absent() -> bool:
+    """True where this is Linux and no GPU driver's device file exists (torch would see no
+    CUDA device); False where one exists or on another system (torch is asked then)."""
+    return sys.platform.startswith("linux") and not any(os.path.exists(f)
+                                                        for f in GPU_DEVICE_FILES)
+
+
 def torch_cuda_count() -> int:
-    """CUDA devices torch sees (0 without torch, or with a CPU-only torch)."""
+    """CUDA devices torch sees (0 without torch, with a CPU-only torch, or on a Linux machine
+    with no GPU driver, where torch is not imported at all)."""
+    if gpu_driver_absent():
+        return 0
     try:
         import torch
     except ImportError:
