@@ -128,11 +128,6 @@ int64_t clb_xc_claim(clb_xcache *xc, int64_t l, int64_t i, int64_t e, int prefet
  * forward waits for arrives meanwhile */
 int clb_xc_load_claimed(clb_xcache *xc, int64_t l, int64_t i, int64_t old, int loader,
                         int nowait, int abortable);
-/* Whether a prefetch read into slot s should stop now: a load the forward waits for is queued
- * for a reader (every reader is busy) and s is not one of the running wave's. Stopping frees
- * the slot (the expert it evicted is gone), so a read that merely shares the storage with
- * demand loads goes on: those are kept from starting instead (storage_busy). */
-int clb_xc_prefetch_yields(const clb_xcache *xc, const clb_xslot *s);
 /* the reader pool's callbacks (ctx: the cache) */
 void clb_xc_reader_run(void *ctx, const clb_xjob *j, int loader);
 void clb_xc_reader_prefetch(void *ctx, int32_t key, int loader);

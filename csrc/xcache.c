@@ -166,10 +166,6 @@ static int storage_busy_share(clb_xcache *xc) {
 
 static int storage_busy(clb_xcache *xc) { return xc->demand > 0 || storage_busy_share(xc); }
 
-int clb_xc_prefetch_yields(const clb_xcache *xc, const clb_xslot *s) {
-    return xc->failed || (clb_xreaders_waiting(xc->pool) > 0 && !s->in_use);
-}
-
 /* Hands a claimed load to the readers, ahead of every prefetch (lock held); repack_got > 0:
  * its bytes are in the slot already, only the repack is left. */
 static void push_job(clb_xcache *xc, int64_t l, int64_t i, int64_t old, size_t repack_got) {

@@ -119,6 +119,14 @@ static int expert_fd(clb_xcache *xc, int64_t idx, int nowait, int flags, char *m
 }
 
 /* Ends a read's hold on expert idx's file (from expert_fd). */
+/* Whether a prefetch read into slot s should stop now (lock held): a load the forward waits
+ * for is queued for a reader (every reader is busy) and s is not one of the running wave's.
+ * Stopping frees the slot (the expert it evicted is gone), so a read that merely shares the
+ * storage with demand loads goes on: those are kept from starting instead. */
+static int prefetch_yields(const clb_xcache *xc, const clb_xslot *s) {
+    return xc->failed || (clb_xreaders_waiting(xc->pool) > 0 && !s->in_use);
+}
+
 static void fd_put(clb_xcache *xc, int64_t idx) {
     pthread_mutex_lock(&xc->mu);
     xc->fd_ref[idx]--;
@@ -178,7 +186,7 @@ size_t clb_xread_expert(clb_xcache *xc, int64_t idx, clb_xslot *s, int loader, i
          * arrives: it never holds the storage against one for a whole expert */
         if (abortable && got > 0) {
             pthread_mutex_lock(&xc->mu);
-            int yield = clb_xc_prefetch_yields(xc, s);
+            int yield = prefetch_yields(xc, s);
             pthread_mutex_unlock(&xc->mu);
             if (yield) {
                 *blocked = 2;
