@@ -9,6 +9,7 @@ a hit or a miss, a step per forward call, swaps that keep the count of device ex
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,9 @@ def _tokens(model: Path, **kw: object) -> tuple[list[list[int]], str]:
         llm.core.close()
 
 
+# slow: the bench test below runs the engine on torch-cpu against the C tokens in the quick
+# pass, and tests/test_expert_split.py the engine with experts placed on the device
+@pytest.mark.slow
 def test_the_engine_on_torch_cpu_gives_the_c_tokens(model: Path) -> None:
     want, dev = _tokens(model, device="cpu")
     assert dev == "cpu"
@@ -77,27 +81,31 @@ def test_devices_are_checked() -> None:
         resolve_device("cuda:0")
 
 
-def test_auto_asks_torch_only_where_a_gpu_driver_is(tmp_path: Path) -> None:
+def test_auto_asks_torch_only_where_a_gpu_driver_is(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """--device auto on a Linux machine with no GPU driver's device file answers cpu without
     importing torch (a second of every start); with one, torch is asked."""
-    import subprocess
-    import sys
+    import types
 
+    from colibri.engine.executor import backend
+
+    asked: list[str] = []
+
+    def is_available() -> bool:
+        asked.append("is_available")
+        return False
+
+    # what `import torch` finds: a torch that records being asked and sees no CUDA device
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=is_available,
+                                                            device_count=lambda: 0))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(backend, "GPU_DEVICE_FILES", (str(tmp_path / "missing"),))
+    assert resolve_device("auto") == "cpu" and asked == []
     marker = tmp_path / "nvidiactl"
     marker.write_text("")
-    code = ("import sys\n"
-            "from colibri.engine.executor import backend\n"
-            "backend.GPU_DEVICE_FILES = (sys.argv[1],)\n"
-            "print(backend.resolve_device('auto'), 'torch' in sys.modules)\n")
-
-    def run(device_file: Path) -> list[str]:
-        out = subprocess.run([sys.executable, "-c", code, str(device_file)], check=True,
-                             capture_output=True, text=True).stdout
-        return out.split()
-
-    assert run(tmp_path / "missing") == ["cpu", "False"]
-    got, imported = run(marker)
-    assert imported == "True" and got in ("cpu", "cuda:0")
+    monkeypatch.setattr(backend, "GPU_DEVICE_FILES", (str(tmp_path / "missing"), str(marker)))
+    assert resolve_device("auto") == "cpu" and asked == ["is_available"]
 
 
 def test_commands_take_the_device(model: Path, tmp_path: Path,
