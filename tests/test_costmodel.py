@@ -90,6 +90,27 @@ def test_hottest_experts_are_placed_first(model: Path) -> None:
     assert plan.gpu_experts == want
 
 
+def test_routing_history_with_dense_layers_is_read(tmp_path: Path) -> None:
+    """The expert cache keeps a row for every layer (a dense layer's stays empty): the heat of
+    the MoE layers follows it, as it follows a history of MoE rows alone."""
+    from types import SimpleNamespace
+
+    from colibri.engine.executor.costmodel import _heat
+
+    cfg = SimpleNamespace(n_expert=4, n_expert_used=2, n_layer=3, moe_layers=[1, 2])
+    moe_rows = np.array([[1, 3, 0, 0], [2, 2, 2, 2]])
+    want = np.zeros((3, 4))
+    want[1] = [0.5, 1.0, 0.0, 0.0]  # shares times K = 2, at most 1
+    want[2] = 0.5
+    for sel in (moe_rows, np.vstack([np.zeros((1, 4), int), moe_rows])):
+        (tmp_path / ROUTING_FILE).write_text(json.dumps({"selections": sel.tolist()}))
+        np.testing.assert_allclose(_heat(tmp_path, cfg), want)  # type: ignore[arg-type]
+    (tmp_path / ROUTING_FILE).write_text(json.dumps({"selections": [[1, 2, 3]]}))
+    uniform = np.zeros((3, 4))
+    uniform[[1, 2]] = 0.5
+    np.testing.assert_allclose(_heat(tmp_path, cfg), uniform)  # type: ignore[arg-type]
+
+
 def test_cold_expert_choice_flips_where_the_profile_says(model: Path) -> None:
     mc = model_costs(model, ModelConfig.from_dir(model))
     ex = mc.experts[0]

@@ -148,7 +148,8 @@ class ModelCosts:
 
 def _heat(folder: Path, cfg: ModelConfig) -> np.ndarray:
     """Per layer and expert the share of tokens that choose it (K per layer in all), from the
-    routing history; uniform without one."""
+    routing history (a row per MoE layer, or per layer as the expert cache keeps it, dense
+    layers' rows empty); uniform without one."""
     E, K = max(cfg.n_expert, 1), cfg.n_expert_used
     heat = np.zeros((cfg.n_layer, E))
     moe = cfg.moe_layers
@@ -157,6 +158,8 @@ def _heat(folder: Path, cfg: ModelConfig) -> np.ndarray:
         sel = np.asarray(json.loads((folder / ROUTING_FILE).read_text())["selections"], float)
     except (OSError, ValueError, KeyError, TypeError):
         return heat
+    if sel.shape == (cfg.n_layer, E):  # the expert cache's history: a row for every layer
+        sel = sel[list(moe)]
     if sel.shape != (len(moe), E):
         return heat
     for row, il in zip(sel, moe, strict=True):
