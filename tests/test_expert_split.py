@@ -208,12 +208,17 @@ def test_a_dense_layer_has_no_experts_to_run(deepseek: Family) -> None:
                            np.ones(cfg.n_expert, bool), x.copy())
 
 
-def test_split_tokens_equal_all_cpu(family: Family) -> None:
-    path = family.path("f32")
+def c_reference(path: Path) -> tuple[Model, list[int], np.ndarray]:
+    """The all-CPU model, its greedy tokens and its prefill logits of the test prompt."""
     c = Model.load(path, threads=2, n_ctx=N_CTX)
     want_tokens = greedy(c, PROMPT, N_GEN)
     c.reset(0)
-    want = prefill(c, PROMPT)
+    return c, want_tokens, prefill(c, PROMPT)
+
+
+def test_split_tokens_equal_all_cpu(family: Family) -> None:
+    path = family.path("f32")
+    c, want_tokens, want = c_reference(path)
     cfg = c.config
     for layers, on in device_sets(cfg):
         s = split_model(path, placement(cfg, layers, on))
@@ -362,10 +367,7 @@ def upload_family(request: pytest.FixtureRequest,
 
 def test_cold_experts_upload_for_a_step_where_the_profile_says(upload_family: Family) -> None:
     path = upload_family.path("f32")
-    c = Model.load(path, threads=2, n_ctx=N_CTX)
-    want_tokens = greedy(c, PROMPT, N_GEN)
-    c.reset(0)
-    want = prefill(c, PROMPT)
+    c, want_tokens, want = c_reference(path)
     cfg = c.config
     moe, K = cfg.moe_layers, cfg.n_expert_used
     ex = model_costs(path, cfg, context=N_CTX).experts[moe[0]]

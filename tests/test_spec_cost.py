@@ -188,13 +188,20 @@ def test_match_prior_starts_from_the_match_length_and_learns_by_bucket() -> None
     assert mp.rate(long) > 0.95
 
 
+def measured_union() -> UnionMeter:
+    """A union meter that saw verify steps of 1..5 tokens, the several-token ones reading 10%
+    fewer experts than the uniform bound."""
+    union = UnionMeter(MIXTRAL)
+    for n in range(1, 6):
+        union.observe(n, MIXTRAL.experts_read(n) * (1.0 if n == 1 else 0.9))
+    return union
+
+
 def test_match_prior_is_optimistic_only_while_little_is_known() -> None:
     """upper: a short match's prior says drafts do not pay, its optimism tries them; the
     optimism shrinks as its drafts are tested, so a bucket whose drafts are rejected stops."""
     cost = StepCost(step_s=2e-3, expert_s=1.8e-4, token_s=1e-5)
-    union = UnionMeter(MIXTRAL)
-    for n in range(1, 6):
-        union.observe(n, MIXTRAL.experts_read(n) * (1.0 if n == 1 else 0.9))
+    union = measured_union()
     mp = MatchPrior()
     b = mp.bucket(1)
     assert mp.rate(b) < mp.upper(b) <= 1.0
@@ -212,9 +219,7 @@ def test_match_prior_bounds_close_in_on_the_rate_as_drafts_are_tested() -> None:
     n) for n tested drafts and the prior's weight. A bucket at even odds, untested, drafts on
     upper and not on lower; once many of its drafts were tested and 60% kept, lower drafts."""
     cost = StepCost(step_s=2e-3, expert_s=1.8e-4, token_s=1e-5)
-    union = UnionMeter(MIXTRAL)
-    for n in range(1, 6):
-        union.observe(n, MIXTRAL.experts_read(n) * (1.0 if n == 1 else 0.9))
+    union = measured_union()
     mp = MatchPrior()
     b = mp.bucket(2)
     err = np.sqrt(0.5 * 0.5 / mp.weight)

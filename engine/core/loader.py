@@ -214,12 +214,7 @@ def load_engine(path: str | Path, config: EngineConfig) -> EngineCore:
     model = Model.load(folder, threads=config.threads, n_ctx=config.n_ctx, n_seq=0,
                        kv_type=kv_type, kv_blocks=n_blocks, state_slots=n_states,
                        kv_win_blocks=pools.n_win, device=device, placement=placement)
-    split = getattr(model.core, "expert_split", None)
-    if split is not None:  # its per-step choice for cold experts predicts with the same profile
-        split.profile = profile
-    monitor = (start_expert_cache(model, folder, config.expert_cache, pools.total_bytes)
-               if device == "cpu" else split_monitor(model, folder, config.expert_cache,
-                                                     pools.total_bytes))
+    monitor = attach_monitor(model, folder, profile, config.expert_cache, pools.total_bytes)
     tokenizer = Tokenizer.from_dir(folder)
     mb = pools.total_bytes / 1024 / 1024
     log.info("KV cache: %d blocks of %d positions (%s, %.1f MB, %d tokens; %d full contexts "
@@ -263,6 +258,19 @@ def choose_placement(folder: Path, cfg: ModelConfig, config: EngineConfig, n_ctx
     log.info("device: %s, placement under %s: %s", device, budget_text(config.gpu_memory_mb),
              text)
     return (device, placement, profile) if placement is not None else ("cpu", None, None)
+
+
+def attach_monitor(model: Model, folder: Path, profile: DeviceProfile | None,
+                   xc: ExpertCacheConfig, kv_bytes: int) -> ExpertCacheMonitor | None:
+    """The loaded model's monitor (the expert cache's on the C core, the split's on a torch
+    device), with the placement's profile handed to a split: its per-step choice for cold
+    experts predicts with the profile the placement was planned with."""
+    if model.device == "cpu":
+        return start_expert_cache(model, folder, xc, kv_bytes)
+    split = getattr(model.core, "expert_split", None)
+    if split is not None:
+        split.profile = profile
+    return split_monitor(model, folder, xc, kv_bytes)
 
 
 def split_monitor(model: Model, folder: Path, xc: ExpertCacheConfig,

@@ -14,9 +14,8 @@ import numpy as np
 
 from colibri.engine.core.loader import (
     EngineConfig,
+    attach_monitor,
     choose_placement,
-    split_monitor,
-    start_expert_cache,
 )
 from colibri.engine.core.options import ExpertCacheConfig
 from colibri.engine.executor.expert_cache import ExpertCacheMonitor
@@ -33,13 +32,8 @@ def load_bench_model(path: Path, config: EngineConfig, n_ctx: int, kv_type: str,
     device, placement, profile = choose_placement(path, cfg, config, n_ctx)
     model = Model.load(path, threads=config.threads, n_ctx=n_ctx, kv_type=kv_type,
                        device=device, placement=placement)
-    split = getattr(model.core, "expert_split", None)
-    if split is not None:  # its per-step choice for cold experts predicts with the same profile
-        split.profile = profile
-    kv_bytes = model.n_kv_blocks * model.kv_block_bytes()
-    if device == "cpu":
-        return model, start_expert_cache(model, path, xc, kv_bytes)
-    return model, split_monitor(model, path, xc, kv_bytes)
+    return model, attach_monitor(model, path, profile, xc,
+                                 model.n_kv_blocks * model.kv_block_bytes())
 
 
 def device_experts(monitor: ExpertCacheMonitor | None) -> list[list[int]] | None:
