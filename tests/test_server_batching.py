@@ -22,6 +22,9 @@ from tests.server_helpers import SubprocessServer, parse_metrics, tiny_model, wa
 
 MODEL = "tiny-mixtral"
 N_CTX = 512
+# the shared server's context: long enough that eight streams left to run to its end keep
+# running for thousands of steps, however fast this machine decodes
+SERVER_CTX = 4096
 TOPICS = ["the river", "the old stone mill", "the stars", "the garden", "the school road",
           "the hummingbird", "the weather", "the numbers"]
 
@@ -29,9 +32,9 @@ TOPICS = ["the river", "the old stone mill", "the stars", "the garden", "the sch
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
     tmp = tmp_path_factory.mktemp("batching")
-    model = tiny_model(tmp / "model", max_position_embeddings=N_CTX)
+    model = tiny_model(tmp / "model", max_position_embeddings=SERVER_CTX)
     srv = SubprocessServer(model, tmp / "run", "--served-model-name", MODEL, "--n-ctx",
-                           str(N_CTX), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                           str(SERVER_CTX), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                            "--threads", "2").wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()
