@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -174,7 +175,8 @@ clb_status clb_threadpool_run(clb_threadpool *tp, clb_task_fn fn, void *ctx) {
     return CLB_OK;
 }
 
-/* physical cores = distinct (package, core) pairs of the online CPUs; SMT siblings share one */
+/* physical cores = distinct (package, core) pairs of the online CPUs this process may run on
+ * (its affinity mask: taskset, a container's cpuset); SMT siblings share one */
 static int clb_read_int(const char *path, long *v) {
     FILE *f = fopen(path, "r");
     if (!f) return 0;
@@ -188,6 +190,8 @@ int clb_physical_cores(void) {
     static long ids[MAX_CPUS];
     static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
     int n = 0;
+    cpu_set_t mask;
+    int masked = sched_getaffinity(0, sizeof mask, &mask) == 0; /* fails past 1024 CPUs */
     pthread_mutex_lock(&mu);
     DIR *d = opendir("/sys/devices/system/cpu");
     if (d) {
@@ -198,6 +202,7 @@ int clb_physical_cores(void) {
                 continue;
             long cpu = strtol(e->d_name + 3, &end, 10);
             if (*end != '\0') continue;
+            if (masked && (cpu >= CPU_SETSIZE || !CPU_ISSET((int)cpu, &mask))) continue;
             char path[256];
             long online = 1, core, pkg;
             snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%ld/online", cpu);
@@ -216,6 +221,7 @@ int clb_physical_cores(void) {
     }
     pthread_mutex_unlock(&mu);
     if (n > 0) return n;
+    if (masked && CPU_COUNT(&mask) > 0) return CPU_COUNT(&mask);
     long c = sysconf(_SC_NPROCESSORS_ONLN);
     return c > 0 ? (int)c : 1;
 }

@@ -41,7 +41,7 @@ BAD: list[tuple[list[str], str]] = [
     (["bench", "--gen-tokens", "-1"], "--gen-tokens must be positive, got -1"),
     (["bench", "--repeat", "0"], "--repeat must be positive, got 0"),
     (["bench", "--probe-mib", "0"], "--probe-mib must be positive, got 0"),
-    (["bench", "--threads", "0"], "--threads must be positive, got 0"),
+    (["bench", "--threads", "0"], "--threads must be at least 1, got 0"),
 ]
 
 

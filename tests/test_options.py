@@ -253,7 +253,24 @@ def test_engine_commands_layer_flags_over_the_environment(
         expert_cache_from_args(p.parse_args(["--prompt", "x", "--prefetch-window", "0"]))
 
 
-def test_config_objects_default_to_the_table() -> None:
+def test_threads_come_from_the_flag_then_the_environment(clean_env: pytest.MonkeyPatch) -> None:
+    """COLIBRI_THREADS sets the thread count of every command and of the Python API; a flag
+    still wins, and a bad value is refused by its name."""
+    from colibri.engine import EngineConfig
+    from colibri.engine.tools.cache_args import threads_from_args
+
+    p = _subparsers()["generate"]
+    assert threads_from_args(p.parse_args(["--prompt", "x"])) is None
+    assert EngineConfig().threads is None
+    clean_env.setenv("COLIBRI_THREADS", "3")
+    assert threads_from_args(p.parse_args(["--prompt", "x"])) == 3 == EngineConfig().threads
+    assert threads_from_args(p.parse_args(["--prompt", "x", "--threads", "2"])) == 2
+    clean_env.setenv("COLIBRI_THREADS", "0")
+    with pytest.raises(ValueError, match="COLIBRI_THREADS"):
+        EngineConfig()
+
+
+def test_config_objects_default_to_the_table(clean_env: pytest.MonkeyPatch) -> None:
     from dataclasses import fields
 
     from colibri.engine import LLM, AsyncEngineConfig, EngineConfig, SamplingParams

@@ -33,4 +33,18 @@ def test_bad_sizes_are_refused() -> None:
 
 def test_physical_cores() -> None:
     n = core.physical_cores()
-    assert 1 <= n <= (os.cpu_count() or 1)
+    assert 1 <= n <= len(os.sched_getaffinity(0)) <= (os.cpu_count() or 1)
+
+
+def test_physical_cores_are_counted_within_the_affinity_mask() -> None:
+    """Under taskset or a container's cpuset the default thread count is the cores this
+    process may run on, not every core of the machine."""
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))
+    code = "from colibri.engine import _core; print(_core.physical_cores())"
+    for mask, want in (({cpus[-1]}, 1), (set(cpus), core.physical_cores())):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, preexec_fn=lambda m=mask: os.sched_setaffinity(0, m))
+        assert int(out.stdout) == want, mask

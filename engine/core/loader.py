@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from colibri.engine.core.block_manager import BLOCK_SIZE
 from colibri.engine.core.engine import EngineCore, win_pool_need
 from colibri.engine.core.kv_types import DEFAULT_KV_CACHE_TYPE, resolve_kv_type
-from colibri.engine.core.options import ExpertCacheConfig, default
+from colibri.engine.core.options import ExpertCacheConfig, default, env_values
 from colibri.engine.core.scheduler import SchedulerConfig
 from colibri.engine.core.speculative import SpeculativeConfig, spare_state_slots
 from colibri.engine.executor.backend import Placement, resolve_device, torch_unsupported
@@ -53,7 +53,8 @@ DEFAULT_PREFILL_TOKENS_WHILE_DECODING = default("prefill_tokens_while_decoding")
 class EngineConfig:
     """How to load and run a model."""
 
-    threads: int | None = None  # None: physical cores
+    # None: the physical cores this process may run on
+    threads: int | None = field(default_factory=lambda: env_values(("threads",)).get("threads"))
     device: str = default("device")  # auto | cpu | cuda | cuda:N | torch-cpu
     gpu_memory_mb: float | None = None  # None: everything on a torch device
     device_profile: str | None = None  # None: measure this machine for the placement

@@ -177,7 +177,7 @@ OPTIONS: tuple[Option, ...] = (
            "converted (q4: embeddings and lm_head q6, the rest q4)", _MODEL,
            commands=(*_SERVE_ENGINE, "info", "convert", "plan"), choices=PRESETS),
     Option("threads", int, None, "compute threads", _MODEL, commands=_SERVE_ENGINE, ge=1,
-           unset="the machine's physical cores", example="8"),
+           engine_env=True, unset="the physical cores this process may run on", example="8"),
     Option("device", str, "auto", "where the forward pass runs: cpu (the C core), cuda or "
            "cuda:N (a GPU through PyTorch), torch-cpu (the PyTorch path on the CPU), auto",
            _MODEL, commands=(*_SERVE_ENGINE, "info"), engine_env=True, pattern=DEVICE_PATTERN,

@@ -60,6 +60,7 @@ from colibri.engine.tools.cache_args import (
     add_kv_cache_type_arg,
     device_from_args,
     expert_cache_from_args,
+    threads_from_args,
 )
 from colibri.engine.tools.routing_trace import add_trace_args, check_trace_args, record_bench_trace
 
@@ -581,7 +582,8 @@ def bench_main(args: argparse.Namespace) -> int:
     """Run `colibri bench` with parsed arguments; prints the table or JSON."""
     settings = BenchSettings(
         model=args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-        threads=args.threads, repeat=args.repeat, quant=args.quant, probe_mib=args.probe_mib,
+        threads=threads_from_args(args), repeat=args.repeat, quant=args.quant,
+        probe_mib=args.probe_mib,
         profile=args.profile, expert_cache=expert_cache_from_args(args),
         kv_cache_type=args.kv_cache_type, progress=not args.no_progress,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,

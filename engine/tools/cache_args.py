@@ -36,6 +36,12 @@ def expert_cache_from_args(args: argparse.Namespace) -> ExpertCacheConfig:
     return ExpertCacheConfig(**option_values(args, EXPERT_CACHE_OPTIONS))
 
 
+def threads_from_args(args: argparse.Namespace) -> int | None:
+    """--threads, else COLIBRI_THREADS, else None (the cores this process may run on);
+    ValueError "--threads must be at least 1, got ..." on a bad count."""
+    return option_values(args, ("threads",))["threads"]
+
+
 def add_device_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:
     """Adds --device, --gpu-memory-mb and --device-profile (also read from COLIBRI_DEVICE,
     COLIBRI_GPU_MEMORY_MB and COLIBRI_DEVICE_PROFILE, see device_from_args)."""

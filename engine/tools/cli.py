@@ -30,6 +30,7 @@ from colibri.engine.tools.cache_args import (
     add_expert_cache_args,
     device_from_args,
     expert_cache_from_args,
+    threads_from_args,
 )
 
 if TYPE_CHECKING:
@@ -166,8 +167,7 @@ def _generate_params(args: argparse.Namespace) -> SamplingParams:
     except SamplingParamError as e:
         flag = "--" + e.param.replace("_", "-") + (" " if e.message.startswith("must") else ": ")
         raise ValueError(f"{flag}{e.message}, got {getattr(params, e.param)!r}") from None
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    threads_from_args(args)
     device_from_args(args)
     check_flag(OPTION["num_speculative_tokens"], args.num_speculative_tokens)
     return params
@@ -185,7 +185,8 @@ def _generate(args: argparse.Namespace) -> int:
                           **device_from_args(args),  # type: ignore[arg-type]
                           speculative=args.speculative,
                           num_speculative_tokens=args.num_speculative_tokens)
-    llm = LLM(args.model, threads=args.threads, quant=args.quant, config=config)
+    llm = LLM(args.model, threads=threads_from_args(args), quant=args.quant,
+              config=config)
     if args.chat:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:

@@ -26,6 +26,7 @@ from colibri.engine.tools.cache_args import (
     add_kv_cache_type_arg,
     device_from_args,
     expert_cache_from_args,
+    threads_from_args,
 )
 
 LogitsFn = Callable[[list[int]], np.ndarray]
@@ -181,8 +182,7 @@ def check_eval_args(args: argparse.Namespace) -> None:
                          f"got {args.stride}")
     if args.score_tokens is not None and args.score_tokens < 2:
         raise ValueError(f"--score-tokens must be at least 2, got {args.score_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    threads_from_args(args)
 
 
 def read_text_file(path: str | Path) -> str:
@@ -221,7 +221,8 @@ def eval_main(args: argparse.Namespace) -> int:
     config = EngineConfig(kv_cache_type=args.kv_cache_type, max_num_seqs=1,
                           expert_cache=expert_cache_from_args(args),
                           **device_from_args(args))  # type: ignore[arg-type]
-    llm = LLM(args.model, threads=args.threads, n_ctx=args.window, quant=args.quant, config=config)
+    llm = LLM(args.model, threads=threads_from_args(args), n_ctx=args.window, quant=args.quant,
+              config=config)
     window = min(args.window, llm.n_ctx)
     ids = llm.tokenizer.encode(text)
     if args.score_tokens is not None:

@@ -250,9 +250,10 @@ def record_bench_trace(args: argparse.Namespace, model_dir: str | Path,
     """The trace `colibri bench --routing-trace` writes: bench's workload (prompt_of(n_vocab)
     prefilled, --gen-tokens greedy steps) or, with --trace-text, that text."""
     from colibri.engine.executor.model import Model
+    from colibri.engine.tools.cache_args import threads_from_args
 
     n_ctx = args.prompt_tokens + args.gen_tokens
-    model = Model.load(model_dir, threads=args.threads, n_ctx=n_ctx)
+    model = Model.load(model_dir, threads=threads_from_args(args), n_ctx=n_ctx)
     if args.trace_text is not None:
         tr = trace_text(model, read_trace_text(args.trace_text), args.prompt_tokens,
                         args.gen_tokens, args.trace_tokens, follow=args.trace_follow)
