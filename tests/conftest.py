@@ -129,6 +129,20 @@ def pytest_configure(config: pytest.Config) -> None:
         cache = tempfile.mkdtemp(prefix="colibri-test-cache-")
         config._colibri_cache = cache  # type: ignore[attr-defined]
         os.environ["COLIBRI_CACHE_DIR"] = cache
+    else:
+        _share_the_cores(int(config.workerinput["workercount"]))
+
+
+def _share_the_cores(workers: int) -> None:
+    """Under `-n N` each worker gets its share of the cores: models and servers that do not
+    say --threads default to cores / N threads (COLIBRI_THREADS, unless set), and so do
+    transformers' reference computations, so N workers do not run N times the machine's
+    threads, each waiting on the others' at every step."""
+    import torch
+
+    share = max(1, _core.physical_cores() // workers)
+    os.environ.setdefault("COLIBRI_THREADS", str(share))
+    torch.set_num_threads(share)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -115,11 +115,16 @@ def test_the_page_keeps_its_prose_around_the_markers(page: ModuleType) -> None:
         page.render_page("no markers\n")
 
 
-def test_scripts_record_what_the_page_names() -> None:
+def test_scripts_record_what_the_page_names(monkeypatch: pytest.MonkeyPatch) -> None:
     """measured_on(), which the benchmark scripts put into every results file, gives the CPU,
-    this checkout's commit, the command line and today's date."""
+    this checkout's commit, the command line (with the COLIBRI_* variables it ran under) and
+    today's date."""
     import datetime
+    import os
     import subprocess
+
+    for key in [k for k in os.environ if k.startswith("COLIBRI_")]:
+        monkeypatch.delenv(key)
 
     from colibri.engine.tools.bench import cpu_model, measured_on
 
@@ -127,6 +132,8 @@ def test_scripts_record_what_the_page_names() -> None:
     assert set(rec) == {"cpu", "commit", "command", "date"}
     assert rec["cpu"] == cpu_model()
     assert rec["command"] == "python scripts/x.py --json 'out file.json'"
+    monkeypatch.setenv("COLIBRI_THREADS", "3")
+    assert measured_on(["scripts/x.py"])["command"] == "COLIBRI_THREADS=3 python scripts/x.py"
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     assert rec["commit"] == (head or None)
