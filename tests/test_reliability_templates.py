@@ -74,6 +74,32 @@ def test_cancel_stops_a_running_render(model: Path) -> None:
                                 render_timeout_s=60.0, cancel=cancel)
 
 
+def test_a_render_starved_of_cpu_is_slowed_not_stopped() -> None:
+    """The time limit is the render's CPU time: a render process that gets no CPU for longer
+    than the limit (stopped here, as on a machine busy with other work) finishes once it
+    runs, while a render that burns its CPU budget is still stopped."""
+    import signal
+    import time
+
+    from colibri.engine.text.template_sandbox import TemplateBudgetError, TemplateSandbox
+
+    sandbox = TemplateSandbox()
+    try:
+        assert sandbox.render("{{ 'ready' }}", {}, 100) == "ready"
+        (worker,) = sandbox._pool._idle  # the render process the next call reuses
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        threading.Timer(1.5, os.kill, (worker.proc.pid, signal.SIGCONT)).start()
+        start = time.monotonic()
+        assert sandbox.render("{{ 'late' }}", {}, 100, timeout_s=0.5) == "late"
+        assert time.monotonic() - start >= 1.5
+        start = time.monotonic()
+        with pytest.raises(TemplateBudgetError, match="within 0.5 s"):
+            sandbox.render(HOSTILE[3], {}, 100, timeout_s=0.5)
+        assert time.monotonic() - start < 5.0
+    finally:
+        sandbox.close()
+
+
 def test_client_template_still_renders_like_in_process(model: Path) -> None:
     tok = Tokenizer.from_dir(model)
     tpl = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"

@@ -1,7 +1,9 @@
 """Work that may run away, done in child processes that can be stopped.
 
 A `WorkerPool` runs `python -m <module>` children, each answering one JSON request at a time
-over its stdin and stdout. Guarantees: a call gets at most `timeout_s` of wall time; its child
+over its stdin and stdout. Guarantees: a call gets at most `timeout_s` of its child's CPU time
+(where /proc tells it; else of wall time) and at most WALL_FACTOR times that of wall time, so a
+busy machine slows a call down without failing it, while a runaway one is stopped; its child
 gets at most `memory_bytes` of address space beyond what it holds once set up; the child is
 killed (and replaced on the next call) when it runs out of either, when `cancel` is set (the
 client left) or when the server process dies. Requests and replies cross the pipe as JSON,
@@ -28,6 +30,10 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, Literal
 
 _POLL_S = 0.02
+# a call's wall-time cap, in multiples of its CPU-time budget: a child that gets less than
+# this share of a core, or that waits on something, is stopped all the same
+WALL_FACTOR = 10
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _MAX_MESSAGE = 256 << 20
 _MEMORY_ENV = "COLIBRI_WORKER_MEMORY"
 _PR_SET_PDEATHSIG = 1
@@ -89,12 +95,30 @@ class _Worker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_reply(self, deadline: float, cancel: threading.Event | None, what: str) -> Any:
+    def cpu_seconds(self) -> float | None:
+        """CPU time the child has used so far (user and system), None where /proc is not
+        there to say."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def wait_reply(self, timeout_s: float, cancel: threading.Event | None, what: str) -> Any:
+        """The child's next reply; WorkerStopped once it has used timeout_s of CPU time
+        (or of wall time where that cannot be read) or WALL_FACTOR * timeout_s of wall
+        time, or when cancel is set."""
+        start, cpu0 = time.monotonic(), self.cpu_seconds()
         while not select.select([self.stdout], [], [], _POLL_S)[0]:
             if cancel is not None and cancel.is_set():
                 raise WorkerStopped("cancelled", f"{what} stopped: the client left")
-            if time.monotonic() > deadline:
-                raise WorkerStopped("timeout", f"{what} ran out of time")
+            wall = time.monotonic() - start
+            if wall > timeout_s:
+                cpu = self.cpu_seconds()
+                used = wall if cpu is None or cpu0 is None else cpu - cpu0
+                if used > timeout_s or wall > WALL_FACTOR * timeout_s:
+                    raise WorkerStopped("timeout", f"{what} ran out of time")
         try:
             return recv(self.stdout)
         except EOFError:
@@ -126,7 +150,7 @@ class WorkerPool:
         w = _Worker(self.module, self.memory_bytes)
         try:
             send(w.stdin, {"hello": self.hello})
-            w.wait_reply(time.monotonic() + self.start_timeout_s, cancel, "starting a worker")
+            w.wait_reply(self.start_timeout_s, cancel, "starting a worker")
         except BaseException:
             w.kill()
             raise
@@ -142,7 +166,7 @@ class WorkerPool:
             w = self._start(cancel)
         try:
             send(w.stdin, request)
-            reply = w.wait_reply(time.monotonic() + timeout_s, cancel, what)
+            reply = w.wait_reply(timeout_s, cancel, what)
         except BaseException:
             w.kill()  # stopped mid-call: the child and whatever it built go away
             raise

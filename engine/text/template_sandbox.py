@@ -1,8 +1,9 @@
 """Chat templates render in a separate process that can be stopped: the model's own
 template and those sent by clients alike.
 
-Guarantees: a template gets at most `timeout_s` of wall time and RENDER_MEMORY_BYTES of
-address space beyond what the render process needs to start; it is killed (and replaced)
+Guarantees: a template gets at most `timeout_s` of CPU time (a busy machine stretches the wall
+time, up to engine.isolate.pool's WALL_FACTOR times) and RENDER_MEMORY_BYTES of address space
+beyond what the render process needs to start; it is killed (and replaced)
 when it runs out of either or when `cancel` is set (its client left). The server process
 never holds the template's intermediate values. Requests and results cross the pipe as JSON,
 never pickle, so even an escaped sandbox could not hand the server code to run.
