@@ -1,10 +1,15 @@
 """The replicas' routing decision (app/replicas/prefix.py) without Ray: prompt texts in
-rendering order, chained chunk hashes, and which replica a request goes to; and what
-GET /v1/replicas shows of a replica that has not answered (app/replicas/listing.py)."""
+rendering order, chained chunk hashes, and which replica a request goes to; what
+GET /v1/replicas shows of a replica that has not answered (app/replicas/listing.py); and,
+with Ray imported but no cluster, the request router (app/replicas/router.py) driven by Ray
+Serve's own routing loop over fake replicas."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from typing import Any
 
 import pytest
 
@@ -170,27 +175,111 @@ def test_a_replica_no_longer_listed_is_forgotten() -> None:
     assert "running" not in reports.listing(_listed("a"), [None], 3.0)[0]
 
 
+class _FakeReplica:
+    """What Ray Serve's request router reads of a running replica; its queue length is
+    probed in probe_s seconds."""
+
+    def __init__(self, unique_id: str, probe_s: float = 0.0) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(unique_id=unique_id, deployment_id=DeploymentID(
+            name="ColibriReplica", app_name="colibri"))
+        self.max_ongoing_requests = 36
+        self.probe_s = probe_s
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        await asyncio.sleep(self.probe_s)
+        return 0
+
+
+def _router(*replicas: _FakeReplica) -> Any:
+    """ColibriRouter as Ray Serve builds it in the ingress (queue lengths cached, as under
+    strict max_ongoing_requests), over replicas."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from colibri.app.replicas.router import ColibriRouter
+
+    router = ColibriRouter(deployment_id=DeploymentID(name="ColibriReplica",
+                                                      app_name="colibri"),
+                           handle_source=DeploymentHandleSource.UNKNOWN,
+                           use_replica_queue_len_cache=True)
+    router.initialize_state(policy="prefix")
+    router.update_replicas(list(replicas))
+    return router
+
+
+def _pending(n: int, pin: str | None = None) -> Any:
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from colibri.app.replicas.router import RouteInfo
+
+    return PendingRequest(args=[], kwargs={"route": RouteInfo(replica=pin)},
+                          metadata=RequestMetadata(request_id=f"r{n}",
+                                                   internal_request_id=f"i{n}",
+                                                   is_streaming=True))
+
+
+async def _send(router: Any, pending: Any) -> str:
+    """What Ray Serve's handle does for one request (_private/router.py,
+    _route_and_send_request_once): wait for the routing to pick a replica, send there."""
+    replica = await router._choose_replica_for_request(pending)
+    router.on_send_request(replica.replica_id)
+    return str(replica.replica_id.unique_id)
+
+
 @pytest.mark.slow  # importing Ray takes seconds
-def test_the_application_declares_resources_scaling_and_the_router() -> None:
-    """What `colibri serve --replicas` and `serve run ...deployments:build` hand Ray Serve
-    (building the application needs no cluster)."""
+def test_a_burst_spreads_over_replicas_when_one_has_a_request_in_flight() -> None:
+    """Ray Serve routes every request of a burst before it sends the first (one routing
+    task drains the queue without yielding), so loads counted only at the send would send
+    all of them to whichever replica was idlest when the burst came."""
     pytest.importorskip("ray.serve")
-    from ray.serve._private.build_app import build_app
 
-    from colibri.app.replicas.deployments import build
+    async def run() -> None:
+        a, b = _FakeReplica("a"), _FakeReplica("b")
+        router = _router(a, b)
+        await asyncio.sleep(0.05)  # the queue lengths of new replicas are probed
+        assert await _send(router, _pending(0, pin="a")) == "a"  # one stream runs on a
+        sent = await asyncio.gather(*(_send(router, _pending(i)) for i in range(1, 17)))
+        loads = router.loads()
+        assert sum(loads.values()) == 17
+        assert abs(loads["a"] - loads["b"]) <= 1, (loads, sent)
+        for i, replica in enumerate(["a", *sent]):
+            router.on_request_completed(_FakeReplica(replica).replica_id, f"i{i}")
+        assert router.loads() == {"a": 0, "b": 0}
 
-    fixed = {d.name: d for d in build_app(build({"replicas": "3", "threads": "2",
-                                                  "replica_gpus": "1"}), name="c").deployments}
-    replica = fixed["ColibriReplica"]
-    assert replica._deployment_config.num_replicas == 3
-    assert replica.ray_actor_options["num_cpus"] == 2
-    assert replica.ray_actor_options["num_gpus"] == 1
-    router = replica._deployment_config.request_router_config
-    assert router.request_router_kwargs == {"policy": "prefix"}
-    assert fixed["ColibriIngress"].ray_actor_options["num_cpus"] == 0
-    scaled = {d.name: d for d in build_app(build({"replicas": "2", "min_replicas": "1",
-                                                   "max_replicas": "4", "threads": "1"}),
-                                           name="c").deployments}
-    auto = scaled["ColibriReplica"]._deployment_config.autoscaling_config
-    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
-    assert auto.target_ongoing_requests == 16  # a full batch (--max-num-seqs) on each
+    asyncio.run(run())
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_a_request_waiting_on_a_probe_counts_and_a_cancelled_one_does_not() -> None:
+    """A replica whose queue length Ray Serve must probe first still counts the requests
+    routed to it meanwhile; a request whose caller gives up while it is being routed (the
+    client left) leaves nothing counted, and neither does a completion Ray Serve reports
+    for a request it could not send."""
+    pytest.importorskip("ray.serve")
+
+    async def run() -> None:
+        a, b = _FakeReplica("a"), _FakeReplica("b", probe_s=0.3)
+        router = _router(a, b)
+        router.queue_len_response_deadline_s = 10.0  # b answers late, but answers
+        await asyncio.sleep(0.05)
+        router.replica_queue_len_cache.invalidate_key(b.replica_id)  # b must be probed
+        sent = await asyncio.gather(*(_send(router, _pending(i)) for i in range(8)))
+        assert abs(sent.count("a") - sent.count("b")) <= 1, sent
+        assert router.loads() == {"a": sent.count("a"), "b": sent.count("b")}
+        for i, replica in enumerate(sent):
+            router.on_request_completed(_FakeReplica(replica).replica_id, f"i{i}")
+        router.replica_queue_len_cache.invalidate_key(b.replica_id)
+        waiting = asyncio.ensure_future(_send(router, _pending(9, pin="b")))
+        await asyncio.sleep(0.1)  # routed to b, its queue length being probed
+        assert router.loads() == {"a": 0, "b": 1}
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)
+        assert router.loads() == {"a": 0, "b": 0}
+        router.on_request_completed(a.replica_id, "never-sent")
+        assert router.loads() == {"a": 0, "b": 0}
+
+    asyncio.run(run())
