@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from colibri.app.replicas.listing import PENDING, ReplicaReports
+from colibri.app.replicas.listing import (
+    PENDING,
+    ReplicaReports,
+    register_router,
+    routed,
+    router_key,
+)
 from colibri.app.replicas.prefix import (
     PrefixTable,
     RoutingConfig,
@@ -173,6 +179,55 @@ def test_a_replica_no_longer_listed_is_forgotten() -> None:
         {"id": "c", "pid": 100, "node": "10.0.0.5", "node_id": "02b7", "health": PENDING}]
     # listed again under the same id: nothing of its earlier reports is shown
     assert "running" not in reports.listing(_listed("a"), [None], 3.0)[0]
+
+
+class _Counts:
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def loads(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+def test_the_listing_shows_what_the_router_has_in_flight_on_each_replica() -> None:
+    key = router_key("app-under-test", "ColibriReplica")
+    assert routed(key) == {}  # no router in this process yet
+    counts = _Counts({"a": 2})
+    register_router(key, counts)
+    assert routed(key) == {"a": 2}
+    entries = ReplicaReports().listing(_listed("a", "b"), [
+        {"health": "ready", "running": 1, "waiting": 1}, None], 1.0, routed(key))
+    # answered or not, each replica shows the router's own count (0 when it has none)
+    assert [(e["id"], e["routed"], e["health"]) for e in entries] == [
+        ("a", 2, "ready"), ("b", 0, PENDING)]
+    del counts  # a router that is gone (its handle shut down) counts nothing
+    assert routed(key) == {}
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_the_application_declares_resources_scaling_and_the_router() -> None:
+    """What `colibri serve --replicas` and `serve run ...deployments:build` hand Ray Serve
+    (building the application needs no cluster)."""
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.build_app import build_app
+
+    from colibri.app.replicas.deployments import build
+
+    fixed = {d.name: d for d in build_app(build({"replicas": "3", "threads": "2",
+                                                  "replica_gpus": "1"}), name="c").deployments}
+    replica = fixed["ColibriReplica"]
+    assert replica._deployment_config.num_replicas == 3
+    assert replica.ray_actor_options["num_cpus"] == 2
+    assert replica.ray_actor_options["num_gpus"] == 1
+    router = replica._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"policy": "prefix"}
+    assert fixed["ColibriIngress"].ray_actor_options["num_cpus"] == 0
+    scaled = {d.name: d for d in build_app(build({"replicas": "2", "min_replicas": "1",
+                                                   "max_replicas": "4", "threads": "1"}),
+                                           name="c").deployments}
+    auto = scaled["ColibriReplica"]._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
+    assert auto.target_ongoing_requests == 16  # a full batch (--max-num-seqs) on each
 
 
 class _FakeReplica:

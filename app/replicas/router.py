@@ -21,6 +21,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from colibri.app.replicas import listing
 from colibri.app.replicas.prefix import PrefixTable, RoutingConfig, choose
 
 ROUTING_POLICIES = ("prefix", "round_robin")
@@ -63,7 +64,8 @@ class ColibriRouter(RequestRouter):
         # the pick: as chosen until its routing future is done, then as sent.
         self._sent: dict[str, int] = {}
         self._chosen: dict[asyncio.Future[Any], str] = {}  # routing future -> replica picked
-        self._lock = threading.Lock()  # loads() may be read from another thread
+        self._lock = threading.Lock()  # loads() is also read from the ingress's own thread
+        listing.register_router(_key(self._deployment_id), self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -144,3 +146,7 @@ class ColibriRouter(RequestRouter):
                 self._table.record(order[0], route.hashes)
         rest = [r for r in by_id if r not in order]
         return [[by_id[i]] for i in order] + ([[by_id[i] for i in rest]] if rest else [])
+
+
+def _key(deployment_id: Any) -> str:
+    return listing.router_key(deployment_id.app_name, deployment_id.name)
