@@ -281,8 +281,12 @@ class ColibriIngress:
                 log.info("replica %s did not answer: %s", replica["id"], exc)
                 return None
 
-        answers = await asyncio.gather(*map(ask, listed))
-        found = self.reports.listing(listed, list(answers), time.monotonic(), in_flight)
+        # one at a time: Ray Serve hands a routed replica to the waiting call that carries
+        # the request id of the one routed, and every call made while serving this request
+        # carries its id, so two pinned calls in flight together can swap replicas, the
+        # other being routed again and again while its caller waits
+        answers = [await ask(replica) for replica in listed]
+        found = self.reports.listing(listed, answers, time.monotonic(), in_flight)
         body = json.dumps({"object": "list", "data": found}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),
