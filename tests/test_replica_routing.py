@@ -338,3 +338,37 @@ def test_a_request_waiting_on_a_probe_counts_and_a_cancelled_one_does_not() -> N
         assert router.loads() == {"a": 0, "b": 0}
 
     asyncio.run(run())
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_a_request_ray_cannot_hand_its_replica_waits_between_tries() -> None:
+    """Ray Serve hands a routed replica to the waiting request with the routed one's request
+    id; calls made while serving one request share its id, so of two pinned to different
+    replicas one may never be handed its own. Its routing must back off, not route it again
+    and again without yielding the event loop (which would also stall every other request)."""
+    pytest.importorskip("ray.serve")
+
+    async def run() -> None:
+        a, b = _FakeReplica("a"), _FakeReplica("b")
+        router = _router(a, b)
+        await asyncio.sleep(0.05)
+        first, second = _pending(1, pin="a"), _pending(1, pin="b")  # one request id
+        choose = router.choose_replicas
+        tries = {"n": 0}
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            tries["n"] += 1
+            return await choose(*args, **kwargs)
+
+        router.choose_replicas = counted
+        routed = [asyncio.ensure_future(_send(router, p)) for p in (first, second)]
+        done, pending = await asyncio.wait(routed, timeout=1.0)
+        assert len(done) == 1 and len(pending) == 1  # one of them is never handed a replica
+        assert tries["n"] < 100, tries  # and is routed again only after waiting
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert router.loads()[next(iter(done)).result()] == 1  # only the one sent counts
+
+    asyncio.run(run())

@@ -117,6 +117,11 @@ class ColibriRouter(RequestRouter):
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
         route = route_of(pending_request)
+        if pending_request is not None:
+            # every replica is a candidate on every pass (as in Ray Serve's own routers once
+            # they have tried the local ones): a pass that routes nothing waits before the next
+            # instead of routing again at once, without yielding its event loop
+            pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if route.replica is not None:
             if route.replica not in by_id:
