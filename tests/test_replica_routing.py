@@ -1,14 +1,25 @@
 """The replicas' routing decision (app/replicas/prefix.py) without Ray: prompt texts in
-rendering order, chained chunk hashes, and which replica a request goes to; and what
-GET /v1/replicas shows of a replica that has not answered (app/replicas/listing.py)."""
+rendering order, chained chunk hashes, and which replica a request goes to; what
+GET /v1/replicas shows of a replica that has not answered (app/replicas/listing.py); and,
+with Ray imported but no cluster, the request router (app/replicas/router.py) driven by Ray
+Serve's own routing loop over fake replicas."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from typing import Any
 
 import pytest
 
-from colibri.app.replicas.listing import PENDING, ReplicaReports
+from colibri.app.replicas.listing import (
+    PENDING,
+    ReplicaReports,
+    register_router,
+    routed,
+    router_key,
+)
 from colibri.app.replicas.prefix import (
     PrefixTable,
     RoutingConfig,
@@ -170,6 +181,29 @@ def test_a_replica_no_longer_listed_is_forgotten() -> None:
     assert "running" not in reports.listing(_listed("a"), [None], 3.0)[0]
 
 
+class _Counts:
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def loads(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+def test_the_listing_shows_what_the_router_has_in_flight_on_each_replica() -> None:
+    key = router_key("app-under-test", "ColibriReplica")
+    assert routed(key) == {}  # no router in this process yet
+    counts = _Counts({"a": 2})
+    register_router(key, counts)
+    assert routed(key) == {"a": 2}
+    entries = ReplicaReports().listing(_listed("a", "b"), [
+        {"health": "ready", "running": 1, "waiting": 1}, None], 1.0, routed(key))
+    # answered or not, each replica shows the router's own count (0 when it has none)
+    assert [(e["id"], e["routed"], e["health"]) for e in entries] == [
+        ("a", 2, "ready"), ("b", 0, PENDING)]
+    del counts  # a router that is gone (its handle shut down) counts nothing
+    assert routed(key) == {}
+
+
 @pytest.mark.slow  # importing Ray takes seconds
 def test_the_application_declares_resources_scaling_and_the_router() -> None:
     """What `colibri serve --replicas` and `serve run ...deployments:build` hand Ray Serve
@@ -194,3 +228,147 @@ def test_the_application_declares_resources_scaling_and_the_router() -> None:
     auto = scaled["ColibriReplica"]._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
     assert auto.target_ongoing_requests == 16  # a full batch (--max-num-seqs) on each
+
+
+class _FakeReplica:
+    """What Ray Serve's request router reads of a running replica; its queue length is
+    probed in probe_s seconds."""
+
+    def __init__(self, unique_id: str, probe_s: float = 0.0) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(unique_id=unique_id, deployment_id=DeploymentID(
+            name="ColibriReplica", app_name="colibri"))
+        self.max_ongoing_requests = 36
+        self.probe_s = probe_s
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        await asyncio.sleep(self.probe_s)
+        return 0
+
+
+def _router(*replicas: _FakeReplica) -> Any:
+    """ColibriRouter as Ray Serve builds it in the ingress (queue lengths cached, as under
+    strict max_ongoing_requests), over replicas."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from colibri.app.replicas.router import ColibriRouter
+
+    router = ColibriRouter(deployment_id=DeploymentID(name="ColibriReplica",
+                                                      app_name="colibri"),
+                           handle_source=DeploymentHandleSource.UNKNOWN,
+                           use_replica_queue_len_cache=True)
+    router.initialize_state(policy="prefix")
+    router.update_replicas(list(replicas))
+    return router
+
+
+def _pending(n: int, pin: str | None = None) -> Any:
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from colibri.app.replicas.router import RouteInfo
+
+    return PendingRequest(args=[], kwargs={"route": RouteInfo(replica=pin)},
+                          metadata=RequestMetadata(request_id=f"r{n}",
+                                                   internal_request_id=f"i{n}",
+                                                   is_streaming=True))
+
+
+async def _send(router: Any, pending: Any) -> str:
+    """What Ray Serve's handle does for one request (_private/router.py,
+    _route_and_send_request_once): wait for the routing to pick a replica, send there."""
+    replica = await router._choose_replica_for_request(pending)
+    router.on_send_request(replica.replica_id)
+    return str(replica.replica_id.unique_id)
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_a_burst_spreads_over_replicas_when_one_has_a_request_in_flight() -> None:
+    """Ray Serve routes every request of a burst before it sends the first (one routing
+    task drains the queue without yielding), so loads counted only at the send would send
+    all of them to whichever replica was idlest when the burst came."""
+    pytest.importorskip("ray.serve")
+
+    async def run() -> None:
+        a, b = _FakeReplica("a"), _FakeReplica("b")
+        router = _router(a, b)
+        await asyncio.sleep(0.05)  # the queue lengths of new replicas are probed
+        assert await _send(router, _pending(0, pin="a")) == "a"  # one stream runs on a
+        sent = await asyncio.gather(*(_send(router, _pending(i)) for i in range(1, 17)))
+        loads = router.loads()
+        assert sum(loads.values()) == 17
+        assert abs(loads["a"] - loads["b"]) <= 1, (loads, sent)
+        for i, replica in enumerate(["a", *sent]):
+            router.on_request_completed(_FakeReplica(replica).replica_id, f"i{i}")
+        assert router.loads() == {"a": 0, "b": 0}
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_a_request_waiting_on_a_probe_counts_and_a_cancelled_one_does_not() -> None:
+    """A replica whose queue length Ray Serve must probe first still counts the requests
+    routed to it meanwhile; a request whose caller gives up while it is being routed (the
+    client left) leaves nothing counted, and neither does a completion Ray Serve reports
+    for a request it could not send."""
+    pytest.importorskip("ray.serve")
+
+    async def run() -> None:
+        a, b = _FakeReplica("a"), _FakeReplica("b", probe_s=0.3)
+        router = _router(a, b)
+        router.queue_len_response_deadline_s = 10.0  # b answers late, but answers
+        await asyncio.sleep(0.05)
+        router.replica_queue_len_cache.invalidate_key(b.replica_id)  # b must be probed
+        sent = await asyncio.gather(*(_send(router, _pending(i)) for i in range(8)))
+        assert abs(sent.count("a") - sent.count("b")) <= 1, sent
+        assert router.loads() == {"a": sent.count("a"), "b": sent.count("b")}
+        for i, replica in enumerate(sent):
+            router.on_request_completed(_FakeReplica(replica).replica_id, f"i{i}")
+        router.replica_queue_len_cache.invalidate_key(b.replica_id)
+        waiting = asyncio.ensure_future(_send(router, _pending(9, pin="b")))
+        await asyncio.sleep(0.1)  # routed to b, its queue length being probed
+        assert router.loads() == {"a": 0, "b": 1}
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)
+        assert router.loads() == {"a": 0, "b": 0}
+        router.on_request_completed(a.replica_id, "never-sent")
+        assert router.loads() == {"a": 0, "b": 0}
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow  # importing Ray takes seconds
+def test_a_request_ray_cannot_hand_its_replica_waits_between_tries() -> None:
+    """Ray Serve hands a routed replica to the waiting request with the routed one's request
+    id; calls made while serving one request share its id, so of two pinned to different
+    replicas one may never be handed its own. Its routing must back off, not route it again
+    and again without yielding the event loop (which would also stall every other request)."""
+    pytest.importorskip("ray.serve")
+
+    async def run() -> None:
+        a, b = _FakeReplica("a"), _FakeReplica("b")
+        router = _router(a, b)
+        await asyncio.sleep(0.05)
+        first, second = _pending(1, pin="a"), _pending(1, pin="b")  # one request id
+        choose = router.choose_replicas
+        tries = {"n": 0}
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            tries["n"] += 1
+            return await choose(*args, **kwargs)
+
+        router.choose_replicas = counted
+        routed = [asyncio.ensure_future(_send(router, p)) for p in (first, second)]
+        done, pending = await asyncio.wait(routed, timeout=1.0)
+        assert len(done) == 1 and len(pending) == 1  # one of them is never handed a replica
+        assert tries["n"] < 100, tries  # and is routed again only after waiting
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert router.loads()[next(iter(done)).result()] == 1  # only the one sent counts
+
+    asyncio.run(run())

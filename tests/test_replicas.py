@@ -137,6 +137,18 @@ def _stream(url: str, body: dict[str, Any], on_header: Any = None,
     return out
 
 
+def _nothing_routed(server: ReplicaServer, why: str) -> None:
+    """Wait until the endpoint's router counts no request in flight on any replica (the
+    `routed` of /v1/replicas)."""
+    end = time.monotonic() + 30
+    while True:
+        counts = {r["id"]: r["routed"] for r in server.replicas()}
+        if not any(counts.values()):
+            return
+        assert time.monotonic() < end, f"the router counts {counts} in flight {why}"
+        time.sleep(0.3)
+
+
 def _run_all(fn: Any, args: list[tuple[Any, ...]]) -> list[Any]:
     results: list[Any] = [None] * len(args)
 
@@ -173,6 +185,7 @@ def test_sixteen_streams_over_two_replicas_equal_one_replica(server: ReplicaServ
         assert res["text"] == reference[body["prompt"]]
         assert res["finish"] in ("length", "stop")
     assert {res["replica"] for res in results} == {r["id"] for r in replicas}
+    _nothing_routed(server, "once the streams have ended")
     # the other routes answer through the endpoint too, naming their replica
     msg = httpx.post(server.url + "/v1/messages", headers=AUTH, timeout=60, json={
         "model": "demo_model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
@@ -231,29 +244,36 @@ def test_a_client_gone_mid_stream_is_aborted_on_its_replica(server: ReplicaServe
     after = _replica_metrics(server, replica)
     # stopped, not finished: the replica counts it aborted
     assert after["colibri_requests_aborted_total"] == busy["colibri_requests_aborted_total"] + 1
+    # and the endpoint's router no longer counts it, so new requests go there again
+    _nothing_routed(server, "after the cut stream")
 
 
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: ReplicaServer) -> None:
     before = {r["id"]: r["pid"] for r in server.replicas()}
-    # the victim is the first replica a stream reaches (which one the ingress picks first is
-    # its business; the first test of this file checks that streams spread over both)
-    first: list[str] = []
-    on_victim = threading.Event()
+    started: list[str | None] = []  # the replica of each stream, as its reply starts
+    all_started = threading.Event()
     lock = threading.Lock()
 
     def header(replica: str | None) -> None:
         with lock:
-            if replica in before and not first:
-                first.append(replica)
-                on_victim.set()
+            started.append(replica)
+            if len(started) == 16:
+                all_started.set()
 
     long_body = _body("ROMEO.\n", 1500, True, ignore_eos=True)
     results: list[Any] = []
     runner = threading.Thread(target=lambda: results.extend(
         _run_all(_stream, [(server.url, long_body, None, 120.0, None, header)] * 16)))
     runner.start()
-    assert on_victim.wait(60), "no stream reached a replica"
-    victim_id = first[0]
+    assert all_started.wait(120), f"only {len(started)} of 16 streams started"
+    # the burst, sent right after the previous test cut a stream on one replica, spread
+    # over both: the cut stream is no longer counted, and requests routed together count
+    # each other
+    spread = {replica: started.count(replica) for replica in before}
+    assert min(spread.values()) >= 4, f"the burst went {spread}"
+    # the victim is the replica of the stream that started last: that one is under way
+    victim_id = started[-1]
+    assert victim_id in before, started
     victim_pid = before[victim_id]
     os.kill(victim_pid, signal.SIGKILL)  # a stream there is under way: it must be cut
     runner.join(200)
@@ -284,6 +304,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(server: Replica
         raise AssertionError(f"the killed replica was not replaced within 60 s:\n"
                              f"{server.log()}")
     assert victim_pid not in now.values()
+    # the streams the killed replica was serving are no longer counted anywhere
+    _nothing_routed(server, "after the kill")
 
 
 def test_sigterm_drains_both_replicas_and_exits_0(server: ReplicaServer) -> None:

@@ -33,7 +33,7 @@ from starlette.types import Message, Receive, Scope, Send
 from colibri.app.errors import anthropic_error_body, anthropic_path, error_body, error_bytes
 from colibri.app.metrics import Metrics
 from colibri.app.middleware import GuardMiddleware, replay_body
-from colibri.app.replicas.listing import ASK_TIMEOUT_S, ReplicaReports
+from colibri.app.replicas.listing import ASK_TIMEOUT_S, ReplicaReports, routed, router_key
 from colibri.app.replicas.prefix import RoutingConfig, chunk_hashes, prompt_text
 from colibri.app.replicas.router import RouteInfo
 from colibri.app.server import create_app
@@ -43,6 +43,7 @@ log = logging.getLogger("colibri.app")
 
 REPLICA_HEADER = "x-colibri-replica"
 APP_NAME = "colibri"
+REPLICA_DEPLOYMENT = "ColibriReplica"
 REPLICAS_PATH = "/v1/replicas"
 _ROUTER = "colibri.app.replicas.router:ColibriRouter"
 _TRIES = 3  # a request no replica has begun to answer is sent this many times at most
@@ -160,7 +161,7 @@ def running_replicas(app: str) -> list[dict[str, Any]]:
     # ServeInstanceDetails) that `serve status` and the dashboard read
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     details = ray.get(controller.get_serve_instance_details.remote(), timeout=10)
-    deployment = details["applications"][app]["deployments"]["ColibriReplica"]
+    deployment = details["applications"][app]["deployments"][REPLICA_DEPLOYMENT]
     return [{"id": r["replica_id"], "pid": r.get("pid"), "node": r.get("node_ip"),
              "node_id": r.get("node_id")}
             for r in deployment["replicas"] if r["state"] == "RUNNING"]
@@ -268,6 +269,8 @@ class ColibriIngress:
         app = serve.get_replica_context().app_name
         # the list comes from Ray Serve's controller; health and queue from each replica
         listed = await asyncio.to_thread(running_replicas, app)
+        # read before asking, so the listing's own questions are not counted
+        in_flight = routed(router_key(app, REPLICA_DEPLOYMENT))
 
         async def ask(replica: dict[str, Any]) -> dict[str, Any] | None:
             try:
@@ -278,8 +281,12 @@ class ColibriIngress:
                 log.info("replica %s did not answer: %s", replica["id"], exc)
                 return None
 
-        answers = await asyncio.gather(*map(ask, listed))
-        found = self.reports.listing(listed, list(answers), time.monotonic())
+        # one at a time: Ray Serve hands a routed replica to the waiting call that carries
+        # the request id of the one routed, and every call made while serving this request
+        # carries its id, so two pinned calls in flight together can swap replicas, the
+        # other being routed again and again while its caller waits
+        answers = [await ask(replica) for replica in listed]
+        found = self.reports.listing(listed, answers, time.monotonic(), in_flight)
         body = json.dumps({"object": "list", "data": found}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),
@@ -365,7 +372,7 @@ def build_application(settings: Settings) -> Any:
             initial_replicas=settings.replicas,
             target_ongoing_requests=settings.max_num_seqs)}
     replica = serve.deployment(
-        ColibriReplica, name="ColibriReplica",
+        ColibriReplica, name=REPLICA_DEPLOYMENT,
         ray_actor_options=actor,
         # a running batch and its queue; more wait in the ingress's router
         max_ongoing_requests=settings.max_num_seqs + settings.max_queue + 4,
