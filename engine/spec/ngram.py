@@ -29,8 +29,11 @@ class NgramDrafter:
     """The n-gram index of one sequence and its draft proposals.
 
     `propose(tokens, k)` takes the sequence's whole token list each time (it only ever grows:
-    prompt then accepted output); the index reads just the new tail. After a proposal,
-    `match_len` holds its evidence (0 when it found nothing).
+    prompt then accepted output); `find(prompt, output)` takes it in its two parts, so a
+    caller need not join them, and `drafts(k)` then gives the drafts, so a caller that wants
+    fewer than it may have builds no more than it wants. Either way the drafter copies and
+    indexes just the tokens it has not seen. After a proposal, `match_len` holds its evidence
+    (0 when it found nothing).
     """
 
     def __init__(self, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N,
@@ -47,24 +50,41 @@ class NgramDrafter:
         # known, in order (so the sequence's own suffix never matches itself)
         self._after: dict[int, dict[tuple[int, ...], list[int]]] = {
             n: {} for n in range(min_n, max_n + 1)}
-        self._n_indexed = 0  # tokens[:_n_indexed] have had their n-grams indexed
+        self._seq: list[int] = []  # the sequence as far as seen
+        self._tables = sorted(self._after.items())  # (n, its table), n ascending
+        self._n_indexed = 0  # _seq[:_n_indexed] have had their n-grams indexed
         self.match_len = 0
         self._src = -1  # where the last proposal's drafts came from (-1: none)
         self._at = 0  # the sequence's length at the last proposal
         self._match = 0  # and its match length
 
-    def _index(self, tokens: Sequence[int]) -> None:
+    def _sync(self, head: Sequence[int], tail: Sequence[int] = ()) -> None:
+        """Append to _seq what head + tail holds past it (the sequence only ever grows)."""
+        seq = self._seq
+        n, n_head = len(seq), len(head)
+        if n_head + len(tail) < n:
+            raise ValueError("the token list is shorter than in the previous call")
+        if n < n_head:
+            seq += map(int, head[n:])
+            seq += map(int, tail)
+        elif n < n_head + len(tail):
+            seq += map(int, tail[n - n_head:])
+
+    def _index(self) -> None:
         # the n-gram ending at position i is indexed once token i + 1 exists
-        end = len(tokens) - 1
-        if end < self._n_indexed:
-            if len(tokens) < self._n_indexed:
-                raise ValueError("the token list is shorter than in the previous call")
-            return
-        for i in range(self._n_indexed, end):
-            for n, table in self._after.items():
-                if i + 1 >= n:
-                    table.setdefault(tuple(tokens[i + 1 - n:i + 1]), []).append(i + 1)
-        self._n_indexed = end
+        tokens = self._seq
+        start, end = self._n_indexed, len(tokens) - 1
+        for p in range(start + 1, end + 1):  # p: the position after the n-gram
+            for n, table in self._tables:
+                if p < n:
+                    break
+                key = tuple(tokens[p - n:p])
+                at = table.get(key)
+                if at is None:
+                    table[key] = [p]
+                else:
+                    at.append(p)
+        self._n_indexed = max(start, end)
 
     @staticmethod
     def _agree(tokens: Sequence[int], src: int, length: int, skip: int) -> int:
@@ -86,6 +106,9 @@ class NgramDrafter:
     def _search(self, tokens: Sequence[int]) -> tuple[int, int]:
         """(source, match length) of the best earlier occurrence of a suffix; (-1, 0)."""
         length = len(tokens)
+        if length < self.min_n or tuple(tokens[length - self.min_n:]) not in \
+                self._after[self.min_n]:
+            return -1, 0  # an occurrence of a longer suffix holds one of the shortest
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             starts = self._after[n].get(tuple(tokens[length - n:]))
             if starts:
@@ -103,7 +126,18 @@ class NgramDrafter:
         self.match_len = 0
         if k <= 0 or not tokens:
             return []
-        self._index(tokens)
+        self.find(tokens)
+        return self.drafts(k)
+
+    def find(self, head: Sequence[int], tail: Sequence[int] = ()) -> int:
+        """Look up the source of the sequence head + tail (see the module) for drafts(k); its
+        match length, 0 when none matches."""
+        self._sync(head, tail)
+        self.match_len = 0
+        tokens = self._seq
+        if not tokens:
+            return 0
+        self._index()
         length = len(tokens)
         if self._follows(tokens):
             grown = length - self._at
@@ -111,11 +145,17 @@ class NgramDrafter:
         else:
             src, match = self._search(tokens)
         self._src, self._at, self._match = src, length, match
-        if src < 0:
+        if src >= 0:
+            self.match_len = match
+        return self.match_len
+
+    def drafts(self, k: int) -> list[int]:
+        """k tokens from the source the last find found ([] when it found none): the
+        sequence from there on, and past its end the drafts themselves (a loop repeats)."""
+        src, length = self._src, self._at
+        if k <= 0 or src < 0:
             return []
-        self.match_len = match
-        out: list[int] = []
-        for i in range(k):  # past the end, the source is the drafts themselves
-            at = src + i
-            out.append(int(tokens[at]) if at < length else out[at - length])
-        return out
+        if src + k <= length:
+            return self._seq[src:src + k]
+        loop = self._seq[src:length]
+        return (loop * (k // len(loop) + 1))[:k]
