@@ -58,34 +58,6 @@ class NgramDrafter:
         self._at = 0  # the sequence's length at the last proposal
         self._match = 0  # and its match length
 
-    def _sync(self, head: Sequence[int], tail: Sequence[int] = ()) -> None:
-        """Append to _seq what head + tail holds past it (the sequence only ever grows)."""
-        seq = self._seq
-        n, n_head = len(seq), len(head)
-        if n_head + len(tail) < n:
-            raise ValueError("the token list is shorter than in the previous call")
-        if n < n_head:
-            seq += map(int, head[n:])
-            seq += map(int, tail)
-        elif n < n_head + len(tail):
-            seq += map(int, tail[n - n_head:])
-
-    def _index(self) -> None:
-        # the n-gram ending at position i is indexed once token i + 1 exists
-        tokens = self._seq
-        start, end = self._n_indexed, len(tokens) - 1
-        for p in range(start + 1, end + 1):  # p: the position after the n-gram
-            for n, table in self._tables:
-                if p < n:
-                    break
-                key = tuple(tokens[p - n:p])
-                at = table.get(key)
-                if at is None:
-                    table[key] = [p]
-                else:
-                    at.append(p)
-        self._n_indexed = max(start, end)
-
     @staticmethod
     def _agree(tokens: Sequence[int], src: int, length: int, skip: int) -> int:
         """How many tokens before src agree with those before length (src < length), the
@@ -95,20 +67,9 @@ class NgramDrafter:
             n += 1
         return n
 
-    def _follows(self, tokens: Sequence[int]) -> bool:
-        """Whether the tokens since the last proposal are what followed its source."""
-        if self._src < 0:
-            return False
-        new = len(tokens) - self._at
-        return 0 <= new and all(tokens[self._src + i] == tokens[self._at + i]
-                                for i in range(new))
-
     def _search(self, tokens: Sequence[int]) -> tuple[int, int]:
         """(source, match length) of the best earlier occurrence of a suffix; (-1, 0)."""
         length = len(tokens)
-        if length < self.min_n or tuple(tokens[length - self.min_n:]) not in \
-                self._after[self.min_n]:
-            return -1, 0  # an occurrence of a longer suffix holds one of the shortest
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             starts = self._after[n].get(tuple(tokens[length - n:]))
             if starts:
@@ -132,16 +93,41 @@ class NgramDrafter:
     def find(self, head: Sequence[int], tail: Sequence[int] = ()) -> int:
         """Look up the source of the sequence head + tail (see the module) for drafts(k); its
         match length, 0 when none matches."""
-        self._sync(head, tail)
+        # one function, not one per part: it runs for every sequence at every step, mostly
+        # on caches the forward pass has just emptied, where each call costs more than its
+        # work
+        tokens = self._seq  # append what head + tail holds past it
+        n_seen, n_head = len(tokens), len(head)
+        length = n_head + len(tail)
+        if length < n_seen:
+            raise ValueError("the token list is shorter than in the previous call")
+        if n_seen < n_head:
+            tokens += map(int, head[n_seen:])
+            tokens += map(int, tail)
+        elif n_seen < length:
+            tokens += map(int, tail[n_seen - n_head:])
         self.match_len = 0
-        tokens = self._seq
-        if not tokens:
+        if not length:
             return 0
-        self._index()
-        length = len(tokens)
-        if self._follows(tokens):
-            grown = length - self._at
-            src, match = self._src + grown, min(self._match + grown, MAX_MATCH)
+        start = self._n_indexed  # index the n-grams whose next token is new
+        for p in range(start + 1, length):  # p: the position after the n-gram
+            for n, table in self._tables:
+                if p < n:
+                    break
+                key = tuple(tokens[p - n:p])
+                at = table.get(key)
+                if at is None:
+                    table[key] = [p]
+                else:
+                    at.append(p)
+        self._n_indexed = max(start, length - 1)
+        src, at = self._src, self._at
+        grown = length - at
+        if src >= 0 and tokens[src:src + grown] == tokens[at:]:  # the source goes on
+            src, match = src + grown, min(self._match + grown, MAX_MATCH)
+        elif length < self.min_n or tuple(tokens[length - self.min_n:]) not in \
+                self._after[self.min_n]:
+            src, match = -1, 0  # an occurrence of a longer suffix holds one of the shortest
         else:
             src, match = self._search(tokens)
         self._src, self._at, self._match = src, length, match
