@@ -30,6 +30,7 @@ from colibri.engine.spec.cost import (
     expected_accepted,
     speedup,
 )
+from colibri.engine.spec.ngram import NgramDrafter
 
 # a memory-bound MoE decode: a step reads its fixed weights (1 ms) and 2 ms per 16 experts
 # (8 layers of 16, top 4), each token's compute costs 0.1 ms
@@ -567,3 +568,113 @@ def test_a_batch_of_copies_drafts_together_with_no_request_waiting() -> None:
     together = _decode_batch(_planner(), prompts, copies, waiting=False)
     assert sum(n >= 6 for n, _ in together) >= len(together) // 2, together
     assert max(d for _, d in together) >= 8 * 12 and len(together) < 123 / 4
+
+
+class _PlainLookup:
+    """Prompt lookup behind the plain drafter protocol (propose and match_len only): the
+    planner then joins the token list and takes every draft the budget allows."""
+
+    def __init__(self) -> None:
+        self.lookup = NgramDrafter()
+
+    @property
+    def match_len(self) -> int:
+        return self.lookup.match_len
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.lookup.propose(list(tokens), k)
+
+
+class _PlainUnion(UnionMeter):
+    def experts_read(self, n_tokens: float) -> float:
+        n = int(round(n_tokens))
+        if n <= 0:
+            return 0.0
+        got = self.measured(n)
+        return got if got is not None else self._estimate(n)
+
+
+def _plain_planner() -> DraftPlanner:
+    """auto's planner on BENCH with a union of experts estimated afresh at each question."""
+    planner = DraftPlanner(MIXTRAL, StepCostMeter(BENCH, prior_weight=float("inf")))
+    planner.union = _PlainUnion(MIXTRAL)
+    for n, experts in BENCH_UNION.items():
+        planner.union.observe(n, experts)
+    return planner
+
+
+def _lockstep(prompts: list[list[int]], outputs: list[list[int]],
+              waiting: list[bool]) -> tuple[int, int]:
+    """Decode requests whose outputs are known with auto's planner and with _plain_planner
+    over _PlainLookup side by side, asserting the same drafts at every step (waiting[step]:
+    whether requests wait); (steps with drafts, steps without)."""
+    planners = (_planner(), _plain_planner())
+    runs = []
+    for planner in planners:
+        reqs = []
+        for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            req = Request(f"r{i}", 0, list(prompt), SamplingParams(max_tokens=len(output)),
+                          None, None, None, len(output), frozenset())  # type: ignore[arg-type]
+            req.output.append(output[0])
+            req.num_computed = len(prompt)
+            if planner is planners[1]:
+                req.drafter = _PlainLookup()
+            reqs.append(req)
+        runs.append(reqs)
+    config = SpeculativeConfig("auto", 16)
+    n_drafted = n_plain = 0
+    for step, wait in enumerate(waiting):
+        running = [[r for r in reqs if len(r.output) < r.max_new] for reqs in runs]
+        if not running[0]:
+            break
+        for planner, reqs in zip(planners, running, strict=True):
+            planner.plan(reqs, config, waiting=wait)
+        assert [r.drafts for r in running[0]] == [r.drafts for r in running[1]], step
+        n_drafted += any(r.drafts for r in running[0])
+        n_plain += not any(r.drafts for r in running[0])
+        n = sum(1 + len(r.drafts) for r in running[0])
+        for planner, reqs in zip(planners, running, strict=True):
+            planner.observe_step(n, planner.union.experts_read(n),
+                                 BENCH.seconds(planner.union, n))
+            for req in reqs:
+                output = outputs[int(req.request_id[1:])]
+                at, k = len(req.output), len(req.drafts)
+                kept = 0
+                while kept < k and req.drafts[kept] == output[at + kept]:
+                    kept += 1
+                if k:
+                    planner.observe_verify(req, k, kept)
+                new = output[at:at + kept + 1]
+                req.output += new
+                req.num_computed += len(new)
+                req.drafts = []
+    return n_drafted, n_plain
+
+
+def test_the_planner_drafts_what_the_plain_protocol_and_fresh_estimates_give() -> None:
+    """Requests copying their prompt with mistakes and requests writing text of a small
+    vocabulary (many short matches), alone and eight together, with requests waiting and
+    not: the planner (prompt lookup given the prompt and output apart, as many drafts as the
+    cap allows, the union of experts remembered between steps) drafts at every step exactly
+    what it gives with the plain drafter protocol (the joined token list, every draft the
+    budget allows) and the union estimated afresh at each question."""
+    rng = np.random.default_rng(11)
+
+    def copy(i: int) -> tuple[list[int], list[int]]:
+        prompt = _tokens(rng, 200, low=1000 + 20000 * i)
+        output = list(prompt[20:170])
+        for j in rng.choice(150, 6, replace=False):
+            output[int(j)] = int(rng.integers(500, 600))
+        return prompt, output
+
+    def small_vocab() -> tuple[list[int], list[int]]:
+        return ([int(t) for t in rng.integers(0, 6, 40)],
+                [int(t) for t in rng.integers(0, 6, 150)])
+
+    counts = []
+    for pairs, waiting in (([copy(0)], [False] * 400),
+                           ([copy(i) if i % 2 else small_vocab() for i in range(8)],
+                            [step % 3 == 0 for step in range(400)]),
+                           ([copy(i) for i in range(8)], [True] * 400)):
+        counts.append(_lockstep([p for p, _ in pairs], [o for _, o in pairs], waiting))
+    assert all(n_drafted >= 5 for n_drafted, _ in counts) and counts[1][1] >= 5, counts

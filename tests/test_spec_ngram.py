@@ -161,3 +161,30 @@ def test_incremental_index_equals_a_full_scan(min_n: int, max_n: int) -> None:
             n_followed += len(kept)
             tokens += kept + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 3)))]
     assert n_followed > 100  # the drafts were followed often enough to test continuing
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 3), (2, 4)])
+def test_find_and_drafts_give_what_propose_gives(min_n: int, max_n: int) -> None:
+    """The sequence given as two parts split anywhere (a prompt and an output), then any
+    number of drafts: the match length of the reference rule and the first drafts of its
+    proposal, loops included."""
+    rng = np.random.default_rng(100 + min_n * 10 + max_n)
+    n_matched = 0
+    for trial in range(20):
+        vocab = int(rng.integers(2, 12))
+        tokens = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 20)))]
+        d = NgramDrafter(min_n, max_n)
+        ref = _Reference(min_n, max_n)
+        for _ in range(40):
+            want, match = ref.propose(tokens, 20)
+            cut = int(rng.integers(0, len(tokens) + 1))
+            assert d.find(tokens[:cut], tokens[cut:]) == match == d.match_len, (trial, tokens)
+            k = int(rng.integers(0, 20))
+            drafts = d.drafts(k)
+            assert drafts == want[:k] and all(type(t) is int for t in drafts), (trial, tokens)
+            n_matched += match > 0
+            kept = want[:int(rng.integers(0, len(want) + 1))] if want else []
+            tokens += kept + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 3)))]
+    assert n_matched > 200
+    with pytest.raises(ValueError, match="shorter"):
+        d.find(tokens[:1], [])

@@ -10,7 +10,10 @@ DraftPlanner cuts each sequence's drafts to the k the cost model (engine.spec.co
 pay in this step, 0 included.
 
 A drafter is any object with `propose(tokens, k) -> list[int]`: up to k tokens to follow
-`tokens` (the sequence's prompt and accepted output, which only ever grows between calls).
+`tokens` (the sequence's prompt and accepted output, which only ever grows between calls). One
+that also has `find(prompt, output) -> match length` and `drafts(k)` (prompt lookup) is given
+the prompt and output as they are, without joining them, and (auto) asked for no more drafts
+than the cap the cost model allows, so a step in which nothing is drafted copies nothing.
 """
 
 from __future__ import annotations
@@ -103,15 +106,25 @@ def allowed(req: Request, drafts: list[int]) -> list[int]:
     return drafts
 
 
-def propose(req: Request, config: SpeculativeConfig) -> list[int]:
+def propose(req: Request, config: SpeculativeConfig, capped: bool = False) -> list[int]:
     """Drafts for req's next step ([] unless it decodes one token now): draft_budget of them
-    at most, none past what its grammar accepts."""
+    at most, none past what its grammar accepts. capped: no more than draft_cap allows for
+    the match the drafter found and what req's last verify step kept (auto verifies no
+    more), where the drafter can say its match before drafting."""
     k = draft_budget(req, config)
     if k <= 0:
         return []
-    if not hasattr(req.drafter, "propose"):  # none yet, or the MTP layer's progress
-        req.drafter = new_drafter(config)
-    return allowed(req, req.drafter.propose(req.tokens, k))
+    drafter = req.drafter
+    if not hasattr(drafter, "propose"):  # none yet, or the MTP layer's progress
+        req.drafter = drafter = new_drafter(config)
+    find = getattr(drafter, "find", None)
+    if find is None:
+        return allowed(req, drafter.propose(req.tokens, k))
+    match = find(req.prompt, req.output)
+    if capped:
+        ra = req.acceptance
+        k = draft_cap(match, ra.last_kept if ra is not None else 0, k)
+    return allowed(req, drafter.drafts(k))
 
 
 def spare_state_slots(max_num_seqs: int) -> int:
@@ -160,15 +173,17 @@ class DraftPlanner:
                 req.drafts = [] if full else propose(req, config)
                 n_drafting += bool(req.drafts)
             return
-        cost = self.meter.cost()
         offered: list[tuple[Request, list[float], int]] = []
         for req in running:
-            req.drafts = propose(req, config)
+            req.drafts = propose(req, config, capped=True)
             if req.drafts:
                 offered.append((req, *self._chances(req)))
+        if not offered:  # nothing to choose (free text, mostly): no more work this step
+            return
+        cost = self.meter.cost()
         n = float(len(running))
         together = 0.0
-        if cost is not None and offered and not waiting and len(running) > 1:
+        if cost is not None and not waiting and len(running) > 1:
             # the share of the batch that would draft if each token saved were worth a whole
             # token's share of the step: drafting together, they end the steps sooner
             together = sum(choose_k(cost, self.union, alphas, cap, BatchPlan(n, n)) > 0

@@ -238,6 +238,9 @@ class MatchPrior:
         """The buckets of k drafts proposed on a match of match_len (no evidence stays none)."""
         if not match_len or match_len <= 0:
             return [0] * k
+        if isinstance(match_len, int):  # bucket() of each, without a call per draft
+            top = len(self.priors) - 1
+            return [min(n.bit_length(), top) for n in range(match_len, match_len + k)]
         return [self.bucket(match_len + i) for i in range(k)]
 
     def outcomes(self, match_len: int | None, n_drafts: int,
@@ -316,7 +319,10 @@ class RequestAcceptance:
     backoff: int = EXPLORE_WAIT  # the wait after the next failed try
 
     def of(self, bucket: int) -> Acceptance:
-        return self.by_bucket.setdefault(bucket, Acceptance())
+        got = self.by_bucket.get(bucket)
+        if got is None:
+            self.by_bucket[bucket] = got = Acceptance()
+        return got
 
     def may_explore(self, match_len: int | None) -> bool:
         return (match_len or 0) >= EXPLORE_MIN_MATCH and self.wait <= 0
@@ -350,12 +356,12 @@ class UnionMeter:
         self.max_tokens = max_tokens
         self._w: dict[int, float] = {}
         self._sum: dict[int, float] = {}
-        self._guess: dict[int, float] = {}  # answers since the last step (planning asks often)
+        self._known: dict[float, float] = {}  # answers since the last step (planning asks often)
 
     def observe(self, n_tokens: int, n_experts: float) -> None:
         if not 0 < n_tokens <= self.max_tokens or not n_experts > 0:
             return
-        self._guess.clear()
+        self._known.clear()
         f = self.forget
         self._w[n_tokens] = f * self._w.get(n_tokens, 0.0) + 1.0
         self._sum[n_tokens] = f * self._sum.get(n_tokens, 0.0) + float(n_experts)
@@ -366,16 +372,16 @@ class UnionMeter:
         return self._sum[n_tokens] / w if w else None
 
     def experts_read(self, n_tokens: float) -> float:
-        n = int(round(n_tokens))
+        got = self._known.get(n_tokens)
+        if got is None:
+            self._known[n_tokens] = got = self._experts_read(int(round(n_tokens)))
+        return got
+
+    def _experts_read(self, n: int) -> float:
         if n <= 0 or self.shape.n_moe_layers == 0:
             return 0.0
         got = self.measured(n)
-        if got is not None:
-            return got
-        if n in self._guess:
-            return self._guess[n]
-        self._guess[n] = guess = self._estimate(n)
-        return guess
+        return got if got is not None else self._estimate(n)
 
     def _estimate(self, n: int) -> float:
         bound = self.shape.experts_read(n)

@@ -29,8 +29,11 @@ class NgramDrafter:
     """The n-gram index of one sequence and its draft proposals.
 
     `propose(tokens, k)` takes the sequence's whole token list each time (it only ever grows:
-    prompt then accepted output); the index reads just the new tail. After a proposal,
-    `match_len` holds its evidence (0 when it found nothing).
+    prompt then accepted output); `find(prompt, output)` takes it in its two parts, so a
+    caller need not join them, and `drafts(k)` then gives the drafts, so a caller that wants
+    fewer than it may have builds no more than it wants. Either way the drafter copies and
+    indexes just the tokens it has not seen. After a proposal, `match_len` holds its evidence
+    (0 when it found nothing).
     """
 
     def __init__(self, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N,
@@ -47,24 +50,13 @@ class NgramDrafter:
         # known, in order (so the sequence's own suffix never matches itself)
         self._after: dict[int, dict[tuple[int, ...], list[int]]] = {
             n: {} for n in range(min_n, max_n + 1)}
-        self._n_indexed = 0  # tokens[:_n_indexed] have had their n-grams indexed
+        self._seq: list[int] = []  # the sequence as far as seen
+        self._tables = sorted(self._after.items())  # (n, its table), n ascending
+        self._n_indexed = 0  # _seq[:_n_indexed] have had their n-grams indexed
         self.match_len = 0
         self._src = -1  # where the last proposal's drafts came from (-1: none)
         self._at = 0  # the sequence's length at the last proposal
         self._match = 0  # and its match length
-
-    def _index(self, tokens: Sequence[int]) -> None:
-        # the n-gram ending at position i is indexed once token i + 1 exists
-        end = len(tokens) - 1
-        if end < self._n_indexed:
-            if len(tokens) < self._n_indexed:
-                raise ValueError("the token list is shorter than in the previous call")
-            return
-        for i in range(self._n_indexed, end):
-            for n, table in self._after.items():
-                if i + 1 >= n:
-                    table.setdefault(tuple(tokens[i + 1 - n:i + 1]), []).append(i + 1)
-        self._n_indexed = end
 
     @staticmethod
     def _agree(tokens: Sequence[int], src: int, length: int, skip: int) -> int:
@@ -74,14 +66,6 @@ class NgramDrafter:
         while n < MAX_MATCH and n < src and tokens[src - 1 - n] == tokens[length - 1 - n]:
             n += 1
         return n
-
-    def _follows(self, tokens: Sequence[int]) -> bool:
-        """Whether the tokens since the last proposal are what followed its source."""
-        if self._src < 0:
-            return False
-        new = len(tokens) - self._at
-        return 0 <= new and all(tokens[self._src + i] == tokens[self._at + i]
-                                for i in range(new))
 
     def _search(self, tokens: Sequence[int]) -> tuple[int, int]:
         """(source, match length) of the best earlier occurrence of a suffix; (-1, 0)."""
@@ -103,19 +87,61 @@ class NgramDrafter:
         self.match_len = 0
         if k <= 0 or not tokens:
             return []
-        self._index(tokens)
-        length = len(tokens)
-        if self._follows(tokens):
-            grown = length - self._at
-            src, match = self._src + grown, min(self._match + grown, MAX_MATCH)
+        self.find(tokens)
+        return self.drafts(k)
+
+    def find(self, head: Sequence[int], tail: Sequence[int] = ()) -> int:
+        """Look up the source of the sequence head + tail (see the module) for drafts(k); its
+        match length, 0 when none matches."""
+        # one function, not one per part: it runs for every sequence at every step, mostly
+        # on caches the forward pass has just emptied, where each call costs more than its
+        # work
+        tokens = self._seq  # append what head + tail holds past it
+        n_seen, n_head = len(tokens), len(head)
+        length = n_head + len(tail)
+        if length < n_seen:
+            raise ValueError("the token list is shorter than in the previous call")
+        if n_seen < n_head:
+            tokens += map(int, head[n_seen:])
+            tokens += map(int, tail)
+        elif n_seen < length:
+            tokens += map(int, tail[n_seen - n_head:])
+        self.match_len = 0
+        if not length:
+            return 0
+        start = self._n_indexed  # index the n-grams whose next token is new
+        for p in range(start + 1, length):  # p: the position after the n-gram
+            for n, table in self._tables:
+                if p < n:
+                    break
+                key = tuple(tokens[p - n:p])
+                at = table.get(key)
+                if at is None:
+                    table[key] = [p]
+                else:
+                    at.append(p)
+        self._n_indexed = max(start, length - 1)
+        src, at = self._src, self._at
+        grown = length - at
+        if src >= 0 and tokens[src:src + grown] == tokens[at:]:  # the source goes on
+            src, match = src + grown, min(self._match + grown, MAX_MATCH)
+        elif length < self.min_n or tuple(tokens[length - self.min_n:]) not in \
+                self._after[self.min_n]:
+            src, match = -1, 0  # an occurrence of a longer suffix holds one of the shortest
         else:
             src, match = self._search(tokens)
         self._src, self._at, self._match = src, length, match
-        if src < 0:
+        if src >= 0:
+            self.match_len = match
+        return self.match_len
+
+    def drafts(self, k: int) -> list[int]:
+        """k tokens from the source the last find found ([] when it found none): the
+        sequence from there on, and past its end the drafts themselves (a loop repeats)."""
+        src, length = self._src, self._at
+        if k <= 0 or src < 0:
             return []
-        self.match_len = match
-        out: list[int] = []
-        for i in range(k):  # past the end, the source is the drafts themselves
-            at = src + i
-            out.append(int(tokens[at]) if at < length else out[at - length])
-        return out
+        if src + k <= length:
+            return self._seq[src:src + k]
+        loop = self._seq[src:length]
+        return (loop * (k // len(loop) + 1))[:k]
