@@ -219,6 +219,43 @@ def test_checksums_and_verify(ckpts: dict[str, Path], tmp_path: Path) -> None:
         read_wfile(victim)
 
 
+@pytest.mark.parametrize("syncfs", [True, False])
+def test_the_conversion_is_on_disk_before_it_is_renamed_into_place(
+        ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        syncfs: bool) -> None:
+    """The weight files are flushed to disk together, once for the whole folder (syncfs),
+    or each file and folder on its own where the C library lacks syncfs, and always before
+    the folder takes its name: a crash never leaves a named folder with unwritten files."""
+    import colibri.engine.format.convert as conv
+
+    events: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append("fsync")
+        real_fsync(fd)
+
+    def rename(src: os.PathLike, dst: os.PathLike) -> None:
+        events.append(f"rename {Path(dst).name}")
+        real_rename(src, dst)
+
+    class NoSyncfs:  # a C library without syncfs
+        pass
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    if not syncfs:
+        monkeypatch.setattr(conv, "_libc", lambda: NoSyncfs())
+    out = convert(ckpts["olmoe"], tmp_path / "out", quant="q8", progress=False)
+    n_files = sum(1 for f in out.rglob("*") if f.is_file())
+    before = events[:events.index("rename out")]
+    if syncfs:  # config.json's own write, then nothing per weight file
+        assert before.count("fsync") == 1 < n_files
+    else:
+        assert before.count("fsync") > n_files
+    verify(out, full=True)
+
+
 def test_config_matches_transformers(tmp_path: Path) -> None:
     import transformers
 
@@ -441,7 +478,7 @@ def test_interrupted_conversion_leaves_nothing(ckpts: dict[str, Path], tmp_path:
     real = convert_mod.write_wfile
     calls = {"n": 0}
 
-    def flaky(path, specs):  # noqa: ANN001, ANN202
+    def flaky(path, specs, **kw):  # noqa: ANN001, ANN003, ANN202
         calls["n"] += 1
         if calls["n"] == 5:
             specs = list(specs)
@@ -451,7 +488,7 @@ def test_interrupted_conversion_leaves_nothing(ckpts: dict[str, Path], tmp_path:
 
             specs[-1] = specs[-1].__class__(specs[-1].name, specs[-1].type_name,
                                             specs[-1].shape, boom)
-        return real(path, specs)
+        return real(path, specs, **kw)
 
     monkeypatch.setattr(convert_mod, "write_wfile", flaky)
     with pytest.raises(KeyboardInterrupt):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -223,7 +224,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = DEFAULT_QUANT,
             config["tensor_types"] = tensor_types
             config["files"] = files
             _write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
-            _fsync_dir(tmp)
+            _sync_tree(tmp)
             os.rename(tmp, out_dir)
             _fsync_dir(out_dir.parent)
         except BaseException:
@@ -255,7 +256,7 @@ def _write_files(ckpt: Checkpoint, root: Path, by_file: dict[str, list[archs.Tar
                        _producer(ckpt, t, choose_type(t.kind, t.shape, preset)))
             for t in group
         ]
-        size, digest = write_wfile(path, specs)
+        size, digest = write_wfile(path, specs, durable=False)  # the caller syncs the tree
         files[fname] = {"size": size, "sha256": digest}
         bar.update(1)
     return files
@@ -275,7 +276,6 @@ def _write_mtp(ckpt: Checkpoint, root: Path, mcfg: dict[str, Any],
                   tensor_types=_tensor_types(targets, preset), files=files)
     config["converted_hparams"] = converted_hparams(config)
     _write_atomic(root / "config.json", json.dumps(config, indent=2) + "\n")
-    _fsync_dir(root)
     out = {f"{root.name}/{name}": meta for name, meta in files.items()}
     out[f"{root.name}/config.json"] = {"size": (root / "config.json").stat().st_size,
                                        "sha256": _sha256(root / "config.json")}
@@ -321,6 +321,7 @@ def add_mtp(hf_dir: str | Path, folder: str | Path) -> bool:
         tmp.mkdir()
         try:
             files = _write_mtp(ckpt, tmp / MTP_DIR, mtp[0], mtp[1], preset)
+            _sync_tree(tmp)
             os.rename(tmp / MTP_DIR, folder / MTP_DIR)
             _fsync_dir(folder)
         finally:
@@ -436,6 +437,35 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
+
+
+def _sync_tree(root: Path) -> None:
+    """Everything written under root on disk before root is renamed into place: one syncfs
+    of root's filesystem where the C library has it (one flush for the whole conversion
+    rather than one per file), else an fsync of every file and folder under root."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        syncfs = getattr(_libc(), "syncfs", None)
+        if syncfs is not None and syncfs(fd) == 0:
+            return
+    finally:
+        os.close(fd)
+    for folder, _dirs, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(folder))
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library of this process (ctypes), or None where it cannot be opened."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def _fsync_dir(path: Path) -> None:

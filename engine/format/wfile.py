@@ -76,8 +76,10 @@ def _check_spec(path: Path, spec: TensorSpec) -> None:
         raise ValueError(f"{where}: bad shape {spec.shape}")
 
 
-def write_wfile(path: str | Path, specs: Iterable[TensorSpec]) -> tuple[int, str]:
-    """Write a weight file atomically; returns (size in bytes, sha256 hex of the file)."""
+def write_wfile(path: str | Path, specs: Iterable[TensorSpec],
+                durable: bool = True) -> tuple[int, str]:
+    """Write a weight file atomically; returns (size in bytes, sha256 hex of the file).
+    durable=False leaves the flush to disk to the caller (one for a whole folder)."""
     path = Path(path)
     specs = list(specs)
     if not 1 <= len(specs) <= MAX_TENSORS:
@@ -136,7 +138,8 @@ def write_wfile(path: str | Path, specs: Iterable[TensorSpec]) -> tuple[int, str
                 put(buf)
             assert written == file_size
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(part, path)
     except BaseException:
         part.unlink(missing_ok=True)
