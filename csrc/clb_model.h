@@ -352,8 +352,10 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * forward pass waits for is queued or being read, or while such loads kept the storage busy
  * more than prefetch_busy_pct of the recent time; one in flight (pread, direct) stops between
  * chunks when such a load waits for a reader; and none evicts an expert the prediction picked
- * too, or likelier to be used in the next step (by its heat) than the prediction is to be
- * right (the layer's measured precision), or for a prediction right at most half the time. */
+ * too, or for a prediction right at most half the time (the layer's measured precision), or
+ * no more often than the layer's evicted experts come back before it would have evicted them
+ * anyway (nearly always in a layer that holds nearly all the experts its tokens use), or
+ * likelier to be used in the next step (by its heat) than the prediction is to be right. */
 typedef enum {
     CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */

@@ -91,6 +91,9 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->pf_right);
     free(xc->pf_pred);
     free(xc->heat_sum);
+    free(xc->ev_step);
+    free(xc->ev_back);
+    free(xc->ev_away);
     for (int64_t j = 0; xc->fd_of && j < xc->L * xc->E; j++)
         if (xc->fd_of[j] >= 0) close(xc->fd_of[j]);
     free(xc->fd_of);
@@ -185,6 +188,9 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->pf_right = calloc((size_t)(2 * L), sizeof(float));
     xc->pf_pred = calloc((size_t)(2 * L), sizeof(float));
     xc->heat_sum = calloc((size_t)L, sizeof(float));
+    xc->ev_step = malloc(LE * sizeof(int64_t));
+    xc->ev_back = calloc((size_t)L, sizeof(float));
+    xc->ev_away = calloc((size_t)L, sizeof(float));
     for (int64_t l = 0; xc->pred_step && l < 2 * L; l++) xc->pred_step[l] = -1;
     xc->fd_of = malloc(LE * sizeof(int));
     xc->fd_use = calloc(LE, sizeof(uint64_t));
@@ -200,6 +206,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->plan_old = calloc((size_t)N, sizeof(int64_t));
     for (size_t j = 0; xc->wave_of && j < LE; j++) xc->wave_of[j] = -1;
     for (size_t j = 0; xc->fd_of && j < LE; j++) xc->fd_of[j] = -1;
+    for (size_t j = 0; xc->ev_step && j < LE; j++) xc->ev_step[j] = -1;
     /* a quarter of the process's file limit for kept expert files, 16 to 4096 (the soft limit
      * raised to the hard one first, as far as it allows) */
     struct rlimit nofile;
@@ -219,7 +226,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         !xc->st || !xc->pf_keep || !xc->fd_of || !xc->fd_use || !xc->fd_ref || !xc->scratch ||
         !xc->pool || !xc->wave_of || !xc->plan_miss || !xc->cur_start || !xc->plan_i ||
         !xc->plan_old || !xc->pred || !xc->pred_step || !xc->pf_right || !xc->pf_pred ||
-        !xc->heat_sum) {
+        !xc->heat_sum || !xc->ev_step || !xc->ev_back || !xc->ev_away) {
         clb_xc_free(xc);
         clb_set_err(err, "out of memory for the expert cache tables");
         return CLB_E_NOMEM;
