@@ -97,6 +97,12 @@ struct clb_xcache {
     int n_readers;
     clb_xreaders *pool;    /* loads the forward waits for first, then prefetches */
     int stuck;             /* a read ran past the timeout: its thread may never return */
+    /* the slots' memory faulted in ahead of the reads (cfg.prefault), on a thread of its own:
+     * bytes done of the total, whether it runs, was told to stop, and why it stopped early */
+    pthread_t prefault_thread;
+    int prefault_started, prefault_running, prefault_stop;
+    int64_t prefault_done, prefault_total;
+    char prefault_err[CLB_ERR_LEN];
     /* L+2 read-ahead (prefetch_depth 0: automatic): how long a reader's read takes and how
      * long a layer computes, both averaged (ns, 0 until measured) */
     int64_t read_ns, layer_ns, last_begin_ns, last_begin_l;

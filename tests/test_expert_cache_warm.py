@@ -1,24 +1,31 @@
-"""Expert cache: prefetch on a nearly full cache.
+"""Expert cache: prefetch on a nearly full cache, and the slots' memory faulted in ahead.
 
 A layer that holds all but a few of the experts its tokens use gets back whatever it evicts:
 there a prefetch that evicts costs reads and saves no miss, so it must not add loads over
 the same decode without prefetch, while in a small cache prefetch still turns misses into
-hits (a random 16-expert Mixtral, tokens checked against the resident model's).
+hits (a random 16-expert Mixtral, tokens checked against the resident model's). The slots'
+pages are faulted in once, on a thread of their own, so that reads into them no longer
+fault (minor faults counted with getrusage) and the process's anonymous memory holds the
+whole budget before the first forward (the demo model).
 """
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from colibri.engine.demo import default_model_path
 from colibri.engine.executor.model import Model
+from colibri.engine.format.convert import ensure_converted
 
 pytest.importorskip("transformers")
 
 from tests.tiny_models import TinyCheckpoints  # noqa: E402
 
+PAGE = 4096
 # the warm-up text, then the measured one: prompts of different tokens, greedy decodes
 WARM_PROMPT = (np.arange(1, 17, dtype=np.int32) * 7) % 300
 PROMPT = (np.arange(1, 17, dtype=np.int32) * 11 + 5) % 300
@@ -31,6 +38,12 @@ MIXTRAL_16 = dict(num_local_experts=16, num_experts_per_tok=4, num_hidden_layers
 @pytest.fixture(scope="module")
 def mixtral16(checkpoints: TinyCheckpoints) -> Path:
     return checkpoints.get("mixtral", seed=3, **MIXTRAL_16).converted("q8")
+
+
+@pytest.fixture(scope="module")
+def demo_dir() -> Path:
+    """The trained demo model at q8 (64 experts, top-8)."""
+    return ensure_converted(Path(default_model_path()), "q8", progress=False)
 
 
 def _decode(m: Model, prompt: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
@@ -103,3 +116,73 @@ def test_prefetch_still_turns_misses_into_hits_in_a_small_cache(mixtral16: Path,
     on = _counts(mixtral16, e // 2, True, mixtral16_ref)
     assert on["prefetch_issued"] > 0
     assert on["hits"] > off["hits"] * 1.05, (on, off)
+
+
+# -- the slots' memory faulted in ahead --------------------------------------------------------
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_prefault_fills_the_budget_before_the_first_forward(demo_dir: Path) -> None:
+    """With prefault, the slots of every layer count in the process's anonymous memory once
+    the pre-fault thread ends, before any forward; without it they stay untouched. Slots on
+    4 KiB pages, where every page counts alike."""
+    cfg = Model.load(demo_dir).config
+    per_layer = cfg.n_expert // 2
+    for prefault in (False, True):
+        m = Model.load(demo_dir, n_seq=1)
+        before = _rss_anon()
+        m.core.enable_expert_cache(per_layer, load="pread", prefetch=False, huge_pages=False,
+                                   prefault=prefault)
+        pf = m.core.expert_cache_prefault(wait_s=30.0)
+        grew = _rss_anon() - before
+        assert pf is not None and not pf["running"] and pf["error"] == ""
+        if prefault:
+            # every slot of every layer: at least one expert's bytes each
+            assert pf["total_bytes"] >= cfg.n_layer * per_layer * m.core.expert_bytes
+            assert pf["done_bytes"] == pf["total_bytes"]
+            assert grew >= pf["total_bytes"] * 0.95, (grew, pf)
+        else:
+            assert pf["done_bytes"] == pf["total_bytes"] == 0
+            slots = cfg.n_layer * per_layer * m.core.expert_bytes
+            assert grew < slots // 4, (grew, slots)
+        del m
+
+
+def test_reads_into_prefaulted_slots_do_not_fault(demo_dir: Path) -> None:
+    """The same decode with and without prefault: without it, each page of a slot faults the
+    first time a load writes into it (an expert's bytes, a page at a time, for every slot
+    filled); with it those faults happened before, on the pre-fault thread. Counted as minor
+    faults of the whole process (the readers included) around the decode."""
+    probe = Model.load(demo_dir)
+    cfg, expert_bytes = probe.config, probe.core.expert_bytes
+    per_layer = cfg.n_expert  # every expert the text uses stays: one load, one slot each
+    _decode(Model.load(demo_dir, n_seq=1), PROMPT, 4)  # one-time costs of the process
+    faults: dict[bool, int] = {}
+    filled = 0
+    for prefault in (False, True):
+        m = Model.load(demo_dir, n_seq=1)
+        m.core.enable_expert_cache(per_layer, load="pread", prefetch=False, huge_pages=False,
+                                   readers=2, prefault=prefault)
+        m.core.expert_cache_prefault(wait_s=30.0)
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        _decode(m, PROMPT, 8)
+        faults[prefault] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0
+        st = m.core.expert_cache_stats()
+        filled = int((st["state"] >= 2).sum())
+        del m
+    pages_per_slot = -(-expert_bytes // PAGE)
+    assert filled > 0
+    assert faults[False] - faults[True] >= 0.8 * filled * pages_per_slot, (faults, filled)
+
+
+def test_mmap_mode_has_no_slots_to_prefault(demo_dir: Path) -> None:
+    m = Model.load(demo_dir, n_seq=1)
+    m.core.enable_expert_cache(16, load="mmap", prefetch=False)
+    pf = m.core.expert_cache_prefault(wait_s=5.0)
+    assert pf == {"done_bytes": 0, "total_bytes": 0, "running": False, "error": ""}
+    assert Model.load(demo_dir).core.expert_cache_prefault() is None
