@@ -23,6 +23,7 @@ from colibri.engine.format.convert import ensure_converted
 
 pytest.importorskip("transformers")
 
+from tests.conftest import quick_params  # noqa: E402
 from tests.tiny_models import TinyCheckpoints  # noqa: E402
 
 PAGE = 4096
@@ -88,7 +89,8 @@ def _counts(path: Path, per_layer: int, prefetch: bool,
             for k in ("hits", "misses", "loads", "prefetch_issued", "prefetch_spared")}
 
 
-@pytest.mark.parametrize("missing", [1, 2])
+# two missing: the same rule where evicted experts come back a little less surely
+@pytest.mark.parametrize("missing", quick_params([1, 2], [1]))
 def test_prefetch_adds_no_loads_to_a_nearly_full_cache(mixtral16: Path, mixtral16_ref: tuple,
                                                        missing: int) -> None:
     """All but one or two experts of each layer resident: whatever a prefetch would evict is
