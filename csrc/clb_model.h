@@ -352,8 +352,11 @@ void clb_model_product_stats(const clb_model *m, clb_product_stats *out);
  * forward pass waits for is queued or being read, or while such loads kept the storage busy
  * more than prefetch_busy_pct of the recent time; one in flight (pread, direct) stops between
  * chunks when such a load waits for a reader; and none evicts an expert the prediction picked
- * too, or likelier to be used in the next step (by its heat) than the prediction is to be
- * right (the layer's measured precision), or for a prediction right at most half the time. */
+ * too, or for a prediction right at most half the time (the layer's measured precision), or
+ * no more often than the layer's evicted experts come back before it would have evicted them
+ * anyway (nearly always in a layer that holds nearly all the experts its tokens use), or
+ * likelier to be used in the next step (by its heat) than the prediction is to be right. With
+ * prefault the slots' pages are faulted in at enable, on a thread of their own. */
 typedef enum {
     CLB_XC_PREAD = 0,  /* pread into slots of anonymous memory */
     CLB_XC_DIRECT = 1, /* O_DIRECT reads into 4 KiB-aligned slots (bypasses the page cache) */
@@ -376,6 +379,9 @@ typedef struct {
     int32_t prefetch_busy_pct; /* 1..100: no prefetch read starts while loads the forward
                                 * waits for kept the storage busy more than this share (%) of
                                 * the recent time; 0: 50 */
+    int32_t prefault;          /* 1: fault the slots' memory in once, on a thread of its own
+                                * started at enable, so that no read into a slot waits for
+                                * the kernel to zero its pages (slots of the first use first) */
 } clb_xc_config;
 
 typedef struct {
@@ -429,6 +435,12 @@ int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state,
  * measured: one reader's read of one expert, one layer's compute) and returns the layers read
  * ahead now (0 without prefetch, 1 or 2). */
 int clb_xcache_timing(const clb_model *m, int64_t *read_ns, int64_t *layer_ns);
+/* -1 when no cache is enabled; else the slot memory faulted in so far and in all (bytes: the
+ * slots of the layers with experts) and returns 1 while the pre-fault runs, 0 once it has
+ * ended (done, not asked for, mmap mode which has no slots, or stopped: then *err, when not
+ * NULL, says why: the kernel refused MADV_POPULATE_WRITE, Linux 5.14 or later). */
+int clb_xcache_prefault(const clb_model *m, int64_t *done_bytes, int64_t *total_bytes,
+                        char *err);
 
 /* The embedding C API, for programs that link the core directly: thin wrappers over the
  * above for one sequence (f32 KV, its own block table): each colibri_forward call appends

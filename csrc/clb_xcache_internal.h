@@ -69,10 +69,20 @@ struct clb_xcache {
      * and two: pred marks the experts the last such prediction for layer l picked for its
      * step pred_step[l] (2: not resident then, what a prefetch reads; 1: resident); when that
      * step begins, pf_right / pf_pred (halved past 64) count how many of the former it routed
-     * to */
+     * to, a chunk counting at most K of them (scaled): a prompt's prediction names most
+     * experts of a layer that starts empty, nearly all right, and counted in full it would
+     * outweigh the decode steps' for long */
     uint8_t *pred;      /* [2][L * E] */
     int64_t *pred_step; /* [2][L] */
     float *pf_right, *pf_pred; /* [2][L] */
+    /* what an eviction costs the layer: an evicted expert is watched (ev_step: the layer's
+     * step when it was evicted, -1 none) until it is loaded again (it came back: ev_back),
+     * or a demand load evicts another expert first or prefetch_window steps pass (it stayed
+     * away: ev_away; both halved past 32). Came back: the eviction cost a read and a miss
+     * that keeping the expert would have saved. A layer that holds nearly every expert its
+     * tokens use gets nearly every evicted expert back */
+    int64_t *ev_step;   /* [L * E] */
+    float *ev_back, *ev_away; /* [L] */
     float *heat_sum;    /* [L] the layer's total heat: K times the tokens it stands for */
     /* storage idle time: demand counts the loads the forward waits for that the readers hold
      * (queued or being read); busy_ns the time within the current window (since win_ns) with
@@ -87,6 +97,12 @@ struct clb_xcache {
     int n_readers;
     clb_xreaders *pool;    /* loads the forward waits for first, then prefetches */
     int stuck;             /* a read ran past the timeout: its thread may never return */
+    /* the slots' memory faulted in ahead of the reads (cfg.prefault), on a thread of its own:
+     * bytes done of the total, whether it runs, was told to stop, and why it stopped early */
+    pthread_t prefault_thread;
+    int prefault_started, prefault_running, prefault_stop;
+    int64_t prefault_done, prefault_total;
+    char prefault_err[CLB_ERR_LEN];
     /* L+2 read-ahead (prefetch_depth 0: automatic): how long a reader's read takes and how
      * long a layer computes, both averaged (ns, 0 until measured) */
     int64_t read_ns, layer_ns, last_begin_ns, last_begin_l;

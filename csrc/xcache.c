@@ -75,13 +75,44 @@ static void pf_outcome(clb_xcache *xc, int64_t l, int used) {
     }
 }
 
+/* One watched eviction of layer l ended: the expert came back (1) or stayed away (0). */
+static void ev_outcome(clb_xcache *xc, int64_t l, int back) {
+    if (back)
+        xc->ev_back[l] += 1.0f;
+    else
+        xc->ev_away[l] += 1.0f;
+    if (xc->ev_back[l] + xc->ev_away[l] > 32.0f) {
+        xc->ev_back[l] *= 0.5f;
+        xc->ev_away[l] *= 0.5f;
+    }
+}
+
+/* The watch on evicted experts (see ev_step) as expert e of layer l is claimed: e, when
+ * watched, came back; a demand load that evicts (demand_evicts) ends the watch of every
+ * other evicted expert of the layer as stayed away (without the eviction that watch is on,
+ * this one would have evicted it, or another as cold). */
+static void ev_watch(clb_xcache *xc, int64_t l, int64_t e, int demand_evicts) {
+    const int64_t E = xc->E;
+    if (xc->ev_step[l * E + e] >= 0) {
+        xc->ev_step[l * E + e] = -1;
+        ev_outcome(xc, l, 1);
+    }
+    for (int64_t j = 0; demand_evicts && j < E; j++)
+        if (xc->ev_step[l * E + j] >= 0) {
+            xc->ev_step[l * E + j] = -1;
+            ev_outcome(xc, l, 0);
+        }
+}
+
 /* Takes slot i of layer l for expert e (state loading); returns the evicted expert's index
  * (l * E + old) or -1. */
 int64_t clb_xc_claim(clb_xcache *xc, int64_t l, int64_t i, int64_t e, int prefetch) {
     clb_xslot *s = &xc->slots[l * xc->N + i];
     int64_t old = -1;
+    ev_watch(xc, l, e, !prefetch && s->state == CLB_XS_READY);
     if (s->state == CLB_XS_READY) {
         old = l * xc->E + s->owner;
+        xc->ev_step[old] = xc->step[l];
         xc->slot_of[old] = -1;
         if (xc->cfg.load != CLB_XC_MMAP)
             for (int j = 0; j < 3; j++) xc->tens[old * 3 + j].data = NULL;
@@ -477,11 +508,22 @@ void clb_xc_begin_layer(clb_xcache *xc, int64_t l, const int64_t *e_start, int64
             xc->st[l].predicted += n_pred;
             xc->st[l].predicted_right += n_right;
         }
-        xc->pf_pred[k] += (float)n_cand;
-        xc->pf_right[k] += (float)n_cand_right;
+        if (n_cand == 0) continue;
+        /* a chunk of many tokens weighs at most what one token's prediction may (K) */
+        const int64_t w = n_cand < xc->m->hp.n_expert_used ? n_cand : xc->m->hp.n_expert_used;
+        xc->pf_pred[k] += (float)w;
+        xc->pf_right[k] += (float)w * (float)n_cand_right / (float)n_cand;
         if (xc->pf_pred[k] > 64.0f) {
             xc->pf_pred[k] *= 0.5f;
             xc->pf_right[k] *= 0.5f;
+        }
+    }
+    /* evicted experts not asked for again within the heat's window stayed away */
+    for (int64_t e = 0; e < E; e++) {
+        int64_t *w = &xc->ev_step[l * E + e];
+        if (*w >= 0 && xc->step[l] - *w > xc->cfg.prefetch_window) {
+            *w = -1;
+            ev_outcome(xc, l, 0);
         }
     }
     /* what is still queued for this layer is late: the forward pass loads its misses itself */
@@ -579,21 +621,31 @@ void clb_xc_reader_run(void *ctx, const clb_xjob *j, int loader) {
     finish(xc, j->l, j->i, j->got, "");
 }
 
-/* Whether evicting expert v of layer l to prefetch e loses more than it may gain. The chance
- * that e is used is the layer's measured share of right predictions of missing experts (one
- * layer ahead when the latest such prediction named e, else two; one right and one wrong
- * assumed, so an unmeasured layer starts at one half). Kept when that chance is at most one
- * half (a wrong prediction costs two reads, e's and v's back, a right one saves none: it
- * only moves e's read ahead of its use), or at most v's chance of a use in the next step (its
- * share of the layer's heat, times K experts per token). */
+/* Whether evicting expert v of layer l to prefetch e loses more than it may gain. p, the
+ * chance that e is used, is the layer's measured precision of predictions of missing experts
+ * (one layer ahead when the latest such prediction named e, else two; one right and one
+ * wrong assumed, so an unmeasured layer starts at one half). q, the chance that v is asked
+ * for again before a demand load would have evicted it anyway, is the share of the layer's
+ * evicted experts that came back that soon (unmeasured: the share of its experts the layer
+ * holds). A right prediction saves e's miss and no read (e is read either way, only
+ * earlier); a wrong one costs e's read, and with chance q v's read and miss. So v is kept
+ * when p is at most one half, or at most q: the trade is made only for an expert likelier
+ * to be used than the one it evicts to come back. In a layer that holds all but one or two
+ * of the experts its tokens use, q is near 1 (whatever it evicts is the next expert it
+ * misses) and prefetch adds no reads there; in a small cache evicted experts seldom come
+ * back in time, and right predictions turn misses into hits. Kept too when v's own chance
+ * of a use in the next step (its share of the layer's heat, times K experts per token) is
+ * at least p. */
 static int likelier_kept(const clb_xcache *xc, int64_t l, int64_t e, int64_t v) {
     const int64_t E = xc->E;
     int near = xc->pred_step[l] > xc->step[l] && xc->pred[l * E + e];
     int64_t k = near ? l : xc->L + l;
-    float p_pred = (xc->pf_right[k] + 1.0f) / (xc->pf_pred[k] + 2.0f);
+    float p = (xc->pf_right[k] + 1.0f) / (xc->pf_pred[k] + 2.0f);
+    float q0 = (float)xc->N / (float)E; /* unmeasured: the share of the experts it holds */
+    float q = (xc->ev_back[l] + q0) / (xc->ev_back[l] + xc->ev_away[l] + 1.0f);
     float hs = xc->heat_sum[l];
     float p_v = hs > 0.0f ? (float)xc->m->hp.n_expert_used * xc->heat[l * E + v] / hs : 0.0f;
-    return p_pred <= 0.5f || p_v >= p_pred;
+    return p <= 0.5f || p <= q || p_v >= p;
 }
 
 /* A read-ahead, claimed only now that it starts: skipped when its expert got resident or

@@ -1,11 +1,13 @@
-/* Colibri expert cache setup: enable (the slots, the tables, the readers, the pinned experts),
- * free and the counters' snapshot.
+/* Colibri expert cache setup: enable (the slots, the tables, the readers, the pinned experts,
+ * the slots' pre-fault), free and the counters' snapshot.
  * Guarantees: a cache that fails to start is freed by the model like a running one; free joins
- * the readers before anything they read is freed, and leaves everything allocated when a read
- * may never return; stats copy under the lock, safe while a forward runs.
+ * the pre-fault thread and the readers before anything they touch is freed, and leaves
+ * everything allocated when a read may never return; the pre-fault never writes a slot's
+ * bytes, so it runs beside the readers; stats copy under the lock, safe while a forward runs.
  * Refuses: configs outside the ranges in clb_model.h; more pinned experts than a layer's slots
  * minus one. */
 #define _GNU_SOURCE /* MADV_HUGEPAGE */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,6 +44,74 @@ static void span_of(const clb_model *m, int64_t idx, clb_xspan *sp) {
     for (int j = 0; j < 3; j++) sp->rel[j] = off[j] - sp->lo;
 }
 
+/* ---- pre-faulting the slots ------------------------------------------------------------ */
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack the name */
+#endif
+
+static int layer_has_experts(const clb_xcache *xc, int64_t l) {
+    return has_expert(xc->m, l * xc->E);
+}
+
+/* Faults the slots' pages in, writable, without writing them (MADV_POPULATE_WRITE), so it
+ * may run beside the readers filling them: slot 0 of every layer with experts first (a layer
+ * fills its slots in order), then slot 1, ... The kernel zeroes (and, on a huge-page region,
+ * assembles 2 MiB pages) here instead of inside the first read into each page. Stops at
+ * free, or where the kernel refuses (noted in prefault_err). */
+static void *prefault_main(void *arg) {
+    clb_xcache *xc = arg;
+    char why[CLB_ERR_LEN] = "";
+    for (int64_t i = 0; i < xc->N && !why[0]; i++)
+        for (int64_t l = 0; l < xc->L && !why[0]; l++) {
+            if (!layer_has_experts(xc, l)) continue;
+            pthread_mutex_lock(&xc->mu);
+            int stop = xc->prefault_stop;
+            pthread_mutex_unlock(&xc->mu);
+            if (stop) break;
+            if (madvise(xc->slots[l * xc->N + i].mem, xc->slot_bytes, MADV_POPULATE_WRITE)) {
+                int e = errno;
+                snprintf(why, sizeof why, "the slots are not pre-faulted: %s%s", strerror(e),
+                         e == EINVAL ? " (MADV_POPULATE_WRITE needs Linux 5.14 or later)" : "");
+                break;
+            }
+            pthread_mutex_lock(&xc->mu);
+            xc->prefault_done += (int64_t)xc->slot_bytes;
+            pthread_mutex_unlock(&xc->mu);
+        }
+    pthread_mutex_lock(&xc->mu);
+    snprintf(xc->prefault_err, sizeof xc->prefault_err, "%s", why);
+    xc->prefault_running = 0;
+    pthread_mutex_unlock(&xc->mu);
+    return NULL;
+}
+
+/* Starts the pre-fault thread (cfg.prefault, slots of anonymous memory); without it the
+ * pages fault in as reads fill them, as before. */
+static void prefault_start(clb_xcache *xc) {
+    if (!xc->cfg.prefault || !xc->region) return;
+    for (int64_t l = 0; l < xc->L; l++)
+        if (layer_has_experts(xc, l)) xc->prefault_total += xc->N * (int64_t)xc->slot_bytes;
+    xc->prefault_running = 1;
+    if (pthread_create(&xc->prefault_thread, NULL, prefault_main, xc) != 0) {
+        xc->prefault_running = 0;
+        snprintf(xc->prefault_err, sizeof xc->prefault_err,
+                 "the slots are not pre-faulted: no thread could be started");
+        return;
+    }
+    xc->prefault_started = 1;
+}
+
+/* Stops the pre-fault after the slot it is in (one madvise) and joins it. */
+static void prefault_stop(clb_xcache *xc) {
+    if (!xc->prefault_started) return;
+    pthread_mutex_lock(&xc->mu);
+    xc->prefault_stop = 1;
+    pthread_mutex_unlock(&xc->mu);
+    pthread_join(xc->prefault_thread, NULL);
+    xc->prefault_started = 0;
+}
+
 size_t clb_expert_bytes(const clb_model *m) {
     size_t mx = 0;
     for (int64_t idx = 0; idx < m->hp.n_layer * m->hp.n_expert; idx++) {
@@ -55,6 +125,7 @@ size_t clb_expert_bytes(const clb_model *m) {
 
 void clb_xc_free(clb_xcache *xc) {
     if (!xc) return;
+    prefault_stop(xc);
     pthread_mutex_lock(&xc->mu);
     int stuck = xc->stuck;
     pthread_mutex_unlock(&xc->mu);
@@ -91,6 +162,9 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->pf_right);
     free(xc->pf_pred);
     free(xc->heat_sum);
+    free(xc->ev_step);
+    free(xc->ev_back);
+    free(xc->ev_away);
     for (int64_t j = 0; xc->fd_of && j < xc->L * xc->E; j++)
         if (xc->fd_of[j] >= 0) close(xc->fd_of[j]);
     free(xc->fd_of);
@@ -185,6 +259,9 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->pf_right = calloc((size_t)(2 * L), sizeof(float));
     xc->pf_pred = calloc((size_t)(2 * L), sizeof(float));
     xc->heat_sum = calloc((size_t)L, sizeof(float));
+    xc->ev_step = malloc(LE * sizeof(int64_t));
+    xc->ev_back = calloc((size_t)L, sizeof(float));
+    xc->ev_away = calloc((size_t)L, sizeof(float));
     for (int64_t l = 0; xc->pred_step && l < 2 * L; l++) xc->pred_step[l] = -1;
     xc->fd_of = malloc(LE * sizeof(int));
     xc->fd_use = calloc(LE, sizeof(uint64_t));
@@ -200,6 +277,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->plan_old = calloc((size_t)N, sizeof(int64_t));
     for (size_t j = 0; xc->wave_of && j < LE; j++) xc->wave_of[j] = -1;
     for (size_t j = 0; xc->fd_of && j < LE; j++) xc->fd_of[j] = -1;
+    for (size_t j = 0; xc->ev_step && j < LE; j++) xc->ev_step[j] = -1;
     /* a quarter of the process's file limit for kept expert files, 16 to 4096 (the soft limit
      * raised to the hard one first, as far as it allows) */
     struct rlimit nofile;
@@ -219,7 +297,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
         !xc->st || !xc->pf_keep || !xc->fd_of || !xc->fd_use || !xc->fd_ref || !xc->scratch ||
         !xc->pool || !xc->wave_of || !xc->plan_miss || !xc->cur_start || !xc->plan_i ||
         !xc->plan_old || !xc->pred || !xc->pred_step || !xc->pf_right || !xc->pf_pred ||
-        !xc->heat_sum) {
+        !xc->heat_sum || !xc->ev_step || !xc->ev_back || !xc->ev_away) {
         clb_xc_free(xc);
         clb_set_err(err, "out of memory for the expert cache tables");
         return CLB_E_NOMEM;
@@ -337,6 +415,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
                     R);
         return CLB_E_NOMEM; /* m->xc stays: the model frees it, joining those started */
     }
+    prefault_start(xc);
     return CLB_OK;
 }
 
@@ -371,4 +450,17 @@ int clb_xcache_timing(const clb_model *m, int64_t *read_ns, int64_t *layer_ns) {
     *layer_ns = xc->layer_ns;
     pthread_mutex_unlock(&xc->mu);
     return clb_xc_prefetch_depth(xc);
+}
+
+int clb_xcache_prefault(const clb_model *m, int64_t *done_bytes, int64_t *total_bytes,
+                        char *err) {
+    clb_xcache *xc = m ? m->xc : NULL;
+    if (!xc) return -1;
+    pthread_mutex_lock(&xc->mu);
+    *done_bytes = xc->prefault_done;
+    *total_bytes = xc->prefault_total;
+    int running = xc->prefault_running;
+    if (err) snprintf(err, CLB_ERR_LEN, "%s", xc->prefault_err);
+    pthread_mutex_unlock(&xc->mu);
+    return running;
 }

@@ -10,6 +10,7 @@ from libc.string cimport strlen
 
 import operator
 import threading
+import time
 
 from colibri.engine.errors import FormatError, InputError
 
@@ -146,6 +147,7 @@ cdef extern from "clb_model.h" nogil:
         int32_t readers
         int32_t prefetch_depth
         int32_t prefetch_busy_pct
+        int32_t prefault
 
     ctypedef struct clb_xc_stats:
         int64_t hits, misses, loads, evictions
@@ -161,6 +163,8 @@ cdef extern from "clb_model.h" nogil:
     int clb_xcache_stats(const clb_model *m, clb_xc_stats *per_layer, int8_t *state, float *heat,
                          int64_t *selections)
     int clb_xcache_timing(const clb_model *m, int64_t *read_ns, int64_t *layer_ns)
+    int clb_xcache_prefault(const clb_model *m, int64_t *done_bytes, int64_t *total_bytes,
+                            char *err)
 
     clb_status clb_forward(clb_model *m, clb_kv *kv, const clb_batch *b, float *logits, char *err)
     clb_status clb_forward_span(clb_model *m, clb_kv *kv, const clb_batch *b, int64_t il0,
@@ -607,7 +611,8 @@ cdef class CoreModel:
     def enable_expert_cache(self, int per_layer, str load="pread", bint prefetch=True,
                             bint huge_pages=False, int prefetch_window=16, pinned=None,
                             double read_timeout_s=30.0, int readers=4,
-                            int prefetch_depth=0, int prefetch_busy_pct=50) -> None:
+                            int prefetch_depth=0, int prefetch_busy_pct=50,
+                            bint prefault=True) -> None:
         """Keep at most per_layer routed experts of each layer resident, loaded on demand.
 
         load: "pread", "direct" (O_DIRECT), "mmap" (madvise on the mappings) or "uring"
@@ -618,7 +623,9 @@ cdef class CoreModel:
         included; prefetch_depth: layers read ahead, 1 or 2, or 0 for two while one read takes
         longer than a layer's compute (see expert_cache_timing); prefetch_busy_pct (1..100): no
         prefetch read starts while loads the forward waits for kept the storage busy more than
-        this share of the recent time (nor while one is queued or being read). Call once,
+        this share of the recent time (nor while one is queued or being read); prefault:
+        fault the slots' memory in once, on a thread of its own (see expert_cache_prefault),
+        so that reads into the slots do not wait for the kernel to zero their pages. Call once,
         before the first forward. Outputs do not change; only speed and memory do.
         """
         cdef clb_xc_config cfg
@@ -641,6 +648,7 @@ cdef class CoreModel:
         if not 1 <= prefetch_busy_pct <= 100:
             raise ValueError(f"prefetch_busy_pct must be in 1..100, got {prefetch_busy_pct}")
         cfg.prefetch_busy_pct = prefetch_busy_pct
+        cfg.prefault = 1 if prefault else 0
         cdef const clb_hparams *hp = clb_model_hparams(self.m)
         cdef uint8_t[::1] pv
         cdef const uint8_t *pp = NULL
@@ -741,6 +749,27 @@ cdef class CoreModel:
         if depth < 0:
             return None
         return {"read_ns": int(read_ns), "layer_ns": int(layer_ns), "prefetch_depth": depth}
+
+    def expert_cache_prefault(self, double wait_s=0.0):
+        """None without an expert cache; else how far the slots' pre-fault has come: done and
+        total bytes (the slots of the layers with experts; 0 in mmap mode, which has none),
+        running, and error (why it stopped early, else ""). wait_s: first wait up to that long
+        for it to end."""
+        cdef int64_t done = 0, total = 0
+        cdef int running
+        cdef char err[512]
+        deadline = time.monotonic() + wait_s
+        while True:
+            err[0] = 0
+            with nogil:
+                running = clb_xcache_prefault(self.m, &done, &total, err)
+            if running != 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        if running < 0:
+            return None
+        return {"done_bytes": int(done), "total_bytes": int(total), "running": running == 1,
+                "error": err.decode("utf-8", "replace")}
 
     def forward(self, KVCache kv not None, tokens, seq_ids, positions, want_logits,
                 block_tables, routes=None, state_slots=None, win_tables=None, span=None,

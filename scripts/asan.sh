@@ -14,5 +14,5 @@ export ASAN_OPTIONS=detect_leaks=0
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 DEFAULT_TESTS=(tests/test_kernels.py tests/test_pool.py tests/test_threadpool.py
                tests/test_model_files.py tests/test_reliability_files.py
-               tests/test_expert_cache.py tests/test_repack.py)
+               tests/test_expert_cache.py tests/test_expert_cache_warm.py tests/test_repack.py)
 python -m pytest -q -p no:cacheprovider "${DEFAULT_TESTS[@]}" "$@"

@@ -149,6 +149,12 @@ def _majflt() -> int:
     return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])
 
 
+def _minflt() -> int:
+    """Minor faults of the whole process (every thread): a read into a slot page that was
+    never touched is one (the kernel zeroes and maps the page inside the read)."""
+    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 def _rss_anon() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
@@ -173,7 +179,7 @@ def child(args: argparse.Namespace) -> int:
 
         lm = llama_load(Path(args.child_model), args.threads, n_ctx)
         load_s = time.perf_counter() - t_load
-        io0, f0 = _io_read_bytes(), _majflt()
+        io0, f0, mf0 = _io_read_bytes(), _majflt(), _minflt()
         pre, dec, toks = llama_greedy_run(lm, prompt, args.gen_tokens)
     else:
         from colibri.engine.core.loader import start_expert_cache
@@ -190,10 +196,12 @@ def child(args: argparse.Namespace) -> int:
             xc.expert_readers = args.readers
         xc.expert_prefetch_depth = args.prefetch_depth
         mon = start_expert_cache(m, Path(args.child_model), xc, 0)
+        # the slots' pre-fault runs beside the first steps in a server; here it ends first
+        m.core.expert_cache_prefault(wait_s=600.0)
         load_s = time.perf_counter() - t_load
         if args.warm:
             timed_greedy_run(m, prompt, 8)
-        io0, f0 = _io_read_bytes(), _majflt()
+        io0, f0, mf0 = _io_read_bytes(), _majflt(), _minflt()
         before = mon.totals()
         r = timed_greedy_run(m, prompt, args.gen_tokens)
         pre, dec, toks = r.prefill_s, r.decode_s, r.tokens
@@ -209,6 +217,7 @@ def child(args: argparse.Namespace) -> int:
             stats["hit_rate"] = stats["hits"] / acq if acq else 0.0
     print(json.dumps({"load_s": load_s, "prefill_s": pre, "decode_s": dec, "tokens": toks[:16],
                       "read_bytes": _io_read_bytes() - io0, "majflt": _majflt() - f0,
+                      "minflt": _minflt() - mf0,
                       "rss_anon": _rss_anon(), **plan,
                       "cache": stats}))
     return 0
@@ -412,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             floor_host = t_res + per_tok / (storage_best * 1e9)
             row.update(decode_tok_s=args.gen_tokens / dec, read_mb_per_token=per_tok / 1e6,
                        majflt=statistics.median(r["majflt"] for r in ok),
+                       minflt=statistics.median(r.get("minflt", 0) for r in ok),
                        floor_cold_tok_s=1 / floor_cold, floor_host_cache_tok_s=1 / floor_host,
                        s_per_token=dec / args.gen_tokens, cache=ok[0]["cache"],
                        same_tokens=ok[0]["tokens"] == ref_tokens if name.startswith(
@@ -429,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{c.get('prefetch_spared', 0) / n_tok:.2f} spared")
             print(f"  {name:40} {row['decode_tok_s']:8.2f} tok/s, read "
                   f"{row['read_mb_per_token']:6.2f} MB/token from storage, "
-                  f"{row['majflt']:.0f} major faults{hit}; floor "
+                  f"{row['majflt']:.0f} major and {row['minflt']:.0f} minor faults{hit}; floor "
                   f"{row['floor_host_cache_tok_s']:.2f} tok/s (fastest storage read) / "
                   f"{row['floor_cold_tok_s']:.2f} (files not read recently)", flush=True)
         remove_group()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds colibri.engine._core with ThreadSanitizer (COLIBRI_SANITIZE=thread) in a throw-away copy of
 # the tree, then runs the tests of the threaded C code under it: the thread pool and the expert
-# cache with its prefetch thread. Fails on any data race report.
+# cache with its reader threads and the thread that pre-faults its slots. Fails on any data
+# race report.
 # Usage: scripts/tsan.sh [extra pytest args]. Needs Cython (in the `test` extras) and gcc.
 set -euo pipefail
 
@@ -18,7 +19,7 @@ export LD_PRELOAD="$libtsan"
 # not instrumented and would report false races: run them single-threaded
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 export TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0 log_path=$work/tsan"
-DEFAULT_TESTS=(tests/test_threadpool.py tests/test_expert_cache.py)
+DEFAULT_TESTS=(tests/test_threadpool.py tests/test_expert_cache.py tests/test_expert_cache_warm.py)
 status=0
 "$py" -m pytest -q -p no:cacheprovider "${DEFAULT_TESTS[@]}" "$@" || status=$?
 if ls "$work"/tsan.* >/dev/null 2>&1; then

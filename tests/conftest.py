@@ -31,6 +31,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
     "models": ("test_parity.py", "test_parity_families.py", "test_fp8_checkpoint.py",
                "test_convert.py", "test_model_files.py", "test_reliability_files.py",
                "test_reliability_verify.py", "test_hub_models.py", "test_expert_cache.py",
+               "test_expert_cache_warm.py",
                "test_demo_model.py", "test_demo_data.py", "test_demo_report.py",
                "test_gpt_oss_config.py", "test_minimax_m2.py", "test_linear_attn.py",
                "test_llama4_config.py", "test_torch_backend.py", "test_costmodel.py",

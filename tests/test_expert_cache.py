@@ -189,6 +189,7 @@ def test_freed_with_reads_in_flight_leaves_no_thread_or_file(demo_dir: Path,
         m = Model.load(copy, n_seq=1)
         loaded = _threads()
         m.core.enable_expert_cache(16, load="pread", prefetch=True, readers=readers)
+        assert not m.core.expert_cache_prefault(wait_s=30.0)["running"]  # its thread ended
         assert _threads() == loaded + readers
         _decode(m, 1)
         del m
