@@ -1,5 +1,6 @@
 """What the parity tests share (a helper module, not a test file): transformers' reference
-model, Colibri's prompt forward, the error measures and the paged batch-invariance check."""
+model, Colibri's prompt forward and greedy decode, the error measures and the paged
+batch-invariance check."""
 
 from __future__ import annotations
 
@@ -53,3 +54,20 @@ def assert_paged_batch_invariant(both: Model, alone: Model,
     np.testing.assert_allclose(logits[:20], ra, rtol=0, atol=1e-5 * np.abs(ra).max())
     np.testing.assert_allclose(logits[20:], rb, rtol=0, atol=1e-5 * np.abs(rb).max())
     return a, ra
+
+
+def greedy_decode(m: Model, prompt: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill prompt as a fresh sequence in slot 0, then n greedy steps: the tokens and the
+    last logits of every call."""
+    m.reset(0)
+    lg = m.forward(prompt, np.zeros(prompt.size, np.int32),
+                   np.arange(prompt.size, dtype=np.int32))
+    logits = [lg[-1].copy()]
+    tok, pos, out = int(np.argmax(lg[-1])), prompt.size, []
+    for _ in range(n):
+        out.append(tok)
+        lg = m.forward(np.array([tok], np.int32), np.zeros(1, np.int32),
+                       np.array([pos], np.int32))
+        logits.append(lg[-1].copy())
+        tok, pos = int(np.argmax(lg[-1])), pos + 1
+    return out, logits

@@ -49,6 +49,7 @@ from colibri.engine.llm import LLM
 pytest.importorskip("transformers")
 
 from tests.conftest import quick_params  # noqa: E402
+from tests.parity_helpers import greedy_decode  # noqa: E402
 from tests.tiny_models import make_checkpoint  # noqa: E402
 
 PROMPT = (np.arange(1, 41, dtype=np.int32) * 7) % 300
@@ -71,18 +72,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _decode(m: Model, n: int = N_DECODE) -> tuple[list[int], list[np.ndarray]]:
     """Prefill PROMPT, then n greedy steps; the tokens and every step's logits."""
-    m.reset(0)
-    lg = m.forward(PROMPT, np.zeros(PROMPT.size, np.int32),
-                   np.arange(PROMPT.size, dtype=np.int32))
-    logits = [lg[-1].copy()]
-    tok, pos, out = int(np.argmax(lg[-1])), PROMPT.size, []
-    for _ in range(n):
-        out.append(tok)
-        lg = m.forward(np.array([tok], np.int32), np.zeros(1, np.int32),
-                       np.array([pos], np.int32))
-        logits.append(lg[-1].copy())
-        tok, pos = int(np.argmax(lg[-1])), pos + 1
-    return out, logits
+    return greedy_decode(m, PROMPT, n)
 
 
 def _cached(path: Path, per_layer: int, **kw: object) -> Model:

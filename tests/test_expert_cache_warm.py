@@ -24,6 +24,7 @@ from colibri.engine.format.convert import ensure_converted
 pytest.importorskip("transformers")
 
 from tests.conftest import quick_params  # noqa: E402
+from tests.parity_helpers import greedy_decode  # noqa: E402
 from tests.tiny_models import TinyCheckpoints  # noqa: E402
 
 PAGE = 4096
@@ -47,25 +48,9 @@ def demo_dir() -> Path:
     return ensure_converted(Path(default_model_path()), "q8", progress=False)
 
 
-def _decode(m: Model, prompt: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
-    """Prefill prompt as a fresh sequence, then n greedy steps; the tokens and the logits."""
-    m.reset(0)
-    lg = m.forward(prompt, np.zeros(prompt.size, np.int32),
-                   np.arange(prompt.size, dtype=np.int32))
-    logits = [lg[-1].copy()]
-    tok, pos, out = int(np.argmax(lg[-1])), prompt.size, []
-    for _ in range(n):
-        out.append(tok)
-        lg = m.forward(np.array([tok], np.int32), np.zeros(1, np.int32),
-                       np.array([pos], np.int32))
-        logits.append(lg[-1].copy())
-        tok, pos = int(np.argmax(lg[-1])), pos + 1
-    return out, logits
-
-
 @pytest.fixture(scope="module")
 def mixtral16_ref(mixtral16: Path) -> tuple[list[int], list[np.ndarray]]:
-    return _decode(Model.load(mixtral16, n_seq=1, n_ctx=256), PROMPT, N_DECODE)
+    return greedy_decode(Model.load(mixtral16, n_seq=1, n_ctx=256), PROMPT, N_DECODE)
 
 
 def _counts(path: Path, per_layer: int, prefetch: bool,
@@ -76,10 +61,10 @@ def _counts(path: Path, per_layer: int, prefetch: bool,
     m = Model.load(path, n_seq=1, n_ctx=256)
     m.core.enable_expert_cache(per_layer, load="pread", prefetch=prefetch, readers=2,
                                prefetch_depth=2, prefetch_busy_pct=100)
-    _decode(m, WARM_PROMPT, N_WARM)
+    greedy_decode(m, WARM_PROMPT, N_WARM)
     s0 = m.core.expert_cache_stats()
     assert (s0["state"] >= 2).sum(axis=1).min() == per_layer  # warm: every slot filled
-    tokens, logits = _decode(m, PROMPT, N_DECODE)
+    tokens, logits = greedy_decode(m, PROMPT, N_DECODE)
     s1 = m.core.expert_cache_stats()
     assert tokens == ref[0]
     for a, b in zip(logits, ref[1], strict=True):
@@ -163,7 +148,7 @@ def test_reads_into_prefaulted_slots_do_not_fault(demo_dir: Path) -> None:
     probe = Model.load(demo_dir)
     cfg, expert_bytes = probe.config, probe.core.expert_bytes
     per_layer = cfg.n_expert  # every expert the text uses stays: one load, one slot each
-    _decode(Model.load(demo_dir, n_seq=1), PROMPT, 4)  # one-time costs of the process
+    greedy_decode(Model.load(demo_dir, n_seq=1), PROMPT, 4)  # one-time costs of the process
     faults: dict[bool, int] = {}
     filled = 0
     for prefault in (False, True):
@@ -172,7 +157,7 @@ def test_reads_into_prefaulted_slots_do_not_fault(demo_dir: Path) -> None:
                                    readers=2, prefault=prefault)
         m.core.expert_cache_prefault(wait_s=30.0)
         r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        _decode(m, PROMPT, 8)
+        greedy_decode(m, PROMPT, 8)
         faults[prefault] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0
         st = m.core.expert_cache_stats()
         filled = int((st["state"] >= 2).sum())

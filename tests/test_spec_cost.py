@@ -522,6 +522,21 @@ def test_without_waiting_requests_a_draft_is_worth_what_its_token_adds_to_a_step
     assert choose_k(BOUND, MIXTRAL, 0.97, 8, BatchPlan(8, 8, refill=False)) > 0
 
 
+def _verify(planner: DraftPlanner, req: Request, output: list[int]) -> None:
+    """One verify step of req against the greedy output it must give: the drafts that match
+    are kept, the planner hears how many, and the next token is appended."""
+    at, k = len(req.output), len(req.drafts)
+    kept = 0
+    while kept < k and req.drafts[kept] == output[at + kept]:
+        kept += 1
+    if k:
+        planner.observe_verify(req, k, kept)
+    new = output[at:at + kept + 1]
+    req.output += new
+    req.num_computed += len(new)
+    req.drafts = []
+
+
 def _decode_batch(planner: DraftPlanner, prompts: list[list[int]], outputs: list[list[int]],
                   waiting: bool) -> list[tuple[int, int]]:
     """_decode for requests decoded together (requests waiting to join or not): per step,
@@ -542,16 +557,7 @@ def _decode_batch(planner: DraftPlanner, prompts: list[list[int]], outputs: list
         steps.append((sum(bool(r.drafts) for r, _ in running),
                       sum(len(r.drafts) for r, _ in running)))
         for req, output in running:
-            at, k = len(req.output), len(req.drafts)
-            kept = 0
-            while kept < k and req.drafts[kept] == output[at + kept]:
-                kept += 1
-            if k:
-                planner.observe_verify(req, k, kept)
-            new = output[at:at + kept + 1]
-            req.output += new
-            req.num_computed += len(new)
-            req.drafts = []
+            _verify(planner, req, output)
     return steps
 
 
@@ -637,17 +643,7 @@ def _lockstep(prompts: list[list[int]], outputs: list[list[int]],
             planner.observe_step(n, planner.union.experts_read(n),
                                  BENCH.seconds(planner.union, n))
             for req in reqs:
-                output = outputs[int(req.request_id[1:])]
-                at, k = len(req.output), len(req.drafts)
-                kept = 0
-                while kept < k and req.drafts[kept] == output[at + kept]:
-                    kept += 1
-                if k:
-                    planner.observe_verify(req, k, kept)
-                new = output[at:at + kept + 1]
-                req.output += new
-                req.num_computed += len(new)
-                req.drafts = []
+                _verify(planner, req, outputs[int(req.request_id[1:])])
     return n_drafted, n_plain
 
 
