@@ -4,6 +4,8 @@ drafted past the end, and the match length each proposal reports."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,21 @@ def test_refuses_bad_sizes_and_shrinking_lists() -> None:
         d.propose([1, 2, 3], 2)
 
 
+def _growing_sequences(rng: np.random.Generator, min_n: int, max_n: int,
+                       ) -> Iterator[tuple[int, list[int], NgramDrafter, _Reference]]:
+    """20 random starts (a small vocabulary, so n-grams repeat), each with a fresh drafter and
+    reference rule: the caller grows each sequence in place as decoding does."""
+    for _ in range(20):
+        vocab = int(rng.integers(2, 12))
+        tokens = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 20)))]
+        yield vocab, tokens, NgramDrafter(min_n, max_n), _Reference(min_n, max_n)
+
+
+def _grow(rng: np.random.Generator, tokens: list[int], kept: list[int], vocab: int) -> None:
+    """tokens += the kept drafts and one or two tokens of the model's own."""
+    tokens += kept + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 3)))]
+
+
 @pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 3), (2, 4), (3, 3)])
 def test_incremental_index_equals_a_full_scan(min_n: int, max_n: int) -> None:
     """Growing a sequence as decoding does (some of the drafts kept, then the model's token)
@@ -146,11 +163,7 @@ def test_incremental_index_equals_a_full_scan(min_n: int, max_n: int) -> None:
     and a fresh drafter those of a plain search."""
     rng = np.random.default_rng(min_n * 10 + max_n)
     n_followed = 0
-    for trial in range(20):
-        vocab = int(rng.integers(2, 12))
-        tokens = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 20)))]
-        d = NgramDrafter(min_n, max_n)
-        ref = _Reference(min_n, max_n)
+    for trial, (vocab, tokens, d, ref) in enumerate(_growing_sequences(rng, min_n, max_n)):
         for _ in range(40):
             k = int(rng.integers(1, 6))
             drafts = d.propose(tokens, k)
@@ -159,7 +172,7 @@ def test_incremental_index_equals_a_full_scan(min_n: int, max_n: int) -> None:
                                                                            max_n)
             kept = drafts[:int(rng.integers(0, len(drafts) + 1))]
             n_followed += len(kept)
-            tokens += kept + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 3)))]
+            _grow(rng, tokens, kept, vocab)
     assert n_followed > 100  # the drafts were followed often enough to test continuing
 
 
@@ -170,11 +183,7 @@ def test_find_and_drafts_give_what_propose_gives(min_n: int, max_n: int) -> None
     proposal, loops included."""
     rng = np.random.default_rng(100 + min_n * 10 + max_n)
     n_matched = 0
-    for trial in range(20):
-        vocab = int(rng.integers(2, 12))
-        tokens = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 20)))]
-        d = NgramDrafter(min_n, max_n)
-        ref = _Reference(min_n, max_n)
+    for trial, (vocab, tokens, d, ref) in enumerate(_growing_sequences(rng, min_n, max_n)):
         for _ in range(40):
             want, match = ref.propose(tokens, 20)
             cut = int(rng.integers(0, len(tokens) + 1))
@@ -183,8 +192,7 @@ def test_find_and_drafts_give_what_propose_gives(min_n: int, max_n: int) -> None
             drafts = d.drafts(k)
             assert drafts == want[:k] and all(type(t) is int for t in drafts), (trial, tokens)
             n_matched += match > 0
-            kept = want[:int(rng.integers(0, len(want) + 1))] if want else []
-            tokens += kept + [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 3)))]
+            _grow(rng, tokens, want[:int(rng.integers(0, len(want) + 1))] if want else [], vocab)
     assert n_matched > 200
     with pytest.raises(ValueError, match="shorter"):
         d.find(tokens[:1], [])
