@@ -63,7 +63,9 @@ def _counts(path: Path, per_layer: int, prefetch: bool,
                                prefetch_depth=2, prefetch_busy_pct=100)
     greedy_decode(m, WARM_PROMPT, N_WARM)
     s0 = m.core.expert_cache_stats()
-    assert (s0["state"] >= 2).sum(axis=1).min() == per_layer  # warm: every slot filled
+    # warm: every slot holds an expert, resident or still being read (a prefetch issued by
+    # the last layers of the warm-up decode may not have landed yet)
+    assert (s0["state"] >= 1).sum(axis=1).min() == per_layer
     tokens, logits = greedy_decode(m, PROMPT, N_DECODE)
     s1 = m.core.expert_cache_stats()
     assert tokens == ref[0]
