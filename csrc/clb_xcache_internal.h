@@ -60,6 +60,8 @@ struct clb_xcache {
     int64_t *sel;       /* [L * E] selections since enable */
     clb_xspan *span;    /* [L * E] */
     clb_tensor *tens;   /* [L * E * 3] the experts' tensors, data pointing into their slots */
+    uint8_t *repack;    /* [L * E * 3] 1: the file's rows are repacked into the slot's layout
+                         * as they are read (0: stored as the products read them) */
     clb_xc_stats *st;   /* [L] */
     float *pf_good, *pf_bad; /* [L] recent prefetches used / evicted unused (halved at 32) */
     int64_t *pf_skips;  /* [L] requests skipped while the layer's prefetches mostly waste */

@@ -94,5 +94,6 @@ size_t clb_type_row_size(clb_type t, int64_t n) {
 
 int clb_type_valid_for_file(uint32_t t) {
     return t < (uint32_t)CLB_TYPE_Q8A || t == (uint32_t)CLB_TYPE_Q6 ||
-           t == (uint32_t)CLB_TYPE_MXFP4;
+           t == (uint32_t)CLB_TYPE_MXFP4 || t == (uint32_t)CLB_TYPE_Q8X8 ||
+           t == (uint32_t)CLB_TYPE_Q4X8 || t == (uint32_t)CLB_TYPE_Q6X8;
 }

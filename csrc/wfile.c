@@ -124,6 +124,13 @@ static int parse_entry(const char *path, const uint8_t *e, int i, uint64_t data_
         return -1;
     }
 
+    /* an interleaved layout holds whole groups of 8 rows of a matrix */
+    const int x8 = dtype == CLB_TYPE_Q8X8 || dtype == CLB_TYPE_Q4X8 || dtype == CLB_TYPE_Q6X8;
+    if (x8 && (n_dims != 2 || t->shape[0] % 8)) {
+        clb_set_err(err, "%s: tensor '%s': dtype %u (rows interleaved 8 at a time) must be a "
+                    "matrix of whole groups of 8 rows", path, nm, dtype);
+        return -1;
+    }
     int64_t row_len = t->shape[n_dims - 1];
     size_t row = clb_type_row_size((clb_type)dtype, row_len);
     if (row == 0) {

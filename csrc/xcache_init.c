@@ -151,6 +151,7 @@ void clb_xc_free(clb_xcache *xc) {
     free(xc->sel);
     free(xc->span);
     free(xc->tens);
+    free(xc->repack);
     free(xc->st);
     free(xc->pf_good);
     free(xc->pf_bad);
@@ -248,6 +249,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     xc->sel = calloc(LE, sizeof(int64_t));
     xc->span = calloc(LE, sizeof(clb_xspan));
     xc->tens = calloc(LE * 3, sizeof(clb_tensor));
+    xc->repack = calloc(LE * 3, 1);
     xc->st = calloc((size_t)L, sizeof(clb_xc_stats));
     xc->pf_good = calloc((size_t)L, sizeof(float));
     xc->pf_bad = calloc((size_t)L, sizeof(float));
@@ -293,7 +295,7 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
     }
     xc->fd_cap = lim < 16 ? 16 : lim > 4096 ? 4096 : (int64_t)lim;
     if (!xc->step || !xc->pf_good || !xc->pf_bad || !xc->pf_skips || !xc->slots ||
-        !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span || !xc->tens ||
+        !xc->slot_of || !xc->pinned || !xc->heat || !xc->sel || !xc->span || !xc->tens || !xc->repack ||
         !xc->st || !xc->pf_keep || !xc->fd_of || !xc->fd_use || !xc->fd_ref || !xc->scratch ||
         !xc->pool || !xc->wave_of || !xc->plan_miss || !xc->cur_start || !xc->plan_i ||
         !xc->plan_old || !xc->pred || !xc->pred_step || !xc->pf_right || !xc->pf_pred ||
@@ -385,7 +387,10 @@ clb_status clb_xcache_enable(clb_model *m, const clb_xc_config *cfg, const uint8
             c->data = NULL;
             /* slots are repacked as they are read when the kernels want the interleaved
              * layout; fixed here, so the type never changes under a reader */
-            if (clb_tensor_repacks(c)) c->type = clb_x8_type(c->type);
+            if (clb_tensor_repacks(c)) {
+                c->type = clb_x8_type(c->type);
+                xc->repack[idx * 3 + j] = 1;
+            }
         }
         w->w1 = &xc->tens[idx * 3];
         w->w3 = &xc->tens[idx * 3 + 1];

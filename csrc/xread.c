@@ -34,12 +34,10 @@ static size_t direct_start(const clb_xspan *sp) { return sp->lo / PAGE * PAGE; }
  * scratch (8 rows of the largest such matrix, sized at enable). */
 void clb_xread_repack(clb_xcache *xc, int64_t idx, unsigned char *at, void *scratch) {
     const clb_tensor *t = &xc->tens[idx * 3];
-    for (int j = 0; j < 3; j++) {
-        clb_type b = clb_x8_base(t[j].type);
-        if (b != t[j].type)
-            clb_repack_x8_inplace(b, t[j].shape[1], t[j].shape[0], at + xc->span[idx].rel[j],
-                                  scratch);
-    }
+    for (int j = 0; j < 3; j++)
+        if (xc->repack[idx * 3 + j])
+            clb_repack_x8_inplace(clb_x8_base(t[j].type), t[j].shape[1], t[j].shape[0],
+                                  at + xc->span[idx].rel[j], scratch);
 }
 
 /* Opens an expert file for reading without ever waiting: O_NONBLOCK so that a FIFO or a
@@ -233,7 +231,7 @@ size_t clb_xread_expert(clb_xcache *xc, int64_t idx, clb_xslot *s, int loader, i
 /* Whether any of expert idx's tensors is repacked into the slot after its read. */
 int clb_xread_repacks(const clb_xcache *xc, int64_t idx) {
     for (int j = 0; j < 3; j++)
-        if (clb_x8_base(xc->tens[idx * 3 + j].type) != xc->tens[idx * 3 + j].type) return 1;
+        if (xc->repack[idx * 3 + j]) return 1;
     return 0;
 }
 

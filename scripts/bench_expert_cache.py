@@ -16,9 +16,10 @@ each engine runs in a fresh child process placed in the group:
 - llama.cpp:     mmap, the way llama-cpp-python loads a GGUF
 - resident:      Colibri with no limit and a warm page cache (the compute floor)
 
-Each child reports decode tok/s, the bytes it read from storage (/proc/self/io read_bytes),
-major faults and, for the cache, its counters. The physical floor of a run is the resident
-time per token plus the bytes it read from storage per token divided by the storage's read
+Each child reports decode tok/s, the bytes its decode read from storage (/proc/self/io
+read_bytes; the prefill's apart), the decode's major faults and, for the cache, its counters
+over the decode. The physical floor of a run is the resident time per decoded token plus the
+bytes its decode read from storage per token divided by the storage's read
 bandwidth, measured here: O_DIRECT reads of files not read recently (cold), into 4 KiB pages
 and into 2 MiB pages (a virtual disk may move every page as a segment of its own), and
 buffered re-reads after dropping the guest page cache (a virtual disk's host may still cache
@@ -174,13 +175,19 @@ def child(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     stats: dict[str, Any] = {}
     plan: dict[str, Any] = {}
+    totals: Any = dict  # the cache's counters now (none outside the cache)
+    at: dict[str, Any] = {}  # the process's counters at the start of the decode
+
+    def decode_starts() -> None:
+        at.update(io=_io_read_bytes(), flt=_majflt(), minflt=_minflt(), cache=totals())
+
     if args.child == "llama.cpp":
         from compare_llamacpp import llama_greedy_run, llama_load
 
         lm = llama_load(Path(args.child_model), args.threads, n_ctx)
         load_s = time.perf_counter() - t_load
-        io0, f0, mf0 = _io_read_bytes(), _majflt(), _minflt()
-        pre, dec, toks = llama_greedy_run(lm, prompt, args.gen_tokens)
+        io0 = _io_read_bytes()
+        pre, dec, toks = llama_greedy_run(lm, prompt, args.gen_tokens, decode_starts)
     else:
         from colibri.engine.core.loader import start_expert_cache
         from colibri.engine.core.options import ExpertCacheConfig
@@ -201,11 +208,11 @@ def child(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - t_load
         if args.warm:
             timed_greedy_run(m, prompt, 8)
-        io0, f0, mf0 = _io_read_bytes(), _majflt(), _minflt()
-        before = mon.totals()
-        r = timed_greedy_run(m, prompt, args.gen_tokens)
+        totals = mon.totals
+        io0 = _io_read_bytes()
+        r = timed_greedy_run(m, prompt, args.gen_tokens, decode_starts)
         pre, dec, toks = r.prefill_s, r.decode_s, r.tokens
-        after = mon.totals()
+        before, after = at["cache"], mon.totals()
         plan = {"per_layer": mon.plan.per_layer, "load": xc.expert_load if mon.plan.per_layer
                       is None else resolve_load(xc.expert_load, Path(args.child_model)),
                 "readers": mon.plan.readers, "readers_reason": mon.plan.readers_reason,
@@ -215,9 +222,12 @@ def child(args: argparse.Namespace) -> int:
                      if k not in ("hit_rate", "resident_bytes", "budget_bytes")}
             acq = stats["hits"] + stats["misses"]
             stats["hit_rate"] = stats["hits"] / acq if acq else 0.0
+    # the storage reads and faults of the decode, and the prefill's reads apart: a prompt's
+    # chunk shares its experts among its tokens, the decode's tokens each read their own
     print(json.dumps({"load_s": load_s, "prefill_s": pre, "decode_s": dec, "tokens": toks[:16],
-                      "read_bytes": _io_read_bytes() - io0, "majflt": _majflt() - f0,
-                      "minflt": _minflt() - mf0,
+                      "read_bytes": _io_read_bytes() - at["io"],
+                      "prefill_read_bytes": at["io"] - io0, "majflt": _majflt() - at["flt"],
+                      "minflt": _minflt() - at["minflt"],
                       "rss_anon": _rss_anon(), **plan,
                       "cache": stats}))
     return 0
@@ -415,14 +425,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             dec = statistics.median(r["decode_s"] for r in ok)
             rb = statistics.median(r["read_bytes"] for r in ok)
-            per_tok = rb / (args.prompt_tokens + args.gen_tokens)
+            per_tok = rb / args.gen_tokens
             cold_best = max(bw["direct_cold_gb_s"], bw["direct_huge_cold_gb_s"])
             floor_cold = t_res + per_tok / (cold_best * 1e9)
             floor_host = t_res + per_tok / (storage_best * 1e9)
+            # reads that overlap compute completely: the longer of the two sets the pace
+            overlap = max(t_res, per_tok / (storage_best * 1e9))
             row.update(decode_tok_s=args.gen_tokens / dec, read_mb_per_token=per_tok / 1e6,
+                       prefill_read_mb=statistics.median(r["prefill_read_bytes"]
+                                                         for r in ok) / 1e6,
                        majflt=statistics.median(r["majflt"] for r in ok),
                        minflt=statistics.median(r.get("minflt", 0) for r in ok),
                        floor_cold_tok_s=1 / floor_cold, floor_host_cache_tok_s=1 / floor_host,
+                       overlap_bound_tok_s=1 / overlap,
                        s_per_token=dec / args.gen_tokens, cache=ok[0]["cache"],
                        same_tokens=ok[0]["tokens"] == ref_tokens if name.startswith(
                            "colibri") else None)
@@ -430,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             c = row["cache"]
             hit = (f", hit rate {c['hit_rate']:.3f}" if c else "")
             if c and c.get("prefetch_issued", 0) + c.get("prefetch_busy", 0) > 0:
-                n_tok = args.prompt_tokens + args.gen_tokens
+                n_tok = args.gen_tokens
                 hit += (f"; per token: {c['loads'] / n_tok:.2f} loads, prefetch "
                         f"{c['prefetch_issued'] / n_tok:.2f} issued, "
                         f"{c['prefetch_used'] / n_tok:.2f} used, "
@@ -452,7 +467,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"; cache / llama.cpp: x{c['decode_tok_s'] / lc['decode_tok_s']:.2f}", end="")
         if c:
             print(f"; cache time per token / floor: "
-                  f"{c['s_per_token'] * c['floor_host_cache_tok_s']:.2f}x", end="")
+                  f"{c['s_per_token'] * c['floor_host_cache_tok_s']:.2f}x (reading the same "
+                  f"bytes beside the compute at the storage's best speed would give "
+                  f"{c['overlap_bound_tok_s']:.1f} tok/s", end="")
+            if o:
+                print(f", x{c['overlap_bound_tok_s'] / o['decode_tok_s']:.2f} OS mmap", end="")
+            print(")", end="")
         print(flush=True)
     result = {**measured_on(), "model": base.name, "quant": args.quant,
               "storage": bw, "resident_tok_s": 1 / t_res, "rows": rows,

@@ -510,8 +510,10 @@ def llama_kv_bytes_per_token(log: str) -> float | None:
     return float(m.group(1)) * 2**20 / int(m.group(2)) if m else None
 
 
-def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> Run:
-    """Same protocol as engine.tools.bench.timed_greedy_run, through llama-cpp-python's eval.
+def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int,
+                     after_prefill: Callable[[], None] | None = None) -> Run:
+    """Same protocol as engine.tools.bench.timed_greedy_run, through llama-cpp-python's eval
+    (after_prefill likewise runs between the two timings).
 
     Llama.eval leaves `scores` empty without logits_all, so the last row is read with
     llama_get_logits_ith.
@@ -529,6 +531,9 @@ def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> Run:
     t0 = time.perf_counter()
     lm.eval(ids)
     tok = last_argmax()
+    t_pre = time.perf_counter() - t0
+    if after_prefill is not None:
+        after_prefill()
     t1 = time.perf_counter()
     tokens = [tok]
     for _ in range(n_gen):
@@ -537,7 +542,7 @@ def llama_greedy_run(lm: Any, prompt: np.ndarray, n_gen: int) -> Run:
         tokens.append(tok)
     t2 = time.perf_counter()
     lm.reset()
-    return t1 - t0, t2 - t1, tokens
+    return t_pre, t2 - t1, tokens
 
 
 # -- transformers side --------------------------------------------------------------------

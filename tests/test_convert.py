@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors = pytest.importorskip("safetensors")
 
+from colibri.engine import _core as core  # noqa: E402
 from colibri.engine.format import quant  # noqa: E402
 from colibri.engine.format.convert import convert, ensure_converted, verify  # noqa: E402
 from colibri.engine.format.safetensors_io import Checkpoint  # noqa: E402
@@ -103,6 +104,8 @@ def expected_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
     t = "q6" if (preset == "q4" and kind == "vocab") else preset
     if t in ("q4", "q6", "q8") and shape[-1] % 32:
         return "f16"
+    if kind == "expert" and t in ("q4", "q6", "q8") and len(shape) == 2 and shape[0] % 8 == 0:
+        return t + "x8"  # routed experts: rows interleaved 8 at a time, as the products read
     return t
 
 
@@ -128,6 +131,11 @@ def check_folder(out: Path, hf_dir: Path, arch: str, preset: str) -> None:
             got = wf.array(name)
             np.testing.assert_array_equal(got, quant.fake_quantize(arr, want_t), err_msg=name)
             assert wf.raw(name) == quant.encode(arr, want_t)
+            if want_t.endswith("x8"):  # the C core's own repack of the rows, byte for byte
+                rows_t = want_t[:-2]
+                assert wf.rows(name) == (rows_t, quant.encode(arr, rows_t))
+                assert wf.raw(name) == core.repack_x8(rows_t, wf.rows(name)[1], *arr.shape,
+                                                      ref=True)
             n_checked += 1
     assert n_checked == sum(len(t) for t in lay.values())
 
@@ -151,7 +159,7 @@ def test_q4_fallback_for_short_rows(tmp_path: Path) -> None:
     check_folder(out, hf, "mixtral", "q4")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tensor_types"]["experts.w2"] == "f16"
-    assert cfg["tensor_types"]["experts.w1"] == "q4"
+    assert cfg["tensor_types"]["experts.w1"] == "q4x8"
     out32 = convert(hf, tmp_path / "out32", quant="f32", progress=False)
     assert json.loads((out32 / "config.json").read_text())["tensor_types"]["experts.w2"] == "f32"
 
@@ -589,7 +597,7 @@ def _entry(i: int) -> int:
     (lambda b: struct.pack_into("<Q", b, 24, 65), "bad data offset"),
     (lambda b: struct.pack_into("<Q", b, 32, 10**6), "header says"),
     (lambda b: b.__setitem__(slice(_entry(1), _entry(1) + 2), b"a\0"), "duplicate"),
-    (lambda b: struct.pack_into("<I", b, _entry(0) + 64, 9), "unknown dtype 9"),
+    (lambda b: struct.pack_into("<I", b, _entry(0) + 64, 11), "unknown dtype 11"),
     (lambda b: struct.pack_into("<I", b, _entry(0) + 68, 5), "n_dims 5"),
     (lambda b: struct.pack_into("<q", b, _entry(0) + 72, -3), "bad shape"),
     (lambda b: struct.pack_into("<q", b, _entry(1) + 80, 48), "multiple of 32"),

@@ -177,10 +177,10 @@ def test_type_sizes() -> None:
     assert core.type_row_size("q8a", 64) == 80
     assert core.type_row_size("q8", 33) == 0
     assert core.type_row_size("f16", 33) == 66
-    # 5..7: the activation type and the interleaved in-memory layouts; 8: q6; 9: q6 interleaved;
-    # 10: mxfp4
+    # 5: the activation type; 6, 7: q8 and q4 interleaved (routed experts are stored so);
+    # 8: q6; 9: q6 interleaved; 10: mxfp4; 11: mxfp4 interleaved (in memory only)
     assert [core.type_valid_for_file(i) for i in range(12)] == (
-        [True] * 5 + [False] * 3 + [True] + [False] + [True] + [False])
+        [True] * 5 + [False] + [True] * 5 + [False])
 
 
 # ---- scalar conversions --------------------------------------------------------------------

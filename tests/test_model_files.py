@@ -310,7 +310,7 @@ def test_tensor_with_wrong_dtype(model_copy: Path) -> None:
     ({"n_head_kv": 3}, "multiple of n_head_kv"),
     ({"n_expert_used": 9}, "n_expert_used"),
     ({"architecture": "gpt_bigcode"}, "unknown architecture"),
-    ({"format_version": 2}, "format_version"),
+    ({"format_version": 3}, "format_version"),
     ({"n_layer": 0}, "'n_layer' must be positive"),
     ({"n_embd": "64"}, "wrong type"),
     ({"rotary_dim": 3}, "rotary_dim"),

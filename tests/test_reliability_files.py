@@ -25,6 +25,7 @@ from colibri.engine import _core
 from colibri.engine.errors import ModelFaultError, WeightFileChangedError
 from colibri.engine.executor.model import Model
 from colibri.engine.format.convert import convert
+from tests.rows_folder import rows_twin
 from tests.server_helpers import SubprocessServer, tiny_model
 
 
@@ -234,9 +235,12 @@ def test_expert_files_swapped_after_they_were_opened_are_read_as_opened(model_co
 
 
 @pytest.mark.skipif(not _core.wants_x8("q8"), reason="this CPU's kernels read the files' rows")
-def test_repacked_weights_do_not_depend_on_their_files(model_copy: Path, tmp_path: Path) -> None:
-    """Repacked at start, the experts live in memory: files cut short afterwards change
-    nothing, and the server goes on answering the same text."""
+def test_repacked_weights_do_not_depend_on_their_files(converted: Path, tmp_path: Path) -> None:
+    """Experts stored in rows (as earlier versions converted them) are repacked at start and
+    live in memory: files cut short afterwards change nothing, and the server goes on
+    answering the same text. (Experts stored interleaved are read from their files, as the
+    tests above with the repack off.)"""
+    model_copy = rows_twin(converted, tmp_path / "copy")
     srv = SubprocessServer(model_copy, tmp_path / "run").wait_ready()
     try:
         body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0}

@@ -6,7 +6,9 @@ all-resident output, and the refusals."""
 
 from __future__ import annotations
 
+import functools
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,8 @@ from colibri.engine import _core
 from colibri.engine.demo import default_model_path
 from colibri.engine.executor.model import Model
 from colibri.engine.format.convert import convert, ensure_converted
+from colibri.engine.format.wfile import read_wfile
+from tests.rows_folder import rows_twin
 
 BLOCK = {"q8": 34, "q4": 18, "q6": 26}  # bytes per 32-value block: f16 scale, then the quants
 
@@ -137,15 +141,22 @@ def _gpt_oss_mxfp4(root: Path) -> Path:
 @pytest.fixture(scope="module", params=["q8", "q4", "mxfp4"])
 def quant_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trained demo model (q8), a random Mixtral with an untied lm_head (q4), and a random
-    gpt-oss with MXFP4 experts (mxfp4)."""
+    gpt-oss with MXFP4 experts (mxfp4); q8 and q4 as an earlier Colibri stored them (every
+    matrix in rows: the converter now stores routed experts interleaved)."""
     if request.param == "q8":
-        return ensure_converted(Path(default_model_path()), "q8", progress=False)
+        demo = ensure_converted(Path(default_model_path()), "q8", progress=False)
+        return rows_twin(demo, tmp_path_factory.mktemp("repack_demo") / "rows")
     pytest.importorskip("transformers")
     if request.param == "mxfp4":
         return _gpt_oss_mxfp4(tmp_path_factory.mktemp("repack_gpt_oss"))
+    return rows_twin(_mixtral_q4(), tmp_path_factory.mktemp("repack_mixtral") / "rows")
+
+
+@functools.cache
+def _mixtral_q4() -> Path:
     from tests.tiny_models import make_checkpoint
 
-    root = tmp_path_factory.mktemp("repack_mixtral")
+    root = Path(tempfile.mkdtemp(prefix="repack_mixtral_"))
     hf = make_checkpoint("mixtral", root / "hf", seed=3)
     return convert(hf, root / "q4", quant="q4", progress=False)
 
@@ -252,3 +263,34 @@ def test_kernel_variables_refuse_an_unknown_choice(quant_dir: Path, variable: st
     with pytest.raises(ValueError, match=message):
         Model.load(quant_dir, n_seq=1)
     assert active() == before
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_experts_stored_interleaved_decode_as_their_rows(kind: str) -> None:
+    """The converter stores routed experts in the layout the products read: the same tokens
+    and logits, bit for bit, as the same weights in rows (repacked at load, or read as rows
+    on the reference ISA), resident and through the expert cache at its smallest budget."""
+    if kind == "q8":
+        folder = ensure_converted(Path(default_model_path()), "q8", progress=False)
+    else:
+        pytest.importorskip("transformers")
+        folder = _mixtral_q4()
+    stored = {t.type_name for t in read_wfile(folder / "experts" / "layer_0_expert_0.bin")
+              .tensors.values()}
+    assert stored == {kind + "x8"}
+    rows = rows_twin(folder, Path(tempfile.mkdtemp(prefix="rows_")) / "rows")
+    want = _decode(Model.load(rows, n_seq=1))
+    cached = Model.load(folder, n_seq=1)
+    cached.core.enable_expert_cache(cached.config.n_expert_used, load="pread", prefetch=True)
+    before = _core.isa_active()
+    try:
+        runs = [_decode(Model.load(folder, n_seq=1)), _decode(cached)]
+        _core.isa_force("ref")
+        runs.append(_decode(Model.load(folder, n_seq=1)))
+        ref_rows = _decode(Model.load(rows, n_seq=1))
+    finally:
+        _core.isa_force(before)
+    for got, w in zip(runs, [want, want, ref_rows], strict=True):
+        assert got[0] == w[0]
+        for a, b in zip(got[1], w[1], strict=True):
+            assert np.array_equal(a, b)

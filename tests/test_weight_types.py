@@ -69,7 +69,7 @@ def test_python_tables_agree_with_the_table() -> None:
     assert [t.type_id for t in quant.WEIGHT_TYPES] == list(range(len(quant.WEIGHT_TYPES)))
     for name, dtype in (("q8", quant.Q8_DTYPE), ("q4", quant.Q4_DTYPE), ("q6", quant.Q6_DTYPE)):
         assert dtype.itemsize == quant.BLOCK_BYTES[name]
-    for t in files:  # what the converter writes is what the table says
-        x = np.zeros((2, 2 * t.block_size), dtype=np.float32)
-        assert len(quant.encode(x, t.name)) == 4 * t.block_bytes == 2 * quant.row_bytes(
+    for t in files:  # what the converter writes is what the table says (8 rows: a group)
+        x = np.zeros((8, 2 * t.block_size), dtype=np.float32)
+        assert len(quant.encode(x, t.name)) == 16 * t.block_bytes == 8 * quant.row_bytes(
             t.name, 2 * t.block_size)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from colibri.engine.format import quant
 from colibri.engine.format.wfile import read_wfile
 from colibri.engine.models.config import ModelConfig
 
@@ -123,11 +124,12 @@ def _tensor_bytes(f: Any, on_gpu: bool) -> tuple[int, int, str]:
     types: dict[str, int] = {}
     for t in f.tensors.values():
         n = int(np.prod(t.shape))
-        keep = t.type_name in GPU_KEEPS
+        ty = quant.ROWS_OF.get(t.type_name, t.type_name)  # a device holds the rows
+        keep = ty in GPU_KEEPS
         nbytes += t.nbytes if (keep or not on_gpu) else 4 * n
         if len(t.shape) >= 2:
             macs += n
-            types[t.type_name] = types.get(t.type_name, 0) + n
+            types[ty] = types.get(ty, 0) + n
     return nbytes, macs, max(types, key=types.__getitem__) if types else "f32"
 
 

@@ -36,7 +36,7 @@ DEFAULT_QUANT = "q8"  # the one default of every command, of convert() and of en
 QUANT_PRESETS = PRESETS
 # raised whenever a preset's choice of types changes, so conversions made before are redone
 # (recorded in config.json; see is_current_conversion)
-PRESET_REVISION = 3
+PRESET_REVISION = 4
 # Copied beside the weights. Chat templates live in any of three places (transformers'
 # order of precedence: chat_template.jinja and additional_chat_templates/*.jinja, then
 # chat_template.json, then tokenizer_config.json); engine.text.tokenizer_files reads them in
@@ -63,6 +63,10 @@ def choose_type(kind: str, shape: tuple[int, ...], preset: str) -> str:
         want = "q6"
     if want in ("q8", "q4", "q6") and shape[-1] % quant.QK:
         return "f16"
+    if kind == archs.EXPERT and len(shape) == 2 and shape[0] % 8 == 0:
+        # stored in the layout the products read: an expert read from storage into the expert
+        # cache is ready as it lands, with no repack on the readers' cores
+        return quant.X8_OF[want] if want in quant.X8_OF else want
     return want
 
 

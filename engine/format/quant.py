@@ -31,10 +31,12 @@ WEIGHT_TYPES: tuple[WeightType, ...] = (
     WeightType("q8", 3, QK, 34, True),
     WeightType("q4", 4, QK, 18, True),
     WeightType("q8a", 5, QK, 40, False),  # activations: q8 with an f32 scale and a sum
-    WeightType("q8x8", 6, QK, 34, False),  # q8, q4, q6 rows interleaved 8 at a time at load
-    WeightType("q4x8", 7, QK, 18, False),
+    # q8, q4, q6 rows interleaved 8 at a time (to_x8): the layout the SIMD products read. The
+    # converter stores routed experts so, and the loader repacks the other matrices at load
+    WeightType("q8x8", 6, QK, 34, True),
+    WeightType("q4x8", 7, QK, 18, True),
     WeightType("q6", 8, QK, 26, True),
-    WeightType("q6x8", 9, QK, 26, False),
+    WeightType("q6x8", 9, QK, 26, True),
     WeightType("mxfp4", 10, QK, 17, True),  # OCP microscaling FP4 (gpt-oss experts)
     WeightType("mxfp4x8", 11, QK, 17, False),  # mxfp4 rows interleaved 8 at a time at load
 )
@@ -44,6 +46,10 @@ TYPE_IDS = {t.name: t.type_id for t in _FILE_TYPES}
 TYPE_NAMES = {t.type_id: t.name for t in _FILE_TYPES}
 BLOCK_BYTES = {t.name: t.block_bytes for t in _FILE_TYPES}
 BLOCK_SIZE = {t.name: t.block_size for t in _FILE_TYPES}
+
+# a row type and its interleaved layout (the ones weight files may hold)
+X8_OF = {"q8": "q8x8", "q4": "q4x8", "q6": "q6x8"}
+ROWS_OF = {v: k for k, v in X8_OF.items()}
 
 Q8_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 Q4_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
@@ -209,9 +215,52 @@ def bf16_bits_to_f32(u: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(u, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _x8_parts(n_out: int, n_in: int, type_name: str) -> tuple[int, int, int]:
+    """Groups of 8 rows, blocks per row and 4-byte chunks of a block's quants, for a matrix
+    of a row type that has an interleaved layout."""
+    if type_name not in X8_OF:
+        raise ValueError(f"{type_name!r} has no interleaved layout in weight files")
+    if n_out % 8 or n_in % QK:
+        raise ValueError(f"a [{n_out}, {n_in}] matrix has no interleaved layout: rows must be "
+                         f"a multiple of 8 and columns of {QK}")
+    return n_out // 8, n_in // QK, (BLOCK_BYTES[type_name] - 2) // 4
+
+
+def to_x8(rows: bytes | np.ndarray, type_name: str, n_out: int, n_in: int) -> bytes:
+    """A [n_out, n_in] matrix of row type type_name (q8, q4, q6) in its interleaved layout:
+    per group of 8 rows and per block, the 8 rows' f16 scales, then their quants 4 bytes at a
+    time, bytes 4c..4c+3 of row r at 16 + 4 * (8c + r) (as csrc's clb_repack_x8_ref)."""
+    g, nb, nc = _x8_parts(n_out, n_in, type_name)
+    b = np.frombuffer(rows, np.uint8).reshape(g, 8, nb, BLOCK_BYTES[type_name])
+    scales = b[..., :2].transpose(0, 2, 1, 3).reshape(g, nb, 16)
+    quants = b[..., 2:].reshape(g, 8, nb, nc, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
+    return np.concatenate([scales, quants], axis=2).tobytes()
+
+
+def from_x8(x8: bytes | np.ndarray, type_name: str, n_out: int, n_in: int) -> bytes:
+    """to_x8 undone: the interleaved bytes of a [n_out, n_in] matrix of row type type_name
+    back in rows."""
+    g, nb, nc = _x8_parts(n_out, n_in, type_name)
+    b = np.frombuffer(x8, np.uint8).reshape(g, nb, 8 * BLOCK_BYTES[type_name])
+    scales = b[..., :16].reshape(g, nb, 8, 2).transpose(0, 2, 1, 3)
+    quants = b[..., 16:].reshape(g, nb, nc, 8, 4).transpose(0, 3, 1, 2, 4).reshape(
+        g, 8, nb, 4 * nc)
+    return np.concatenate([scales, quants], axis=3).tobytes()
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"an interleaved layout holds matrices, not shape {shape}")
+    return shape[0], shape[1]
+
+
 def encode(x: np.ndarray, type_name: str) -> bytes:
-    """A 2-D (or 1-D) float array as the bytes of type_name, row-major, rows of whole blocks."""
+    """A 2-D (or 1-D) float array as the bytes of type_name, row-major, rows of whole blocks
+    (an interleaved type: a matrix's rows of its row type, then to_x8)."""
     x = np.asarray(x, dtype=np.float32)
+    if type_name in ROWS_OF:
+        base = ROWS_OF[type_name]
+        return to_x8(encode(x, base), base, *_matrix_shape(x.shape))
     if type_name == "f32":
         return np.ascontiguousarray(x).astype("<f4").tobytes()
     if type_name == "f16":
@@ -232,6 +281,9 @@ def encode(x: np.ndarray, type_name: str) -> bytes:
 def decode(data: bytes | np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Bytes of type_name back to float32 of the given shape."""
     buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes | bytearray) else data
+    if type_name in ROWS_OF:
+        base = ROWS_OF[type_name]
+        return decode(from_x8(buf, base, *_matrix_shape(shape)), base, shape)
     if type_name == "f32":
         out = buf.view("<f4").astype(np.float32)
     elif type_name == "f16":

@@ -31,7 +31,10 @@ LAYER_ATTN = {"full": 0, "sliding": 1, "chunked": 2}
 _NOPE, _QK_L2, _TEMP = 4, 8, 16  # the other clb_layer_attn_bit flags
 MIXER_IDS = {"attention": 0, "linear": 1}  # clb_mixer_kind: what mixes tokens in a layer
 QUANTS = ("f32", "f16", "bf16", "q8", "q4")
-FORMAT_VERSION = 1
+# 2: routed experts may be stored in the interleaved layouts (q8x8, q4x8, q6x8); folders of
+# version 1 hold rows only and still load (their experts are repacked as they load)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 _POSITIVE_INTS = (
     "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "max_position_embeddings",
@@ -132,10 +135,10 @@ class ModelConfig:
             raise FormatError(f"{source}: top level must be a JSON object")
         if raw.get("format") != "colibri":
             raise FormatError(f"{source}: 'format' is {raw.get('format')!r}, not 'colibri'")
-        if raw.get("format_version") != FORMAT_VERSION:
+        if raw.get("format_version") not in READABLE_VERSIONS:
             raise FormatError(
-                f"{source}: format_version {raw.get('format_version')!r}, "
-                f"this engine reads {FORMAT_VERSION}"
+                f"{source}: format_version {raw.get('format_version')!r}, this engine reads "
+                f"{' and '.join(map(str, READABLE_VERSIONS))} (a newer Colibri converted it?)"
             )
 
         def get(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

@@ -255,7 +255,7 @@ def base_config(hf: HFConfig, family: str, hf_arch: str,
     bos = gen["bos_token_id"] if "bos_token_id" in gen else hf.get("bos_token_id")
     params = rope_parameters(hf)
     return {
-        "format": "colibri", "format_version": 1,
+        "format": "colibri", "format_version": 2,
         "architecture": family, "hf_architecture": hf_arch,
         "n_vocab": hf.pos_int("vocab_size"), "n_embd": n_embd,
         "n_layer": hf.pos_int("num_hidden_layers"),

@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,12 +198,14 @@ class RunTiming:
         return int(sum(ph["weight_bytes"] for ph in self.decode_phases.values()))
 
 
-def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
+def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int,
+                     after_prefill: Callable[[], None] | None = None) -> RunTiming:
     """Prefill prompt in one forward call, then n_gen greedy single-token calls (EOS ignored).
 
     model is an engine.executor.model.Model; sequence 0 is cleared before and after. On a
     torch device the C core times only the products it runs (none with every layer on the
-    device): decode_phases then holds those, and may be empty.
+    device): decode_phases then holds those, and may be empty. after_prefill, if given, runs
+    between the two, outside both timings (a caller's counters split at the phase boundary).
     """
     n = int(prompt.size)
     seq0 = np.zeros(1, dtype=np.int32)
@@ -213,6 +216,9 @@ def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
         t0 = time.perf_counter()
         logits = model.forward(prompt, np.zeros(n, np.int32), np.arange(n, dtype=np.int32), want)
         tok = int(np.argmax(logits[-1]))
+        t_pre = time.perf_counter() - t0
+        if after_prefill is not None:
+            after_prefill()
         t1 = time.perf_counter()
         p1 = model.product_stats()
         tokens = [tok]
@@ -227,7 +233,7 @@ def timed_greedy_run(model: Any, prompt: np.ndarray, n_gen: int) -> RunTiming:
         model.reset(0)
     phases = {name: {k: v - p1["phases"][name][k] for k, v in ph.items()}
               for name, ph in p2.get("phases", {}).items()}
-    return RunTiming(t1 - t0, t2 - t1, tokens, phases,
+    return RunTiming(t_pre, t2 - t1, tokens, phases,
                      p2.get("attention_s", 0.0) - p1.get("attention_s", 0.0),
                      p2["forward_s"] - p1["forward_s"])
 

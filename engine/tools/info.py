@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from colibri.engine.format import quant
 from colibri.engine.format.jsonfile import read_json_object
 from colibri.engine.format.wfile import read_wfile
 
@@ -54,7 +55,8 @@ def describe(model_dir: str | Path, device: str = "auto", gpu_memory_mb: float |
             for d in t.shape:
                 numel *= d
             n += numel
-            bytes_by_type[t.type_name] = bytes_by_type.get(t.type_name, 0) + t.nbytes
+            ty = quant.ROWS_OF.get(t.type_name, t.type_name)  # by number format, any layout
+            bytes_by_type[ty] = bytes_by_type.get(ty, 0) + t.nbytes
         if mtp and name.startswith(f"{mtp}/"):  # drafts only: not part of a decode step
             params_mtp += n
             continue

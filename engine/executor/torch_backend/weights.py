@@ -37,20 +37,20 @@ class TorchWeight:
 
     @classmethod
     def from_file(cls, f: WFile, name: str, device: torch.device) -> TorchWeight:
-        info = f.tensors[name]
-        shape = tuple(int(d) for d in info.shape)
-        raw = np.frombuffer(f.raw(name), dtype=np.uint8)
-        if info.type_name in KEEP_QUANTIZED:
-            dt = quant.Q8_DTYPE if info.type_name == "q8" else quant.Q4_DTYPE
+        shape = tuple(int(d) for d in f.tensors[name].shape)
+        type_name, data_rows = f.rows(name)
+        raw = np.frombuffer(data_rows, dtype=np.uint8)
+        if type_name in KEEP_QUANTIZED:
+            dt = quant.Q8_DTYPE if type_name == "q8" else quant.Q4_DTYPE
             blocks = raw.view(dt).reshape(int(np.prod(shape[:-1])), shape[-1] // QK)
             data = torch.from_numpy(np.ascontiguousarray(blocks["qs"])).to(device)
             scale = torch.from_numpy(np.ascontiguousarray(blocks["d"])).to(device)
-            return cls(info.type_name, shape, data, scale)
-        if info.type_name in ("f16", "bf16"):
+            return cls(type_name, shape, data, scale)
+        if type_name in ("f16", "bf16"):
             bits = torch.from_numpy(raw.view("<i2").copy()).reshape(shape)
-            dtype = torch.float16 if info.type_name == "f16" else torch.bfloat16
-            return cls(info.type_name, shape, bits.view(dtype).to(device))
-        arr = quant.decode(raw, info.type_name, shape)
+            dtype = torch.float16 if type_name == "f16" else torch.bfloat16
+            return cls(type_name, shape, bits.view(dtype).to(device))
+        arr = quant.decode(raw, type_name, shape)
         return cls("f32", shape, torch.from_numpy(np.ascontiguousarray(arr)).to(device))
 
     @property
