@@ -6,7 +6,8 @@
  * the mapping's pages of its source are given back to the page cache; a file that changed
  * while it was copied is an error naming it. Refuses: repacking routed experts once the expert
  * cache is on (the cache repacks each expert as it loads one); matrices whose rows are not a
- * multiple of 8 stay in rows. */
+ * multiple of 8 stay in rows. Routed experts stored interleaved already are copied into the
+ * pool as they are, with the repacked weights. */
 #define _DEFAULT_SOURCE /* madvise */
 #include <stdint.h>
 #include <string.h>
@@ -32,12 +33,19 @@ typedef struct {
     size_t bytes;         /* their data, each rounded up to 64 bytes */
 } plan;
 
-static void add(plan *p, const clb_tensor **tp) {
-    if (!clb_tensor_repacks(*tp)) return;
+/* copy_x8: also a matrix stored interleaved already (copied as it is: routed experts, which
+ * the converter stores so, move onto the arena's 2 MiB pages like the repacked weights) */
+static void add_copy(plan *p, const clb_tensor **tp, int copy_x8) {
+    const clb_tensor *t = *tp;
+    const int stored_x8 = copy_x8 && t && t->n_dims == 2 && clb_x8_base(t->type) != t->type &&
+                          t->shape[0] % 8 == 0;
+    if (!stored_x8 && !clb_tensor_repacks(t)) return;
     if (p->slot) p->slot[p->n] = tp;
     p->n++;
     p->bytes += ((*tp)->nbytes + 63) / 64 * 64;
 }
+
+static void add(plan *p, const clb_tensor **tp) { add_copy(p, tp, 0); }
 
 static void collect(clb_model *m, int experts, plan *p) {
     if (m->output != m->tok_embd) add(p, &m->output); /* tied: rows for the lookup */
@@ -64,10 +72,12 @@ static void collect(clb_model *m, int experts, plan *p) {
         }
     }
     p->first_expert = p->n;
+    /* experts already in memory (an earlier call) are not copied again */
+    const int copy_x8 = !m->experts_x8;
     for (int64_t i = 0; experts && i < m->hp.n_layer * m->hp.n_expert; i++) {
-        add(p, &m->experts[i].w1);
-        add(p, &m->experts[i].w3);
-        add(p, &m->experts[i].w2);
+        add_copy(p, &m->experts[i].w1, copy_x8);
+        add_copy(p, &m->experts[i].w3, copy_x8);
+        add_copy(p, &m->experts[i].w2, copy_x8);
     }
 }
 
@@ -82,8 +92,12 @@ static void copy_task(void *vctx, int ith, int nth) {
         const clb_tensor *t = *c->p->slot[i];
         const int64_t groups = t->shape[0] / 8, g0 = groups * ith / nth,
                       g1 = groups * (ith + 1) / nth;
-        const size_t off = (size_t)g0 * 8 * clb_type_row_size(t->type, t->shape[1]);
-        if (g1 > g0)
+        const size_t row = clb_type_row_size(t->type, t->shape[1]), off = (size_t)g0 * 8 * row;
+        if (g1 <= g0) continue;
+        if (clb_x8_base(t->type) != t->type) /* stored interleaved: a plain copy */
+            memcpy((char *)c->dst[i].data + off, (const char *)t->data + off,
+                   (size_t)(g1 - g0) * 8 * row);
+        else
             clb_repack_x8(t->type, t->shape[1], (g1 - g0) * 8, (const char *)t->data + off,
                           (char *)c->dst[i].data + off);
     }

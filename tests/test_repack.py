@@ -269,7 +269,8 @@ def test_kernel_variables_refuse_an_unknown_choice(quant_dir: Path, variable: st
 def test_experts_stored_interleaved_decode_as_their_rows(kind: str) -> None:
     """The converter stores routed experts in the layout the products read: the same tokens
     and logits, bit for bit, as the same weights in rows (repacked at load, or read as rows
-    on the reference ISA), resident and through the expert cache at its smallest budget."""
+    on the reference ISA), read in place, copied into memory at load, and through the expert
+    cache at its smallest budget."""
     if kind == "q8":
         folder = ensure_converted(Path(default_model_path()), "q8", progress=False)
     else:
@@ -282,15 +283,20 @@ def test_experts_stored_interleaved_decode_as_their_rows(kind: str) -> None:
     want = _decode(Model.load(rows, n_seq=1))
     cached = Model.load(folder, n_seq=1)
     cached.core.enable_expert_cache(cached.config.n_expert_used, load="pread", prefetch=True)
+    copied = Model.load(folder, n_seq=1)  # resident: the experts copied onto the pool's pages
+    cfg = copied.config
+    assert (copied.core.repack(experts=True) - Model.load(folder, n_seq=1).core.repack(
+        experts=False)) == 3 * cfg.n_layer * cfg.n_expert
+    assert copied.core.repack(experts=True) == 0  # already in memory: nothing copied again
     before = _core.isa_active()
     try:
-        runs = [_decode(Model.load(folder, n_seq=1)), _decode(cached)]
+        runs = [_decode(Model.load(folder, n_seq=1)), _decode(cached), _decode(copied)]
         _core.isa_force("ref")
         runs.append(_decode(Model.load(folder, n_seq=1)))
         ref_rows = _decode(Model.load(rows, n_seq=1))
     finally:
         _core.isa_force(before)
-    for got, w in zip(runs, [want, want, ref_rows], strict=True):
+    for got, w in zip(runs, [want, want, want, ref_rows], strict=True):
         assert got[0] == w[0]
         for a, b in zip(got[1], w[1], strict=True):
             assert np.array_equal(a, b)
