@@ -292,7 +292,7 @@ def split_monitor(model: Model, folder: Path, xc: ExpertCacheConfig,
 
 def repack_enabled() -> bool:
     """Whether q8/q4 weights are copied at start into the layout this CPU's kernels read
-    fastest (COLIBRI_REPACK, default on; off keeps the files' rows: same tokens, to compare
+    fastest (COLIBRI_REPACK, default on; off keeps the files' layout: same tokens, to compare
     speeds)."""
     return os.environ.get("COLIBRI_REPACK", "1").strip().lower() not in ("0", "false", "no")
 

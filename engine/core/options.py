@@ -398,7 +398,7 @@ OPTIONS: tuple[Option, ...] = (
            unset="~/.cache/colibri/models", example="/var/cache/colibri"),
     Option("repack", bool, True, "copy q8/q4 weights at start into the layout this CPU's "
            "kernels read fastest", _KERNELS, commands=(), setting=False, engine_env=True,
-           note="The tokens are the same either way; off keeps the files' row layout, to "
+           note="The tokens are the same either way; off keeps the files' layout, to "
                 "compare speeds."),
     Option("isa", str, None, "the kernel path: ref, avx2, avxvnni or avx512", _KERNELS,
            commands=(), setting=False, engine_env=True,
