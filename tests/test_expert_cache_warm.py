@@ -122,23 +122,27 @@ def test_prefault_fills_the_budget_before_the_first_forward(demo_dir: Path) -> N
     4 KiB pages, where every page counts alike."""
     cfg = Model.load(demo_dir).config
     per_layer = cfg.n_expert // 2
-    for prefault in (False, True):
+    grew: dict[bool, int] = {}
+    # the first cache of the process also grows the allocator's and the threads' own memory
+    # (much more under a sanitizer): a warm-up one first, then the same start without and
+    # with prefault, whose difference is the slots
+    for prefault in (False, False, True):
         m = Model.load(demo_dir, n_seq=1)
         before = _rss_anon()
         m.core.enable_expert_cache(per_layer, load="pread", prefetch=False, huge_pages=False,
-                                   prefault=prefault)
+                                   prefault=prefault, readers=2)
         pf = m.core.expert_cache_prefault(wait_s=30.0)
-        grew = _rss_anon() - before
+        grew[prefault] = _rss_anon() - before
         assert pf is not None and not pf["running"] and pf["error"] == ""
         if prefault:
             # every slot of every layer: at least one expert's bytes each
             assert pf["total_bytes"] >= cfg.n_layer * per_layer * m.core.expert_bytes
             assert pf["done_bytes"] == pf["total_bytes"]
-            assert grew >= pf["total_bytes"] * 0.95, (grew, pf)
+            assert grew[True] >= pf["total_bytes"] * 0.95, (grew, pf)
+            # without it, at most a twentieth of the slots had been touched
+            assert grew[True] - grew[False] >= pf["total_bytes"] * 0.95, (grew, pf)
         else:
             assert pf["done_bytes"] == pf["total_bytes"] == 0
-            slots = cfg.n_layer * per_layer * m.core.expert_bytes
-            assert grew < slots // 4, (grew, slots)
         del m
 
 
