@@ -328,11 +328,12 @@ def start_expert_cache(model: Model, folder: Path, xc: ExpertCacheConfig, kv_byt
     shared = sum(p.stat().st_size for p in (folder / "shared").glob("*.bin"))
     plan = replace(plan, shared_bytes=shared,
                    dense_layers=tuple(i for i in range(cfg.n_layer) if i not in cfg.moe_layers))
-    # the layout this CPU's kernels read fastest; the cache repacks the experts it loads, and
-    # resident experts are copied only when they fit (else the OS pages their mappings)
+    # the layout this CPU's kernels read fastest; the cache reads (and for rows, repacks) the
+    # experts it loads, and resident experts, stored in that layout, are copied only when they
+    # fit (else the OS pages their mappings)
     repacked = core.repack(experts=plan.fits) if repack else 0
     if repacked:
-        log.info("weights: %d matrices repacked for this CPU's kernels", repacked)
+        log.info("weights: %d matrices repacked or copied for this CPU's kernels", repacked)
     if plan.per_layer is None:
         log.info("expert cache: off, all %d experts resident (%.1f MB; %s)",
                  n_moe * cfg.n_expert, plan.budget_bytes / 1e6, plan.reason)
