@@ -62,29 +62,25 @@ int64_t clb_xc_pick_slot(const clb_xcache *xc, int64_t l) {
     return i >= 0 ? i : pick_slot_among(xc, l, 0, 0);
 }
 
-/* Records whether a prefetch of layer l was used; the last few dozen outcomes decide
- * whether the layer's predictions are worth their reads (see clb_xc_prefetch). */
-static void pf_outcome(clb_xcache *xc, int64_t l, int used) {
-    if (used)
-        xc->pf_good[l] += 1.0f;
-    else
-        xc->pf_bad[l] += 1.0f;
-    if (xc->pf_good[l] + xc->pf_bad[l] > 32.0f) {
-        xc->pf_good[l] *= 0.5f;
-        xc->pf_bad[l] *= 0.5f;
+/* Counts one outcome into a pair of recent counts (yes or no), halving both once they pass 32,
+ * so the last few dozen outcomes decide. */
+static void decayed_outcome(float *yes, float *no, int outcome) {
+    *(outcome ? yes : no) += 1.0f;
+    if (*yes + *no > 32.0f) {
+        *yes *= 0.5f;
+        *no *= 0.5f;
     }
+}
+
+/* Records whether a prefetch of layer l was used: whether the layer's predictions are worth
+ * their reads (see clb_xc_prefetch). */
+static void pf_outcome(clb_xcache *xc, int64_t l, int used) {
+    decayed_outcome(&xc->pf_good[l], &xc->pf_bad[l], used);
 }
 
 /* One watched eviction of layer l ended: the expert came back (1) or stayed away (0). */
 static void ev_outcome(clb_xcache *xc, int64_t l, int back) {
-    if (back)
-        xc->ev_back[l] += 1.0f;
-    else
-        xc->ev_away[l] += 1.0f;
-    if (xc->ev_back[l] + xc->ev_away[l] > 32.0f) {
-        xc->ev_back[l] *= 0.5f;
-        xc->ev_away[l] *= 0.5f;
-    }
+    decayed_outcome(&xc->ev_back[l], &xc->ev_away[l], back);
 }
 
 /* The watch on evicted experts (see ev_step) as expert e of layer l is claimed: e, when
