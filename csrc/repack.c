@@ -34,11 +34,11 @@ typedef struct {
 } plan;
 
 /* copy_x8: also a matrix stored interleaved already (copied as it is: routed experts, which
- * the converter stores so, move onto the arena's 2 MiB pages like the repacked weights) */
+ * the converter stores so, move onto the arena's 2 MiB pages like the repacked weights; the
+ * loader took such a tensor only as a matrix of whole 8-row groups) */
 static void add_copy(plan *p, const clb_tensor **tp, int copy_x8) {
     const clb_tensor *t = *tp;
-    const int stored_x8 = copy_x8 && t && t->n_dims == 2 && clb_x8_base(t->type) != t->type &&
-                          t->shape[0] % 8 == 0;
+    const int stored_x8 = copy_x8 && t && clb_x8_base(t->type) != t->type;
     if (!stored_x8 && !clb_tensor_repacks(t)) return;
     if (p->slot) p->slot[p->n] = tp;
     p->n++;

@@ -22,7 +22,7 @@ def rows_twin(folder: Path, dest: Path) -> Path:
     shutil.copytree(folder, tmp)
     cfg = json.loads((tmp / "config.json").read_text())
     for key, ty in cfg["tensor_types"].items():
-        cfg["tensor_types"][key] = quant.ROWS_OF.get(ty, ty)
+        cfg["tensor_types"][key] = quant.row_type(ty)
     for name in cfg["files"]:
         wf = read_wfile(folder / name)
         if not any(t.type_name in quant.ROWS_OF for t in wf.tensors.values()):

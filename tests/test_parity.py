@@ -202,7 +202,7 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
     n_changed = 0
     for t in archs.plan(cfg, set(tensors)):
         assert t.source.index is None and t.source.rows is None  # legacy per-expert names
-        ty = quant.ROWS_OF.get(*[cfg["tensor_types"][f"{t.group}.{t.name}"]] * 2)  # x8: its rows
+        ty = quant.row_type(cfg["tensor_types"][f"{t.group}.{t.name}"])
         if ty in ("q8", "q6", "q4", "f16", "bf16"):
             name = t.source.hf_name
             tensors[name] = quant.fake_quantize(tensors[name], ty).astype(np.float32)

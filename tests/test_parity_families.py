@@ -623,7 +623,7 @@ def _fake_quantized_checkpoint(case: Case, preset: str) -> Path:
     tensors = load_file(str(case.hf_dir / "model.safetensors"))
     kv_b: dict[str, dict[str, np.ndarray]] = {}  # MLA's kv_b_proj: its per-head k and v parts
     for t in archs.plan(cfg, set(tensors)):
-        ty = quant.ROWS_OF.get(*[cfg["tensor_types"][f"{t.group}.{t.name}"]] * 2)  # x8: its rows
+        ty = quant.row_type(cfg["tensor_types"][f"{t.group}.{t.name}"])
         name, src = t.source.hf_name, t.source
         if src.transform in ("t", "cols", "cols_t"):  # one expert's slice / part of a tensor
             whole = tensors[name] = np.array(tensors[name])

@@ -124,7 +124,7 @@ def _tensor_bytes(f: Any, on_gpu: bool) -> tuple[int, int, str]:
     types: dict[str, int] = {}
     for t in f.tensors.values():
         n = int(np.prod(t.shape))
-        ty = quant.ROWS_OF.get(t.type_name, t.type_name)  # a device holds the rows
+        ty = quant.row_type(t.type_name)  # a device holds the rows
         keep = ty in GPU_KEEPS
         nbytes += t.nbytes if (keep or not on_gpu) else 4 * n
         if len(t.shape) >= 2:

@@ -51,6 +51,12 @@ BLOCK_SIZE = {t.name: t.block_size for t in _FILE_TYPES}
 X8_OF = {"q8": "q8x8", "q4": "q4x8", "q6": "q6x8"}
 ROWS_OF = {v: k for k, v in X8_OF.items()}
 
+
+def row_type(type_name: str) -> str:
+    """The number format of a stored type, whatever its layout: an interleaved type's row
+    type, any other type itself."""
+    return ROWS_OF.get(type_name, type_name)
+
 Q8_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 Q4_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
 # q6: the low nibbles as in q4, then 8 bytes of 2-bit high parts (see quantize_q6)

@@ -242,10 +242,9 @@ class WFile:
         """A tensor's row type and its bytes in rows: the stored bytes, or an interleaved
         matrix's (q8x8, q4x8, q6x8) put back in the rows of its row type."""
         t = self._info(name)
-        data = self.raw(name)
-        base = quant.ROWS_OF.get(t.type_name)
-        if base is None:
-            return t.type_name, data
+        data, base = self.raw(name), quant.row_type(t.type_name)
+        if base == t.type_name:
+            return base, data
         return base, quant.from_x8(data, base, t.shape[0], t.shape[1])
 
     def array(self, name: str) -> np.ndarray:

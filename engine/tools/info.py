@@ -55,7 +55,7 @@ def describe(model_dir: str | Path, device: str = "auto", gpu_memory_mb: float |
             for d in t.shape:
                 numel *= d
             n += numel
-            ty = quant.ROWS_OF.get(t.type_name, t.type_name)  # by number format, any layout
+            ty = quant.row_type(t.type_name)  # by number format, any layout
             bytes_by_type[ty] = bytes_by_type.get(ty, 0) + t.nbytes
         if mtp and name.startswith(f"{mtp}/"):  # drafts only: not part of a decode step
             params_mtp += n
