@@ -442,22 +442,40 @@ def test_a_long_copy_drafts_up_to_the_cap_and_the_cap_bounds_every_step() -> Non
 
 
 def test_rejected_matches_stop_drafting_and_tries_back_off() -> None:
-    """Text whose every match of two tokens is followed by something else than in the prompt
-    (x y z earlier, x y w now): after the first rejections the cost model drafts no more; what
-    optimism still tries is one draft at a time, further apart after each failure."""
+    """Text whose every match is followed by something else than in the prompt (x y z and
+    later x q earlier, x y w now): after the first rejections the cost model drafts no more,
+    and what optimism tries is one draft at a time."""
     rng = np.random.default_rng(7)
     triples = [_tokens(rng, 3, low=1000 + 100 * i) for i in range(200)]
-    prompt = [t for tr in triples for t in tr]
+    decoys = iter(_tokens(rng, 200, low=300000))
+    prompt = [t for tr in triples for t in tr] + [t for x, _, _ in triples
+                                                  for t in (x, next(decoys))]
     novel = iter(_tokens(rng, 200, low=500000))
     output = [t for x, y, _ in triples for t in (x, y, next(novel))]
     steps = _decode(_planner(), prompt, output)
     tried = [i for i, (_, k, _) in enumerate(steps) if k]
     assert sum(m >= EXPLORE_MIN_MATCH for m, _, _ in steps) >= 190
     assert all(kept == 0 for _, _, kept in steps)
-    assert 3 <= len(tried) <= 6, tried
+    # the drafts of the steps that verify none are scored too, so a few steps teach what
+    # these matches are worth: a try or two at the start, none after
+    assert 1 <= len(tried) <= 3 and max(tried) < 20, tried
     assert all(steps[i][1] == 1 for i in tried[1:])  # tries on optimism: one draft each
-    gaps = list(np.diff(tried[1:]))
-    assert gaps == sorted(gaps) and gaps[0] >= EXPLORE_WAIT, tried
+
+
+def test_matches_never_drafted_are_learned_from_the_tokens_their_steps_gave() -> None:
+    """One-token matches start below what the cost model drafts on, and optimism never tries
+    them; where they are always right (x y z earlier, x y w now: x is followed by y), the first
+    draft each step was offered is scored against the token the step gave, so after a few
+    steps the request drafts on them, and keeps what it drafts."""
+    rng = np.random.default_rng(7)
+    triples = [_tokens(rng, 3, low=1000 + 100 * i) for i in range(200)]
+    prompt = [t for tr in triples for t in tr]
+    novel = iter(_tokens(rng, 200, low=500000))
+    output = [t for x, y, _ in triples for t in (x, y, next(novel))]
+    steps = _decode(_planner(), prompt, output)
+    one = [(k, kept) for m, k, kept in steps if m == 1]
+    assert one[0][0] == 0 and len(one) > 150
+    assert all(k >= 1 and kept >= 1 for k, kept in one[10:]), one[:20]
 
 
 def test_exploration_waits_longer_after_each_failed_try() -> None:
@@ -480,8 +498,8 @@ def test_exploration_waits_longer_after_each_failed_try() -> None:
     ra.verified(1, 1)  # a kept draft
     ra.exploring = True
     ra.verified(1, 0)
-    assert ra.wait == EXPLORE_WAIT and ra.last_kept == 0
-    ra.wait = 0
+    assert ra.explore.wait == EXPLORE_WAIT and ra.last_kept == 0
+    ra.explore.wait = 0
     ra.verified(4, 0)  # the cost model's choice, not a try
     assert ra.may_explore(5)
 
@@ -574,6 +592,38 @@ def test_a_batch_of_copies_drafts_together_with_no_request_waiting() -> None:
     together = _decode_batch(_planner(), prompts, copies, waiting=False)
     assert sum(n >= 6 for n, _ in together) >= len(together) // 2, together
     assert max(d for _, d in together) >= 8 * 12 and len(together) < 123 / 4
+
+
+def test_a_batch_makes_one_try_a_step_and_waits_as_one_after_it_fails() -> None:
+    """Eight requests at their first step, each with a two-token match, on a cost where a
+    draft pays only if it is kept more than 57% of the time: nothing is measured yet, so
+    only the optimism about such matches pays, and one request tries, with one draft; once
+    that try is rejected, no request of the batch tries for EXPLORE_WAIT steps, and then one
+    does again (a try teaches the prior all of them share, so eight sequences of free text pay
+    for the tries of one)."""
+    rng = np.random.default_rng(12)
+    # requests waiting: a step's worth is its tokens; 8 tokens cost 48 ms, a ninth 1 ms more
+    planner = DraftPlanner(MIXTRAL, StepCostMeter(StepCost(40e-3, 0.0, 1e-3),
+                                                  prior_weight=float("inf")))
+    reqs = []
+    for i in range(8):
+        prompt = _tokens(rng, 40, low=1000 + 2000 * i)
+        req = Request(f"r{i}", 0, list(prompt), SamplingParams(max_tokens=50), None, None,
+                      None, 50, frozenset())  # type: ignore[arg-type]
+        req.output += [prompt[10], prompt[11]]  # a match of two tokens
+        req.num_computed = len(prompt) + 1
+        reqs.append(req)
+    config = SpeculativeConfig("auto", 16)
+    planner.plan(reqs, config, waiting=True)
+    drafting = [r for r in reqs if r.drafts]
+    assert len(drafting) == 1 and len(drafting[0].drafts) == 1
+    assert drafting[0].acceptance.exploring
+    planner.observe_verify(drafting[0], 1, 0)
+    for _ in range(EXPLORE_WAIT):
+        planner.plan(reqs, config, waiting=True)
+        assert not any(r.drafts for r in reqs)
+    planner.plan(reqs, config, waiting=True)
+    assert sum(bool(r.drafts) for r in reqs) == 1
 
 
 class _PlainLookup:

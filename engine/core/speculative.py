@@ -25,7 +25,9 @@ from colibri.engine.core.options import default
 from colibri.engine.core.request import Request
 from colibri.engine.spec import SPECULATIVE_METHODS, default_num_tokens
 from colibri.engine.spec.cost import (
+    MIN_GAIN,
     BatchPlan,
+    Exploration,
     MatchPrior,
     MoEShape,
     RequestAcceptance,
@@ -151,13 +153,20 @@ class DraftPlanner:
     request's own, and over all requests by each draft's evidence (the match length before
     it), which is each request's prior at the step — so a request whose match is long drafts
     at its first step, a copy that goes on drafts longer each step (up to draft_cap), and one
-    whose drafts keep being rejected stops."""
+    whose drafts keep being rejected stops. A sequence that drafts nothing though it was
+    offered drafts has its first draft scored against the token its step gave (see
+    RequestAcceptance), so what is never drafted is learned too. Tries on optimism alone
+    teach MatchPrior, which every request shares, so a batch makes one at most per step and
+    waits after a failed one as a request does (Exploration): eight sequences of free text
+    pay for the tries of one."""
 
     def __init__(self, shape: MoEShape, meter: StepCostMeter | None = None) -> None:
         self.shape = shape
         self.meter = meter or StepCostMeter()
         self.union = UnionMeter(shape)
         self.match_prior = MatchPrior()
+        self.explore = Exploration()  # the batch's tries, beside each request's
+        self._tried = False  # whether a sequence makes a try in the step being planned
         self.last_ks: list[int] = []  # the k chosen for each drafting sequence, last step
 
     def plan(self, running: list[Request], config: SpeculativeConfig,
@@ -175,6 +184,8 @@ class DraftPlanner:
             return
         offered: list[tuple[Request, list[float], int]] = []
         for req in running:
+            if req.acceptance is not None and req.acceptance.unverified is not None:
+                self._score_unverified(req)
             req.drafts = propose(req, config, capped=True)
             if req.drafts:
                 offered.append((req, *self._chances(req)))
@@ -186,9 +197,10 @@ class DraftPlanner:
         if cost is not None and not waiting and len(running) > 1:
             # the share of the batch that would draft if each token saved were worth a whole
             # token's share of the step: drafting together, they end the steps sooner
-            together = sum(choose_k(cost, self.union, alphas, cap, BatchPlan(n, n)) > 0
-                           for _, alphas, cap in offered) / n
+            together = sum(choose_k(cost, self.union, alphas, cap, BatchPlan(n, n),
+                                    min_gain=MIN_GAIN) > 0 for _, alphas, cap in offered) / n
         batch = BatchPlan(n, n, waiting, together)
+        self._tried = False
         n_drafting = 0
         for req, alphas, cap in offered:
             if max_drafting is not None and n_drafting >= max_drafting:
@@ -198,6 +210,8 @@ class DraftPlanner:
             del req.drafts[k:]
             self.last_ks.append(k)
             n_drafting += k > 0
+        if not self._tried:
+            self.explore.tick()
 
     def _chances(self, req: Request) -> tuple[list[float], int]:
         """The chance that each of req's drafts is kept once those before it were (the
@@ -220,22 +234,37 @@ class DraftPlanner:
     def _choose(self, req: Request, cost: StepCost | None, batch: BatchPlan,
                 alphas: list[float], cap: int) -> int:
         """How many of req's drafts to verify: what the cost model finds best for their
-        chances (at most cap), else one draft where only the optimism about little-tested
-        evidence pays for it and the request may try (see RequestAcceptance); 0 before any
-        step was measured (the first steps measure one token)."""
+        chances (at most cap, and only where drafts beat none by MIN_GAIN), else one draft
+        where only the optimism about little-tested evidence pays for it and both the request
+        and the batch may try (no other sequence tries in this step: see RequestAcceptance,
+        Exploration); 0 before any step was measured (the first steps measure one token)."""
         if cost is None:
             return 0
         ra, mp = req.acceptance, self.match_prior
         match = ra.evidence
-        k = choose_k(cost, self.union, alphas, cap, batch)
-        if k == 0 and ra.may_explore(match):
+        k = choose_k(cost, self.union, alphas, cap, batch, min_gain=MIN_GAIN)
+        if k == 0 and ra.may_explore(match) and self.explore.ready and not self._tried:
             b = mp.bucket(match)
-            k = choose_k(cost, self.union, [ra.of(b).rate_given(mp.upper(b))], 1, batch)
-            ra.exploring = k > 0
+            k = choose_k(cost, self.union, [ra.of(b).rate_given(mp.upper(b))], 1, batch,
+                         min_gain=MIN_GAIN)
+            ra.exploring = self._tried = k > 0
         if k == 0:
-            ra.of(mp.bucket(match)).idle()
+            b = mp.bucket(match)
+            ra.of(b).idle()
             ra.no_drafts()
+            ra.unverified = (len(req.output), req.drafts[0], b)
         return k
+
+    def _score_unverified(self, req: Request) -> None:
+        """The first draft req was offered in a step that verified none, against the token
+        that step gave: kept or not, as a verify step of that one draft would have said."""
+        ra = req.acceptance
+        at, draft, bucket = ra.unverified
+        ra.unverified = None
+        if len(req.output) > at:
+            kept = float(req.output[at] == draft)
+            ra.of(bucket).add(kept, 1.0)
+            self.match_prior.add(bucket, kept, 1.0)
 
     def observe_step(self, n_tokens: int, n_experts: float, seconds: float,
                      expert_seconds: float = 0.0, attention_seconds: float = 0.0) -> None:
@@ -250,4 +279,5 @@ class DraftPlanner:
                                                            n_accepted).items():
             ra.of(b).add(kept, tested)
             self.match_prior.add(b, kept, tested)
+        self.explore.outcome(n_accepted > 0, ra.exploring)
         ra.verified(n_drafts, n_accepted)

@@ -114,12 +114,14 @@ class BatchPlan:
 
 
 def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float], k_max: int,
-             batch: BatchPlan, resident: float = 1.0, miss_s: float = 0.0) -> int:
+             batch: BatchPlan, resident: float = 1.0, miss_s: float = 0.0,
+             min_gain: float = 0.0) -> int:
     """Drafts (0..k_max) for one more sequence of `batch` that maximise the expected tokens per
     second: of the whole step where batch.refill (or the sequence is alone), else of the
     sequence, whose share of the step is what its token adds to it. Updates batch with the
     choice. alpha: the chance each draft is kept once those before it were, one for all or
-    one per draft (then at most len(alpha) drafts). Ties go to fewer drafts."""
+    one per draft (then at most len(alpha) drafts). Ties go to fewer drafts; drafts must beat
+    none by the factor 1 + min_gain."""
     per_draft = not isinstance(alpha, (int, float))
     if per_draft:
         k_max = min(k_max, len(alpha))  # type: ignore[arg-type]
@@ -130,7 +132,7 @@ def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float],
         n_yield = 1.0
         marginal = base_s - cost.seconds(shape, batch.n_tokens - 1, resident, miss_s)
         share = marginal + batch.together * (base_s / batch.n_tokens - marginal)
-    best_k, best_rate = 0, n_yield / share if share > 0 else 0.0
+    best_k, best_rate = 0, (n_yield / share if share > 0 else 0.0) * (1.0 + min_gain)
     best_yield, gained, run = 0.0, 0.0, 1.0
     for k in range(1, max(k_max, 0) + 1):
         if per_draft:
@@ -297,8 +299,37 @@ def draft_cap(match_len: int | None, last_kept: int, k_max: int) -> int:
                                  CAP_GROWTH * last_kept)))
 
 
+# how much faster than decoding alone the cost model must expect drafts to be: the step
+# costs and acceptance it goes by are estimates, and a choice near break-even loses as often
+# as it wins, while a copy worth drafting gains far more than this
+MIN_GAIN = 0.05
 EXPLORE_MIN_MATCH = 2  # a match this long at least before drafts are tried on optimism alone
 EXPLORE_WAIT = 4  # steps a request waits after a failed try; doubled by each further one
+
+
+@dataclass
+class Exploration:
+    """When drafts that only optimism pays for may be tried: at once at first; after a try
+    that keeps nothing, EXPLORE_WAIT steps later, twice as long after each further failure; a
+    kept draft resets the wait."""
+
+    wait: int = 0  # steps before the next try may come
+    backoff: int = EXPLORE_WAIT  # the wait after the next failed try
+
+    @property
+    def ready(self) -> bool:
+        return self.wait <= 0
+
+    def tick(self) -> None:
+        """A step passed without a try."""
+        self.wait -= 1
+
+    def outcome(self, kept: bool, explored: bool) -> None:
+        """A verify step: whether it kept a draft, and whether its drafts were a try."""
+        if kept:
+            self.backoff = EXPLORE_WAIT
+        elif explored:
+            self.wait, self.backoff = self.backoff, 2 * self.backoff
 
 
 @dataclass
@@ -307,16 +338,20 @@ class RequestAcceptance:
     different rates: rejected short matches say little about its long ones), the evidence of
     the drafts it has in flight, what its last verify step kept, and its exploration: drafts
     that only the optimism of MatchPrior.upper pays for are one draft at a time, on a match
-    of EXPLORE_MIN_MATCH at least, and after a try that keeps nothing the request waits
-    EXPLORE_WAIT steps before the next, twice as long after each further failure (a kept
-    draft resets the wait), so free text pays for few tries."""
+    of EXPLORE_MIN_MATCH at least, and waits after failed tries (Exploration), so free text
+    pays for few tries. A step that verifies nothing still teaches: the first draft it was
+    offered is scored against the token the step gave, which is what verifying that one draft
+    would have kept (for a sampled request, with the same chance), so the rates of evidence
+    the cost model never drafts on are learned without paying for drafts."""
 
     by_bucket: dict[int, Acceptance] = field(default_factory=dict)
     evidence: int = 0  # the match length of the drafts in flight
     exploring: bool = False  # whether they are a try on optimism alone
     last_kept: int = 0  # drafts the last verify step kept
-    wait: int = 0  # steps before the next try may come
-    backoff: int = EXPLORE_WAIT  # the wait after the next failed try
+    explore: Exploration = field(default_factory=Exploration)
+    # a step that drafted nothing though prompt lookup offered drafts: the output's length
+    # then, the first draft and its bucket, to be scored against the token the step gave
+    unverified: tuple[int, int, int] | None = None
 
     def of(self, bucket: int) -> Acceptance:
         got = self.by_bucket.get(bucket)
@@ -325,19 +360,16 @@ class RequestAcceptance:
         return got
 
     def may_explore(self, match_len: int | None) -> bool:
-        return (match_len or 0) >= EXPLORE_MIN_MATCH and self.wait <= 0
+        return (match_len or 0) >= EXPLORE_MIN_MATCH and self.explore.ready
 
     def no_drafts(self) -> None:
         """A step in which the request had drafts offered and verified none."""
-        self.wait -= 1
+        self.explore.tick()
 
     def verified(self, n_drafts: int, n_accepted: int) -> None:
         """The verify step of the drafts in flight: n_accepted of n_drafts kept."""
         self.last_kept = n_accepted
-        if n_accepted > 0:
-            self.backoff = EXPLORE_WAIT
-        elif self.exploring:
-            self.wait, self.backoff = self.backoff, 2 * self.backoff
+        self.explore.outcome(n_accepted > 0, self.exploring)
         self.exploring = False
 
 
