@@ -2,7 +2,8 @@
 
     python scripts/bench_speculative.py [--model DIR] [--quant q8] [--threads N]
         [--gen-tokens 128] [--num-speculative-tokens N] [--repeat 3] [--streams 1,8]
-        [--modes off,ngram,auto] [--json] [--out results/bench_speculative/DATE-NAME.json]
+        [--modes off,ngram,auto] [--workloads edit,free] [--json]
+        [--out results/bench_speculative/DATE-NAME.json]
 
 Two workloads: an edit (the prompt holds a block of code the answer largely repeats) and free
 text (the answer repeats nothing it was given); with several streams each gets its own variant
@@ -10,8 +11,7 @@ text (the answer repeats nothing it was given); with several streams each gets i
 alternate between the modes (off, ngram: always num_speculative_tokens drafts, auto: the cost
 model's k up to a cap that grows with the prompt-lookup match, oracle: num_speculative_tokens
 drafts that are the tokens the baseline run gave, so every draft is accepted; the ceiling of an
-edit the model copies perfectly, which neither the demo model nor a random-weight model does)
-on one loaded model, through the step engine
+edit the model copies perfectly) on one loaded model, through the step engine
 (scheduler, batched sampler, detokenizer), prefix cache off. Reports decode tok/s of all
 streams together (from the step where the last stream got its first token to the end), the
 steps and how many verified drafts, the mean accepted length of the drafts per verify, the
@@ -21,6 +21,11 @@ expert bytes per decoded token against the baseline's. num_speculative_tokens is
 default unless given (16 for auto, 4 for ngram and oracle), as the server's is. The greedy
 tokens must be the same in every mode (it stops if not). A benchmark, not a test; it prints the
 CPU model with the figures.
+
+A model with random weights never repeats its prompt, so on it the edit workload measures only
+what failed drafts cost; run the edit workload on a model that copies (`--workloads edit` on the
+output of scripts/make_copy_model.py, the benchmark Mixtral rewritten to copy its prompt with the
+same bytes per token) and free text on the random one (`--workloads free`).
 """
 
 from __future__ import annotations
@@ -79,8 +84,8 @@ WORKLOADS = ("edit", "free")
 EXPERT_PHASES = ("experts gate+up", "experts down")
 
 
-def _prompt(llm: Any, text: str) -> list[int]:
-    tok = llm.tokenizer
+def prompt_ids(tok: Any, text: str) -> list[int]:
+    """The token ids of a user message: through the chat template where the tokenizer has one."""
     if getattr(tok, "chat_template", None):
         return tok.apply_chat_template([{"role": "user", "content": text}])
     return tok.encode(text, add_special_tokens=True)
@@ -155,7 +160,7 @@ def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> d
     from colibri.engine.core.speculative import SpecStats, SpeculativeConfig
     from colibri.engine.spec import default_num_tokens
 
-    prompts = [_prompt(llm, workload(name, i)) for i in range(n_streams)]
+    prompts = [prompt_ids(llm.tokenizer, workload(name, i)) for i in range(n_streams)]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     stats = {m: SpecStats() for m in modes}
     for _ in range(args.repeat):
@@ -215,12 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="off,ngram,auto",
                    help="modes to alternate, comma-separated (off, ngram, auto, oracle); the "
                    "first is the baseline and must not be oracle")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help="workloads to run, comma-separated (edit, free): the edit workload "
+                   "belongs on a model that copies (scripts/make_copy_model.py)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", help="also write the JSON result here (a measurement for "
                    "docs/performance.md goes to results/bench_speculative/DATE-NAME.json)")
     args = p.parse_args(argv)
     streams = [int(x) for x in args.streams.split(",")]
     modes = args.modes.split(",")
+    workloads = args.workloads.split(",")
+    if not workloads or not set(workloads) <= set(WORKLOADS):
+        p.error("--workloads: edit or free, comma-separated")
     if modes[0] == "oracle" or not set(modes) <= {"off", "ngram", "auto", "oracle"}:
         p.error("--modes: off, ngram, auto or oracle, comma-separated, oracle not first")
 
@@ -237,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                               "threads": llm.model.n_threads, "gen_tokens": args.gen_tokens,
                               "num_speculative_tokens": args.num_speculative_tokens,
                               "repeat": args.repeat, "runs": []}
-    decode_run(llm, [_prompt(llm, workload("free", 0))], 8)  # warm-up
+    decode_run(llm, [prompt_ids(llm.tokenizer, workload("free", 0))], 8)  # warm-up
     for n in streams:
-        for name in WORKLOADS:
+        for name in workloads:
             result["runs"].append({"workload": name, **bench(llm, name, n, modes, args)})
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

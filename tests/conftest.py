@@ -63,7 +63,7 @@ SUBSYSTEMS: dict[str, tuple[str, ...]] = {
     # command-line tools, scripts, packaging, docs
     "tools": ("test_bench.py", "test_cli_models.py", "test_cli_args.py", "test_evaluate.py",
               "test_replay.py", "test_options.py",
-              "test_compare_llamacpp.py", "test_bench_long_context.py",
+              "test_compare_llamacpp.py", "test_bench_long_context.py", "test_copy_model.py",
               "test_performance_page.py", "test_layering.py",
               "test_packaging.py", "test_run_agents.py",
               "test_readme_examples.py", "test_markers.py"),
