@@ -25,7 +25,9 @@ CPU model with the figures.
 A model with random weights never repeats its prompt, so on it the edit workload measures only
 what failed drafts cost; run the edit workload on a model that copies (`--workloads edit` on the
 output of scripts/make_copy_model.py, the benchmark Mixtral rewritten to copy its prompt with the
-same bytes per token) and free text on the random one (`--workloads free`).
+same bytes per token) and free text on the random one (`--workloads free`). Beside the edit
+runs it replays prompt lookup against the edit done exactly (no model run): the tokens a step
+that a model making the edit would get from the drafter, to set the copy model's against.
 """
 
 from __future__ import annotations
@@ -155,6 +157,32 @@ def decode_run(llm: Any, prompts: list[list[int]], n_gen: int,
             else 0.0}
 
 
+def replay_edit(tok: Any, n_streams: int, k: int) -> dict[str, float]:
+    """Prompt lookup (k drafts a step) against the edit done exactly (the code renamed as each
+    stream's prompt asks), no model run: tokens per step and drafts kept per step, the mean
+    over the streams. What a model that makes the edit would get from the drafter."""
+    from colibri.engine.spec.ngram import NgramDrafter
+
+    per_step, kept_per_step = [], []
+    for i in range(n_streams):
+        old, new = RENAMES[i % len(RENAMES)]
+        prompt = prompt_ids(tok, workload("edit", i))
+        answer = tok.encode(CODE.replace(old, new), add_special_tokens=False)
+        drafter, out, steps = NgramDrafter(), answer[:1], 0
+        while len(out) < len(answer):
+            drafter.find(prompt, out)
+            drafts = drafter.drafts(min(k, len(answer) - len(out) - 1))
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == answer[len(out) + kept]:
+                kept += 1
+            out += answer[len(out):len(out) + kept + 1]
+            steps += 1
+        per_step.append((len(answer) - 1) / steps)
+        kept_per_step.append((len(answer) - 1 - steps) / steps)
+    return {"tokens_per_step": statistics.fmean(per_step),
+            "kept_per_step": statistics.fmean(kept_per_step), "drafts": k}
+
+
 def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> dict[str, Any]:
     """Alternating runs of every mode on one workload and stream count."""
     from colibri.engine.core.speculative import SpecStats, SpeculativeConfig
@@ -177,6 +205,9 @@ def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> d
                 setattr(stats[mode], f, getattr(stats[mode], f)
                         + getattr(llm.core.spec_stats, f))
     w: dict[str, Any] = {"prompt_tokens": [len(p) for p in prompts], "streams": n_streams}
+    if name == "edit":
+        w["exact_edit_replay"] = replay_edit(llm.tokenizer, n_streams,
+                                             args.num_speculative_tokens or 4)
     for mode, rs in runs.items():
         st = stats[mode]
         w[mode] = {"decode_tok_s": statistics.median(r["n_decoded"] / r["s"] for r in rs),
@@ -274,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                             f"step without; per token x{m['expert_bytes_per_token_vs_off']:.2f}"
                             if mode != modes[0] else "") + ")")
         print(" ".join(line[:1]) + "\n    " + "\n    ".join(line[1:]))
+        if "exact_edit_replay" in w:
+            r = w["exact_edit_replay"]
+            print(f"    prompt lookup on the edit done exactly ({r['drafts']} drafts, no model "
+                  f"run): {r['tokens_per_step']:.2f} tokens a step, {r['kept_per_step']:.2f} "
+                  "drafts kept")
     return 0
 
 
