@@ -594,6 +594,25 @@ def test_a_batch_of_copies_drafts_together_with_no_request_waiting() -> None:
     assert max(d for _, d in together) >= 8 * 12 and len(together) < 123 / 4
 
 
+def test_one_copy_among_free_text_drafts_late_with_no_request_waiting() -> None:
+    """The copy of the test above decoded beside seven requests of new text, none waiting:
+    the others keep the batch running as long as before, so a draft of the copy saves only
+    what its token adds to a step, about what a draft costs: it drafts only once its copy is
+    long confirmed (its drafts then nearly sure, and sharing their experts), not from the
+    fifth step on as when the whole batch copies."""
+    rng = np.random.default_rng(9)
+    prompts, outputs = [], []
+    for i in range(8):
+        prompt = _tokens(rng, 150, low=1000 + 20000 * i)
+        prompts.append(prompt)
+        outputs.append(_tokens(rng, 3, low=800000 + 1000 * i) + prompt[10:130] if i == 0
+                       else _tokens(rng, 123, low=900000 + 1000 * i))
+    steps = _decode_batch(_planner(), prompts, outputs, waiting=False)
+    drafting = [i for i, (n, _) in enumerate(steps) if n]
+    assert len(steps) == 122 and all(n <= 1 for n, _ in steps)
+    assert drafting and drafting[0] >= 15, drafting
+
+
 def test_a_batch_makes_one_try_a_step_and_waits_as_one_after_it_fails() -> None:
     """Eight requests at their first step, each with a two-token match, on a cost where a
     draft pays only if it is kept more than 57% of the time: nothing is measured yet, so

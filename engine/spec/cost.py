@@ -14,12 +14,14 @@ draft). A draft's evidence is the prompt-lookup match length before it: the matc
 drafter reported plus the drafts before it, so a match that keeps being confirmed drafts
 longer. k is the one maximising (tokens the step yields) / (its cost) — in a batch with no
 request waiting, the sequence's tokens over its share of the step (what its token adds to it,
-plus the rest of a token's share as far as the others draft too: BatchPlan) — 0 when none
-beats decoding one token, and at most draft_cap: twice the match length or twice what the request's
-last verify step kept, at least two, so a fresh match drafts a little and a confirmed copy
-doubles its drafts step by step up to the configured maximum. Drafts that only optimism
-about a little-tested evidence would pay for are tried one at a time, from a match of two
-tokens on, and a request waits longer after each such try that fails (Exploration).
+plus the rest of a token's share when every sequence drafts: BatchPlan) — 0 unless drafts
+beat decoding one token by MIN_GAIN, and at most draft_cap: twice the match length or twice
+what the request's last verify step kept, at least two, so a fresh match drafts a little and
+a confirmed copy doubles its drafts step by step up to the configured maximum. Drafts that
+only optimism about a little-tested evidence would pay for are tried one at a time, from a
+match of two tokens on, and a request waits longer after each such try that fails
+(Exploration). The first draft of a step that verified none is scored against the token the
+step gave, so evidence never drafted on is learned too.
 StepCostMeter measures the three parts on the engine's own steps (the expert products and
 attention as the C core times them, the rest fitted), weighted toward recent ones, so the
 model follows what this machine, this context length and this expert cache (its loads fall in
@@ -103,14 +105,14 @@ class BatchPlan:
     (a sequence that finishes sooner frees its place for one of them: throughput) and for a
     sequence alone; otherwise a sequence that finishes sooner saves what its token adds to the
     steps the others run anyway (the marginal cost), and the rest of its share only as far as
-    the others finish sooner too (`together`: the share of the batch that drafts this step,
-    were a token saved worth a whole share), since the steps end only when every sequence's
-    do."""
+    the others finish sooner too (`together`, 0..1: the planner gives 1 when every sequence of
+    the batch would draft were a token saved worth a whole share, else 0), since the steps end
+    only when every sequence's do."""
 
     n_tokens: float
     n_yield: float
     refill: bool = True
-    together: float = 0.0  # the share of the batch that drafts too (0..1)
+    together: float = 0.0  # how far the others finish sooner too (0..1)
 
 
 def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float], k_max: int,
