@@ -218,8 +218,9 @@ def bench(llm: Any, name: str, n_streams: int, modes: list[str], args: Any) -> d
                    "expert_bytes_per_token": statistics.median(
                        r["expert_bytes_per_token"] for r in rs),
                    "verify_steps": rs[0]["verify_steps"],
+                   # over the runs that verified drafts (a run without any has no such step)
                    "expert_bytes_per_verify": statistics.median(
-                       r["expert_bytes_per_verify"] for r in rs),
+                       [r["expert_bytes_per_verify"] for r in rs if r["verify_steps"]] or [0.0]),
                    "mean_accepted": st.mean_accepted,
                    "drafts_per_verify": st.n_draft_tokens / st.n_drafts if st.n_drafts else 0.0,
                    "acceptance_rate": (st.n_accepted / st.n_draft_tokens

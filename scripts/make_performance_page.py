@@ -218,10 +218,12 @@ def bench_speculative_rows(d: dict[str, Any]) -> list[list[str]]:
             m = w[mode]
             rows.append([
                 "speculative decoding",
-                f"{Path(d['model']).name}: {w['workload']}, {w['streams']} stream"
+                f"{Path(d['model']).parent.name}/{Path(d['model']).name}: {w['workload']}, "
+                f"{w['streams']} stream"
                 f"{'s' if w['streams'] != 1 else ''}, {d['gen_tokens']} greedy tokens each, "
                 f"{d['threads']} threads, {d['repeat']} repeats",
-                f"{mode}, up to {d['num_speculative_tokens']} drafts" + (
+                f"{mode}, up to {m.get('num_speculative_tokens') or d['num_speculative_tokens']}"
+                " drafts" + (
                     " that are the tokens it will give (every draft accepted: the ceiling)"
                     if mode == "oracle" else ""),
                 f"– / {m['decode_tok_s']:.1f}", f"{modes[0]} (one token a step)",
