@@ -6,26 +6,16 @@ is run."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from tests.scripts_loader import load_script
 
 
 def _script() -> Any:
-    if "bench_long_context" in sys.modules:
-        return sys.modules["bench_long_context"]
-    spec = importlib.util.spec_from_file_location("bench_long_context",
-                                                  SCRIPTS / "bench_long_context.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_long_context"] = mod  # its dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_long_context")
 
 
 def _tiny(m: Any) -> Any:

@@ -6,26 +6,17 @@ colibri convert."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_llamacpp.py"
+from tests.scripts_loader import load_script
 
 
 def _script():  # noqa: ANN202
-    if "compare_llamacpp" in sys.modules:
-        return sys.modules["compare_llamacpp"]
-    spec = importlib.util.spec_from_file_location("compare_llamacpp", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compare_llamacpp"] = mod  # its dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("compare_llamacpp")
 
 
 def test_each_run_is_set_against_the_reads_around_it() -> None:

@@ -6,26 +6,16 @@ the noise makes the copy imperfect."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "make_copy_model.py"
+from tests.scripts_loader import load_script
 
 
 def _script() -> Any:
-    if "make_copy_model" in sys.modules:
-        return sys.modules["make_copy_model"]
-    spec = importlib.util.spec_from_file_location("make_copy_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["make_copy_model"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_copy_model")
 
 
 def test_the_rotary_weighting_peaks_at_the_lag_alone() -> None:

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "demo_model_report.py"
+from tests.scripts_loader import load_script
 
 
 def _report():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("demo_model_report", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("demo_model_report")
 
 
 def test_loops_are_blocks_repeated_three_times() -> None:

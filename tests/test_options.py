@@ -6,7 +6,6 @@ environment, `.env.example`, docs/configuration.md and the config objects behind
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import re
 import types
@@ -34,6 +33,7 @@ from colibri.engine.core.options import (
     settings_options,
 )
 from colibri.engine.tools.cli import build_parser
+from tests.scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 # COLIBRI_* names in the code that are not options: the memory limit the server hands its
@@ -332,9 +332,4 @@ def test_configuration_page_is_the_table() -> None:
 
 
 def test_the_script_finds_the_files_up_to_date() -> None:
-    spec = importlib.util.spec_from_file_location("make_config_docs",
-                                                  ROOT / "scripts" / "make_config_docs.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--check"]) == 0
+    assert load_script("make_config_docs").main(["--check"]) == 0

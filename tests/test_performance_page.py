@@ -4,7 +4,6 @@ of its series, and a file or folder the page cannot account for is refused, not 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -14,18 +13,14 @@ from types import ModuleType
 
 import pytest
 
+from tests.scripts_loader import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "make_performance_page.py"
 
 
 @pytest.fixture(scope="module")
 def page() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_performance_page", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["make_performance_page"] = mod  # its dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_performance_page")
 
 
 def test_the_committed_page_is_made_from_results(page: ModuleType) -> None:

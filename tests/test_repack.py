@@ -7,7 +7,6 @@ all-resident output, and the refusals."""
 from __future__ import annotations
 
 import functools
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from colibri.engine.executor.model import Model
 from colibri.engine.format.convert import convert, ensure_converted
 from colibri.engine.format.wfile import read_wfile
 from tests.rows_folder import rows_twin
+from tests.scripts_loader import load_script
 
 BLOCK = {"q8": 34, "q4": 18, "q6": 26}  # bytes per 32-value block: f16 scale, then the quants
 
@@ -118,19 +118,11 @@ def _decode(m: Model, n: int = 10) -> tuple[list[int], list[np.ndarray]]:
 def _gpt_oss_mxfp4(root: Path) -> Path:
     """A random gpt-oss whose experts ship in MXFP4 (scripts/gpt_oss_checkpoint.py, the
     benchmark's writer), converted with the q8 preset: MXFP4 experts, q8 attention."""
-    import importlib.util
 
     from colibri.engine.text.bpe import train_bpe_tokenizer
     from tests.tiny_models import _TEXT, VOCAB_SIZE
 
-    g = sys.modules.get("gpt_oss_checkpoint")
-    if g is None:
-        path = Path(__file__).resolve().parent.parent / "scripts" / "gpt_oss_checkpoint.py"
-        spec = importlib.util.spec_from_file_location("gpt_oss_checkpoint", path)
-        assert spec is not None and spec.loader is not None
-        g = importlib.util.module_from_spec(spec)
-        sys.modules["gpt_oss_checkpoint"] = g  # its dataclass looks its module up by name
-        spec.loader.exec_module(g)
+    g = load_script("gpt_oss_checkpoint")
     shape = g.GptOssShape(vocab=VOCAB_SIZE, hidden=64, intermediate=96, layers=2, experts=8,
                           top_k=2, heads=4, kv_heads=2, head_dim=16, window=8)
     hf = g.write_checkpoint(root / "hf", shape, seed=5)

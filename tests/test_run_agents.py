@@ -5,27 +5,18 @@ with a request shaped like Claude Code's, and its verdict on the requests it rec
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "run_agents.py"
+from tests.scripts_loader import load_script
 
 
 def _script() -> Any:
-    if "run_agents" in sys.modules:
-        return sys.modules["run_agents"]
-    spec = importlib.util.spec_from_file_location("run_agents", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["run_agents"] = mod  # its dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("run_agents")
 
 
 def test_first_call_forced_then_the_result_goes_back(tmp_path: Path) -> None:
