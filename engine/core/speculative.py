@@ -193,16 +193,7 @@ class DraftPlanner:
             return
         cost = self.meter.cost()
         n = float(len(running))
-        together = 0.0
-        if cost is not None and not waiting and len(offered) == len(running) > 1 and all(
-                choose_k(cost, self.union, alphas, cap, BatchPlan(n, n), min_gain=MIN_GAIN)
-                for _, alphas, cap in offered):
-            # every sequence would draft if each token saved were worth a whole token's share
-            # of the step: drafting together, they end the steps sooner (while one does not,
-            # it keeps the batch running as long as before, and a kept draft saves only what
-            # its token adds to each step)
-            together = 1.0
-        batch = BatchPlan(n, n, waiting, together)
+        batch = BatchPlan(n, n, waiting)
         self._tried = False
         n_drafting = 0
         for req, alphas, cap in offered:

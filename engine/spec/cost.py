@@ -13,8 +13,8 @@ evidence, whose prior is what drafts with as much evidence were kept over all re
 draft). A draft's evidence is the prompt-lookup match length before it: the match the
 drafter reported plus the drafts before it, so a match that keeps being confirmed drafts
 longer. k is the one maximising (tokens the step yields) / (its cost) — in a batch with no
-request waiting, the sequence's tokens over its share of the step (what its token adds to it,
-plus the rest of a token's share when every sequence drafts: BatchPlan) — 0 unless drafts
+request waiting, the sequence's tokens over its share of the step (what its token adds to
+it: BatchPlan) — 0 unless drafts
 beat decoding one token by MIN_GAIN, and at most draft_cap: twice the match length or twice
 what the request's last verify step kept, at least two, so a fresh match drafts a little and
 a confirmed copy doubles its drafts step by step up to the configured maximum. Drafts that
@@ -98,21 +98,23 @@ def expected_accepted(alpha: float | Sequence[float], k: int) -> float:
     return alpha * (1.0 - alpha ** k) / (1.0 - alpha)
 
 
+TINY_S = 1e-12  # the least a step's share is counted as costing (a share of 0: free tokens)
+
+
 @dataclass
 class BatchPlan:
     """The step being planned: tokens it carries so far and tokens it yields on average, and
     whether a token saved is worth a whole token's share of a step. It is while requests wait
     (a sequence that finishes sooner frees its place for one of them: throughput) and for a
-    sequence alone; otherwise a sequence that finishes sooner saves what its token adds to the
-    steps the others run anyway (the marginal cost), and the rest of its share only as far as
-    the others finish sooner too (`together`, 0..1: the planner gives 1 when every sequence of
-    the batch would draft were a token saved worth a whole share, else 0), since the steps end
-    only when every sequence's do."""
+    sequence alone; otherwise a sequence that finishes sooner saves only what its token adds to
+    the steps the others run anyway (the marginal cost): the steps end only when every
+    sequence's do, and on the benchmark models, at eight streams with nobody waiting, valuing a
+    kept draft above that (by how many sequences drafted, or by the chance that all of them
+    kept one) verified drafts that cost 2-9% of the decode speed."""
 
     n_tokens: float
     n_yield: float
     refill: bool = True
-    together: float = 0.0  # how far the others finish sooner too (0..1)
 
 
 def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float], k_max: int,
@@ -132,9 +134,9 @@ def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float],
         n_yield, share = batch.n_yield, base_s
     else:  # the others' tokens, and the step without this sequence's own, are paid anyway
         n_yield = 1.0
-        marginal = base_s - cost.seconds(shape, batch.n_tokens - 1, resident, miss_s)
-        share = marginal + batch.together * (base_s / batch.n_tokens - marginal)
-    best_k, best_rate = 0, (n_yield / share if share > 0 else 0.0) * (1.0 + min_gain)
+        share = base_s - cost.seconds(shape, batch.n_tokens - 1, resident, miss_s)
+    share = max(share, TINY_S)  # a token that costs nothing: drafts are worth what they keep
+    best_k, best_rate = 0, n_yield / share * (1.0 + min_gain)
     best_yield, gained, run = 0.0, 0.0, 1.0
     for k in range(1, max(k_max, 0) + 1):
         if per_draft:
@@ -142,8 +144,9 @@ def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float],
             gained += run
         else:
             gained = expected_accepted(alpha, k)  # type: ignore[arg-type]
-        s = share + cost.seconds(shape, batch.n_tokens + k, resident, miss_s) - base_s
-        rate = (n_yield + gained) / s if s > 0 else 0.0
+        s = max(share + cost.seconds(shape, batch.n_tokens + k, resident, miss_s) - base_s,
+                TINY_S)
+        rate = (n_yield + gained) / s
         if rate > best_rate * (1.0 + 1e-9):
             best_k, best_rate, best_yield = k, rate, gained
     batch.n_tokens += best_k
