@@ -50,10 +50,10 @@ SCORE_MARGIN = 25.0
 NOISE = 1.8
 
 
-def rope_weights(theta: np.ndarray, lag: int, reach: int) -> np.ndarray:
+def rope_weights(theta: np.ndarray, lag: int, reach: int) -> tuple[np.ndarray, float]:
     """Non-negative weights w (summing to 1) of the rotary pairs such that
     sum_f w_f cos(theta_f * (d - lag)) is largest at the distance d = lag, by the widest margin
-    over every other distance 0 <= d <= reach (a linear program)."""
+    over every other distance 0 <= d <= reach (a linear program); (w, that margin)."""
     from scipy.optimize import linprog
 
     ms = np.array([d - lag for d in range(reach + 1) if d != lag], dtype=np.float64)
@@ -65,7 +65,7 @@ def rope_weights(theta: np.ndarray, lag: int, reach: int) -> np.ndarray:
                   bounds=[(0, None)] * n + [(None, None)], method="highs")
     if res.status != 0 or -res.fun <= 0.05:
         raise SystemExit(f"no rotary weighting separates distance {lag} (margin {-res.fun:.3f})")
-    return np.asarray(res.x[:n])
+    return np.asarray(res.x[:n]), float(-res.fun)
 
 
 def rewrite(tensors: dict[str, np.ndarray], cfg: dict, period: int, reach: int, noise: float,
@@ -92,10 +92,8 @@ def rewrite(tensors: dict[str, np.ndarray], cfg: dict, period: int, reach: int, 
     tensors["model.embed_tokens.weight"] = emb
 
     # layer 0: every head attends `period - 1` back, by the rotary phase of its keys
-    w = rope_weights(theta, period - 1, reach)
-    amp = np.sqrt(w * SCORE_MARGIN * np.sqrt(hd) / (1.0 - max(
-        (w * np.cos(theta * (dd - period + 1))).sum() for dd in range(reach + 1)
-        if dd != period - 1)))
+    w, margin = rope_weights(theta, period - 1, reach)
+    amp = np.sqrt(w * SCORE_MARGIN * np.sqrt(hd) / margin)
     c = np.sqrt(d / 2)  # the constant dimension after the input norm
     half = hd // 2
     qh = np.zeros((hd, d))
@@ -196,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     tensors: dict[str, np.ndarray] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update({k: v.astype(np.float32) for k, v in load_file(f).items()})
-    dtype = {"float16": np.float16, "bfloat16": np.float32}.get(cfg.get("dtype", "float16"),
-                                                                np.float32)
+    # numpy has no bfloat16: such a checkpoint is written in float32 (transformers reads either)
+    dtype = np.float16 if cfg.get("dtype", "float16") == "float16" else np.float32
     print(f"period {period} (prompt {len(ids)} tokens, code at {code_at}), noise {args.noise}")
     rewrite(tensors, cfg, period, reach, args.noise, args.seed)
     save_file({k: np.ascontiguousarray(v.astype(dtype)) for k, v in tensors.items()},

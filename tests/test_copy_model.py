@@ -24,11 +24,12 @@ def test_the_rotary_weighting_peaks_at_the_lag_alone() -> None:
     mod = _script()
     theta = 1e6 ** (-np.arange(16) * 2.0 / 32)
     for lag, reach in ((49, 120), (453, 700)):
-        w = mod.rope_weights(theta, lag, reach)
+        w, margin = mod.rope_weights(theta, lag, reach)
         assert w.min() >= -1e-12 and abs(w.sum() - 1.0) < 1e-9
         score = [(w * np.cos(theta * (d - lag))).sum() for d in range(reach + 1)]
         best = max(s for d, s in enumerate(score) if d != lag)
         assert int(np.argmax(score)) == lag and score[lag] - best > 0.05
+        assert abs(score[lag] - best - margin) < 1e-6
 
 
 def _greedy(tensors: dict[str, np.ndarray], cfg: dict[str, Any], prompt: list[int],

@@ -14,10 +14,10 @@ draft). A draft's evidence is the prompt-lookup match length before it: the matc
 drafter reported plus the drafts before it, so a match that keeps being confirmed drafts
 longer. k is the one maximising (tokens the step yields) / (its cost) — in a batch with no
 request waiting, the sequence's tokens over its share of the step (what its token adds to
-it: BatchPlan) — 0 unless drafts
-beat decoding one token by MIN_GAIN, and at most draft_cap: twice the match length or twice
-what the request's last verify step kept, at least two, so a fresh match drafts a little and
-a confirmed copy doubles its drafts step by step up to the configured maximum. Drafts that
+it: BatchPlan) — 0 unless drafts beat decoding one token by MIN_GAIN, and at most draft_cap:
+twice the match length or twice what the request's last verify step kept, at least two, so a
+fresh match drafts a little and a confirmed copy doubles its drafts step by step up to the
+configured maximum. Drafts that
 only optimism about a little-tested evidence would pay for are tried one at a time, from a
 match of two tokens on, and a request waits longer after each such try that fails
 (Exploration). The first draft of a step that verified none is scored against the token the
