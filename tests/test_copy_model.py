@@ -90,3 +90,17 @@ def test_noise_makes_the_copy_imperfect(tiny: Any) -> None:
         full = prompt + _greedy(tensors, cfg, prompt, n)
         copied.append(sum(full[i] == full[i - period] for i in range(len(prompt), len(full))))
     assert copied[0] == n and copied[1] < n
+
+
+def test_the_routers_read_the_tokens_not_the_constant(tiny: Any) -> None:
+    """Every router keeps its random weights but for the constant dimension (a bias every
+    token's choice would share), which it does not read."""
+    mod = _script()
+    cfg, base = tiny
+    tensors = dict(base)
+    mod.rewrite(tensors, cfg, 50, 100, noise=1.0, seed=0)
+    gates = [k for k in tensors if k.endswith(mod.ROUTERS)]
+    assert len(gates) == cfg["num_hidden_layers"]
+    for k in gates:
+        assert not tensors[k][:, -1].any()
+        np.testing.assert_array_equal(tensors[k][:, :-1], base[k][:, :-1])
