@@ -50,7 +50,9 @@ def _scan(tokens: list[int], k: int, min_n: int, max_n: int,
 
 class _Reference:
     """The whole rule the obvious way: keep following the last proposal's source while the
-    tokens since then are what followed it, else search; (drafts, match length)."""
+    tokens since then are what followed it; else search, and where nothing matches and only
+    the last token differs from the source, go on past the one it replaced; (drafts, match
+    length)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -61,8 +63,14 @@ class _Reference:
         if self.src >= 0 and tokens[self.src:self.src + new] == tokens[self.at:]:
             self.src, self.match = self.src + new, min(self.match + new, MAX_MATCH)
         else:
-            self.src = _search(tokens, self.min_n, self.max_n)
-            self.match = _agree(tokens, self.src) if self.src >= 0 else 0
+            src = _search(tokens, self.min_n, self.max_n)
+            past = self.src + new  # after the token the last one replaced
+            if src < 0 and self.src >= 0 and past < len(tokens) and \
+                    tokens[self.src:past - 1] == tokens[self.at:-1]:
+                self.src, self.match = past, min(self.match + new - 1, MAX_MATCH)
+            else:
+                self.src = src
+                self.match = _agree(tokens, src) if src >= 0 else 0
         self.at = len(tokens)
         if self.src < 0:
             return [], 0
@@ -115,9 +123,30 @@ def test_a_copy_keeps_its_place_and_its_match_grows() -> None:
     grown = prompt + [12, 13, 14]
     assert d.propose(grown, 3) == [15, 16, 17] and d.match_len == 5
     assert NgramDrafter(1, 3, max_candidates=1).propose(grown, 3) == [99, 98, 10]
-    # a token the source did not have: searched again
-    off = grown + [15, 50]
-    assert d.propose(off, 2) == [] and d.match_len == 0
+    # a token that breaks the copy and occurs earlier: searched again
+    other = NgramDrafter(1, 3, max_candidates=1)
+    other.propose(grown, 3)
+    assert other.propose(grown + [15, 99], 2) == [98, 10] and other.match_len == 1
+
+
+def test_a_copy_goes_on_past_a_token_it_replaced() -> None:
+    """A token that breaks the copy and occurs nowhere earlier replaced the source's: the
+    drafts go on after that one, on the evidence of the copy before it (six tokens here), and
+    the copy then keeps its place; a token that breaks a copy where none was followed, or that
+    was not the only one to differ, finds nothing."""
+    line = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    prompt = line + [7, 10, 11]
+    d = NgramDrafter(1, 3)
+    assert d.propose(prompt, 3) == [12, 13, 14] and d.match_len == 2
+    copy = prompt + [12, 13, 14, 15]
+    assert d.propose(copy, 2) == [16, 17] and d.match_len == 6
+    slip = copy + [50]  # 50 in place of 16
+    assert d.propose(slip, 2) == [17, 18] and d.match_len == 6
+    assert d.propose(slip + [17], 2) == [18, 19] and d.match_len == 7
+    assert NgramDrafter(1, 3).propose(slip, 2) == []  # no copy followed before the slip
+    d = NgramDrafter(1, 3)
+    d.propose(copy, 2)
+    assert d.propose(copy + [51, 50], 2) == []  # two tokens differ from the source
 
 
 def test_no_match_no_drafts() -> None:

@@ -7,7 +7,9 @@ the further back the two places agree, the likelier. Guarantees: drafts come onl
 sequence's own tokens (no model is run); the index grows with the tokens appended (a dict
 update per token and n), so a lookup costs O(k + candidates x extension), not O(length). A
 proposal whose source the tokens since then followed continues from there (a copy stays on
-its place in the prompt); otherwise the longest n (from `max_n` down to `min_n`) with an
+its place in the prompt), and one whose source broke on a token that occurs nowhere earlier
+continues past the token it replaced (an edit that changes a token, a copy with a slip);
+otherwise the longest n (from `max_n` down to `min_n`) with an
 earlier occurrence wins, and of its latest `max_candidates` occurrences the one that agrees
 furthest back (the most recent on a tie). A source that runs into the sequence's end repeats
 itself (a loop drafts a whole loop). Each proposal's evidence, `match_len`, is how many
@@ -127,7 +129,14 @@ class NgramDrafter:
             src, match = src + grown, min(self._match + grown, MAX_MATCH)
         elif length < self.min_n or tuple(tokens[length - self.min_n:]) not in \
                 self._after[self.min_n]:
-            src, match = -1, 0  # an occurrence of a longer suffix holds one of the shortest
+            # no suffix occurs earlier (an occurrence of a longer one holds the shortest): the
+            # source broke on a token seen nowhere before, so it replaced one and the copy
+            # goes on past it, on the evidence it had
+            if src >= 0 and src + grown < length and \
+                    tokens[src:src + grown - 1] == tokens[at:length - 1]:
+                src, match = src + grown, min(self._match + grown - 1, MAX_MATCH)
+            else:
+                src, match = -1, 0
         else:
             src, match = self._search(tokens)
         self._src, self._at, self._match = src, length, match
