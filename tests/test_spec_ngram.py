@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from colibri.engine.spec.ngram import MAX_MATCH, NgramDrafter
+from colibri.engine.spec.ngram import MAX_MATCH, RESUME_MIN_MATCH, NgramDrafter
 
 
 def _agree(tokens: list[int], src: int) -> int:
@@ -57,6 +57,7 @@ class _Reference:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.src, self.at, self.match = -1, 0, 0
+        self.resumed = False  # the source went on past a replaced token, unconfirmed since
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         new = len(tokens) - self.at
@@ -65,12 +66,16 @@ class _Reference:
         else:
             src = _search(tokens, self.min_n, self.max_n)
             past = self.src + new  # after the token the last one replaced
-            if src < 0 and self.src >= 0 and past < len(tokens) and \
+            match = min(self.match + new - 1, MAX_MATCH)
+            if src < 0 and self.src >= 0 and match >= RESUME_MIN_MATCH and \
+                    past < len(tokens) and (new > 1 or not self.resumed) and \
                     tokens[self.src:past - 1] == tokens[self.at:-1]:
-                self.src, self.match = past, min(self.match + new - 1, MAX_MATCH)
-            else:
-                self.src = src
-                self.match = _agree(tokens, src) if src >= 0 else 0
+                self.src, self.match, self.resumed = past, match, True
+                self.at = len(tokens)
+                return _from(tokens, self.src, k), self.match
+            self.src = src
+            self.match = _agree(tokens, src) if src >= 0 else 0
+        self.resumed = False
         self.at = len(tokens)
         if self.src < 0:
             return [], 0
@@ -132,8 +137,8 @@ def test_a_copy_keeps_its_place_and_its_match_grows() -> None:
 def test_a_copy_goes_on_past_a_token_it_replaced() -> None:
     """A token that breaks the copy and occurs nowhere earlier replaced the source's: the
     drafts go on after that one, on the evidence of the copy before it (six tokens here), and
-    the copy then keeps its place; a token that breaks a copy where none was followed, or that
-    was not the only one to differ, finds nothing."""
+    the copy then keeps its place; a token that breaks a copy where none was followed, a copy
+    shorter than RESUME_MIN_MATCH, or that was not the only one to differ, finds nothing."""
     line = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
     prompt = line + [7, 10, 11]
     d = NgramDrafter(1, 3)
@@ -143,7 +148,15 @@ def test_a_copy_goes_on_past_a_token_it_replaced() -> None:
     slip = copy + [50]  # 50 in place of 16
     assert d.propose(slip, 2) == [17, 18] and d.match_len == 6
     assert d.propose(slip + [17], 2) == [18, 19] and d.match_len == 7
+    # a second slip at once is not taken for one: nothing confirmed the first
+    again = NgramDrafter(1, 3)
+    again.propose(copy, 2)
+    assert again.propose(slip, 2) == [17, 18]
+    assert again.propose(slip + [51], 2) == [] and again.match_len == 0
     assert NgramDrafter(1, 3).propose(slip, 2) == []  # no copy followed before the slip
+    short = NgramDrafter(1, 3)  # a copy of two tokens (less than RESUME_MIN_MATCH): searched
+    assert short.propose(prompt, 3) == [12, 13, 14] and short.match_len == 2
+    assert short.propose(prompt + [50], 2) == [] and short.match_len == 0
     d = NgramDrafter(1, 3)
     d.propose(copy, 2)
     assert d.propose(copy + [51, 50], 2) == []  # two tokens differ from the source

@@ -7,9 +7,9 @@ the further back the two places agree, the likelier. Guarantees: drafts come onl
 sequence's own tokens (no model is run); the index grows with the tokens appended (a dict
 update per token and n), so a lookup costs O(k + candidates x extension), not O(length). A
 proposal whose source the tokens since then followed continues from there (a copy stays on
-its place in the prompt), and one whose source broke on a token that occurs nowhere earlier
-continues past the token it replaced (an edit that changes a token, a copy with a slip);
-otherwise the longest n (from `max_n` down to `min_n`) with an
+its place in the prompt), and a copy of RESUME_MIN_MATCH tokens at least that broke on a token
+occurring nowhere earlier goes on past the token it replaced (an edit that changes a token, a
+copy with a slip); otherwise the longest n (from `max_n` down to `min_n`) with an
 earlier occurrence wins, and of its latest `max_candidates` occurrences the one that agrees
 furthest back (the most recent on a tie). A source that runs into the sequence's end repeats
 itself (a loop drafts a whole loop). Each proposal's evidence, `match_len`, is how many
@@ -25,6 +25,7 @@ DEFAULT_MIN_N = 1
 DEFAULT_MAX_N = 3
 MAX_CANDIDATES = 8  # occurrences of the matching n-gram compared, latest first
 MAX_MATCH = 64  # how far back a match is followed (evidence saturates well before)
+RESUME_MIN_MATCH = 3  # a copy this long at least goes on past a token the output replaced
 
 
 class NgramDrafter:
@@ -59,6 +60,7 @@ class NgramDrafter:
         self._src = -1  # where the last proposal's drafts came from (-1: none)
         self._at = 0  # the sequence's length at the last proposal
         self._match = 0  # and its match length
+        self._resumed = False  # and whether it went on past a replaced token
 
     @staticmethod
     def _agree(tokens: Sequence[int], src: int, length: int, skip: int) -> int:
@@ -125,21 +127,24 @@ class NgramDrafter:
         self._n_indexed = max(start, length - 1)
         src, at = self._src, self._at
         grown = length - at
+        resumed = False
         if src >= 0 and tokens[src:src + grown] == tokens[at:]:  # the source goes on
             src, match = src + grown, min(self._match + grown, MAX_MATCH)
         elif length < self.min_n or tuple(tokens[length - self.min_n:]) not in \
                 self._after[self.min_n]:
             # no suffix occurs earlier (an occurrence of a longer one holds the shortest): the
-            # source broke on a token seen nowhere before, so it replaced one and the copy
-            # goes on past it, on the evidence it had
-            if src >= 0 and src + grown < length and \
+            # source broke on a token seen nowhere before; a copy long enough goes on past the
+            # token it replaced, on the evidence it had (not again before a token confirms it)
+            match = min(self._match + grown - 1, MAX_MATCH)
+            if src >= 0 and match >= RESUME_MIN_MATCH and src + grown < length and \
+                    (grown > 1 or not self._resumed) and \
                     tokens[src:src + grown - 1] == tokens[at:length - 1]:
-                src, match = src + grown, min(self._match + grown - 1, MAX_MATCH)
+                src, resumed = src + grown, True
             else:
                 src, match = -1, 0
         else:
             src, match = self._search(tokens)
-        self._src, self._at, self._match = src, length, match
+        self._src, self._at, self._match, self._resumed = src, length, match, resumed
         if src >= 0:
             self.match_len = match
         return self.match_len
