@@ -173,6 +173,23 @@ def test_acceptance_takes_the_prior_of_the_step_until_its_own_steps_outweigh_it(
     assert acc.rate_given(0.95) == pytest.approx(0.95, abs=0.01)
 
 
+def test_a_lucky_run_of_a_request_counts_less_than_the_rate_it_shows() -> None:
+    """A copy that slips one token in ten at random: a request whose last steps kept every
+    draft is drafted on below its own rate (one standard error less), by less the more it
+    has measured, and never above the rate or below 0."""
+    lucky, steady = Acceptance(), Acceptance()
+    lucky.observe(4, 4)
+    for _ in range(40):
+        steady.observe(10, 9)
+    assert lucky.rate_given(0.9) > 0.95 and lucky.lower_given(0.9) < 0.93
+    gaps = [a.rate_given(0.9) - a.lower_given(0.9) for a in (lucky, steady)]
+    assert 0.0 < gaps[1] < gaps[0]
+    never = Acceptance()
+    for _ in range(5):
+        never.observe(4, 0)
+    assert 0.0 <= never.lower_given(0.9) <= never.rate_given(0.9)
+
+
 def test_match_prior_starts_from_the_match_length_and_learns_by_bucket() -> None:
     mp = MatchPrior()
     assert [mp.bucket(n) for n in (None, 0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 64, 10**6)] == \
@@ -534,6 +551,24 @@ def test_without_waiting_requests_a_draft_is_worth_what_its_token_adds_to_a_step
         assert choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=False)) == \
             choose_k(BOUND, MIXTRAL, alpha, 8, BatchPlan(1, 1, refill=True))
     assert choose_k(BOUND, MIXTRAL, 0.97, 8, BatchPlan(8, 8, refill=False)) > 0
+
+
+class _DipBelow:
+    """MIXTRAL's union, but a step of seven tokens measured reading 10 experts fewer (steps
+    of that size come from other tokens, at the end of a batch)."""
+
+    def experts_read(self, n_tokens: float) -> float:
+        return MIXTRAL.experts_read(n_tokens) - (10.0 if round(n_tokens) == 7 else 0.0)
+
+
+def test_a_noisy_union_below_the_batch_does_not_make_drafts_look_cheap() -> None:
+    """Without waiting requests a sequence's token is valued at what one more token adds to
+    the step, the drafts' own margin: steps of one token fewer that happened to read fewer
+    experts do not make its own token look dearer than drafts, so drafts kept three or four
+    times in five still do not pay at eight streams."""
+    for alpha in (0.6, 0.8):
+        assert choose_k(BOUND, _DipBelow(), alpha, 8, BatchPlan(8, 8, refill=False)) == 0
+        assert choose_k(BOUND, _DipBelow(), alpha, 8, BatchPlan(8, 8, refill=True)) > 0
 
 
 def _verify(planner: DraftPlanner, req: Request, output: list[int]) -> None:

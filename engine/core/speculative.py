@@ -221,7 +221,7 @@ class DraftPlanner:
         alphas, rates = [], {}  # type: ignore[var-annotated]
         for b in mp.buckets(match, cap):
             if b not in rates:
-                rates[b] = ra.of(b).rate_given(mp.lower(b))
+                rates[b] = ra.of(b).lower_given(mp.lower(b))
             alphas.append(rates[b])
         return alphas, cap
 

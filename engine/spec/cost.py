@@ -9,19 +9,19 @@ over its context, products, sampling its row). Drafting k tokens for a sequence 
 a_1 + a_1 a_2 + ... + a_1...a_k more tokens on average, a_i being the chance that draft i is
 kept once those before it were: the request's smoothed acceptance (Acceptance) at draft i's
 evidence, whose prior is what drafts with as much evidence were kept over all requests
-(MatchPrior), less one standard error of it (a little-measured rate near break-even does not
-draft). A draft's evidence is the prompt-lookup match length before it: the match the
-drafter reported plus the drafts before it, so a match that keeps being confirmed drafts
-longer. k is the one maximising (tokens the step yields) / (its cost) — in a batch with no
-request waiting, the sequence's tokens over its share of the step (what its token adds to
-it: BatchPlan) — 0 unless drafts beat decoding one token by MIN_GAIN, and at most draft_cap:
-twice the match length or twice what the request's last verify step kept, at least two, so a
-fresh match drafts a little and a confirmed copy doubles its drafts step by step up to the
-configured maximum. Drafts that
-only optimism about a little-tested evidence would pay for are tried one at a time, from a
-match of two tokens on, and a request waits longer after each such try that fails
-(Exploration). The first draft of a step that verified none is scored against the token the
-step gave, so evidence never drafted on is learned too.
+(MatchPrior), each less one standard error (a little-measured rate near break-even does not
+draft, nor does a request's lucky run draft long). A draft's evidence is the prompt-lookup
+match length before it: the match the drafter reported plus the drafts before it, so a match
+that keeps being confirmed drafts longer. k is the one maximising (tokens the step yields) /
+(its cost) — in a batch with no request waiting, the sequence's tokens over its share of the
+step (what one more token adds to it: BatchPlan) — 0 unless drafts beat decoding one token by
+MIN_GAIN, and at most draft_cap: twice the match length or twice what the request's last
+verify step kept, at least two, so a fresh match drafts a little and a confirmed copy doubles
+its drafts step by step up to the configured maximum. Drafts that only optimism about a
+little-tested evidence would pay for are tried one at a time, from a match of two tokens on,
+and a request waits longer after each such try that fails (Exploration). The first draft of
+a step that verified none is scored against the token the step gave, so evidence never
+drafted on is learned too.
 StepCostMeter measures the three parts on the engine's own steps (the expert products and
 attention as the C core times them, the rest fitted), weighted toward recent ones, so the
 model follows what this machine, this context length and this expert cache (its loads fall in
@@ -107,10 +107,11 @@ class BatchPlan:
     whether a token saved is worth a whole token's share of a step. It is while requests wait
     (a sequence that finishes sooner frees its place for one of them: throughput) and for a
     sequence alone; otherwise a sequence that finishes sooner saves only what its token adds to
-    the steps the others run anyway (the marginal cost): the steps end only when every
-    sequence's do, and on the benchmark models, at eight streams with nobody waiting, valuing a
-    kept draft above that (by how many sequences drafted, or by the chance that all of them
-    kept one) verified drafts that cost 2-9% of the decode speed."""
+    the steps the others run anyway (the marginal cost, taken as what one more token adds: the
+    drafts' own margin): the steps end only when every sequence's do, and on the benchmark
+    models, at eight streams with nobody waiting, valuing a kept draft above that (by how many
+    sequences drafted, or by the chance that all of them kept one) verified drafts that cost
+    2-9% of the decode speed."""
 
     n_tokens: float
     n_yield: float
@@ -122,9 +123,9 @@ def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float],
              min_gain: float = 0.0) -> int:
     """Drafts (0..k_max) for one more sequence of `batch` that maximise the expected tokens per
     second: of the whole step where batch.refill (or the sequence is alone), else of the
-    sequence, whose share of the step is what its token adds to it. Updates batch with the
-    choice. alpha: the chance each draft is kept once those before it were, one for all or
-    one per draft (then at most len(alpha) drafts). Ties go to fewer drafts; drafts must beat
+    sequence, whose share of the step is what one more token adds to it. Updates batch with
+    the choice. alpha: the chance each draft is kept once those before it were, one for all
+    or one per draft (then at most len(alpha) drafts). Ties go to fewer drafts; drafts must beat
     none by the factor 1 + min_gain."""
     per_draft = not isinstance(alpha, (int, float))
     if per_draft:
@@ -134,7 +135,10 @@ def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float],
         n_yield, share = batch.n_yield, base_s
     else:  # the others' tokens, and the step without this sequence's own, are paid anyway
         n_yield = 1.0
-        share = base_s - cost.seconds(shape, batch.n_tokens - 1, resident, miss_s)
+        # what one more token adds to the step, measured at the same margin as the drafts: the
+        # experts steps of one size fewer read were measured over other tokens, and their
+        # noise would pass for drafts being cheaper than the sequence's own token
+        share = cost.seconds(shape, batch.n_tokens + 1, resident, miss_s) - base_s
     share = max(share, TINY_S)  # a token that costs nothing: drafts are worth what they keep
     best_k, best_rate = 0, n_yield / share * (1.0 + min_gain)
     best_yield, gained, run = 0.0, 0.0, 1.0
@@ -191,6 +195,13 @@ class Acceptance:
     @property
     def rate(self) -> float:
         return self.rate_given()
+
+    def lower_given(self, prior: float) -> float:
+        """rate_given(prior) less one standard error of it: a request's own steps are few,
+        and a lucky run of them (copies slip at random) would draft long where the drafts
+        are kept no more often than anyone's."""
+        r = self.rate_given(prior)
+        return max(0.0, r - math.sqrt(r * (1.0 - r) / (self.tested + self.prior_mass)))
 
     def observe(self, n_drafts: int, n_accepted: int) -> None:
         """A verify step that carried n_drafts drafts kept n_accepted of them."""
