@@ -25,7 +25,7 @@ DEFAULT_MIN_N = 1
 DEFAULT_MAX_N = 3
 MAX_CANDIDATES = 8  # occurrences of the matching n-gram compared, latest first
 MAX_MATCH = 64  # how far back a match is followed (evidence saturates well before)
-RESUME_MIN_MATCH = 3  # a copy this long at least goes on past a token the output replaced
+RESUME_MIN_MATCH = 4  # a copy this long at least goes on past a token the output replaced
 
 
 class NgramDrafter:
