@@ -190,6 +190,29 @@ def test_a_lucky_run_of_a_request_counts_less_than_the_rate_it_shows() -> None:
     assert 0.0 <= never.lower_given(0.9) <= never.rate_given(0.9)
 
 
+def test_a_batch_that_nobody_waits_to_join_drafts_on_the_cautious_rate() -> None:
+    """A request whose last verify steps kept every draft: alone it drafts on its rate, in a
+    batch with nobody waiting (where drafts pay by a thin margin) on that rate less one
+    standard error."""
+    planner = _planner()
+    rng = np.random.default_rng(3)
+    prompt = _tokens(rng, 200)
+    req = Request("r", 0, list(prompt), SamplingParams(max_tokens=64, temperature=0.0), None,
+                  None, None, 64, frozenset())  # type: ignore[arg-type]
+    req.output += prompt[:12]
+    req.num_computed = len(prompt) + 11
+    req.drafts = prompt[12:20]
+    req.drafter = NgramDrafter()
+    req.drafter.find(req.prompt, req.output)
+    bold, cap = planner._chances(req)
+    for _ in range(3):
+        req.acceptance.of(planner.match_prior.bucket(req.acceptance.evidence)).observe(4, 4)
+    bold, _ = planner._chances(req)
+    cautious, cap2 = planner._chances(req, cautious=True)
+    assert cap == cap2 and len(bold) == len(cautious) > 0
+    assert all(c < b for b, c in zip(bold, cautious, strict=True))
+
+
 def test_match_prior_starts_from_the_match_length_and_learns_by_bucket() -> None:
     mp = MatchPrior()
     assert [mp.bucket(n) for n in (None, 0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 64, 10**6)] == \

@@ -183,12 +183,16 @@ class DraftPlanner:
                 n_drafting += bool(req.drafts)
             return
         offered: list[tuple[Request, list[float], int]] = []
+        # a kept draft is worth a whole step's share only while requests wait or a sequence
+        # runs alone (BatchPlan); elsewhere drafts pay by a thin margin, which a request's
+        # lucky run of kept copies would overstate
+        cautious = not waiting and len(running) > 1
         for req in running:
             if req.acceptance is not None and req.acceptance.unverified is not None:
                 self._score_unverified(req)
             req.drafts = propose(req, config, capped=True)
             if req.drafts:
-                offered.append((req, *self._chances(req)))
+                offered.append((req, *self._chances(req, cautious)))
         if not offered:  # nothing to choose (free text, mostly): no more work this step
             return
         cost = self.meter.cost()
@@ -207,10 +211,10 @@ class DraftPlanner:
         if not self._tried:
             self.explore.tick()
 
-    def _chances(self, req: Request) -> tuple[list[float], int]:
+    def _chances(self, req: Request, cautious: bool = False) -> tuple[list[float], int]:
         """The chance that each of req's drafts is kept once those before it were (the
-        request's own rate at the draft's evidence, MatchPrior.lower its prior), as many as
-        draft_cap allows."""
+        request's own rate at the draft's evidence, MatchPrior.lower its prior; cautious: less
+        one standard error of it), as many as draft_cap allows."""
         if req.acceptance is None:
             req.acceptance = RequestAcceptance()
         ra = req.acceptance
@@ -221,7 +225,9 @@ class DraftPlanner:
         alphas, rates = [], {}  # type: ignore[var-annotated]
         for b in mp.buckets(match, cap):
             if b not in rates:
-                rates[b] = ra.of(b).lower_given(mp.lower(b))
+                acc = ra.of(b)
+                rates[b] = (acc.lower_given(mp.lower(b)) if cautious
+                            else acc.rate_given(mp.lower(b)))
             alphas.append(rates[b])
         return alphas, cap
 

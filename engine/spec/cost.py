@@ -9,19 +9,20 @@ over its context, products, sampling its row). Drafting k tokens for a sequence 
 a_1 + a_1 a_2 + ... + a_1...a_k more tokens on average, a_i being the chance that draft i is
 kept once those before it were: the request's smoothed acceptance (Acceptance) at draft i's
 evidence, whose prior is what drafts with as much evidence were kept over all requests
-(MatchPrior), each less one standard error (a little-measured rate near break-even does not
-draft, nor does a request's lucky run draft long). A draft's evidence is the prompt-lookup
-match length before it: the match the drafter reported plus the drafts before it, so a match
-that keeps being confirmed drafts longer. k is the one maximising (tokens the step yields) /
-(its cost) — in a batch with no request waiting, the sequence's tokens over its share of the
-step (what one more token adds to it: BatchPlan) — 0 unless drafts beat decoding one token by
-MIN_GAIN, and at most draft_cap: twice the match length or twice what the request's last
-verify step kept, at least two, so a fresh match drafts a little and a confirmed copy doubles
-its drafts step by step up to the configured maximum. Drafts that only optimism about a
-little-tested evidence would pay for are tried one at a time, from a match of two tokens on,
-and a request waits longer after each such try that fails (Exploration). The first draft of
-a step that verified none is scored against the token the step gave, so evidence never
-drafted on is learned too.
+(MatchPrior), less one standard error (a little-measured rate near break-even does not draft),
+and in a batch that nobody waits to join the request's rate less one standard error too (a lucky
+run of kept drafts does not draft long where drafts pay by a thin margin). A draft's evidence is
+the prompt-lookup match length before it: the match the drafter reported plus the drafts before
+it, so a match that keeps being confirmed drafts longer. k is the one maximising (tokens the
+step yields) / (its cost) — in a batch with no request waiting, the sequence's tokens over its
+share of the step (what one more token adds to it: BatchPlan) — 0 unless drafts beat decoding
+one token by MIN_GAIN, and at most draft_cap: twice the match length or twice what the request's
+last verify step kept, at least two, so a fresh match drafts a little and a confirmed copy
+doubles its drafts step by step up to the configured maximum. Drafts that only optimism about a
+little-tested evidence would pay for are tried one at a time, from a match of two tokens on, and
+a request waits longer after each such try that fails (Exploration). The first draft of a step
+that verified none is scored against the token the step gave, so evidence never drafted on is
+learned too.
 StepCostMeter measures the three parts on the engine's own steps (the expert products and
 attention as the C core times them, the rest fitted), weighted toward recent ones, so the
 model follows what this machine, this context length and this expert cache (its loads fall in
