@@ -131,14 +131,13 @@ def rewrite(tensors: dict[str, np.ndarray], cfg: dict, period: int, reach: int, 
     head[:, copy] = e
     tensors["lm_head.weight"] = head
 
-    # the routers do not read the constant (a bias shared by every token's choice)
+    # the routers do not read the constant (a bias shared by every token's choice); everything
+    # else keeps its random weights, its output scaled: the copy's noise
     for name in list(tensors):
         if name.endswith(ROUTERS):
             tensors[name] = tensors[name].copy()
             tensors[name][:, const] = 0.0
-    # everything else keeps its random weights, its output scaled: the copy's noise
-    for name in list(tensors):
-        if name.endswith(OUTPUTS) and not name.startswith(p):
+        elif name.endswith(OUTPUTS) and not name.startswith(p):
             tensors[name] = tensors[name] * noise
 
 

@@ -183,10 +183,11 @@ class DraftPlanner:
                 n_drafting += bool(req.drafts)
             return
         offered: list[tuple[Request, list[float], int]] = []
-        # a kept draft is worth a whole step's share only while requests wait or a sequence
-        # runs alone (BatchPlan); elsewhere drafts pay by a thin margin, which a request's
-        # lucky run of kept copies would overstate
-        cautious = not waiting and len(running) > 1
+        n = float(len(running))
+        batch = BatchPlan(n, n, waiting)
+        # where a token saved is worth only what it adds to a step, drafts pay by a thin
+        # margin, which a request's lucky run of kept copies would overstate
+        cautious = batch.marginal
         for req in running:
             if req.acceptance is not None and req.acceptance.unverified is not None:
                 self._score_unverified(req)
@@ -196,8 +197,6 @@ class DraftPlanner:
         if not offered:  # nothing to choose (free text, mostly): no more work this step
             return
         cost = self.meter.cost()
-        n = float(len(running))
-        batch = BatchPlan(n, n, waiting)
         self._tried = False
         n_drafting = 0
         for req, alphas, cap in offered:
@@ -242,14 +241,13 @@ class DraftPlanner:
             return 0
         ra, mp = req.acceptance, self.match_prior
         match = ra.evidence
+        b = mp.bucket(match)
         k = choose_k(cost, self.union, alphas, cap, batch, min_gain=MIN_GAIN)
         if k == 0 and ra.may_explore(match) and self.explore.ready and not self._tried:
-            b = mp.bucket(match)
             k = choose_k(cost, self.union, [ra.of(b).rate_given(mp.upper(b))], 1, batch,
                          min_gain=MIN_GAIN)
             ra.exploring = self._tried = k > 0
         if k == 0:
-            b = mp.bucket(match)
             ra.of(b).idle()
             ra.no_drafts()
             ra.unverified = (len(req.output), req.drafts[0], b)

@@ -80,6 +80,11 @@ class StepCost:
                 + self.token_s * n_tokens)
 
 
+def standard_error(rate: float, n: float) -> float:
+    """The standard error of a rate measured over n trials (n > 0)."""
+    return math.sqrt(rate * (1.0 - rate) / n)
+
+
 def expected_accepted(alpha: float | Sequence[float], k: int) -> float:
     """Mean drafts kept of k when each is kept once those before it were (the longest
     agreeing prefix): with probability alpha each, alpha + alpha^2 + ... + alpha^k; with one
@@ -118,6 +123,12 @@ class BatchPlan:
     n_yield: float
     refill: bool = True
 
+    @property
+    def marginal(self) -> bool:
+        """Whether a token saved is worth only what it adds to a step (nobody waits, and the
+        sequence is not alone)."""
+        return not self.refill and self.n_tokens > 1
+
 
 def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float], k_max: int,
              batch: BatchPlan, resident: float = 1.0, miss_s: float = 0.0,
@@ -132,7 +143,7 @@ def choose_k(cost: StepCost, shape: ExpertUnion, alpha: float | Sequence[float],
     if per_draft:
         k_max = min(k_max, len(alpha))  # type: ignore[arg-type]
     base_s = cost.seconds(shape, batch.n_tokens, resident, miss_s)
-    if batch.refill or batch.n_tokens <= 1:
+    if not batch.marginal:
         n_yield, share = batch.n_yield, base_s
     else:  # the others' tokens, and the step without this sequence's own, are paid anyway
         n_yield = 1.0
@@ -202,7 +213,7 @@ class Acceptance:
         and a lucky run of them (copies slip at random) would draft long where the drafts
         are kept no more often than anyone's."""
         r = self.rate_given(prior)
-        return max(0.0, r - math.sqrt(r * (1.0 - r) / (self.tested + self.prior_mass)))
+        return max(0.0, r - standard_error(r, self.tested + self.prior_mass))
 
     def observe(self, n_drafts: int, n_accepted: int) -> None:
         """A verify step that carried n_drafts drafts kept n_accepted of them."""
@@ -277,8 +288,7 @@ class MatchPrior:
                 / (self._tested[bucket] + self.weight))
 
     def _error(self, bucket: int) -> float:
-        r = self.rate(bucket)
-        return math.sqrt(r * (1.0 - r) / (self._tested[bucket] + self.weight))
+        return standard_error(self.rate(bucket), self._tested[bucket] + self.weight)
 
     def upper(self, bucket: int) -> float:
         """rate plus one standard error of it: optimism where little was tested, so a bucket
